@@ -1,0 +1,23 @@
+"""fsdp_compose: fully sharded data parallel training with FSDP2's API.
+
+Annotate modules bottom-up with :func:`fully_shard`; parameters become sharded
+``DTensor``s in place and a per-root scheduler gathers them just in time (with
+prefetch) and reduce-scatters gradients per unit. See the README for usage.
+"""
+
+from . import trace
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "trace",
+]

@@ -1,0 +1,282 @@
+"""Every collective fsdp_compose issues goes through this module.
+
+Collectives are always issued asynchronously and return a :class:`PendingCollective`
+whose :meth:`~PendingCollective.wait` makes the result visible to the caller:
+
+* CPU / gloo: ``async_op=True`` work runs on gloo's own threads while Python
+  computes; ``wait()`` blocks on the work.
+* CUDA / NCCL: the collective runs on a dedicated all-gather or reduce-scatter
+  stream that first waits for the compute stream; ``wait()`` makes the compute
+  stream wait for an event, without blocking the CPU.
+
+[Note: reduce-scatter on gloo]
+gloo has no native reduce-scatter: torch emulates it with a full all-reduce, which
+sends (W-1)/W * 2 * N bytes per rank (ring) or more, instead of (W-1)/W * N. On gloo
+we instead exchange the gradient chunks with one ``all_to_all_single`` (each rank
+sends chunk r to rank r and receives everyone's chunk of its own shard) and sum the
+W received chunks locally, which moves exactly (W-1)/W * N bytes per rank.
+
+Listeners (the trace, tests counting collectives) subscribe with
+:func:`add_listener`; with none subscribed, issuing costs nothing extra.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from . import _compat
+
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
+CollectiveEvent = Literal["issue", "complete", "wait_begin", "wait_end"]
+
+
+@dataclass(frozen=True)
+class CollectiveInfo:
+    """What one rank issued: enough to count, size and cross-check collectives."""
+
+    kind: CollectiveKind
+    label: str
+    group_size: int
+    input_numel: int
+    output_numel: int
+    dtype: torch.dtype
+    seq: int
+
+    @property
+    def input_bytes(self) -> int:
+        return self.input_numel * self.dtype.itemsize
+
+    @property
+    def output_bytes(self) -> int:
+        return self.output_numel * self.dtype.itemsize
+
+
+Listener = Callable[[CollectiveEvent, CollectiveInfo], None]
+_listeners: list[Listener] = []
+_seq = itertools.count()
+
+
+def add_listener(listener: Listener) -> None:
+    """Subscribes ``listener(event, info)`` to every collective this process issues.
+
+    ``"complete"`` may be delivered from a communication thread.
+    """
+    _listeners.append(listener)
+
+
+def remove_listener(listener: Listener) -> None:
+    if listener in _listeners:
+        _listeners.remove(listener)
+
+
+def _notify(event: CollectiveEvent, info: CollectiveInfo) -> None:
+    for listener in tuple(_listeners):
+        listener(event, info)
+
+
+# ---------------------------------------------------------------------------
+# Streams (accelerators only)
+# ---------------------------------------------------------------------------
+
+
+class _DeviceStreams:
+    """Side streams shared by all units on one accelerator device."""
+
+    def __init__(self, device: torch.device) -> None:
+        module = getattr(torch, device.type)
+        # High priority so copies for communication are not starved by compute.
+        self.all_gather = module.Stream(device=device, priority=-1)
+        self.reduce_scatter = module.Stream(device=device, priority=-1)
+        self.module = module
+
+
+_streams: dict[torch.device, _DeviceStreams] = {}
+
+
+def _device_streams(device: torch.device) -> _DeviceStreams:
+    streams = _streams.get(device)
+    if streams is None:
+        streams = _streams[device] = _DeviceStreams(device)
+    return streams
+
+
+# ---------------------------------------------------------------------------
+# Pending collectives
+# ---------------------------------------------------------------------------
+
+
+class PendingCollective:
+    """An issued collective; :meth:`wait` makes its output usable.
+
+    Holds references to the tensors involved until waited on, so that their memory
+    cannot be reused while the communication may still touch it.
+    """
+
+    __slots__ = ("_work", "_stream_wait", "_finish", "_info", "_tensors", "_done")
+
+    def __init__(
+        self,
+        info: CollectiveInfo | None,
+        work: dist.Work | None = None,
+        stream_wait: Callable[[], None] | None = None,
+        finish: Callable[[], None] | None = None,
+        tensors: tuple[torch.Tensor, ...] = (),
+    ) -> None:
+        self._work = work
+        self._stream_wait = stream_wait
+        self._finish = finish
+        self._info = info
+        self._tensors = tensors
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        info = self._info
+        if info is not None and _listeners:
+            _notify("wait_begin", info)
+        if self._work is not None:
+            self._work.wait()
+        if self._stream_wait is not None:
+            self._stream_wait()
+        if self._finish is not None:
+            self._finish()
+        if info is not None and _listeners:
+            if self._work is None:  # accelerator: completion observed at wait
+                _notify("complete", info)
+            _notify("wait_end", info)
+        self._done = True
+        self._work = self._stream_wait = self._finish = None
+        self._tensors = ()
+
+
+def _info(
+    kind: CollectiveKind, label: str, group_size: int, inp: torch.Tensor, out: torch.Tensor
+) -> CollectiveInfo | None:
+    if not _listeners:
+        return None
+    return CollectiveInfo(kind, label, group_size, inp.numel(), out.numel(), inp.dtype, next(_seq))
+
+
+def _on_complete(work: dist.Work, info: CollectiveInfo) -> None:
+    """Reports the completion time of gloo work from gloo's own thread."""
+    try:
+        work.get_future().add_done_callback(lambda _f: _notify("complete", info))
+    except RuntimeError:  # backends without futures: report at wait time instead
+        _notify("complete", info)
+
+
+def _launch(
+    kind: CollectiveKind,
+    label: str,
+    group: dist.ProcessGroup,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    issue: Callable[[bool], dist.Work | None],
+    finish: Callable[[], None] | None = None,
+    keepalive: tuple[torch.Tensor, ...] = (),
+) -> PendingCollective:
+    info = _info(kind, label, group.size(), inp, out)
+    if info is not None:
+        _notify("issue", info)
+    if out.device.type == "cpu":
+        work = issue(True)
+        if info is not None and work is not None:
+            _on_complete(work, info)
+        return PendingCollective(info, work=work, finish=finish, tensors=(inp, out, *keepalive))
+    streams = _device_streams(out.device)
+    stream = streams.reduce_scatter if kind != "all_gather" else streams.all_gather
+    current = streams.module.current_stream(out.device)
+    stream.wait_stream(current)
+    with streams.module.stream(stream):
+        issue(False)
+        if finish is not None:
+            finish()
+        event = stream.record_event()
+    device = out.device
+
+    def stream_wait() -> None:
+        streams.module.current_stream(device).wait_event(event)
+
+    return PendingCollective(info, stream_wait=stream_wait, tensors=(inp, out, *keepalive))
+
+
+# ---------------------------------------------------------------------------
+# The collectives
+# ---------------------------------------------------------------------------
+
+
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, label: str
+) -> PendingCollective:
+    """Gathers ``input`` from every rank of ``group`` into ``output`` (rank-major)."""
+    return _launch(
+        "all_gather",
+        label,
+        group,
+        input,
+        output,
+        lambda async_op: _compat.all_gather_into_tensor(output, input, group, async_op),
+    )
+
+
+def _use_all_to_all_reduce_scatter(group: dist.ProcessGroup) -> bool:
+    mode = os.environ.get("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", "all_to_all")
+    return mode != "native" and _compat.process_group_backend(group) == "gloo"
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, label: str
+) -> PendingCollective:
+    """Sums ``input`` (``group.size()`` equal chunks) over ``group``; rank r receives
+    the sum of chunk r in ``output``. See [Note: reduce-scatter on gloo]."""
+    world = group.size()
+    if output.device.type == "cpu" and _use_all_to_all_reduce_scatter(group):
+        received = torch.empty_like(input)
+
+        def finish() -> None:
+            torch.sum(received.view(world, -1), dim=0, out=output)
+
+        return _launch(
+            "reduce_scatter",
+            label,
+            group,
+            input,
+            output,
+            lambda async_op: dist.all_to_all_single(
+                received, input, group=group, async_op=async_op
+            ),
+            finish=finish,
+            keepalive=(received,),
+        )
+    return _launch(
+        "reduce_scatter",
+        label,
+        group,
+        input,
+        output,
+        lambda async_op: _compat.reduce_scatter_tensor(output, input, group, async_op),
+    )
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> PendingCollective:
+    """Sums ``tensor`` in place over ``group``."""
+    return _launch(
+        "all_reduce",
+        label,
+        group,
+        tensor,
+        tensor,
+        lambda async_op: dist.all_reduce(tensor, group=group, async_op=async_op),
+    )

@@ -1,0 +1,181 @@
+"""Every use of a torch internal that may move between releases lives here.
+
+fsdp_compose declares ``torch>=2.6`` and is exercised on 2.11 (CUDA) and 2.13
+(CPU). Where a public API exists it is used elsewhere; this module wraps the few
+private ones we need for speed or because no public equivalent exists, each with
+a fallback or a clear error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DeviceMesh, DTensor
+from torch.distributed.tensor.placement_types import Placement
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+except ImportError:  # pragma: no cover - older layouts
+    DTensorSpec = None  # type: ignore[assignment,misc]
+    TensorMeta = None  # type: ignore[assignment,misc]
+
+
+# ---------------------------------------------------------------------------
+# DTensor construction without autograd or communication
+# ---------------------------------------------------------------------------
+
+
+def make_dtensor_spec(
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: torch.Size,
+    stride: tuple[int, ...],
+    dtype: torch.dtype,
+) -> Any:
+    """Builds the (private) spec object used by :func:`dtensor_from_local`."""
+    if DTensorSpec is None:  # pragma: no cover
+        return (mesh, tuple(placements), shape, stride)
+    return DTensorSpec(
+        mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, dtype)
+    )
+
+
+def dtensor_from_local(local: torch.Tensor, spec: Any) -> DTensor:
+    """Wraps ``local`` as a DTensor described by ``spec``.
+
+    This runs once per parameter per step (sharded gradients), so it bypasses
+    ``DTensor.from_local``'s argument handling and autograd; the public API is the
+    fallback when the private constructor is unavailable.
+    """
+    if DTensorSpec is not None:
+        try:
+            return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+        except TypeError:  # pragma: no cover - constructor signature changed
+            pass
+        meta = spec.tensor_meta
+        mesh, placements, shape, stride = spec.mesh, spec.placements, meta.shape, meta.stride
+    else:  # pragma: no cover
+        mesh, placements, shape, stride = spec
+    with torch.no_grad():
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=shape, stride=stride
+        )
+
+
+def dtensor_spec_with_dtype(spec: Any, dtype: torch.dtype) -> Any:
+    """Returns ``spec`` describing a tensor of ``dtype`` (same shape and placement)."""
+    if DTensorSpec is None:  # pragma: no cover
+        return spec
+    meta = spec.tensor_meta
+    if meta.dtype == dtype:
+        return spec
+    return DTensorSpec(
+        spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype)
+    )
+
+
+def local_tensor(dtensor: DTensor) -> torch.Tensor:
+    """The local shard of ``dtensor`` without an autograd op (hot path)."""
+    return dtensor._local_tensor  # noqa: SLF001 - stable since torch 2.0
+
+
+def set_local_tensor(dtensor: DTensor, tensor: torch.Tensor) -> None:
+    """Replaces the local shard object of ``dtensor`` in place."""
+    dtensor._local_tensor = tensor  # noqa: SLF001
+
+
+# ---------------------------------------------------------------------------
+# Autograd engine
+# ---------------------------------------------------------------------------
+
+
+def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
+    """Runs ``callback`` once the current ``backward()`` has finished all nodes,
+    before ``backward()`` returns to the caller."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def inside_backward() -> bool:
+    """True while the autograd engine executes a graph task (e.g. activation
+    checkpointing recomputing a forward inside backward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@contextlib.contextmanager
+def preserve_version_counter(tensor: torch.Tensor) -> Iterator[None]:
+    """Writes into an unsharded parameter's storage without bumping its version.
+
+    Autograd saves unsharded parameters for backward; refilling their storage
+    after a reshard is not a semantic modification, so the version check must not
+    fire (see [Note: unsharded storage] in ``_unit.py``).
+    """
+    with torch.autograd._unsafe_preserve_version_counter(tensor):
+        yield
+
+
+# ---------------------------------------------------------------------------
+# Collectives whose names changed between releases
+# ---------------------------------------------------------------------------
+
+_all_gather_single = getattr(dist, "all_gather_single", None)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None)
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> dist.Work | None:
+    if _all_gather_single is not None:
+        return _all_gather_single(output, input, group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> dist.Work | None:
+    if _reduce_scatter_single is not None:
+        return _reduce_scatter_single(
+            output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        )
+    return dist.reduce_scatter_tensor(
+        output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
+
+
+def chunk_cat(
+    tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tensor
+) -> None:
+    """Packs ``tensors`` into ``out`` (shape ``(num_chunks, -1)``): row ``r`` holds
+    the ``r``-th dim-0 chunk of every tensor, each padded to equal size, cast to
+    ``out.dtype``. One fused kernel where torch has it."""
+    if hasattr(torch, "_chunk_cat"):
+        torch._chunk_cat(list(tensors), dim=0, num_chunks=num_chunks, out=out)
+        return
+    col = 0  # pragma: no cover - fallback for builds without the fused op
+    for t in tensors:
+        rows = -(-t.size(0) // num_chunks) if t.dim() else 1
+        width = rows * (t.numel() // max(t.size(0), 1))
+        flat = t.reshape(-1)
+        block = out[:, col : col + width]
+        full = flat.numel() // width
+        if full:
+            block[:full].copy_(flat[: full * width].view(full, width))
+        rest = flat.numel() - full * width
+        if rest:
+            block[full, :rest].copy_(flat[full * width :])
+        col += width
+
+
+def register_load_state_dict_pre_hook(module: torch.nn.Module, hook: Callable[..., None]) -> Any:
+    """``hook(module, state_dict, prefix, *args)`` before ``module`` loads its state."""
+    if hasattr(module, "register_load_state_dict_pre_hook"):
+        return module.register_load_state_dict_pre_hook(hook)
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)  # pragma: no cover
+
+
+def process_group_backend(group: dist.ProcessGroup) -> str:
+    """Lower-case backend name of ``group`` (``"gloo"``, ``"nccl"``, ...)."""
+    return str(dist.get_backend(group)).lower()

@@ -1,0 +1,619 @@
+"""The annotator: ``fully_shard`` turns a module into a unit, in place.
+
+It validates the arguments, collects the parameters the call manages (those of
+the module's subtree not already owned by a nested ``fully_shard`` or ignored),
+replaces each by a sharded DTensor parameter, attaches the hooks, and swaps the
+module's class to a subclass of :class:`FSDPModule` and of its original class.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NoReturn, overload
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+
+from . import _compat
+from ._mesh import default_mesh, resolve_mesh_info, validate_reshard_after_forward
+from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._sharded_param import ShardedParam
+from ._state import UnitState, state_of
+from ._unit import Unit
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+
+# Marks on parameter objects, so misuse is caught where it happens:
+_SHARDED_BY = "_fsdp_compose_sharded_by"  # on a sharded DTensor parameter
+_REPLACED_BY = "_fsdp_compose_replaced_by"  # on an original parameter that was sharded
+
+_fsdp_classes: dict[type, type] = {}
+
+
+@overload
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> Any:
+    """Shards ``module``'s parameters across the data-parallel ranks of ``mesh``.
+
+    Each call makes one *unit*: its parameters are those of ``module``'s subtree
+    that no earlier ``fully_shard`` call on a submodule already manages, so call it
+    bottom-up (blocks first, then the root). In place, every managed parameter is
+    replaced by an ``nn.Parameter`` wrapping a :class:`DTensor` sharded on dim 0
+    (``Shard(0)``; ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh), so parameter
+    names, ``state_dict()`` keys and the module tree are unchanged, and the
+    module's class becomes a subclass of :class:`FSDPModule` and of its original
+    class. Build the optimizer on ``model.parameters()`` after sharding.
+
+    During training, a unit all-gathers its parameters with one collective before
+    its forward, frees them after forward if ``reshard_after_forward``, gathers
+    them again for its backward, and reduce-scatters its gradients with one
+    collective (averaging over the data-parallel ranks) as soon as its backward is
+    done. The root waits for every reduction before ``backward()`` returns.
+
+    Args:
+        module (Union[nn.Module, List[nn.Module]]): the module to shard, or several
+            modules to group as one unit (communicated together).
+        mesh (Optional[DeviceMesh]): a 1-D mesh shards over all of its ranks; a 2-D
+            mesh ``(replicate, shard)`` shards over dim 1 and replicates over dim 0
+            (HSDP). Its device type is the device parameters live on. Defaults to a
+            1-D mesh over the default process group on its backend's device.
+        reshard_after_forward (Optional[Union[bool, int]]): ``True`` frees the
+            unsharded parameters after forward and gathers again in backward;
+            ``False`` keeps them until after backward; an ``int`` N (with
+            ``1 < N < shard world size``, dividing it) keeps 1/N of them after
+            forward so backward gathers within groups of N ranks; ``None`` means
+            ``True`` except for the root, which keeps its parameters.
+        shard_placement_fn (Optional[Callable[[nn.Parameter], Optional[Shard]]]):
+            chooses the sharded dim per parameter (``None`` means ``Shard(0)``); a
+            dim other than 0 must divide evenly.
+        mp_policy (MixedPrecisionPolicy): mixed precision for this unit.
+        offload_policy (OffloadPolicy): :class:`CPUOffloadPolicy` keeps sharded
+            parameters, gradients and optimizer states in host memory.
+        ignored_params (Optional[Set[nn.Parameter]]): parameters left as they are:
+            not sharded, not moved, not reduced.
+
+    Returns:
+        The same module (or list), now an :class:`FSDPModule`.
+    """
+    modules = _validate_modules(module)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got "
+            f"{type(offload_policy).__name__}"
+        )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError("shard_placement_fn must be callable (param -> Shard | None)")
+    ignored = _validate_ignored_params(ignored_params)
+    mesh = default_mesh() if mesh is None else mesh
+    mesh_info = resolve_mesh_info(mesh)
+    reshard = validate_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
+
+    managed_modules = _managed_modules(modules)
+    owners = _managed_params(managed_modules, ignored)
+    device = mesh_info.device
+    offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
+    _check_and_move_devices(owners, managed_modules, device, offload)
+
+    unit_label = _describe(modules)
+    sharded: list[ShardedParam] = []
+    for param, param_owners in owners.items():
+        shard_dim = _shard_dim(shard_placement_fn, param, param_owners)
+        sharded_param = ShardedParam(
+            param,
+            param_owners,
+            mesh_info,
+            shard_dim,
+            device,
+            offload_device=torch.device("cpu") if offload else None,
+            pin_memory=offload and getattr(offload_policy, "pin_memory", False),
+        )
+        setattr(sharded_param.sharded_param, _SHARDED_BY, unit_label)
+        setattr(param, _REPLACED_BY, unit_label)
+        sharded.append(sharded_param)
+    unit = (
+        Unit(sharded, modules, mesh_info, reshard, mp_policy, offload_policy) if sharded else None
+    )
+    state = UnitState(modules, unit, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
+    if unit is not None:
+        _register_state_dict_hooks(unit, state)
+    for m in modules:
+        cls = type(m)
+        fsdp_cls = _fsdp_classes.get(cls)
+        if fsdp_cls is None:
+            fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
+            _fsdp_classes[cls] = fsdp_cls
+        m.__class__ = fsdp_cls
+    return module
+
+
+# ---------------------------------------------------------------------------
+# validation and collection
+# ---------------------------------------------------------------------------
+
+
+def _validate_modules(module: object) -> tuple[nn.Module, ...]:
+    if isinstance(module, nn.Module):
+        candidates: Sequence[object] = (module,)
+    elif isinstance(module, (list, tuple)):
+        if not module:
+            raise ValueError("fully_shard got an empty list of modules")
+        candidates = module
+    else:
+        raise TypeError(
+            f"fully_shard expects an nn.Module or a list of nn.Modules, got {type(module).__name__}"
+        )
+    for m in candidates:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__} in the list")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard cannot annotate a {type(m).__name__} container: it has no forward, "
+                "so no hook would ever run. Annotate its elements (e.g. each block) instead."
+            )
+        if state_of(m) is not None:
+            raise ValueError(
+                f"{type(m).__name__} already has fully_shard applied; each module can be "
+                "annotated once (use FSDPModule.set_* methods to change its settings)."
+            )
+        if _is_torch_fsdp_module(m):
+            raise ValueError(
+                f"{type(m).__name__} was already sharded by torch.distributed.fsdp.fully_shard; "
+                "use one FSDP implementation per model."
+            )
+    modules = list(dict.fromkeys(candidates))  # type: ignore[arg-type]
+    # Drop modules nested inside other listed modules (their parent covers them).
+    nested = {
+        id(sub) for m in modules for sub in m.modules() if sub is not m  # type: ignore[attr-defined]
+    }
+    return tuple(m for m in modules if id(m) not in nested)  # type: ignore[misc]
+
+
+def _is_torch_fsdp_module(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(module, TorchFSDPModule)
+
+
+def _validate_ignored_params(ignored: object) -> set[nn.Parameter]:
+    if ignored is None:
+        return set()
+    if not isinstance(ignored, Iterable) or isinstance(ignored, torch.Tensor):
+        raise TypeError("ignored_params must be a set of nn.Parameters")
+    result = set(ignored)
+    for p in result:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"ignored_params must contain parameters, got {type(p).__name__}")
+    return result
+
+
+def _managed_modules(modules: tuple[nn.Module, ...]) -> list[nn.Module]:
+    """Modules whose parameters this call manages: the subtrees of ``modules``
+    minus subtrees already annotated by an earlier (nested) call."""
+    managed: list[nn.Module] = []
+    visited: set[int] = set()
+
+    def visit(m: nn.Module, is_root: bool) -> None:
+        if id(m) in visited:
+            return
+        visited.add(id(m))
+        if not is_root and state_of(m) is not None:
+            return
+        managed.append(m)
+        for child in m.children():
+            visit(child, False)
+
+    for m in modules:
+        visit(m, True)
+    return managed
+
+
+def _managed_params(
+    modules: list[nn.Module], ignored: set[nn.Parameter]
+) -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+    for m in modules:
+        for name, p in m._parameters.items():
+            if p is None or p in ignored:
+                continue
+            if getattr(p, _SHARDED_BY, None) is not None:
+                raise ValueError(
+                    f"parameter {name!r} of {type(m).__name__} is already sharded by "
+                    f"fully_shard({getattr(p, _SHARDED_BY)}): fully_shard must be applied "
+                    "bottom-up, i.e. to submodules (e.g. each block) before their parents."
+                )
+            if getattr(p, _REPLACED_BY, None) is not None:
+                raise ValueError(
+                    f"parameter {name!r} of {type(m).__name__} is the same tensor as a parameter "
+                    f"already sharded by fully_shard({getattr(p, _REPLACED_BY)}) (a weight tied "
+                    "across units, e.g. an LM head sharing the embedding). Put the modules that "
+                    "share it in one unit, e.g. fully_shard([model.embed, model.lm_head]), or "
+                    "leave both in the parent's unit."
+                )
+            if isinstance(p, DTensor):
+                raise NotImplementedError(
+                    f"parameter {name!r} of {type(m).__name__} is a DTensor (e.g. from tensor "
+                    "parallel); fully_shard does not compose with DTensor parameters yet."
+                )
+            owners.setdefault(p, []).append((m, name))
+    return owners
+
+
+def _check_and_move_devices(
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]],
+    modules: list[nn.Module],
+    device: torch.device,
+    offload: bool,
+) -> None:
+    devices = {p.device for p in owners if not p.is_meta}
+    if len(devices) > 1:
+        where = {owner[0][1] + f" ({type(owner[0][0]).__name__})": str(p.device) for p, owner in owners.items()}
+        raise ValueError(
+            f"fully_shard found parameters on different devices {sorted(map(str, devices))}: "
+            f"{where}. Move the module to one device (or build it on the meta device) first."
+        )
+    # Buffers are not sharded; like parameters they follow the mesh's device.
+    if offload:
+        return
+    for m in modules:
+        for name, b in m._buffers.items():
+            if b is not None and not b.is_meta and b.device != device:
+                m._buffers[name] = b.to(device)
+
+
+def _shard_dim(
+    fn: Callable[[nn.Parameter], Shard | None] | None,
+    param: nn.Parameter,
+    owners: list[tuple[nn.Module, str]],
+) -> int:
+    if fn is None:
+        return 0
+    placement = fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ValueError(
+            f"shard_placement_fn must return a Shard placement or None, got {placement!r} "
+            f"for parameter {owners[0][1]!r} (per-parameter meshes are not supported)"
+        )
+    return placement.dim
+
+
+def _describe(modules: tuple[nn.Module, ...]) -> str:
+    return ", ".join(type(m).__name__ for m in modules)
+
+
+def _register_state_dict_hooks(unit: Unit, state: UnitState) -> None:
+    """``state_dict()`` and ``load_state_dict()`` always see the sharded parameters,
+    and a full (plain tensor) state dict is sharded on the fly when loaded."""
+    owner_params: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
+    for p in unit.params:
+        for module, name in p.owners:
+            owner_params.setdefault(module, []).append((name, p))
+
+    def reshard(*_: Any) -> None:
+        _reshard_unit(unit, state)
+
+    for module, params in owner_params.items():
+
+        def load_pre_hook(
+            _module: nn.Module,
+            state_dict: dict[str, Any],
+            prefix: str,
+            *_: Any,
+            _params: list[tuple[str, ShardedParam]] = params,
+        ) -> None:
+            reshard()
+            for name, p in _params:
+                key = prefix + name
+                value = state_dict.get(key)
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                    if value.shape == p.orig_size:
+                        local = p.shard_of(value).to(p.local_shard.device)
+                        state_dict[key] = p.make_sharded_grad(local)
+
+        def load_post_hook(*_: Any) -> None:
+            unit.invalidate()  # parameters may have been re-assigned (assign=True)
+
+        module.register_state_dict_pre_hook(reshard)
+        _compat.register_load_state_dict_pre_hook(module, load_pre_hook)
+        module.register_load_state_dict_post_hook(load_post_hook)
+
+
+def _reshard_unit(unit: Unit, state: UnitState) -> None:
+    scheduler = state.scheduler
+    if scheduler is not None:
+        scheduler.reshard(unit)
+    else:
+        unit.reshard()
+
+
+def _no_deepcopy(*_: Any) -> NoReturn:
+    raise RuntimeError(
+        "fully_shard modules cannot be deep-copied (their parameters are shards tied to "
+        "process groups). Copy the model before fully_shard, or use state_dict()."
+    )
+
+
+# ---------------------------------------------------------------------------
+# FSDPModule
+# ---------------------------------------------------------------------------
+
+
+class FSDPModule:
+    """The class a module gets mixed in by :func:`fully_shard`.
+
+    ``isinstance(module, FSDPModule)`` tells whether a module was annotated; the
+    methods below control a unit at runtime. Methods taking ``recurse`` apply to
+    every ``FSDPModule`` in the module's subtree when it is ``True``.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Containers build new instances of their own class (e.g. slicing an
+        # annotated nn.Sequential): those are plain modules, not units.
+        orig_cls = next(c for c in cls.__mro__ if c not in _fsdp_classes.values() and c is not FSDPModule)
+        instance = orig_cls.__new__(orig_cls)
+        instance.__init__(*args, **kwargs)
+        return instance
+
+    def _fsdp_state(self) -> UnitState:
+        state = state_of(self)  # type: ignore[arg-type]
+        if state is None:
+            raise RuntimeError(f"{type(self).__name__} has no fully_shard state")
+        return state
+
+    def _units(self, recurse: bool) -> list[Unit]:
+        return self._fsdp_state().units_in_subtree(recurse)
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gathers this module's parameters (not recursive), in ``param_dtype``.
+
+        Args:
+            async_op (bool): if ``True``, returns an :class:`UnshardHandle` to wait
+                on; the module's next forward also waits for it. If ``False``,
+                waits before returning ``None``.
+        """
+        state = self._fsdp_state()
+        unit = state.unit
+        if unit is not None:
+            if state.scheduler is not None:
+                state.scheduler.prefetch_now(unit)
+            else:
+                unit.unshard()
+        handle = UnshardHandle(unit, state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Frees this module's unsharded parameters (if any) and registers the
+        sharded ones. Not recursive."""
+        state = self._fsdp_state()
+        if state.unit is not None:
+            _reshard_unit(state.unit, state)
+
+    def reset_iter_state(self) -> None:
+        """Recovers from an exception raised inside forward or backward.
+
+        Call on the root module after catching the exception: in-flight collectives
+        are completed and discarded, every unit is resharded and its per-iteration
+        state cleared, and the failed step's unreduced gradients are dropped. The
+        next forward then starts from a clean state.
+        """
+        self._fsdp_state().reset()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Sets whether the next backward is the last of the step (the default).
+
+        Only the last backward waits for every gradient reduction to finish; earlier
+        ones (e.g. pipeline microbatches) leave them in flight.
+        """
+        self._set_schedule("is_last_backward", bool(is_last_backward))
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Sets whether backward reduces gradients (``False`` accumulates unsharded
+        gradients locally, without communication, like ``no_sync``). For HSDP this
+        controls the reduce-scatter and the all-reduce together."""
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = requires_gradient_sync
+            unit.requires_all_reduce = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: sets whether gradients are all-reduced across replicas after the
+        reduce-scatter (``False`` accumulates reduce-scattered sums locally)."""
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Sets at runtime whether parameters are freed after forward (e.g. ``True``
+        for the root, or ``False`` during evaluation)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward must be a bool here, got {type(reshard_after_forward).__name__}"
+            )
+        for module in self._fsdp_modules(recurse):
+            state = module._fsdp_state()
+            state.auto_reshard_after_forward = False
+            if state.unit is not None:
+                state.unit.set_reshard_after_forward(reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Sets whether parameters are freed after backward. ``False`` saves the
+        next forward's all-gather during gradient accumulation, at the cost of
+        memory."""
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gathers ``modules``' parameters as soon as this module's forward starts,
+        instead of the implicit next unit(s) of the recorded order."""
+        self._fsdp_state_unit("forward prefetch").forward_prefetch = _units_of(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gathers ``modules``' parameters as soon as this module's backward starts,
+        instead of the implicit previous unit(s) of the forward order."""
+        self._fsdp_state_unit("backward prefetch").backward_prefetch = _units_of(modules)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divides reduced gradients by ``factor`` instead of the data-parallel size."""
+        for unit in self._units(False):
+            unit.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated alias of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Sets whether backward needs this module's parameters at all (``False``
+        for e.g. an embedding whose backward does not read its weight)."""
+        for unit in self._units(False):
+            unit.unshard_in_backward = unshard_in_backward
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Accepted for API compatibility. fsdp_compose always orders the next
+        all-gather after the optimizer step on the current stream, which is what
+        this event would establish."""
+        del event
+
+    # -- additions beyond FSDP2's API ----------------------------------------
+
+    def set_prefetch_depth(self, *, forward: int | None = None, backward: int | None = None) -> None:
+        """Sets how many units ahead the implicit prefetch gathers (default 1 each;
+        0 disables it). Applies to the whole tree; call on the root module."""
+        for name, value in (("forward_depth", forward), ("backward_depth", backward)):
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"prefetch depth must be a non-negative int, got {value!r}")
+            self._set_schedule(name, value)
+
+    def set_unsharded_memory_limit(self, max_bytes: int | None) -> None:
+        """Bounds the unsharded parameter bytes allocated or in flight at once; a
+        prefetch that would exceed it waits until memory is freed (the unit needed
+        now is always gathered). ``None`` removes the bound. Call on the root."""
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+            raise ValueError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
+        self._set_schedule("max_unsharded_bytes", max_bytes)
+
+    # -- internals -----------------------------------------------------------
+
+    def _set_schedule(self, name: str, value: Any) -> None:
+        state = self._fsdp_state()
+        if state.scheduler is not None:
+            setattr(state.scheduler, name, value)
+        (state.root_state or state).schedule_settings[name] = value
+
+    def _fsdp_state_unit(self, what: str) -> Unit:
+        unit = self._fsdp_state().unit
+        if unit is None:
+            raise ValueError(f"{type(self).__name__} manages no parameters, so it has no {what}")
+        return unit
+
+    def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
+        if not recurse:
+            return [self]
+        return [m for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # Conversions (.to(), to_empty(), .half()) must see the sharded parameters;
+        # afterwards the unit re-derives dtypes and buffers from them.
+        state = self._fsdp_state()
+        if state.unit is not None:
+            _reshard_unit(state.unit, state)
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        if state.unit is not None:
+            state.unit.invalidate()
+        return result
+
+
+class UnshardHandle:
+    """A pending :meth:`FSDPModule.unshard`; :meth:`wait` makes the unsharded
+    parameters usable and registers them on the module."""
+
+    def __init__(self, unit: Unit | None = None, state: UnitState | None = None) -> None:
+        self._unit = unit
+        self._state = state
+
+    def wait(self) -> None:
+        unit, self._unit = self._unit, None
+        if unit is None:
+            return
+        if unit.gather_in_flight:
+            unit.wait_unshard()
+
+
+def _units_of(modules: list[FSDPModule]) -> list[Unit]:
+    units = []
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"expected FSDPModules (modules annotated by fully_shard), got {type(m).__name__}")
+        unit = m._fsdp_state().unit
+        if unit is not None:
+            units.append(unit)
+    return units
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Makes ``module.<method_name>`` gather and free parameters like ``forward``.
+
+    By default only ``forward`` runs the unit's hooks; use this for other entry
+    points such as ``generate``. A no-op for modules that are not ``FSDPModule``.
+
+    Args:
+        module (nn.Module): the annotated module.
+        method_name (str): name of the method to wrap.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    method = getattr(module, method_name, None)
+    if method is None or not callable(method):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    state = module._fsdp_state()
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(module, args, kwargs)  # noqa: SLF001
+        output = method(*args, **kwargs)
+        return state._post_forward(module, args, output)  # noqa: SLF001
+
+    module.__dict__[method_name] = wrapped
+

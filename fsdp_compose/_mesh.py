@@ -1,0 +1,160 @@
+"""Which ranks a unit shards over and which it replicates over.
+
+A :class:`MeshInfo` is resolved once per :func:`fully_shard` call from the user's
+``DeviceMesh``: a 1-D mesh shards over all of its ranks (FSDP); a 2-D mesh is
+``(replicate, shard)`` (HSDP). Everything downstream reads groups, sizes and ranks
+from here instead of re-deriving them from the mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DeviceMesh
+
+_default_mesh_cache: dict[tuple[str, int], DeviceMesh] = {}
+_subgroup_cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+@dataclass(frozen=True, eq=False)
+class MeshInfo:
+    """The data-parallel layout of one unit."""
+
+    mesh: DeviceMesh
+    device: torch.device
+    shard_group: dist.ProcessGroup
+    shard_size: int
+    shard_rank: int
+    replicate_group: dist.ProcessGroup | None
+    replicate_size: int
+    replicate_rank: int
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.replicate_group is not None
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of ranks whose gradients are averaged (shard x replicate)."""
+        return self.shard_size * self.replicate_size
+
+    @property
+    def shard_mesh_dim(self) -> int:
+        return self.mesh.ndim - 1
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over the default process group, on the backend's device type."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs an initialized default process group: call "
+            "torch.distributed.init_process_group(...) (e.g. under torchrun) before "
+            "fully_shard, or pass mesh=... explicitly."
+        )
+    backend = str(dist.get_backend()).lower()
+    # "nccl" or a mixed "cpu:gloo,cuda:nccl" backend means the user trains on GPUs.
+    device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
+    key = (device_type, id(dist.group.WORLD))
+    mesh = _default_mesh_cache.get(key)
+    if mesh is None:
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+        _default_mesh_cache.clear()  # a re-initialised process group invalidates old meshes
+        _default_mesh_cache[key] = mesh
+    return mesh
+
+
+def device_of_mesh(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    handle = getattr(torch, mesh.device_type, None)
+    if handle is None or not hasattr(handle, "current_device"):
+        return torch.device(mesh.device_type)
+    return torch.device(mesh.device_type, handle.current_device())
+
+
+def resolve_mesh_info(mesh: DeviceMesh) -> MeshInfo:
+    """Validates ``mesh`` for fully_shard and resolves its groups for this rank."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard expects mesh to be a torch.distributed.DeviceMesh, got {type(mesh).__name__}"
+        )
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (replicate, shard) for HSDP, "
+            f"but got a {mesh.ndim}-D mesh {mesh}. For FSDP + tensor parallel, pass the "
+            'data-parallel sub-mesh, e.g. mesh["dp"].'
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
+    names = mesh.mesh_dim_names
+    if mesh.ndim == 2 and names is not None:
+        first, second = (n.lower() for n in names)
+        if "shard" in first and "shard" not in second or "rep" in second and "rep" not in first:
+            raise ValueError(
+                "fully_shard expects an HSDP mesh ordered (replicate, shard): dim 0 replicates "
+                f"and dim 1 shards, but got mesh_dim_names={names}. Build the mesh as "
+                "init_device_mesh(device, (num_replicas, shard_size), "
+                'mesh_dim_names=("replicate", "shard")).'
+            )
+    device = device_of_mesh(mesh)
+    shard_dim = mesh.ndim - 1
+    shard_group = mesh.get_group(shard_dim)
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    if mesh.ndim == 2:
+        replicate_group: dist.ProcessGroup | None = mesh.get_group(0)
+        replicate_size, replicate_rank = mesh.size(0), coordinate[0]
+    else:
+        replicate_group, replicate_size, replicate_rank = None, 1, 0
+    return MeshInfo(
+        mesh=mesh,
+        device=device,
+        shard_group=shard_group,
+        shard_size=mesh.size(shard_dim),
+        shard_rank=coordinate[shard_dim],
+        replicate_group=replicate_group,
+        replicate_size=replicate_size,
+        replicate_rank=replicate_rank,
+    )
+
+
+def validate_reshard_after_forward(value: object, shard_size: int) -> bool | int:
+    """Checks ``reshard_after_forward`` and returns it normalised (None -> True,
+    resolved for the root at lazy init)."""
+    if value is None or isinstance(value, bool):
+        return True if value is None else value
+    if isinstance(value, int):
+        if 1 < value < shard_size and shard_size % value == 0:
+            return value
+        divisors = [d for d in range(2, shard_size) if shard_size % d == 0]
+        hint = f"valid values here: {divisors}" if divisors else "no int value is valid here"
+        raise ValueError(
+            f"reshard_after_forward={value} is invalid: an int N reshards parameters to "
+            f"groups of N ranks after forward and must divide the shard world size "
+            f"({shard_size}) with 1 < N < {shard_size} ({hint}). Use True to fully reshard "
+            "or False to keep parameters unsharded."
+        )
+    raise ValueError(
+        "reshard_after_forward must be None, a bool, or an int group size, "
+        f"got {value!r} ({type(value).__name__})"
+    )
+
+
+def post_forward_subgroup(info: MeshInfo, group_size: int) -> tuple[dist.ProcessGroup, int]:
+    """The group of ``group_size`` consecutive shard ranks this rank reshards to after
+    forward (``reshard_after_forward=int``), and this rank's index in it.
+
+    Created with local synchronization so only member ranks take part, which also
+    works when the shard group is a sub-mesh (e.g. the dp dim of a dp x tp mesh).
+    """
+    shard_ranks = dist.get_process_group_ranks(info.shard_group)
+    start = (info.shard_rank // group_size) * group_size
+    members = tuple(shard_ranks[start : start + group_size])
+    group = _subgroup_cache.get(members)
+    if group is None:
+        group = dist.new_group(list(members), use_local_synchronization=True)
+        _subgroup_cache[members] = group
+    return group, info.shard_rank - start

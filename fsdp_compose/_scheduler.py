@@ -1,0 +1,322 @@
+"""When each unit gathers, frees and reduces: one scheduler per root.
+
+Hooks report what autograd and the forward are doing (``pre_forward``,
+``post_forward``, ``pre_backward``, ``post_backward``, ``finalize_backward``); the
+scheduler turns that into unit operations:
+
+* **Prefetch.** Forward order is recorded every iteration. In the next iteration,
+  when unit k starts its forward, the all-gathers of the next ``forward_depth``
+  units of the previous order are issued, so they run (on gloo's threads, or on an
+  all-gather stream) while unit k computes. Backward walks the current iteration's
+  post-forward order in reverse the same way. An order that changes (conditional
+  modules) only costs an unused prefetch, which is freed at the end of forward.
+  Explicit lists (``set_modules_to_forward_prefetch``) replace the implicit choice.
+* **Rate limiter.** ``max_unsharded_bytes`` bounds the unsharded parameter bytes
+  allocated or in flight. A prefetch that would exceed it is deferred until a unit
+  frees its parameters; a unit that is needed *now* is always gathered.
+* **Reductions.** A unit's reduce-scatter is issued as soon as its backward ends
+  and overlaps the backward of the units before it. Before issuing the next one,
+  the previous one is completed, so at most one unit's full-size gradient buffers
+  exist at a time. ``finalize_backward`` (queued on the autograd engine) completes
+  all reductions before ``backward()`` returns.
+
+Every decision depends only on the program order of hook calls, which is the same
+on every rank running the same model, so all ranks issue the same collectives in
+the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import trace as _trace
+from ._unit import PendingReduction, Phase, ShardState, Unit
+
+logger = logging.getLogger("fsdp_compose")
+
+
+class Scheduler:
+    """Coordinates the units of one root module's tree.
+
+    Args:
+        units: every unit under the root, in module pre-order.
+    """
+
+    def __init__(self, units: list[Unit]) -> None:
+        self.units = units
+        self.forward_depth = 1
+        self.backward_depth = 1
+        self.max_unsharded_bytes: int | None = None
+        self.is_last_backward = True
+        self.step = 0
+        self.forward_active = False
+        self.backward_active = False
+
+        self._prev_forward_order: list[Unit] = []
+        self._forward_order: list[Unit] = []
+        self._forward_cursor = 0
+        self._post_forward_order: list[Unit] = []
+        self._post_forward_positions: dict[Unit, list[int]] = {}
+        self._reductions: list[PendingReduction] = []
+        self._deferred: list[Unit] = []
+        self._holding: dict[Unit, int] = {}  # unit -> unsharded bytes it holds
+        self._holding_bytes = 0
+
+    # ------------------------------------------------------------------
+    # memory accounting (rate limiter) and issuing
+    # ------------------------------------------------------------------
+
+    def _account(self, unit: Unit) -> None:
+        holds = unit.state is ShardState.UNSHARDED or unit.gather_in_flight
+        counted = self._holding.get(unit)
+        if holds and counted is None:
+            nbytes = unit.unsharded_nbytes
+            self._holding[unit] = nbytes
+            self._holding_bytes += nbytes
+            if _trace.ENABLED:
+                _trace.memory_event("alloc", unit.name, nbytes, self._holding_bytes)
+        elif not holds and counted is not None:
+            del self._holding[unit]
+            self._holding_bytes -= counted
+            if _trace.ENABLED:
+                _trace.memory_event("free", unit.name, counted, self._holding_bytes)
+
+    def _recount_holdings(self) -> None:
+        # Users may unshard()/reshard() units directly, outside the scheduler.
+        self._holding.clear()
+        self._holding_bytes = 0
+        for unit in self.units:
+            if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
+                self._holding[unit] = unit.unsharded_nbytes
+                self._holding_bytes += self._holding[unit]
+
+    def _issue(self, unit: Unit) -> None:
+        if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
+            return
+        unit.unshard()
+        self._account(unit)
+
+    def _prefetch(self, unit: Unit) -> None:
+        if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
+            return
+        limit = self.max_unsharded_bytes
+        if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
+            if unit not in self._deferred:
+                self._deferred.append(unit)
+                if _trace.ENABLED:
+                    _trace.instant("prefetch_deferred", unit.name)
+            return
+        if _trace.ENABLED:
+            _trace.instant("prefetch", unit.name)
+        self._issue(unit)
+
+    def _require(self, unit: Unit) -> None:
+        """Makes ``unit``'s parameters available now (gather if needed, then wait)."""
+        if unit in self._deferred:
+            self._deferred.remove(unit)
+        self._issue(unit)
+        if unit.gather_in_flight:
+            unit.wait_unshard()
+
+    def prefetch_now(self, unit: Unit) -> None:
+        """A user's explicit ``unshard()``: issued at once, outside the limit."""
+        self._issue(unit)
+
+    def reshard(self, unit: Unit) -> None:
+        self._reshard(unit)
+
+    def _reshard(self, unit: Unit, *, to_post_forward_group: bool = False) -> None:
+        unit.reshard(to_post_forward_group=to_post_forward_group)
+        self._account(unit)
+        if self._deferred:
+            self._drain_deferred()
+
+    def _drain_deferred(self) -> None:
+        limit = self.max_unsharded_bytes
+        while self._deferred:
+            unit = self._deferred[0]
+            if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
+                return
+            self._deferred.pop(0)
+            self._issue(unit)
+
+    # ------------------------------------------------------------------
+    # forward
+    # ------------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        """Called once per iteration, by the first unit state to run forward."""
+        self._complete_reductions()
+        self._recount_holdings()
+        self.forward_active = True
+        self.step += 1
+        if _trace.ENABLED:
+            _trace.set_step(self.step)
+        if self._forward_order:
+            self._prev_forward_order = self._forward_order
+        self._forward_order = []
+        self._forward_cursor = 0
+        self._post_forward_order = []
+        self._post_forward_positions = {}
+        self._deferred.clear()
+        for unit in self.units:
+            if unit.state is ShardState.UNSHARDED and unit.params_changed_since_unshard():
+                # The sharded parameters were updated (optimizer step) while this unit
+                # stayed unsharded (reshard_after_backward=False): gather fresh data.
+                self._reshard(unit)
+
+    def pre_forward(self, unit: Unit) -> None:
+        unit.phase = Phase.FORWARD
+        self._forward_order.append(unit)
+        self._issue(unit)
+        for target in self._forward_prefetch_targets(unit):
+            self._prefetch(target)
+        self._require(unit)
+        if _trace.ENABLED:
+            _trace.begin_span("forward", unit.name)
+
+    def recompute_forward(self, unit: Unit) -> None:
+        """Activation checkpointing re-runs ``unit``'s forward inside backward."""
+        self._require(unit)
+
+    def _forward_prefetch_targets(self, unit: Unit) -> list[Unit]:
+        if unit.forward_prefetch:
+            return unit.forward_prefetch
+        order, depth = self._prev_forward_order, self.forward_depth
+        if depth <= 0 or not order:
+            return []
+        # Find this unit in the previous order, scanning forward from where the
+        # last match was (amortised O(1) when the order repeats).
+        for index in range(self._forward_cursor, len(order)):
+            if order[index] is unit:
+                self._forward_cursor = index + 1
+                return order[index + 1 : index + 1 + depth]
+        return []
+
+    def post_forward(self, unit: Unit) -> None:
+        if _trace.ENABLED:
+            _trace.end_span("forward", unit.name)
+        self._post_forward_positions.setdefault(unit, []).append(len(self._post_forward_order))
+        self._post_forward_order.append(unit)
+        reshard = unit.reshard_after_forward
+        if reshard is not False:
+            self._reshard(unit, to_post_forward_group=reshard is not True)
+        unit.phase = Phase.IDLE
+
+    def end_forward(self) -> None:
+        """Called by the state that began the forward, after its post-forward."""
+        self.forward_active = False
+        self._deferred.clear()
+        ran = set(self._forward_order)
+        no_backward = not torch.is_grad_enabled()
+        for unit in self.units:
+            if unit.gather_in_flight and unit not in ran:
+                self._reshard(unit)  # a prefetch the forward did not use
+            elif no_backward and unit.state is not ShardState.SHARDED:
+                # No backward follows a no-grad forward: keep nothing unsharded (a
+                # later optimizer step would otherwise leave these copies stale).
+                self._reshard(unit)
+
+    # ------------------------------------------------------------------
+    # backward
+    # ------------------------------------------------------------------
+
+    def pre_backward(self, unit: Unit) -> None:
+        """Called when the gradient of one of ``unit``'s forward outputs is ready."""
+        if unit.phase is Phase.PRE_BACKWARD:
+            return
+        self.backward_active = True
+        unit.phase = Phase.PRE_BACKWARD
+        if unit.unshard_in_backward:
+            self._issue(unit)
+            for target in self._backward_prefetch_targets(unit):
+                self._prefetch(target)
+            self._require(unit)
+        if _trace.ENABLED:
+            _trace.begin_span("backward", unit.name)
+
+    def _backward_prefetch_targets(self, unit: Unit) -> list[Unit]:
+        positions = self._post_forward_positions.get(unit)
+        index = positions.pop() if positions else None
+        if unit.backward_prefetch:
+            return unit.backward_prefetch
+        if index is None or self.backward_depth <= 0:
+            return []
+        targets: list[Unit] = []
+        for earlier in reversed(self._post_forward_order[:index]):
+            if len(targets) == self.backward_depth:
+                break
+            if earlier is not unit and earlier not in targets:
+                targets.append(earlier)
+        return targets
+
+    def post_backward(self, unit: Unit) -> None:
+        """Called when backward through ``unit`` is done (or at finalisation for
+        units whose forward inputs did not require grad)."""
+        if unit.phase is Phase.PRE_BACKWARD and _trace.ENABLED:
+            _trace.end_span("backward", unit.name)
+        unit.phase = Phase.POST_BACKWARD
+        if not unit.requires_gradient_sync:
+            unit.accumulate_unsharded_grads()
+        else:
+            params, grads = unit.take_unsharded_grads()
+            if params:
+                # Complete the previous reduce-scatter first: bounds gradient buffers
+                # to one unit, and it has had this unit's backward to finish.
+                for reduction in self._reductions:
+                    reduction.advance()
+                reduction = unit.reduce_grads(params, grads, all_reduce=unit.requires_all_reduce)
+                if reduction is not None:
+                    self._reductions.append(reduction)
+        if unit.reshard_after_backward:
+            self._reshard(unit)
+
+    def finalize_backward(self) -> None:
+        """End of ``backward()``: reduce what is left and hand gradients over."""
+        try:
+            for unit in reversed(self.units):
+                if unit.phase is not Phase.POST_BACKWARD and (
+                    unit.phase is Phase.PRE_BACKWARD or unit.state is not ShardState.SHARDED
+                    or unit.has_unsharded_grads()
+                ):
+                    self.post_backward(unit)
+            if self.is_last_backward:
+                self._complete_reductions()
+                self._post_forward_order = []
+                self._post_forward_positions = {}
+        finally:
+            for unit in self.units:
+                unit.phase = Phase.IDLE
+            self._deferred.clear()
+            self.backward_active = False
+
+    def _complete_reductions(self) -> None:
+        reductions, self._reductions = self._reductions, []
+        for reduction in reductions:
+            reduction.finish()
+
+    # ------------------------------------------------------------------
+    # recovery
+    # ------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Returns every unit to a clean sharded, idle state after a failed step.
+
+        In-flight collectives are waited for (their buffers must outlive them) and
+        their results discarded, as are unsharded and partially reduced gradients.
+        """
+        for reduction in self._reductions:
+            reduction.discard()
+        self._reductions = []
+        for unit in self.units:
+            unit.discard_unsharded_grads()
+            self._reshard(unit)
+            unit.phase = Phase.IDLE
+        self._deferred.clear()
+        self.forward_active = False
+        self.backward_active = False
+        self._forward_order = []
+        self._post_forward_order = []
+        self._post_forward_positions = {}

@@ -1,0 +1,323 @@
+"""Hooks: how forward and autograd tell the scheduler what is happening.
+
+Each :func:`fully_shard` call attaches one :class:`UnitState` to its module(s):
+
+* a forward **pre-hook** gathers the unit's parameters (via the scheduler) and
+  wraps the forward inputs in :class:`_PostBackward`, whose backward runs once
+  autograd has produced the gradients of those inputs, i.e. once backward through
+  the unit is done;
+* a forward **post-hook** reshards (per ``reshard_after_forward``) and registers a
+  gradient hook on each output that requires grad: the first one to fire is the
+  unit's **pre-backward**, which gathers the parameters again if needed;
+* the first pre-backward of an iteration queues the root's **finalize** callback on
+  the autograd engine; it runs when all backward nodes are done and before
+  ``backward()`` returns, and completes every gradient reduction.
+
+The first state to run forward becomes the root: at that moment (lazy init) all
+``fully_shard`` calls are assumed done, so it can see every unit of its tree, name
+them, and create the tree's one :class:`~fsdp_compose._scheduler.Scheduler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from . import _compat
+from ._policies import MixedPrecisionPolicy
+from ._scheduler import Scheduler
+from ._unit import Unit
+
+_STATE_ATTR = "_fsdp_compose_state"
+
+
+def state_of(module: nn.Module) -> UnitState | None:
+    """The fully_shard state attached to ``module``, if any."""
+    return module.__dict__.get(_STATE_ATTR)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _map_floating(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    return pytree.tree_map(
+        lambda x: fn(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
+    )
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs whose backward marks the end of the
+    unit's backward (all input gradients computed, so all parameter gradients too)."""
+
+    @staticmethod
+    def forward(ctx: Any, state: UnitState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+class UnitState:
+    """Runtime state of one fully_shard call (one unit, possibly without params).
+
+    Args:
+        modules: the module(s) passed to fully_shard.
+        unit: the unit of managed parameters, or None if the call manages none.
+        mp_policy: the call's mixed precision policy (input/output casts).
+        auto_reshard_after_forward: ``reshard_after_forward`` was None, so the
+            root keeps its parameters after forward.
+    """
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        unit: Unit | None,
+        mp_policy: MixedPrecisionPolicy,
+        auto_reshard_after_forward: bool,
+    ) -> None:
+        self.modules = modules
+        self.unit = unit
+        self.mp_policy = mp_policy
+        self.auto_reshard_after_forward = auto_reshard_after_forward
+        self.is_root: bool | None = None
+        self.scheduler: Scheduler | None = None
+        self.root_state: UnitState | None = None
+        self.all_states: list[UnitState] = []  # root only: every state in its tree
+        self.schedule_settings: dict[str, Any] = {}  # applied to the scheduler at lazy init
+        self._began_forward = False
+        self._finalize_queued = False
+        self._pending_modules: set[nn.Module] = set()  # grouped units: not yet run this pass
+        self._cast_inputs_to = (
+            mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
+        )
+        for module in modules:
+            module.__dict__[_STATE_ATTR] = self
+        self._handles = []
+        for module in modules:
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            )
+            self._handles.append(module.register_forward_hook(self._post_forward, prepend=False))
+
+    # ------------------------------------------------------------------
+    # lazy init and root detection
+    # ------------------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        if len(self.modules) > 1:
+            raise RuntimeError(
+                "a fully_shard([...]) group of several modules cannot be the root: the first "
+                "module to run forward must be one whole model. Call fully_shard on the "
+                "modules' common parent too (bottom-up), and run forward through it."
+            )
+        root_module = self.modules[0]
+        states: list[UnitState] = []
+        for name, module in root_module.named_modules():
+            state = state_of(module)
+            if state is None or state in states:
+                if state is not None and state.unit is not None and name:
+                    state.unit.name += f", {name}"  # a grouped unit's further modules
+                continue
+            if state is not self:
+                if state.is_root is not None:
+                    raise RuntimeError(
+                        f"fully_shard module {name!r} already ran forward on its own (it became "
+                        f"a root) before its parent {type(root_module).__name__}. Run the first "
+                        "forward through the outermost fully_shard module so that it can "
+                        "coordinate all units."
+                    )
+                state.is_root = False
+            if state.unit is not None:
+                state.unit.name = name or "root"
+            states.append(state)
+        self.is_root = True
+        param_names: dict[int, str] = {}
+        for name, param in root_module.named_parameters(remove_duplicate=False):
+            param_names.setdefault(id(param), name)
+        units = [state.unit for state in states if state.unit is not None]
+        for unit in units:
+            for p in unit.params:
+                for candidate in (p.sharded_param, p.unsharded_param):
+                    if candidate is not None and id(candidate) in param_names:
+                        p.fqn = param_names[id(candidate)]
+                        break
+        if self.unit is not None and self.auto_reshard_after_forward:
+            self.unit.set_reshard_after_forward(False)
+        scheduler = Scheduler(units)
+        for key, value in self.schedule_settings.items():
+            setattr(scheduler, key, value)
+        for state in states:
+            state.scheduler = scheduler
+            state.root_state = self
+        self.all_states = states
+        for unit in units:
+            unit.lazy_init()
+
+    # ------------------------------------------------------------------
+    # forward
+    # ------------------------------------------------------------------
+
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self.lazy_init()
+        scheduler = self.scheduler
+        assert scheduler is not None
+        unit = self.unit
+        if _compat.inside_backward():
+            # Activation checkpointing recomputes this forward inside backward:
+            # parameters must be present, but this is not a new forward pass.
+            if unit is not None:
+                scheduler.recompute_forward(unit)
+            return self._cast_inputs(args, kwargs)
+        if not scheduler.forward_active:
+            self._began_forward = True
+            scheduler.begin_forward()
+            args, kwargs = self._inputs_to_device(args, kwargs)
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if unit is None:
+            return args, kwargs
+        if len(self.modules) > 1:
+            if self._pending_modules:  # another module of the group already gathered
+                return args, kwargs
+            self._pending_modules = set(self.modules)
+        scheduler.pre_forward(unit)
+        if torch.is_grad_enabled():
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        if _compat.inside_backward():
+            return self._cast_output(output)
+        unit = self.unit
+        if unit is not None:
+            output = self._register_pre_backward(output)
+            if len(self.modules) > 1:
+                self._pending_modules.discard(module)
+                if not self._pending_modules:
+                    scheduler.post_forward(unit)
+            else:
+                scheduler.post_forward(unit)
+        if self._began_forward:
+            self._began_forward = False
+            self._complete_partial_groups()
+            scheduler.end_forward()
+        return self._cast_output(output)
+
+    def _complete_partial_groups(self) -> None:
+        """Reshards grouped units whose modules did not all run in this forward."""
+        for state in (self.root_state or self).all_states:
+            if state._pending_modules and state.unit is not None:
+                state._pending_modules.clear()
+                assert self.scheduler is not None
+                self.scheduler.post_forward(state.unit)
+
+    def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        dtype = self._cast_inputs_to
+        if dtype is None:
+            return args, kwargs
+        cast = lambda t: t.to(dtype)  # noqa: E731
+        return _map_floating(args, cast), _map_floating(kwargs, cast)
+
+    def _cast_output(self, output: Any) -> Any:
+        dtype = self.mp_policy.output_dtype
+        if dtype is None:
+            return output
+        return _map_floating(output, lambda t: t.to(dtype))
+
+    def _inputs_to_device(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        unit = self.unit or next((s.unit for s in self.all_states if s.unit is not None), None)
+        if unit is None or unit.mesh_info.device.type == "cpu":
+            return args, kwargs
+        device = unit.mesh_info.device
+        move = lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        return pytree.tree_map(move, args), pytree.tree_map(move, kwargs)
+
+    # ------------------------------------------------------------------
+    # backward
+    # ------------------------------------------------------------------
+
+    def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        positions = [
+            i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
+        if not positions:
+            return args, kwargs  # finalize_backward runs this unit's post-backward
+        outputs = _PostBackward.apply(self, *(leaves[i] for i in positions))
+        for i, out in zip(positions, outputs):
+            leaves[i] = out
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _register_pre_backward(self, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return output
+        for tensor in _tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(self._pre_backward)
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        root = self.root_state
+        assert root is not None and self.scheduler is not None
+        if not root._finalize_queued:
+            root._finalize_queued = True
+            _compat.queue_end_of_backward_callback(root._finalize_backward)
+        if self.unit is not None:
+            self.scheduler.pre_backward(self.unit)
+
+    def post_backward(self) -> None:
+        assert self.scheduler is not None and self.unit is not None
+        self.scheduler.post_backward(self.unit)
+
+    def _finalize_backward(self) -> None:
+        try:
+            assert self.scheduler is not None
+            self.scheduler.finalize_backward()
+        finally:
+            self._finalize_queued = False
+
+    # ------------------------------------------------------------------
+    # recovery
+    # ------------------------------------------------------------------
+
+    def reset(self) -> None:
+        if self.is_root is False:
+            raise RuntimeError(
+                "reset_iter_state() must be called on the root fully_shard module (the one "
+                "the first forward ran through)."
+            )
+        if self.scheduler is None:
+            return
+        self.scheduler.reset()
+        for state in self.all_states:
+            state._pending_modules.clear()
+            state._began_forward = False
+        self._finalize_queued = False
+
+    def units_in_subtree(self, recurse: bool) -> list[Unit]:
+        """This state's unit, and with ``recurse`` those of every state below it."""
+        if not recurse:
+            return [self.unit] if self.unit is not None else []
+        units: list[Unit] = []
+        seen: set[int] = set()
+        for module in self.modules:
+            for sub in module.modules():
+                state = state_of(sub)
+                if state is not None and state.unit is not None and id(state) not in seen:
+                    seen.add(id(state))
+                    units.append(state.unit)
+        return units
+

@@ -1,0 +1,730 @@
+"""A unit: the parameters of one ``fully_shard`` call, communicated together.
+
+A unit all-gathers all of its parameters with one collective into one flat buffer
+and reduce-scatters all of its gradients with one collective. It knows *how* to
+unshard, reshard and reduce; the scheduler decides *when*.
+
+[Note: unsharded storage]
+Each unit owns one flat ``unsharded`` buffer of ``W * S`` elements (``S`` = one
+rank's padded row) laid out parameter-major: parameter p occupies ``W * slot_p``
+elements starting at ``W * offset_p``, and its unsharded ``nn.Parameter`` is a view
+of the first ``numel_p`` of them. The buffer is created once; resharding frees it
+by resizing its storage to zero bytes and unsharding resizes it back and refills
+it. Autograd may have saved the unsharded parameters for backward, and this keeps
+those saved references valid across a reshard/unshard cycle (the refill does not
+bump the version counter: it restores the same values).
+
+The all-gather output is rank-major (``(W, S)``: row r is rank r's slots), so one
+copy (``split_with_sizes_copy``) moves each parameter's ``(W, slot_p)`` block into
+place. Gradients go the other way with one ``chunk_cat``.
+
+With a shard world of one and no dtype cast, the unsharded parameter simply
+aliases the local shard (no buffer, no copy): a one-rank run costs what the
+unwrapped model costs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _collectives, _compat
+from ._collectives import PendingCollective
+from ._mesh import MeshInfo, post_forward_subgroup
+from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._sharded_param import ShardedParam
+
+logger = logging.getLogger("fsdp_compose")
+
+_BYTE_ALIGNMENT = 16  # slot alignment when a unit mixes dtypes and buffers are bytes
+
+
+class ShardState(Enum):
+    """Where a unit's parameter data currently lives."""
+
+    SHARDED = "sharded"  # only the sharded DTensors exist; they are registered
+    UNSHARDED = "unsharded"  # full parameters allocated and registered
+    PARTIALLY_SHARDED = "partially_sharded"  # after forward, sharded over a smaller group
+
+
+class Phase(Enum):
+    """What the unit is doing in the current step."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+@dataclass
+class _Slot:
+    param: ShardedParam | None  # None: alignment gap
+    offset: int  # within one rank's row, in buffer elements
+    size: int  # per-rank padded slot, in buffer elements
+
+
+class Unit:
+    """The parameter group of one :func:`fully_shard` call.
+
+    Args:
+        params: the unit's managed parameters, in registration order.
+        modules: the annotated module(s) of this unit.
+        mesh_info: data-parallel layout.
+        reshard_after_forward: True/False, or an int group size; the root's
+            default (None) is resolved by the scheduler.
+        mp_policy: mixed precision for this unit.
+        offload_policy: offloading for this unit.
+    """
+
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        modules: tuple[nn.Module, ...],
+        mesh_info: MeshInfo,
+        reshard_after_forward: bool | int,
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
+    ) -> None:
+        self.params = params
+        self.modules = modules
+        self.mesh_info = mesh_info
+        self.mp_policy = mp_policy
+        self.offload = isinstance(offload_policy, CPUOffloadPolicy) and mesh_info.device.type != "cpu"
+        self.name = type(modules[0]).__name__  # refined to the module's FQN at lazy init
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.gradient_divide_factor: float | None = None
+        self.unshard_in_backward = True
+        # Explicit prefetch targets (set_modules_to_*_prefetch); None: implicit order.
+        self.forward_prefetch: list[Unit] | None = None
+        self.backward_prefetch: list[Unit] | None = None
+        self.state = ShardState.SHARDED
+        self.phase = Phase.IDLE
+        self._post_forward_group: dist.ProcessGroup | None = None
+        self._post_forward_rank = 0
+        self._post_forward_size = 1
+        self.set_reshard_after_forward(reshard_after_forward)
+
+        self._initialized = False
+        self._pending_gather: PendingCollective | None = None
+        self._gather_output: torch.Tensor | None = None  # (world, row) while gathering
+        self._gather_world = 0
+        self._post_forward_shard: torch.Tensor | None = None
+        self._unsharded: torch.Tensor | None = None  # flat buffer, see [Note: unsharded storage]
+        self._alias = False
+        self._gathered_versions: list[int] = []
+        # HSDP with set_requires_all_reduce(False): reduce-scattered (not yet
+        # all-reduced) gradient sums per parameter, added in at the next all-reduce.
+        self._partial_reduce: dict[ShardedParam, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------
+    # configuration
+    # ------------------------------------------------------------------
+
+    def set_reshard_after_forward(self, value: bool | int) -> None:
+        if self.state is ShardState.PARTIALLY_SHARDED:
+            self.reshard()
+        self.reshard_after_forward = value
+        self._post_forward_group = None
+        if not isinstance(value, bool):
+            group, rank = post_forward_subgroup(self.mesh_info, value)
+            self._post_forward_group, self._post_forward_rank = group, rank
+            self._post_forward_size = value
+            if any(p.shard_dim != 0 for p in self.params):
+                raise ValueError(
+                    "reshard_after_forward as an int needs every parameter sharded on dim 0; "
+                    "shard_placement_fn chose another dim for "
+                    f"{[p.fqn for p in self.params if p.shard_dim != 0]}"
+                )
+
+    @property
+    def trainable_params(self) -> list[ShardedParam]:
+        return [p for p in self.params if p.sharded_param.requires_grad]
+
+    @property
+    def unsharded_nbytes(self) -> int:
+        """Bytes the unsharded parameters occupy (what the rate limiter budgets)."""
+        if not self._initialized:
+            self.lazy_init()
+        if self._alias:
+            return 0
+        return self._world * self._row * self._buffer_dtype.itemsize
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        return self.mesh_info.shard_group
+
+    # ------------------------------------------------------------------
+    # lazy initialisation: dtypes and buffer layout
+    # ------------------------------------------------------------------
+
+    def invalidate(self) -> None:
+        """Forces layout and views to be rebuilt (after ``_apply``/dtype changes)."""
+        if self.state is not ShardState.SHARDED:
+            self.reshard()
+        self._initialized = False
+        for p in self.params:
+            p.unsharded_param = None
+
+    def lazy_init(self) -> None:
+        if self._initialized:
+            return
+        for p in self.params:
+            p.resync_sharded_param()
+        on_meta = [p.fqn for p in self.params if p.sharded_param.is_meta]
+        if on_meta:
+            raise RuntimeError(
+                f"fully_shard unit {self.name!r} still has parameters on the meta device: "
+                f"{on_meta}. Materialize them before the first forward, e.g. "
+                "model.to_empty(device=...) and then re-initialize the parameters "
+                "(reset_parameters() / your init function) or load a state dict."
+            )
+        wrong = [
+            (p.fqn, str(p.local_shard.device))
+            for p in self.params
+            if p.local_shard.device.type != (p.offload_device or self.mesh_info.device).type
+        ]
+        if wrong:
+            raise RuntimeError(
+                f"fully_shard unit {self.name!r} expects its sharded parameters on "
+                f"{self.mesh_info.device} (the mesh's device"
+                f"{', or the CPU when offloaded' if self.offload else ''}) but found {wrong}. "
+                "Do not move a sharded module to another device after fully_shard; build the "
+                "mesh on the intended device instead."
+            )
+        self._init_dtypes()
+        self._init_layout()
+        self._initialized = True
+
+    def _init_dtypes(self) -> None:
+        mp = self.mp_policy
+        for p in self.params:
+            p.orig_dtype = p.sharded_param.dtype
+            cast = mp.param_dtype is not None and p.orig_dtype.is_floating_point
+            p.compute_dtype = mp.param_dtype if cast else p.orig_dtype  # type: ignore[assignment]
+        trainable = self.trainable_params
+        if mp.reduce_dtype is not None:
+            self.reduce_dtype: torch.dtype | None = mp.reduce_dtype
+        else:
+            dtypes = {p.compute_dtype for p in trainable}
+            if len(dtypes) > 1:
+                raise ValueError(
+                    f"fully_shard unit {self.name!r} has trainable parameters of different "
+                    f"dtypes {sorted(map(str, dtypes))}, but a unit reduces its gradients in one "
+                    "collective: give them one dtype, set MixedPrecisionPolicy(reduce_dtype=...), "
+                    "or put them in separate fully_shard units."
+                )
+            self.reduce_dtype = next(iter(dtypes)) if dtypes else None
+
+    def _init_layout(self) -> None:
+        info = self.mesh_info
+        world = info.shard_size
+        dtypes = {p.compute_dtype for p in self.params}
+        uniform = len(dtypes) == 1
+        self._uniform = uniform
+        self._buffer_dtype = next(iter(dtypes)) if uniform else torch.uint8
+        slots: list[_Slot] = []
+        row = 0
+        for p in self.params:
+            if uniform:
+                size = p.chunk_numel
+            else:
+                misalign = row % _BYTE_ALIGNMENT
+                if misalign:
+                    slots.append(_Slot(None, row, _BYTE_ALIGNMENT - misalign))
+                    row += _BYTE_ALIGNMENT - misalign
+                size = p.chunk_numel * p.compute_dtype.itemsize
+            slots.append(_Slot(p, row, size))
+            row += size
+        self._slots = slots
+        self._row = row
+        self._world = world
+        self._alias = (
+            world == 1
+            and not self.offload
+            and all(p.compute_dtype == p.orig_dtype for p in self.params)
+        )
+        self._fused_copy_out = all(p.shard_dim == 0 for p in self.params)
+        device = info.device
+        if self._alias:
+            self._unsharded = None
+            for p in self.params:
+                p.unsharded_param = nn.Parameter(
+                    p.local_shard, requires_grad=p.sharded_param.requires_grad
+                )
+            return
+        # Views are created while the storage exists (slicing checks bounds), then
+        # the storage is freed until the first unshard.
+        flat = torch.empty(world * row, dtype=self._buffer_dtype, device=device)
+        self._unsharded = flat
+        for slot in slots:
+            p = slot.param
+            if p is None:
+                continue
+            start = world * slot.offset
+            if uniform:
+                view = flat[start : start + p.orig_numel]
+            else:
+                view = flat[start : start + p.orig_numel * p.compute_dtype.itemsize].view(
+                    p.compute_dtype
+                )
+            p.unsharded_param = nn.Parameter(
+                view.view(p.orig_size), requires_grad=p.sharded_param.requires_grad
+            )
+        # Persistent destination views of the copy-out, per gathering world size.
+        self._copy_out_targets: dict[int, list[torch.Tensor]] = {}
+        self._copy_out_views(world)
+        if self._post_forward_group is not None:
+            self._copy_out_views(self._post_forward_size)
+        _free_storage(flat)
+
+    def _copy_out_views(self, world: int) -> list[torch.Tensor]:
+        views = self._copy_out_targets.get(world)
+        if views is None:
+            assert self._unsharded is not None
+            scale = self._world // world
+            views = [
+                self._unsharded[self._world * s.offset : self._world * (s.offset + s.size)].view(
+                    world, s.size * scale
+                )
+                for s in self._slots
+            ]
+            self._copy_out_targets[world] = views
+        return views
+
+    # ------------------------------------------------------------------
+    # unshard / reshard
+    # ------------------------------------------------------------------
+
+    @property
+    def gather_in_flight(self) -> bool:
+        return self._pending_gather is not None
+
+    def unshard(self) -> None:
+        """Issues the all-gather of the unit's parameters (asynchronously).
+
+        A no-op if the parameters are already unsharded or being gathered.
+        """
+        if self.state is ShardState.UNSHARDED or self._pending_gather is not None:
+            return
+        self.lazy_init()
+        if self._alias:
+            self._pending_gather = _DONE
+            return
+        device = self.mesh_info.device
+        if self.state is ShardState.PARTIALLY_SHARDED:
+            assert self._post_forward_group is not None and self._post_forward_shard is not None
+            world, group = self._post_forward_size, self._post_forward_group
+            send = self._post_forward_shard
+            out = torch.empty(world * send.numel(), dtype=send.dtype, device=device)
+        else:
+            world, group = self._world, self.shard_group
+            out = torch.empty(world * self._row, dtype=self._buffer_dtype, device=device)
+            send = out.view(world, self._row)[self.mesh_info.shard_rank]  # in-place gather
+            self._copy_in(send)
+        self._gather_output, self._gather_world = out, world
+        if world == 1:
+            self._pending_gather = _DONE
+        else:
+            self._pending_gather = _collectives.all_gather(out, send, group, self.name)
+
+    def _copy_in(self, row: torch.Tensor) -> None:
+        """Writes each local shard (cast to its compute dtype) into its slot of
+        ``row``; padding is left as is (never read back)."""
+        self._gathered_versions = [p.local_shard._version for p in self.params]
+        dsts, srcs = [], []
+        byte_mode = not self._uniform
+        for slot in self._slots:
+            p = slot.param
+            if p is None or p.local_numel == 0:
+                continue
+            if byte_mode:
+                item = p.compute_dtype.itemsize
+                dst = row[slot.offset : slot.offset + p.local_numel * item].view(p.compute_dtype)
+            else:
+                dst = row[slot.offset : slot.offset + p.local_numel]
+            src = p.local_shard
+            if self.offload:
+                src = src.to(self.mesh_info.device, non_blocking=True)
+            dsts.append(dst)
+            srcs.append(src.reshape(-1))
+        if dsts:
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs)
+
+    def wait_unshard(self) -> None:
+        """Waits for the pending all-gather and registers the unsharded parameters."""
+        pending = self._pending_gather
+        if pending is None:
+            return
+        pending.wait()
+        self._pending_gather = None
+        if not self._alias:
+            self._copy_out()
+        self._post_forward_shard = None
+        self._register_unsharded()
+        self.state = ShardState.UNSHARDED
+
+    def _copy_out(self) -> None:
+        out, world = self._gather_output, self._gather_world
+        self._gather_output = None
+        assert out is not None and self._unsharded is not None
+        _alloc_storage(self._unsharded)
+        scale = self._world // world
+        with _compat.preserve_version_counter(self._unsharded), torch.no_grad():
+            rows = out.view(world, -1)
+            if self._fused_copy_out:
+                torch.split_with_sizes_copy(
+                    rows,
+                    [s.size * scale for s in self._slots],
+                    dim=1,
+                    out=self._copy_out_views(world),
+                )
+            else:  # some parameter is sharded on a dim > 0 (needs a permuted copy)
+                for slot in self._slots:
+                    p = slot.param
+                    if p is None:
+                        continue
+                    block = rows[:, slot.offset * scale : (slot.offset + slot.size) * scale]
+                    if block.dtype != p.compute_dtype:  # byte buffers: reinterpret
+                        block = block.view(p.compute_dtype)
+                    if p.shard_dim == 0:
+                        flat = p.unsharded_param.view(-1)  # type: ignore[union-attr]
+                        full = p.orig_numel // p.chunk_numel
+                        flat[: full * p.chunk_numel].view(full, -1).copy_(block[:full])
+                        rest = p.orig_numel - full * p.chunk_numel
+                        if rest:
+                            flat[full * p.chunk_numel :].copy_(block[full, :rest])
+                    else:
+                        p.unsharded_param.copy_(p.unsharded_from_rank_chunks(block))  # type: ignore[union-attr]
+
+    def params_changed_since_unshard(self) -> bool:
+        """True if a sharded parameter was written (e.g. by the optimizer) after the
+        unsharded copy was gathered, so the unsharded copy is stale."""
+        if self._alias or not self._gathered_versions:
+            return False
+        return any(
+            p.local_shard._version != v for p, v in zip(self.params, self._gathered_versions)
+        )
+
+    def _register_unsharded(self) -> None:
+        for p in self.params:
+            unsharded = p.unsharded_param
+            assert unsharded is not None
+            requires_grad = p.sharded_param.requires_grad
+            if unsharded.requires_grad != requires_grad:
+                unsharded.requires_grad_(requires_grad)
+            p.register(unsharded)
+
+    def reshard(self, *, to_post_forward_group: bool = False) -> None:
+        """Frees the unsharded parameters and registers the sharded ones.
+
+        With ``to_post_forward_group`` (``reshard_after_forward=int``), keeps this
+        rank's share of the parameters for its smaller group so that backward
+        all-gathers within that group only.
+        """
+        if self._pending_gather is not None:
+            # Gathered but never used (a mistargeted prefetch): the collective still
+            # writes into the buffer, so it must complete before the buffer is freed.
+            self._pending_gather.wait()
+            self._pending_gather = None
+            self._gather_output = None
+            if self.state is ShardState.PARTIALLY_SHARDED and not to_post_forward_group:
+                self._post_forward_shard = None
+                self.state = ShardState.SHARDED
+            return
+        if self.state is ShardState.SHARDED:
+            return
+        if self.state is ShardState.PARTIALLY_SHARDED:
+            if not to_post_forward_group:
+                self._post_forward_shard = None
+                self.state = ShardState.SHARDED
+            return
+        keep_share = to_post_forward_group and self._post_forward_group is not None
+        if keep_share:
+            self._post_forward_shard = self._pack_post_forward_shard()
+        for p in self.params:
+            p.register(p.sharded_param)
+        if self._unsharded is not None:
+            _free_storage(self._unsharded)
+        self.state = ShardState.PARTIALLY_SHARDED if keep_share else ShardState.SHARDED
+
+    def _pack_post_forward_shard(self) -> torch.Tensor:
+        # This rank keeps rows [i*k, (i+1)*k) of every parameter block, k = W / N:
+        # exactly what an all-gather over its N-rank group must contribute to
+        # rebuild the (W, S) rank-major gather layout in backward.
+        assert self._unsharded is not None
+        k = self._world // self._post_forward_size
+        i = self._post_forward_rank
+        pieces = [
+            self._unsharded[
+                self._world * s.offset + i * k * s.size : self._world * s.offset + (i + 1) * k * s.size
+            ]
+            for s in self._slots
+        ]
+        return torch.cat(pieces)
+
+    # ------------------------------------------------------------------
+    # gradients
+    # ------------------------------------------------------------------
+
+    def accumulate_unsharded_grads(self) -> None:
+        """Without gradient sync, keeps gradients unsharded for the next backward,
+        upcast to the reduce dtype if that differs from the compute dtype."""
+        for p in self.trainable_params:
+            up = p.unsharded_param
+            if up is None or up.grad is None:
+                continue
+            if self.reduce_dtype is None or up.grad.dtype == self.reduce_dtype:
+                continue
+            grad = up.grad
+            up.grad = None
+            if p.accumulated_grad is None:
+                p.accumulated_grad = grad.to(self.reduce_dtype)
+            else:
+                p.accumulated_grad.add_(grad)
+
+    def has_unsharded_grads(self) -> bool:
+        return any(
+            p.accumulated_grad is not None
+            or (p.unsharded_param is not None and p.unsharded_param.grad is not None)
+            for p in self.trainable_params
+        )
+
+    def discard_unsharded_grads(self) -> None:
+        for p in self.params:
+            p.accumulated_grad = None
+            if p.unsharded_param is not None:
+                p.unsharded_param.grad = None
+        self._partial_reduce.clear()
+
+    def merge_partial_reduce(
+        self, params: list[ShardedParam], sizes: list[int], output: torch.Tensor
+    ) -> None:
+        """Adds gradient sums kept from steps without all-reduce into ``output``."""
+        if not self._partial_reduce:
+            return
+        offset = 0
+        for p, size in zip(params, sizes):
+            kept = self._partial_reduce.pop(p, None)
+            if kept is not None:
+                output[offset : offset + p.local_numel].add_(kept)
+            offset += size
+
+    def keep_partial_reduce(
+        self, params: list[ShardedParam], sizes: list[int], output: torch.Tensor
+    ) -> None:
+        offset = 0
+        for p, size in zip(params, sizes):
+            piece = output[offset : offset + p.local_numel]
+            kept = self._partial_reduce.get(p)
+            self._partial_reduce[p] = piece.clone() if kept is None else kept.add_(piece)
+            offset += size
+
+    def take_unsharded_grads(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
+        """Removes and returns the unsharded gradients (including those accumulated
+        without sync) of the parameters that received one."""
+        params, grads = [], []
+        for p in self.trainable_params:
+            up = p.unsharded_param
+            grad = up.grad if up is not None else None
+            if p.accumulated_grad is not None:
+                if grad is not None:
+                    p.accumulated_grad.add_(grad)
+                grad, p.accumulated_grad = p.accumulated_grad, None
+            if grad is None:
+                continue
+            if up is not None:
+                up.grad = None
+            params.append(p)
+            grads.append(grad)
+        return params, grads
+
+    def reduce_grads(
+        self, params: list[ShardedParam], grads: list[torch.Tensor], *, all_reduce: bool
+    ) -> PendingReduction | None:
+        """Packs ``grads`` and issues their reduce-scatter (one collective), then
+        (HSDP) all-reduce; returns the pending reduction, or None if nothing to do."""
+        if not params:
+            return None
+        info = self.mesh_info
+        world = info.shard_size
+        if self._alias and not info.is_hsdp and self.gradient_divide_factor is None:
+            # One rank, no casts: the unsharded gradient is the sharded gradient.
+            for p, g in zip(params, grads):
+                _assign_sharded_grad(p, g)
+            return None
+        reduce_dtype = self.reduce_dtype or grads[0].dtype
+        pre, post = _divide_factors(info.data_parallel_size, reduce_dtype, self.gradient_divide_factor)
+        sizes = [p.chunk_numel for p in params]
+        row = sum(sizes)
+        packed = torch.empty(world * row, dtype=reduce_dtype, device=info.device)
+        with torch.no_grad():
+            chunks = [g if p.shard_dim == 0 else p.rank_chunks(g, world) for p, g in zip(params, grads)]
+            _compat.chunk_cat(chunks, world, packed.view(world, row))
+            if pre != 1:
+                packed.div_(pre)
+        if world == 1:
+            output, rs = packed, None
+        else:
+            output = torch.empty(row, dtype=reduce_dtype, device=info.device)
+            rs = _collectives.reduce_scatter(output, packed, self.shard_group, self.name)
+        replicate_group = info.replicate_group if all_reduce else None
+        return PendingReduction(self, params, sizes, output, rs, replicate_group, post)
+
+
+class PendingReduction:
+    """A unit's gradients on their way: reduce-scatter, then (HSDP) all-reduce,
+    then division and hand-off to the sharded parameters' ``.grad``."""
+
+    def __init__(
+        self,
+        unit: Unit,
+        params: list[ShardedParam],
+        sizes: list[int],
+        output: torch.Tensor,
+        reduce_scatter: PendingCollective | None,
+        replicate_group: dist.ProcessGroup | None,
+        post_divide: float,
+    ) -> None:
+        self.unit = unit
+        self._params = params
+        self._sizes = sizes
+        self._output: torch.Tensor | None = output
+        self._reduce_scatter = reduce_scatter
+        self._replicate_group = replicate_group
+        self._all_reduce: PendingCollective | None = None
+        self._post_divide = post_divide
+        self._scattered = False
+        # HSDP without all-reduce this step: keep the sums for a later all-reduce.
+        self._keep_partial = unit.mesh_info.is_hsdp and replicate_group is None
+        self.done = False
+
+    def advance(self) -> None:
+        """Completes the reduce-scatter (freeing its full-size buffers) and starts
+        the replicate all-reduce if there is one, without waiting for the latter."""
+        if self._scattered or self.done:
+            return
+        if self._reduce_scatter is not None:
+            self._reduce_scatter.wait()
+            self._reduce_scatter = None
+        self._scattered = True
+        assert self._output is not None
+        if self._keep_partial:
+            return
+        self.unit.merge_partial_reduce(self._params, self._sizes, self._output)
+        if self._replicate_group is not None:
+            self._all_reduce = _collectives.all_reduce(
+                self._output, self._replicate_group, self.unit.name
+            )
+
+    def finish(self) -> None:
+        """Completes the reduction and accumulates into the sharded ``.grad``."""
+        if self.done:
+            return
+        self.advance()
+        if self._all_reduce is not None:
+            self._all_reduce.wait()
+            self._all_reduce = None
+        output = self._output
+        assert output is not None
+        with torch.no_grad():
+            if self._keep_partial:
+                self.unit.keep_partial_reduce(self._params, self._sizes, output)
+            else:
+                if self._post_divide != 1:
+                    output.div_(self._post_divide)
+                offset = 0
+                for p, size in zip(self._params, self._sizes):
+                    local = output[offset : offset + p.local_numel].view(p.local_shape)
+                    _assign_sharded_grad(p, local)
+                    offset += size
+        self._release()
+
+    def discard(self) -> None:
+        """Waits for in-flight collectives (their buffers must outlive them) and
+        drops the result."""
+        for pending in (self._reduce_scatter, self._all_reduce):
+            if pending is not None:
+                pending.wait()
+        self._reduce_scatter = self._all_reduce = None
+        self._release()
+
+    def _release(self) -> None:
+        self.done = True
+        self._output = None
+        self._params = []
+
+
+def _assign_sharded_grad(p: ShardedParam, local_grad: torch.Tensor) -> None:
+    if local_grad.dtype != p.orig_dtype:
+        local_grad = local_grad.to(p.orig_dtype)
+    if p.offload_device is not None:
+        local_grad = local_grad.to(p.offload_device, non_blocking=True)
+    if local_grad.shape != p.local_shape:
+        local_grad = local_grad.reshape(p.local_shape)
+    existing = p.sharded_param.grad
+    if existing is None:
+        p.sharded_param.grad = p.make_sharded_grad(local_grad)
+    else:
+        _compat.local_tensor(existing).add_(local_grad)
+
+
+def _divide_factors(
+    world: int, dtype: torch.dtype, custom: float | None
+) -> tuple[float, float]:
+    """How to average over ``world`` ranks: (divide before the sum, divide after).
+
+    Full precision divides once, after the sum (closest to a single-process mean).
+    Low precision splits the division around the sum to avoid both overflow and
+    underflow, using powers of two so the pre-division is exact.
+    """
+    if custom is not None:
+        return 1.0, float(custom)
+    if dtype.itemsize >= 4:
+        return 1.0, float(world)
+    pre = 1
+    while world % (pre * 2) == 0 and world / (pre * 2) >= pre * 2:
+        pre *= 2
+    return float(pre), world / pre
+
+
+def _alloc_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+def _free_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+class _Done(PendingCollective):
+    """A pending collective that was complete when issued (one-rank groups)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self._done = True
+
+    def wait(self) -> None:
+        return
+
+
+_DONE = _Done()
+
+
+def unit_summary(units: Sequence[Unit]) -> str:
+    """One line per unit, for logs and error messages."""
+    return "\n".join(
+        f"  {u.name}: {len(u.params)} params, state={u.state.value}" for u in units
+    )

@@ -1,0 +1,163 @@
+"""Real multi-process gloo jobs for tests, with a pool of ranks per world size.
+
+Starting W processes that import torch costs seconds, so each world size gets one
+pool of ranks for the whole session: ``DistPool.run(fn, *args)`` runs the
+module-level function ``fn(*args)`` on every rank (inside an initialised gloo
+process group) and returns the per-rank results. Every job has a deadline: a job
+that hangs or a rank that dies fails the test with each rank's traceback, and the
+pool is torn down and rebuilt for the next test (its process group may be broken).
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+_PG_TIMEOUT_S = float(os.environ.get("FSDP_COMPOSE_TEST_PG_TIMEOUT", "60"))
+
+
+def _worker(rank: int, world_size: int, init_file: str, conn: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=_PG_TIMEOUT_S),
+    )
+    conn.send(("ready", None))
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        fn, args, kwargs = pickle.loads(message)
+        try:
+            result = fn(*args, **kwargs)
+            conn.send(("ok", result))
+        except BaseException as exc:  # noqa: BLE001 - report everything to the parent
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class JobFailed(AssertionError):
+    """A distributed job raised on some rank (message holds every rank's error)."""
+
+
+class DistPool:
+    """``world_size`` spawned ranks sharing a gloo process group."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._procs: list[mp.Process] = []
+        self._conns: list[Any] = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        fd, init_file = tempfile.mkstemp(prefix="fsdp_compose_pg_")
+        os.close(fd)
+        os.unlink(init_file)  # the file store creates it
+        self._init_file = init_file
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker, args=(rank, self.world_size, init_file, child), daemon=True
+            )
+            proc.start()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._collect(timeout=120.0, what="process group start-up")
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        errors: dict[int, str] = {}
+        while pending:
+            for rank in sorted(pending):
+                conn = self._conns[rank]
+                if conn.poll(0.01):
+                    try:
+                        status, value = conn.recv()
+                    except EOFError:
+                        status, value = "error", "rank process exited unexpectedly"
+                    pending.discard(rank)
+                    if status == "error":
+                        errors[rank] = value
+                    else:
+                        results[rank] = value
+                elif not self._procs[rank].is_alive():
+                    pending.discard(rank)
+                    errors[rank] = f"rank process died (exit code {self._procs[rank].exitcode})"
+            if errors and pending:
+                # Other ranks may be stuck in a collective with the failed one; give
+                # them a moment to fail on their own, then stop waiting.
+                deadline = min(deadline, time.monotonic() + 10.0)
+            if time.monotonic() > deadline:
+                for rank in pending:
+                    errors[rank] = f"no result within {timeout:.0f}s (hang?)"
+                break
+        if errors:
+            self.close()
+            detail = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+            raise JobFailed(f"{what} failed on ranks {sorted(errors)}:\n{detail}")
+        return results
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+        """Runs ``fn(*args, **kwargs)`` on every rank; returns the per-rank results."""
+        if not self._procs:
+            self._start()
+        payload = pickle.dumps((fn, args, kwargs))
+        for conn in self._conns:
+            conn.send(payload)
+        return self._collect(timeout, f"{getattr(fn, '__name__', fn)} (world size {self.world_size})")
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2)
+        self._procs, self._conns = [], []
+        try:
+            os.unlink(self._init_file)
+        except OSError:
+            pass
+
+
+_pools: dict[int, DistPool] = {}
+
+
+def get_pool(world_size: int) -> DistPool:
+    pool = _pools.get(world_size)
+    if pool is None:
+        pool = _pools[world_size] = DistPool(world_size)
+    return pool
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+    """Runs ``fn`` on ``world_size`` gloo ranks (see :class:`DistPool`)."""
+    return get_pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()

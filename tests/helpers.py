@@ -1,0 +1,100 @@
+"""Helpers shared by the distributed test jobs (run inside rank processes)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_compose import _collectives
+
+
+class CollectiveLog:
+    """Records every collective fsdp_compose issues while active."""
+
+    def __init__(self) -> None:
+        self.issued: list[_collectives.CollectiveInfo] = []
+
+    def __call__(self, event: str, info: _collectives.CollectiveInfo) -> None:
+        if event == "issue":
+            self.issued.append(info)
+
+    def counts(self) -> Counter[tuple[str, str]]:
+        return Counter((i.kind, i.label) for i in self.issued)
+
+    def kinds(self) -> Counter[str]:
+        return Counter(i.kind for i in self.issued)
+
+    def clear(self) -> None:
+        self.issued.clear()
+
+
+@contextlib.contextmanager
+def collective_log() -> Iterator[CollectiveLog]:
+    log = CollectiveLog()
+    _collectives.add_listener(log)
+    try:
+        yield log
+    finally:
+        _collectives.remove_listener(log)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def max_param_diff(model: nn.Module, ref: nn.Module) -> tuple[float, str]:
+    worst, where = 0.0, ""
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        d = (full(p.detach()) - ref_params[name].detach()).abs().max().item()
+        if d > worst:
+            worst, where = d, name
+    return worst, where
+
+
+def max_grad_diff(model: nn.Module, ref: nn.Module, skip: tuple[str, ...] = ()) -> float:
+    """Largest |grad - reference grad| over parameters that have a gradient."""
+    worst = 0.0
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if p.grad is None or any(s in name for s in skip):
+            assert ref_params[name].grad is None or any(s in name for s in skip), name
+            continue
+        d = (full(p.grad) - ref_params[name].grad).abs().max().item()
+        worst = max(worst, d)
+    return worst
+
+
+def mean_across_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def local_slice(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    per = x.size(0) // world
+    return x[rank * per : (rank + 1) * per]
+
+
+def clone_model(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+def rank_world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def assert_close(actual: float, expected: float, tol: float, what: str) -> None:
+    assert abs(actual - expected) <= tol, f"{what}: {actual} vs {expected} (tol {tol})"
+
+
+def summary(**kw: Any) -> dict[str, Any]:
+    return kw
