@@ -29,6 +29,8 @@ PRESETS = {
     "small": GPTConfig(vocab_size=8192, block_size=128, n_layer=6, n_head=8, n_embd=384),
     # ~200M parameters: for memory measurements (build it on the meta device)
     "large": GPTConfig(vocab_size=32000, block_size=256, n_layer=14, n_head=16, n_embd=1024),
+    # demo: the README's two-rank CPU run (~1M parameters)
+    "demo": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128),
     # tiny: unit tests
     "tiny": GPTConfig(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32),
 }
@@ -126,7 +128,13 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def make_batch(cfg: GPTConfig, batch_size: int, step: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deterministic (tokens, targets) batch for ``step``; identical on every rank."""
+    """A deterministic (tokens, targets) batch for ``step``; identical on every rank.
+
+    Each sequence is an arithmetic progression modulo the vocabulary with a random
+    start and stride, so a model can learn it (the loss visibly falls) from context.
+    """
     gen = torch.Generator().manual_seed(seed * 100003 + step)
-    data = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size + 1), generator=gen)
+    start = torch.randint(0, cfg.vocab_size, (batch_size, 1), generator=gen)
+    stride = torch.randint(1, 8, (batch_size, 1), generator=gen)
+    data = (start + stride * torch.arange(cfg.block_size + 1)) % cfg.vocab_size
     return data[:, :-1], data[:, 1:]

@@ -283,12 +283,20 @@ def _check_and_move_devices(
     device: torch.device,
     offload: bool,
 ) -> None:
-    devices = {p.device for p in owners if not p.is_meta}
+    devices = {p.device for p in owners}
     if len(devices) > 1:
-        where = {owner[0][1] + f" ({type(owner[0][0]).__name__})": str(p.device) for p, owner in owners.items()}
+        where = {
+            f"{owner[0][1]} ({type(owner[0][0]).__name__})": str(p.device) for p, owner in owners.items()
+        }
+        hint = (
+            " Materialize the whole module (to_empty) or none of it: a module partly on the "
+            "meta device would lose its real parameters when materialized later."
+            if any(d.type == "meta" for d in devices)
+            else " Move the module to one device first."
+        )
         raise ValueError(
             f"fully_shard found parameters on different devices {sorted(map(str, devices))}: "
-            f"{where}. Move the module to one device (or build it on the meta device) first."
+            f"{where}.{hint}"
         )
     # Buffers are not sharded; like parameters they follow the mesh's device.
     if offload:
@@ -513,6 +521,46 @@ class FSDPModule:
         all-gather after the optimizer step on the current stream, which is what
         this event would establish."""
         del event
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Sets whether parameters that got no gradient on this rank take part in
+        the reduce-scatter with zeros. Needed when ranks use different parameters
+        (conditional branches, mixture of experts), so that every rank issues the
+        same collective; like DDP's ``find_unused_parameters``."""
+        for unit in self._units(recurse):
+            unit.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any | None = None
+    ) -> None:
+        """Calls ``hook(reduce_output)`` on this unit's reduced gradient (the
+        reduce-scatter output, or with HSDP the all-reduce output), before the
+        averaging division. ``stream`` is accepted for API compatibility; the hook
+        runs where the reduction completes."""
+        del stream
+        for unit in self._units(False):
+            unit.all_reduce_hook = hook
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for API compatibility: fsdp_compose always reduces with SUM and
+        divides separately, which is what this setting requests."""
+        del enable
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Not supported yet: raises ``NotImplementedError``."""
+        raise NotImplementedError(
+            "fsdp_compose does not support custom all-gather comms yet; all collectives go "
+            "through fsdp_compose._collectives"
+        )
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Not supported yet: raises ``NotImplementedError``."""
+        raise NotImplementedError(
+            "fsdp_compose does not support custom reduce-scatter comms yet; all collectives go "
+            "through fsdp_compose._collectives"
+        )
 
     # -- additions beyond FSDP2's API ----------------------------------------
 

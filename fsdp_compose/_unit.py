@@ -26,7 +26,7 @@ unwrapped model costs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -101,6 +101,8 @@ class Unit:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.gradient_divide_factor: float | None = None
+        self.reduce_scatter_unused_params = False
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.unshard_in_backward = True
         # Explicit prefetch targets (set_modules_to_*_prefetch); None: implicit order.
         self.forward_prefetch: list[Unit] | None = None
@@ -540,7 +542,11 @@ class Unit:
                     p.accumulated_grad.add_(grad)
                 grad, p.accumulated_grad = p.accumulated_grad, None
             if grad is None:
-                continue
+                if not self.reduce_scatter_unused_params or up is None:
+                    continue
+                # Keep the collective's size identical on ranks where this
+                # parameter got no gradient (conditional branches, MoE).
+                grad = torch.zeros(p.orig_size, dtype=p.compute_dtype, device=self.mesh_info.device)
             if up is not None:
                 up.grad = None
             params.append(p)
@@ -639,6 +645,8 @@ class PendingReduction:
             if self._keep_partial:
                 self.unit.keep_partial_reduce(self._params, self._sizes, output)
             else:
+                if self.unit.all_reduce_hook is not None:
+                    self.unit.all_reduce_hook(output)
                 if self._post_divide != 1:
                     output.div_(self._post_divide)
                 offset = 0
@@ -670,11 +678,18 @@ def _assign_sharded_grad(p: ShardedParam, local_grad: torch.Tensor) -> None:
         local_grad = local_grad.to(p.offload_device, non_blocking=True)
     if local_grad.shape != p.local_shape:
         local_grad = local_grad.reshape(p.local_shape)
-    existing = p.sharded_param.grad
+    param = p.sharded_param
+    existing = param.grad
     if existing is None:
-        p.sharded_param.grad = p.make_sharded_grad(local_grad)
+        param.grad = p.make_sharded_grad(local_grad)
     else:
         _compat.local_tensor(existing).add_(local_grad)
+    # Like autograd's AccumulateGrad, run the hooks registered with
+    # register_post_accumulate_grad_hook (e.g. optimizer-in-backward).
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    if hooks:
+        for hook in tuple(hooks.values()):
+            hook(param)
 
 
 def _divide_factors(

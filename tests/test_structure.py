@@ -1,0 +1,262 @@
+"""What fully_shard does to a module in place: names, classes, DTensor placements,
+state dicts, unshard/reshard, meta-device init, extra forward methods."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+from dist_utils import run_distributed
+from gpt import GPT, GPTConfig, loss_fn, make_batch
+from helpers import local_slice, max_param_diff, rank_world
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_compose import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+
+TINY = dict(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def _structure_job() -> dict:
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(**TINY))
+    model = copy.deepcopy(ref)
+    names_before = [n for n, _ in model.named_parameters()]
+    keys_before = list(model.state_dict().keys())
+    for block in model.blocks:
+        fully_shard(block)
+    result = fully_shard(model)
+    out: dict = {"returned_same": result is model}
+    out["names_same"] = [n for n, _ in model.named_parameters()] == names_before
+    out["keys_same"] = list(model.state_dict().keys()) == keys_before
+    out["isinstance"] = (
+        isinstance(model, FSDPModule) and isinstance(model, GPT)
+        and all(isinstance(b, FSDPModule) for b in model.blocks)
+        and not isinstance(model.ln_f, FSDPModule)
+    )
+    out["class_name"] = type(model).__name__
+    checks = []
+    for (name, p), (_, ref_p) in zip(model.named_parameters(), ref.named_parameters()):
+        expected_local = ref_p.chunk(world, dim=0)
+        local = expected_local[rank] if rank < len(expected_local) else ref_p[:0]
+        checks.append(
+            isinstance(p, nn.Parameter)
+            and isinstance(p, DTensor)
+            and p.placements == (Shard(0),)
+            and p.shape == ref_p.shape
+            and p.to_local().shape == local.shape
+            and torch.equal(p.to_local(), local)
+            and torch.equal(p.full_tensor(), ref_p.detach())
+        )
+    out["params_ok"] = all(checks)
+    out["sd_dtensor"] = all(isinstance(v, DTensor) for v in model.state_dict().values())
+
+    # unshard / reshard toggle full plain tensors and DTensors (not recursive)
+    block = model.blocks[0]
+    assert block.unshard() is None
+    w = block.attn.qkv.weight
+    out["unsharded_plain"] = not isinstance(w, DTensor) and w.shape == ref.blocks[0].attn.qkv.weight.shape
+    out["unsharded_values"] = torch.equal(w.detach(), ref.blocks[0].attn.qkv.weight.detach())
+    out["child_still_sharded"] = isinstance(model.blocks[1].attn.qkv.weight, DTensor)
+    out["root_still_sharded"] = isinstance(model.tok_emb.weight, DTensor)
+    block.reshard()
+    out["resharded"] = isinstance(block.attn.qkv.weight, DTensor)
+    handle = model.blocks[1].unshard(async_op=True)
+    out["handle_type"] = isinstance(handle, UnshardHandle)
+    handle.wait()
+    out["async_unsharded"] = not isinstance(model.blocks[1].mlp.fc.weight, DTensor)
+    model.blocks[1].reshard()
+
+    # after a training forward the root keeps its unsharded parameters, but the
+    # state dict still holds shards
+    x, y = make_batch(GPTConfig(**TINY), 2 * world, 0)
+    loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+    out["sd_after_forward_dtensor"] = all(isinstance(v, DTensor) for v in model.state_dict().values())
+    loss.backward()
+    out["grads_dtensor"] = all(isinstance(p.grad, DTensor) and p.grad.placements == (Shard(0),)
+                               for p in model.parameters())
+    out["all_sharded_after_backward"] = all(isinstance(p.data, DTensor) for p in model.parameters())
+    return out
+
+
+def test_structure_in_place() -> None:
+    for r in run_distributed(_structure_job, 2):
+        assert r["returned_same"]
+        assert r["names_same"] and r["keys_same"]
+        assert r["isinstance"] and r["class_name"] == "FSDPGPT"
+        assert r["params_ok"]
+        assert r["sd_dtensor"] and r["sd_after_forward_dtensor"]
+        assert r["unsharded_plain"] and r["unsharded_values"]
+        assert r["child_still_sharded"] and r["root_still_sharded"] and r["resharded"]
+        assert r["handle_type"] and r["async_unsharded"]
+        assert r["grads_dtensor"] and r["all_sharded_after_backward"]
+
+
+def _state_dict_job() -> dict:
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    cfg = GPTConfig(**TINY)
+    ref = GPT(cfg)
+    other = GPT(cfg)  # different weights
+    model = copy.deepcopy(other)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    out = {}
+    # a full (plain tensor) state dict is sharded on the fly
+    missing, unexpected = model.load_state_dict(ref.state_dict())
+    out["full_load"] = max_param_diff(model, ref)[0] == 0.0 and not missing and not unexpected
+    # a sharded state dict round-trips
+    sharded = {k: v.clone() for k, v in model.state_dict().items()}
+    model2 = copy.deepcopy(other)
+    for block in model2.blocks:
+        fully_shard(block)
+    fully_shard(model2)
+    model2.load_state_dict(sharded)
+    out["sharded_load"] = max_param_diff(model2, ref)[0] == 0.0
+    # and the loaded model trains like the reference
+    x, y = make_batch(cfg, 2 * world, 0)
+    a = loss_fn(model2(local_slice(x, rank, world)), local_slice(y, rank, world)).item()
+    b = loss_fn(ref(local_slice(x, rank, world)), local_slice(y, rank, world)).item()
+    out["loss_equal"] = abs(a - b) < 1e-6
+    return out
+
+
+def test_state_dict_load_full_and_sharded() -> None:
+    for r in run_distributed(_state_dict_job, 2):
+        assert r == {"full_load": True, "sharded_load": True, "loss_equal": True}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _meta_init_job() -> dict:
+    rank, world = rank_world()
+    cfg = GPTConfig(vocab_size=32000, block_size=64, n_layer=2, n_head=8, n_embd=512)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    full_bytes = sum(p.numel() * 4 for p in model.parameters())
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    before = _rss_mb()
+    model.to_empty(device="cpu")
+    after_materialize = _rss_mb()
+    local_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
+    model.init_weights(seed=3)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    ref.init_weights(seed=3)
+    out = {
+        "full_mb": full_bytes / 2**20,
+        "local_mb": local_bytes / 2**20,
+        "rss_growth_mb": after_materialize - before,
+        "init_equal": max_param_diff(model, ref)[0] == 0.0,
+    }
+    # trains at parity
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    diffs = []
+    for step in range(2):
+        x, y = make_batch(cfg, 2 * world, step)
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = torch.tensor([loss.item()])
+        torch.distributed.all_reduce(t)
+        diffs.append(abs(t.item() / world - ref_loss.item()))
+    out["loss_diffs"] = diffs
+    return out
+
+
+def test_meta_device_init() -> None:
+    for r in run_distributed(_meta_init_job, 2, timeout=240):
+        assert abs(r["local_mb"] - r["full_mb"] / 2) < 1.0
+        # materialising allocates this rank's shards only (not the full model)
+        assert r["rss_growth_mb"] < 0.75 * r["full_mb"], r
+        assert r["init_equal"]
+        assert max(r["loss_diffs"]) < 1e-5
+
+
+class _WithMethod(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+    def double(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * self.lin(x)
+
+
+def _forward_method_job() -> dict:
+    torch.manual_seed(0)
+    ref = _WithMethod()
+    model = copy.deepcopy(ref)
+    fully_shard(model, reshard_after_forward=True)
+    register_fsdp_forward_method(model, "double")
+    x = torch.randn(3, 8)
+    y = model.double(x)
+    out = {"equal": torch.allclose(y, ref.double(x)), "resharded": isinstance(model.lin.weight, DTensor)}
+    y.sum().backward()
+    out["grad"] = isinstance(model.lin.weight.grad, DTensor)
+    register_fsdp_forward_method(nn.Linear(2, 2), "forward")  # no-op on plain modules
+    return out
+
+
+def test_register_fsdp_forward_method() -> None:
+    for r in run_distributed(_forward_method_job, 2):
+        assert r == {"equal": True, "resharded": True, "grad": True}
+
+
+def _group_job() -> dict:
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    cfg = GPTConfig(**{**TINY, "tie_weights": True})
+    ref = GPT(cfg)
+    model = copy.deepcopy(ref)
+    for block in model.blocks:
+        fully_shard(block)
+    grouped = fully_shard([model.tok_emb, model.lm_head])  # tied weight in one unit
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    diffs = []
+    for step in range(3):
+        x, y = make_batch(cfg, 2 * world, step)
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = torch.tensor([loss.item()])
+        torch.distributed.all_reduce(t)
+        diffs.append(abs(t.item() / world - ref_loss.item()))
+    return {
+        "returned_list": isinstance(grouped, list) and all(isinstance(m, FSDPModule) for m in grouped),
+        "tied": model.lm_head.weight is model.tok_emb.weight,
+        "diffs": diffs,
+        "param_diff": max_param_diff(model, ref)[0],
+    }
+
+
+def test_grouped_unit_with_tied_weights() -> None:
+    for r in run_distributed(_group_job, 2):
+        assert r["returned_list"] and r["tied"]
+        assert max(r["diffs"]) < 1e-5
+        assert r["param_diff"] < 1e-4
