@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from . import _compat, debug
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 CollectiveEvent = Literal["issue", "complete", "wait_begin", "wait_end"]
@@ -61,6 +61,7 @@ class CollectiveInfo:
 Listener = Callable[[CollectiveEvent, CollectiveInfo], None]
 _listeners: list[Listener] = []
 _seq = itertools.count()
+current_step = 0  # set by the scheduler; names the step in errors and fingerprints
 
 
 def add_listener(listener: Listener) -> None:
@@ -119,7 +120,7 @@ class PendingCollective:
     cannot be reused while the communication may still touch it.
     """
 
-    __slots__ = ("_work", "_stream_wait", "_finish", "_info", "_tensors", "_done")
+    __slots__ = ("_work", "_stream_wait", "_finish", "_info", "_tensors", "_done", "_what")
 
     def __init__(
         self,
@@ -128,7 +129,9 @@ class PendingCollective:
         stream_wait: Callable[[], None] | None = None,
         finish: Callable[[], None] | None = None,
         tensors: tuple[torch.Tensor, ...] = (),
+        what: str = "",
     ) -> None:
+        self._what = what
         self._work = work
         self._stream_wait = stream_wait
         self._finish = finish
@@ -147,7 +150,10 @@ class PendingCollective:
         if info is not None and _listeners:
             _notify("wait_begin", info)
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                raise _failure(self._what, exc) from exc
         if self._stream_wait is not None:
             self._stream_wait()
         if self._finish is not None:
@@ -159,6 +165,15 @@ class PendingCollective:
         self._done = True
         self._work = self._stream_wait = self._finish = None
         self._tensors = ()
+
+
+def _failure(what: str, exc: BaseException) -> RuntimeError:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return RuntimeError(
+        f"fsdp_compose: {what} failed on rank {rank}: {exc}\nA peer rank may have crashed or "
+        "timed out, or the ranks issued different collectives; run with "
+        "FSDP_COMPOSE_DEBUG_COLLECTIVES=1 to compare the ranks' collectives."
+    )
 
 
 def _info(
@@ -187,14 +202,22 @@ def _launch(
     finish: Callable[[], None] | None = None,
     keepalive: tuple[torch.Tensor, ...] = (),
 ) -> PendingCollective:
+    if debug._checker is not None:
+        debug._check(kind, label, group, inp.numel(), inp.dtype, current_step)
     info = _info(kind, label, group.size(), inp, out)
     if info is not None:
         _notify("issue", info)
+    what = f"{kind} for {label} (step {current_step})"
     if out.device.type == "cpu":
-        work = issue(True)
+        try:
+            work = issue(True)
+        except RuntimeError as exc:
+            raise _failure(what, exc) from exc
         if info is not None and work is not None:
             _on_complete(work, info)
-        return PendingCollective(info, work=work, finish=finish, tensors=(inp, out, *keepalive))
+        return PendingCollective(
+            info, work=work, finish=finish, tensors=(inp, out, *keepalive), what=what
+        )
     streams = _device_streams(out.device)
     stream = streams.reduce_scatter if kind != "all_gather" else streams.all_gather
     current = streams.module.current_stream(out.device)
@@ -209,7 +232,9 @@ def _launch(
     def stream_wait() -> None:
         streams.module.current_stream(device).wait_event(event)
 
-    return PendingCollective(info, stream_wait=stream_wait, tensors=(inp, out, *keepalive))
+    return PendingCollective(
+        info, stream_wait=stream_wait, tensors=(inp, out, *keepalive), what=what
+    )
 
 
 # ---------------------------------------------------------------------------

@@ -176,6 +176,11 @@ def register_load_state_dict_pre_hook(module: torch.nn.Module, hook: Callable[..
     return module._register_load_state_dict_pre_hook(hook, with_module=True)  # pragma: no cover
 
 
+def default_store() -> dist.Store:
+    """The key-value store of the default process group (used by debug checks)."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def process_group_backend(group: dist.ProcessGroup) -> str:
     """Lower-case backend name of ``group`` (``"gloo"``, ``"nccl"``, ...)."""
     return str(dist.get_backend(group)).lower()

@@ -31,6 +31,7 @@ import logging
 
 import torch
 
+from . import _collectives
 from . import trace as _trace
 from ._unit import PendingReduction, Phase, ShardState, Unit
 
@@ -63,6 +64,9 @@ class Scheduler:
         self._deferred: list[Unit] = []
         self._holding: dict[Unit, int] = {}  # unit -> unsharded bytes it holds
         self._holding_bytes = 0
+        # Versions of each unit's shards when its forward ran: backward must see the
+        # same parameters as the forward that built the autograd graph.
+        self._forward_versions: dict[Unit, list[int]] = {}
 
     # ------------------------------------------------------------------
     # memory accounting (rate limiter) and issuing
@@ -148,10 +152,17 @@ class Scheduler:
 
     def begin_forward(self) -> None:
         """Called once per iteration, by the first unit state to run forward."""
+        if self.backward_active:
+            raise RuntimeError(
+                "fsdp_compose: a new forward started but the previous backward never finished "
+                "(an exception inside backward?), so gradients were not reduced. Call "
+                "reset_iter_state() on the root module after catching the exception."
+            )
         self._complete_reductions()
         self._recount_holdings()
         self.forward_active = True
         self.step += 1
+        _collectives.current_step = self.step
         if _trace.ENABLED:
             _trace.set_step(self.step)
         if self._forward_order:
@@ -170,6 +181,7 @@ class Scheduler:
     def pre_forward(self, unit: Unit) -> None:
         unit.phase = Phase.FORWARD
         self._forward_order.append(unit)
+        self._forward_versions[unit] = [p.local_shard._version for p in unit.params]
         self._issue(unit)
         for target in self._forward_prefetch_targets(unit):
             self._prefetch(target)
@@ -229,6 +241,16 @@ class Scheduler:
             return
         self.backward_active = True
         unit.phase = Phase.PRE_BACKWARD
+        versions = self._forward_versions.get(unit)
+        if versions is not None and any(
+            p.local_shard._version != v for p, v in zip(unit.params, versions)
+        ):
+            raise RuntimeError(
+                f"fsdp_compose: backward reached unit {unit.name!r}, but its parameters were "
+                "modified (e.g. by optimizer.step()) after the forward that built this autograd "
+                "graph, so backward would combine new parameters with old activations. Run a new "
+                "forward before each backward, and step the optimizer after all backwards."
+            )
         if unit.unshard_in_backward:
             self._issue(unit)
             for target in self._backward_prefetch_targets(unit):
@@ -307,13 +329,28 @@ class Scheduler:
         In-flight collectives are waited for (their buffers must outlive them) and
         their results discarded, as are unsharded and partially reduced gradients.
         """
+        failures: list[str] = []
         for reduction in self._reductions:
-            reduction.discard()
+            try:
+                reduction.discard()
+            except RuntimeError as exc:  # a collective of the failed step failed too
+                failures.append(str(exc))
         self._reductions = []
         for unit in self.units:
             unit.discard_unsharded_grads()
-            self._reshard(unit)
+            try:
+                self._reshard(unit)
+            except RuntimeError as exc:
+                failures.append(str(exc))
+                unit.abandon_gather()
+                self._reshard(unit)
             unit.phase = Phase.IDLE
+        self._forward_versions.clear()
+        if failures:
+            logger.warning(
+                "fsdp_compose: reset_iter_state discarded %d collectives that had failed: %s",
+                len(failures), failures[0],
+            )
         self._deferred.clear()
         self.forward_active = False
         self.backward_active = False

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from . import _compat
+from . import _checks, _compat
 from ._policies import MixedPrecisionPolicy
 from ._scheduler import Scheduler
 from ._unit import Unit
@@ -162,6 +162,8 @@ class UnitState:
         self.all_states = states
         for unit in units:
             unit.lazy_init()
+        _checks.verify_same_structure(units)
+        _checks.register_units(units)
 
     # ------------------------------------------------------------------
     # forward
@@ -180,6 +182,12 @@ class UnitState:
             if unit is not None:
                 scheduler.recompute_forward(unit)
             return self._cast_inputs(args, kwargs)
+        if self._began_forward:
+            raise RuntimeError(
+                f"fsdp_compose: the previous forward of {type(module).__name__} did not finish (an "
+                "exception inside forward?), so units may still hold unsharded parameters. Call "
+                "reset_iter_state() on the root module after catching the exception."
+            )
         if not scheduler.forward_active:
             self._began_forward = True
             scheduler.begin_forward()

@@ -458,6 +458,12 @@ class Unit:
             _free_storage(self._unsharded)
         self.state = ShardState.PARTIALLY_SHARDED if keep_share else ShardState.SHARDED
 
+    def abandon_gather(self) -> None:
+        """Forgets a gather whose collective failed (its wait raised): there is
+        nothing to wait for any more, only state to clear."""
+        self._pending_gather = None
+        self._gather_output = None
+
     def _pack_post_forward_shard(self) -> torch.Tensor:
         # This rank keeps rows [i*k, (i+1)*k) of every parameter block, k = W / N:
         # exactly what an all-gather over its N-rank group must contribute to

@@ -1,0 +1,150 @@
+"""Misuse detection: mistakes that would otherwise hang or train silently wrong.
+
+* Ranks whose models differ (a parameter more, another shape) are caught at lazy
+  init by comparing a digest of every unit's parameter names, shapes and dtypes
+  across each data-parallel group; without it they would hang or exchange
+  mismatched data at the first all-gather.
+* An optimizer that holds tensors fsdp_compose does not train is caught at its
+  first ``step()``: the original parameters that ``fully_shard`` replaced (the
+  optimizer was built before ``fully_shard``), or the unsharded parameters the
+  root registers between forward and backward (built after a forward). torch's
+  FSDP2 silently never updates the sharded parameters in both cases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._unit import Unit
+
+REPLACED_BY = "_fsdp_compose_replaced_by"  # set on original parameters by fully_shard
+
+_live_units: weakref.WeakSet[Unit] = weakref.WeakSet()
+_checked_optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_hook_installed = False
+
+
+# ---------------------------------------------------------------------------
+# same model on every rank
+# ---------------------------------------------------------------------------
+
+
+def _describe(units: list[Unit]) -> list[tuple[str, list[tuple[str, tuple[int, ...], str, bool]]]]:
+    return [
+        (
+            u.name,
+            [
+                (p.fqn, tuple(p.orig_size), str(p.orig_dtype), bool(p.sharded_param.requires_grad))
+                for p in u.params
+            ],
+        )
+        for u in units
+    ]
+
+
+def _first_difference(mine: list[Any], theirs: list[Any]) -> str:
+    if len(mine) != len(theirs):
+        return f"{len(mine)} units here vs {len(theirs)} there"
+    for (name_a, params_a), (name_b, params_b) in zip(mine, theirs):
+        if name_a != name_b:
+            return f"unit {name_a!r} here vs {name_b!r} there"
+        if len(params_a) != len(params_b):
+            return f"unit {name_a!r} has {len(params_a)} parameters here vs {len(params_b)} there"
+        for a, b in zip(params_a, params_b):
+            if a != b:
+                return f"parameter {a[0]!r}: shape {a[1]} {a[2]} here vs {b[0]!r} shape {b[1]} {b[2]} there"
+    return "no difference found in the descriptions"
+
+
+def verify_same_structure(units: list[Unit]) -> None:
+    """Raises on every rank if the ranks of a data-parallel group built different
+    models (one small all-gather per group, once at lazy init)."""
+    if not units or not dist.is_initialized():
+        return
+    description = _describe(units)
+    digest = int.from_bytes(hashlib.sha256(repr(description).encode()).digest()[:7], "little")
+    groups: dict[int, tuple[dist.ProcessGroup, torch.device]] = {}
+    for u in units:
+        for group in (u.mesh_info.shard_group, u.mesh_info.replicate_group):
+            if group is not None and group.size() > 1:
+                groups.setdefault(id(group), (group, u.mesh_info.device))
+    for group, device in groups.values():
+        mine = torch.tensor([digest], dtype=torch.int64, device=device)
+        gathered = torch.empty(group.size(), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(gathered, mine, group=group)
+        digests = gathered.tolist()
+        if len(set(digests)) == 1:
+            continue
+        descriptions: list[Any] = [None] * group.size()
+        dist.all_gather_object(descriptions, description, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        me = dist.get_rank()
+        other = next(i for i, d in enumerate(digests) if d != digest) if digest != digests[0] else next(
+            i for i, d in enumerate(digests) if d != digests[0]
+        )
+        detail = _first_difference(description, descriptions[other])
+        raise RuntimeError(
+            f"fsdp_compose: the ranks of data-parallel group {ranks} built different models, so "
+            f"their collectives would not match. Rank {me} vs rank {ranks[other]}: {detail}. "
+            "Build the same model (same config, same fully_shard calls) on every rank."
+        )
+
+
+# ---------------------------------------------------------------------------
+# optimizer built at the wrong time
+# ---------------------------------------------------------------------------
+
+
+def register_units(units: list[Unit]) -> None:
+    for u in units:
+        _live_units.add(u)
+    _install_optimizer_hook()
+
+
+def _install_optimizer_hook() -> None:
+    global _hook_installed
+    if _hook_installed:
+        return
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_check_optimizer)
+    _hook_installed = True
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _checked_optimizers.get(optimizer) == count:
+        return  # already checked these parameters
+    unsharded = {
+        id(p.unsharded_param): (u, p)
+        for u in list(_live_units)
+        for p in u.params
+        if p.unsharded_param is not None
+    }
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            replaced = getattr(param, REPLACED_BY, None)
+            if replaced is not None:
+                raise RuntimeError(
+                    f"fsdp_compose: {type(optimizer).__name__} holds a parameter of shape "
+                    f"{tuple(param.shape)} that fully_shard({replaced}) replaced by a sharded "
+                    "DTensor, so this optimizer would never update the model. Create the optimizer "
+                    "after fully_shard, from model.parameters()."
+                )
+            hit = unsharded.get(id(param))
+            if hit is not None:
+                unit, p = hit
+                raise RuntimeError(
+                    f"fsdp_compose: {type(optimizer).__name__} holds the unsharded parameter "
+                    f"{p.fqn!r} of unit {unit.name!r}, which fsdp_compose registers on the module "
+                    "only while it is gathered (the root keeps its parameters from forward until "
+                    "backward); updates to it are discarded. Create the optimizer right after "
+                    "fully_shard (before the first forward), or after a backward, so that "
+                    "model.parameters() returns the sharded parameters."
+                )
+    _checked_optimizers[optimizer] = count

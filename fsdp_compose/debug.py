@@ -1,0 +1,149 @@
+"""Debug mode: find ranks that issue different collectives instead of hanging.
+
+The most expensive distributed failure is a hang: one rank takes a different
+branch (a conditional module, an uneven number of batches), issues a different
+all-gather, and every rank waits forever -- or, worse, two units of the same size
+silently exchange each other's data. In debug mode every collective fsdp_compose
+issues first publishes a fingerprint (unit, kind, sizes, dtype, step) through the
+process group's key-value store and compares it with the fingerprints of the other
+ranks of its group *before* the payload moves. On a mismatch every rank raises::
+
+    RuntimeError: fsdp_compose collective mismatch on group [0, 1] (collective #17):
+      rank 0 issued all_gather for blocks.2 (4160 x float32, step 3)
+      rank 1 issued all_gather for blocks.1 (4160 x float32, step 3)
+
+and a rank that stops issuing collectives makes the others raise after
+``timeout`` seconds, naming the ranks they waited for.
+
+Turn it on with the environment variable ``FSDP_COMPOSE_DEBUG_COLLECTIVES=1``
+(``FSDP_COMPOSE_DEBUG_TIMEOUT`` sets the timeout, default 60 s), or in code::
+
+    from fsdp_compose import debug
+    debug.enable_collective_checks(timeout=30.0)
+
+Cost: each collective waits for a store round trip with every rank of its group
+(about 0.1-1 ms on one host), and the wait makes communication synchronous with
+the training thread, so overlap is lost. Use it to diagnose, not to train.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import _compat
+
+__all__ = [
+    "CollectiveMismatchError",
+    "enable_collective_checks",
+    "disable_collective_checks",
+    "collective_checks",
+    "collective_checks_enabled",
+]
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks of one process group issued different collectives (or some none)."""
+
+
+class _FingerprintChecker:
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._seq: dict[tuple[int, ...], int] = {}
+        self._delete_supported = True
+
+    def check(
+        self, kind: str, label: str, group: dist.ProcessGroup, numel: int, dtype: torch.dtype, step: int
+    ) -> None:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        seq = self._seq.get(ranks, 0)
+        self._seq[ranks] = seq + 1
+        me = dist.get_rank()
+        store = _compat.default_store()
+        group_key = "-".join(map(str, ranks))
+        prefix = f"fsdp_compose/fingerprint/{group_key}/{seq}/"
+        mine = f"{kind} for {label} ({numel} x {str(dtype).replace('torch.', '')}, step {step})"
+        store.set(prefix + str(me), mine)
+        others = [r for r in ranks if r != me]
+        try:
+            store.wait([prefix + str(r) for r in others], timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            missing = [r for r in others if not store.check([prefix + str(r)])]
+            raise CollectiveMismatchError(
+                f"fsdp_compose: rank {me} issued {mine} as collective #{seq} on group "
+                f"{list(ranks)}, but ranks {missing} issued no collective #{seq} within "
+                f"{self.timeout:.0f}s. They may have stopped early (an uneven number of "
+                "batches), crashed, taken a branch without this unit, or be blocked elsewhere."
+            ) from exc
+        seen = {r: store.get(prefix + str(r)).decode() for r in others}
+        seen[me] = mine
+        if self._delete_supported and seq >= 2:
+            # Everyone has read collective seq-2's keys before publishing seq-1's.
+            try:
+                store.delete_key(f"fsdp_compose/fingerprint/{group_key}/{seq - 2}/{me}")
+            except RuntimeError:
+                self._delete_supported = False
+        if len(set(seen.values())) > 1:
+            lines = "\n".join(f"  rank {r} issued {seen[r]}" for r in sorted(seen))
+            raise CollectiveMismatchError(
+                f"fsdp_compose collective mismatch on group {list(ranks)} (collective #{seq}):\n"
+                f"{lines}\nThe ranks ran different units or a different number of steps (e.g. a "
+                "data-dependent branch taken on some ranks only). Every rank must run the same "
+                "fully_shard units in the same order."
+            )
+
+
+_checker: _FingerprintChecker | None = None
+
+
+def _env_enabled() -> bool:
+    return os.environ.get("FSDP_COMPOSE_DEBUG_COLLECTIVES", "0") not in ("", "0", "false", "False")
+
+
+def enable_collective_checks(timeout: float | None = None) -> None:
+    """Cross-checks every collective's fingerprint across ranks before it is issued.
+
+    Args:
+        timeout (Optional[float]): seconds to wait for the other ranks' fingerprints
+            before raising :class:`CollectiveMismatchError`. Defaults to
+            ``FSDP_COMPOSE_DEBUG_TIMEOUT`` or 60.
+    """
+    global _checker
+    if timeout is None:
+        timeout = float(os.environ.get("FSDP_COMPOSE_DEBUG_TIMEOUT", "60"))
+    _checker = _FingerprintChecker(timeout)
+
+
+def disable_collective_checks() -> None:
+    """Turns the cross-rank collective checks off (the default)."""
+    global _checker
+    _checker = None
+
+
+def collective_checks_enabled() -> bool:
+    return _checker is not None
+
+
+@contextlib.contextmanager
+def collective_checks(timeout: float | None = None) -> Iterator[None]:
+    """Enables the checks inside a ``with`` block."""
+    previous = _checker
+    enable_collective_checks(timeout)
+    try:
+        yield
+    finally:
+        globals()["_checker"] = previous
+
+
+def _check(kind: str, label: str, group: dist.ProcessGroup, numel: int, dtype: torch.dtype, step: int) -> None:
+    if _checker is not None:
+        _checker.check(kind, label, group, numel, dtype, step)
+
+
+if _env_enabled():
+    enable_collective_checks()
