@@ -5,7 +5,7 @@ Annotate modules bottom-up with :func:`fully_shard`; parameters become sharded
 prefetch) and reduce-scatters gradients per unit. See the README for usage.
 """
 
-from . import trace
+from . import debug, trace
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -17,6 +17,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
+    "debug",
     "fully_shard",
     "register_fsdp_forward_method",
     "trace",
