@@ -26,6 +26,7 @@ unwrapped model costs.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -122,6 +123,7 @@ class Unit:
         self._unsharded: torch.Tensor | None = None  # flat buffer, see [Note: unsharded storage]
         self._alias = False
         self._gathered_versions: list[int] = []
+        self._unsharded_version = 0  # of the flat buffer right after the copy-out
         # HSDP with set_requires_all_reduce(False): reduce-scattered (not yet
         # all-reduced) gradient sums per parameter, added in at the next all-reduce.
         self._partial_reduce: dict[ShardedParam, torch.Tensor] = {}
@@ -183,8 +185,9 @@ class Unit:
         on_meta = [p.fqn for p in self.params if p.sharded_param.is_meta]
         if on_meta:
             raise RuntimeError(
-                f"fully_shard unit {self.name!r} still has parameters on the meta device: "
-                f"{on_meta}. Materialize them before the first forward, e.g. "
+                f"fully_shard unit {self.name!r} has parameters on the meta device: {on_meta} "
+                "(built there and never materialized, or moved there after fully_shard). "
+                "Materialize them before the first forward, e.g. "
                 "model.to_empty(device=...) and then re-initialize the parameters "
                 "(reset_parameters() / your init function) or load a state dict."
             )
@@ -370,6 +373,8 @@ class Unit:
         self._pending_gather = None
         if not self._alias:
             self._copy_out()
+            assert self._unsharded is not None
+            self._unsharded_version = self._unsharded._version
         self._post_forward_shard = None
         self._register_unsharded()
         self.state = ShardState.UNSHARDED
@@ -449,6 +454,14 @@ class Unit:
                 self._post_forward_shard = None
                 self.state = ShardState.SHARDED
             return
+        if self._unsharded is not None and self._unsharded._version != self._unsharded_version:
+            warnings.warn(
+                f"fsdp_compose: parameters of unit {self.name!r} were modified in place while "
+                "unsharded (e.g. under torch.no_grad() during forward); resharding discards the "
+                "change. Modify parameters outside forward/backward, where they are the sharded "
+                "DTensors that the optimizer updates.",
+                stacklevel=3,
+            )
         keep_share = to_post_forward_group and self._post_forward_group is not None
         if keep_share:
             self._post_forward_shard = self._pack_post_forward_shard()

@@ -23,7 +23,7 @@ from typing import Any, Callable
 _PG_TIMEOUT_S = float(os.environ.get("FSDP_COMPOSE_TEST_PG_TIMEOUT", "60"))
 
 
-def _worker(rank: int, world_size: int, init_file: str, conn: Any) -> None:
+def _worker(rank: int, world_size: int, init_file: str, conn: Any, pg_timeout: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -34,7 +34,7 @@ def _worker(rank: int, world_size: int, init_file: str, conn: Any) -> None:
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=_PG_TIMEOUT_S),
+        timeout=timedelta(seconds=pg_timeout),
     )
     conn.send(("ready", None))
     while True:
@@ -57,8 +57,9 @@ class JobFailed(AssertionError):
 class DistPool:
     """``world_size`` spawned ranks sharing a gloo process group."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, pg_timeout: float = _PG_TIMEOUT_S) -> None:
         self.world_size = world_size
+        self.pg_timeout = pg_timeout
         self._procs: list[mp.Process] = []
         self._conns: list[Any] = []
         self._start()
@@ -72,7 +73,9 @@ class DistPool:
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_worker, args=(rank, self.world_size, init_file, child), daemon=True
+                target=_worker,
+                args=(rank, self.world_size, init_file, child, self.pg_timeout),
+                daemon=True,
             )
             proc.start()
             self._procs.append(proc)
@@ -141,13 +144,16 @@ class DistPool:
             pass
 
 
-_pools: dict[int, DistPool] = {}
+_pools: dict[tuple[int, float], DistPool] = {}
 
 
-def get_pool(world_size: int) -> DistPool:
-    pool = _pools.get(world_size)
+def get_pool(world_size: int, pg_timeout: float = _PG_TIMEOUT_S) -> DistPool:
+    """The session's pool of ``world_size`` ranks whose process group times out
+    after ``pg_timeout`` seconds."""
+    key = (world_size, pg_timeout)
+    pool = _pools.get(key)
     if pool is None:
-        pool = _pools[world_size] = DistPool(world_size)
+        pool = _pools[key] = DistPool(world_size, pg_timeout)
     return pool
 
 
