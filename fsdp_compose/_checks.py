@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _compat
 from ._unit import Unit
 
 REPLACED_BY = "_fsdp_compose_replaced_by"  # set on original parameters by fully_shard
@@ -76,7 +77,7 @@ def verify_same_structure(units: list[Unit]) -> None:
     for group, device in groups.values():
         mine = torch.tensor([digest], dtype=torch.int64, device=device)
         gathered = torch.empty(group.size(), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(gathered, mine, group=group)
+        _compat.all_gather_into_tensor(gathered, mine, group, async_op=False)
         digests = gathered.tolist()
         if len(set(digests)) == 1:
             continue

@@ -181,7 +181,7 @@ class Scheduler:
     def pre_forward(self, unit: Unit) -> None:
         unit.phase = Phase.FORWARD
         self._forward_order.append(unit)
-        self._forward_versions[unit] = [p.local_shard._version for p in unit.params]
+        self._forward_versions[unit] = [p.data_version() for p in unit.params]
         self._issue(unit)
         for target in self._forward_prefetch_targets(unit):
             self._prefetch(target)
@@ -243,7 +243,7 @@ class Scheduler:
         unit.phase = Phase.PRE_BACKWARD
         versions = self._forward_versions.get(unit)
         if versions is not None and any(
-            p.local_shard._version != v for p, v in zip(unit.params, versions)
+            p.data_version() != v for p, v in zip(unit.params, versions)
         ):
             raise RuntimeError(
                 f"fsdp_compose: backward reached unit {unit.name!r}, but its parameters were "

@@ -146,6 +146,12 @@ class ShardedParam:
         """The local (unpadded) shard data, on its storage device."""
         return _compat.local_tensor(self.sharded_param)
 
+    def data_version(self) -> int:
+        """Changes whenever the sharded data is written in place, through the DTensor
+        (optimizer steps, ``copy_``) or through its local tensor (``to_local()``
+        writes, which DTensor's dispatch does not count on the wrapper)."""
+        return self.sharded_param._version + self.local_shard._version
+
     def resync_sharded_param(self) -> None:
         """Adopts a new sharded parameter object if the module's registration was
         replaced (``load_state_dict(assign=True)``, ``_apply`` without swap)."""
