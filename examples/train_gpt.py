@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/train_gpt.py            # CPU, gloo
     torchrun --nproc-per-node 4 examples/train_gpt.py --hsdp     # 2 replicas x 2 shards
     torchrun --nproc-per-node 2 examples/train_gpt.py --mp bf16 --trace trace.json
+    torchrun --nproc-per-node 2 examples/train_gpt.py --mp fp16 --offload   # loss scaling
 
 Every rank reads the same global batch and trains on its slice of it; the printed
 loss is the average over ranks, and at the end each rank reports its memory.
@@ -19,9 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_compose import trace
+from fsdp_compose import ShardedGradScaler, trace
 from gpt import GPT, PRESETS, loss_fn, make_batch
 from parallelize import apply_fsdp
+
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args() -> argparse.Namespace:
@@ -30,9 +34,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--mp", choices=["fp32", "bf16"], default="fp32", help="parameter/compute dtype")
+    p.add_argument("--mp", choices=sorted(_DTYPES), default="fp32",
+                   help="compute and all-gather dtype (gradients are reduced in float32); "
+                        "fp16 adds loss scaling")
     p.add_argument("--hsdp", action="store_true", help="2-D mesh: replicate x shard")
-    p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy (a no-op on CPU)")
+    p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy (a no-op on a CPU mesh)")
+    p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
     p.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
     p.add_argument("--meta-init", action="store_true", help="build on the meta device, then materialize")
     p.add_argument("--trace", default=None, help="write a Chrome-trace timeline per rank to this path")
@@ -42,7 +49,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    # With CUDA, gloo serves CPU tensors (offloaded gradients' norm for clipping).
+    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -61,7 +69,7 @@ def main() -> None:
     apply_fsdp(
         model,
         mesh=mesh,
-        param_dtype=torch.bfloat16 if args.mp == "bf16" else None,
+        param_dtype=_DTYPES[args.mp],
         reshard_after_forward=not args.no_reshard,
         offload=args.offload,
     )
@@ -69,6 +77,9 @@ def main() -> None:
         model.to_empty(device="cpu" if args.offload else device)
         model.init_weights(seed=0)  # each rank initializes only its shards
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # fp16 gradients underflow without loss scaling; the sharded scaler skips a
+    # step on every rank when any rank overflows. Disabled, it is a pass-through.
+    scaler = ShardedGradScaler(device.type, init_scale=2.0**12, enabled=args.mp == "fp16")
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(f"GPT '{args.preset}': {n_params / 1e6:.1f}M parameters, {world} ranks, mesh {tuple(mesh.shape)}")
@@ -83,14 +94,22 @@ def main() -> None:
         x = x[rank * local_batch : (rank + 1) * local_batch].to(device)  # this rank's slice
         y = y[rank * local_batch : (rank + 1) * local_batch].to(device)
         loss = loss_fn(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optim)  # clip the true gradients, not the scaled ones
+        # DTensor gradients: the returned norm is the global one, over all shards
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        scaler.step(optim)
+        scaler.update()
         optim.zero_grad(set_to_none=True)
         mean_loss = loss.detach().float()
         dist.all_reduce(mean_loss)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
         if rank == 0:
-            print(f"step {step:3d} | loss {mean_loss.item() / world:.4f}")
+            line = f"step {step:3d} | loss {mean_loss.item() / world:.4f} | grad norm {grad_norm.item():.3f}"
+            if scaler.is_enabled():
+                line += f" | loss scale {scaler.get_scale():g}"
+            print(line)
     elapsed = time.perf_counter() - start
     if args.trace:
         trace.disable()

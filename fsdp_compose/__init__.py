@@ -7,6 +7,7 @@ prefetch) and reduce-scatters gradients per unit. See the README for usage.
 
 from . import debug, trace
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from ._grad_scaler import ShardedGradScaler
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __version__ = "0.1.0"
@@ -16,6 +17,7 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ShardedGradScaler",
     "UnshardHandle",
     "debug",
     "fully_shard",

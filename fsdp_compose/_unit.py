@@ -96,7 +96,10 @@ class Unit:
         self.modules = modules
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
+        # On a CPU mesh everything already lives on the CPU: offloading is a no-op.
         self.offload = isinstance(offload_policy, CPUOffloadPolicy) and mesh_info.device.type != "cpu"
+        # Pinned host shards make the device-to-host gradient copies asynchronous.
+        self.pin_memory = self.offload and bool(getattr(offload_policy, "pin_memory", False))
         self.name = type(modules[0]).__name__  # refined to the module's FQN at lazy init
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
@@ -343,7 +346,7 @@ class Unit:
     def _copy_in(self, row: torch.Tensor) -> None:
         """Writes each local shard (cast to its compute dtype) into its slot of
         ``row``; padding is left as is (never read back)."""
-        self._gathered_versions = [p.local_shard._version for p in self.params]
+        self._gathered_versions = [p.data_version() for p in self.params]
         dsts, srcs = [], []
         byte_mode = not self._uniform
         for slot in self._slots:
@@ -418,7 +421,7 @@ class Unit:
         if self._alias or not self._gathered_versions:
             return False
         return any(
-            p.local_shard._version != v for p, v in zip(self.params, self._gathered_versions)
+            p.data_version() != v for p, v in zip(self.params, self._gathered_versions)
         )
 
     def _register_unsharded(self) -> None:
@@ -668,11 +671,15 @@ class PendingReduction:
                     self.unit.all_reduce_hook(output)
                 if self._post_divide != 1:
                     output.div_(self._post_divide)
-                offset = 0
+                offset, copies_in_flight = 0, False
                 for p, size in zip(self._params, self._sizes):
                     local = output[offset : offset + p.local_numel].view(p.local_shape)
-                    _assign_sharded_grad(p, local)
+                    copies_in_flight |= _assign_sharded_grad(p, local, self.unit.pin_memory)
                     offset += size
+                if copies_in_flight:
+                    # The optimizer reads the offloaded gradients on the CPU right
+                    # after backward returns: block until the copies have landed.
+                    _device_sync_point(self.unit.mesh_info.device).synchronize()
         self._release()
 
     def discard(self) -> None:
@@ -690,15 +697,33 @@ class PendingReduction:
         self._params = []
 
 
-def _assign_sharded_grad(p: ShardedParam, local_grad: torch.Tensor) -> None:
+def _assign_sharded_grad(
+    p: ShardedParam, local_grad: torch.Tensor, pin_memory: bool = False
+) -> bool:
+    """Stores (or accumulates) a reduced local gradient as ``p``'s sharded ``.grad``
+    in the parameter's original dtype, on the CPU when offloaded.
+
+    Returns True if an asynchronous device-to-host copy is still in flight; the
+    caller must synchronize before the CPU reads the gradient.
+    """
     if local_grad.dtype != p.orig_dtype:
-        local_grad = local_grad.to(p.orig_dtype)
-    if p.offload_device is not None:
-        local_grad = local_grad.to(p.offload_device, non_blocking=True)
-    if local_grad.shape != p.local_shape:
-        local_grad = local_grad.reshape(p.local_shape)
+        local_grad = local_grad.to(p.orig_dtype)  # cast on the device, before the copy
     param = p.sharded_param
     existing = param.grad
+    in_flight = False
+    if p.offload_device is not None:
+        # Asynchronous only into a fresh pinned gradient that nothing reads on the
+        # CPU before the caller's synchronization: accumulating into an existing
+        # gradient, or a post-accumulate-grad hook (optimizer in backward), would
+        # read the destination while the copy may still be running.
+        in_flight = (
+            pin_memory
+            and existing is None
+            and not getattr(param, "_post_accumulate_grad_hooks", None)
+        )
+        local_grad = local_grad.to(p.offload_device, non_blocking=in_flight)
+    if local_grad.shape != p.local_shape:
+        local_grad = local_grad.reshape(p.local_shape)
     if existing is None:
         param.grad = p.make_sharded_grad(local_grad)
     else:
@@ -709,6 +734,13 @@ def _assign_sharded_grad(p: ShardedParam, local_grad: torch.Tensor) -> None:
     if hooks:
         for hook in tuple(hooks.values()):
             hook(param)
+    return in_flight
+
+
+def _device_sync_point(device: torch.device) -> torch.Event:
+    """An event recorded on ``device``'s current stream (after all work issued so far)."""
+    module = getattr(torch, device.type)
+    return module.current_stream(device).record_event()
 
 
 def _divide_factors(
