@@ -89,6 +89,22 @@ def set_local_tensor(dtensor: DTensor, tensor: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------
+# torch.compile
+# ---------------------------------------------------------------------------
+
+
+def dynamo_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Keeps torch.compile from tracing into ``fn`` (our hooks mutate Python state
+    and issue collectives); a compiled forward graph-breaks around it instead."""
+    try:
+        import torch._dynamo
+
+        return torch._dynamo.disable(fn, recursive=True)
+    except Exception:  # pragma: no cover - builds without dynamo
+        return fn
+
+
+# ---------------------------------------------------------------------------
 # Autograd engine
 # ---------------------------------------------------------------------------
 

@@ -298,9 +298,8 @@ def _check_and_move_devices(
             f"fully_shard found parameters on different devices {sorted(map(str, devices))}: "
             f"{where}.{hint}"
         )
-    # Buffers are not sharded; like parameters they follow the mesh's device.
-    if offload:
-        return
+    # Buffers are not sharded; like parameters they follow the mesh's device (also
+    # with CPU offload, which only concerns parameters, gradients and optimizer state).
     for m in modules:
         for name, b in m._buffers.items():
             if b is not None and not b.is_meta and b.device != device:

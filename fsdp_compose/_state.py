@@ -169,6 +169,7 @@ class UnitState:
     # forward
     # ------------------------------------------------------------------
 
+    @_compat.dynamo_disable
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -204,6 +205,7 @@ class UnitState:
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
+    @_compat.dynamo_disable
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         scheduler = self.scheduler
         assert scheduler is not None
@@ -277,6 +279,7 @@ class UnitState:
                 tensor.register_hook(self._pre_backward)
         return output
 
+    @_compat.dynamo_disable
     def _pre_backward(self, grad: torch.Tensor) -> None:
         root = self.root_state
         assert root is not None and self.scheduler is not None
@@ -286,10 +289,12 @@ class UnitState:
         if self.unit is not None:
             self.scheduler.pre_backward(self.unit)
 
+    @_compat.dynamo_disable
     def post_backward(self) -> None:
         assert self.scheduler is not None and self.unit is not None
         self.scheduler.post_backward(self.unit)
 
+    @_compat.dynamo_disable
     def _finalize_backward(self) -> None:
         try:
             assert self.scheduler is not None
