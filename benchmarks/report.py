@@ -66,7 +66,8 @@ def _find(results: dict[str, Any], repeat: int, group: str, impl: str, world: in
 
 
 def _train_table(jobs: list[Job]) -> str:
-    header = ["impl", "W", "step time (s)", "exposed comm (s)", "fsdp_compose trace (s)",
+    header = ["impl", "W", "step time (s)", "exposed comm (s)",
+              "fsdp_compose trace / blocked, instrumented steps (s)",
               "peak/rank (MiB)", "lo sent/rank/step (MiB)", "ring ideal (MiB)", "lo / ideal",
               "collectives' ideal (MiB)", "max abs loss diff"]
     rows = []
@@ -75,7 +76,9 @@ def _train_table(jobs: list[Job]) -> str:
         ideal = s["ring_ideal_bytes"]
         rows.append([
             c["impl"], str(c["world_size"]), _fmt(s["step_time_s"]), _fmt(s["exposed_comm_s"]),
-            _fmt(s.get("trace_exposed_comm_s")), _mib(s["peak_train_bytes"]),
+            (f"{_fmt(s['trace_exposed_comm_s'])} / {_fmt(s.get('instrumented_blocked_s'))}"
+             if s.get("trace_exposed_comm_s") is not None else "—"),
+            _mib(s["peak_train_bytes"]),
             _mib(s["lo_bytes_per_rank_step"]) if c["world_size"] > 1 else "—",
             _mib(ideal) if ideal else "—",
             _fmt(s["lo_bytes_per_rank_step"] / ideal, ".3f") if ideal else "—",
@@ -87,7 +90,7 @@ def _train_table(jobs: list[Job]) -> str:
 def _memory_table(jobs: list[Job]) -> str:
     header = ["impl", "W", "peak/rank: VmHWM − RSS at reset (MiB)", "+ sharded params (MiB)",
               "formula (MiB)", "state + working set + activations (MiB)", "measured / formula",
-              "step time (s, 2 steps; info only)"]
+              "step time (s; info only)"]
     rows = []
     for job in sorted(jobs, key=lambda j: (j["config"]["impl"], j["config"]["world_size"])):
         c, s = job["config"], job["summary"]
@@ -202,10 +205,9 @@ def _targets_table(results: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------
 
 _TITLES = {
-    "time": "Step time, communication, memory, bytes — small preset, reshard_after_forward=True",
-    "time_no_reshard": "Same, reshard_after_forward=False (FSDPs only)",
-    "memory": "Memory scaling — large preset (~200M), 1 sequence per rank",
-    "overhead": "Hot-path overhead — 200 tiny units (Linear(32, 32) each), forward+backward",
+    "time": "Step time, exposed communication, memory, bytes, loss — reshard_after_forward=True",
+    "time_no_reshard": "The same with reshard_after_forward=False (FSDPs only)",
+    "memory": "Memory scaling",
 }
 
 
@@ -219,7 +221,8 @@ def render(results: dict[str, Any]) -> str:
         f"start {', '.join(f'{x:.2f}' for x in m['load_avg_start'])}; at end "
         f"{', '.join(f'{x:.2f}' for x in m.get('load_avg_end', ()))}.",
     ]
-    if {"time", "memory", "overhead"} <= {j["config"]["group"] for j in results["jobs"]}:
+    presets = {j["config"]["group"]: j["config"].get("preset") for j in results["jobs"]}
+    if presets.get("time") == "small" and presets.get("memory") == "large" and "overhead" in presets:
         out += ["", "### Targets (issue 8)", "", _targets_table(results)]
     failed = [j for j in results["jobs"] if "error" in j]
     if failed:
@@ -234,10 +237,14 @@ def render(results: dict[str, Any]) -> str:
                 continue
             cfg = jobs[0]["config"]
             title = _TITLES.get(group, group)
-            if cfg["kind"] == "train":
+            if cfg["kind"] == "overhead":
+                title = (f"Hot-path overhead: {cfg['units']} units of Linear({cfg['width']}, "
+                         f"{cfg['width']}), batch {cfg['batch']}, forward+backward, median of "
+                         f"{cfg['steps']} steps after {cfg['warmup']}")
+            else:
                 batch = ("1 sequence per rank" if group == "memory"
                          else f"global batch {cfg['global_batch']}")
-                title += (f" ({cfg['preset']}, {batch}, {cfg['warmup']} warm-up + "
+                title += (f" ({cfg['preset']} preset, {batch}, {cfg['warmup']} warm-up + "
                           f"{cfg['steps']} timed steps)")
             out += ["", f"### {title} — run {repeat + 1}", ""]
             if cfg["kind"] == "overhead":

@@ -90,7 +90,7 @@ SUITES: dict[str, list[Group]] = {
         Group("time", "train", (1, 2, 4), IMPLS),
         Group("time_no_reshard", "train", (2, 4), FSDPS, reshard_after_forward=False),
         Group("memory", "train", (1, 2, 4, 8), ("single", *FSDPS), preset="large",
-              global_batch=None, local_batch=1, warmup=1, steps=2, instrumented=0),
+              global_batch=None, local_batch=1, warmup=1, steps=1, instrumented=0),
         Group("overhead", "overhead", (1, 2), OVERHEAD_IMPLS, warmup=5, steps=30),
     ],
     "quick": [
