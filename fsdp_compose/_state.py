@@ -260,6 +260,17 @@ class UnitState:
     # ------------------------------------------------------------------
 
     def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            # Common case (positional tensors only): skip the pytree round trip,
+            # which costs more than the rest of this hook.
+            positions = [i for i, a in enumerate(args) if a.requires_grad]
+            if not positions:
+                return args, kwargs
+            outputs = _PostBackward.apply(self, *(args[i] for i in positions))
+            new_args = list(args)
+            for i, out in zip(positions, outputs):
+                new_args[i] = out
+            return tuple(new_args), kwargs
         leaves, spec = pytree.tree_flatten((args, kwargs))
         positions = [
             i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
@@ -273,6 +284,10 @@ class UnitState:
 
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
+            return output
+        if isinstance(output, torch.Tensor):  # common case: no pytree traversal
+            if output.requires_grad:
+                output.register_hook(self._pre_backward)
             return output
         for tensor in _tensors(output):
             if tensor.requires_grad:
