@@ -282,18 +282,23 @@ class Scheduler:
         unit.phase = Phase.POST_BACKWARD
         if not unit.requires_gradient_sync:
             unit.accumulate_unsharded_grads()
-        else:
-            params, grads = unit.take_unsharded_grads()
-            if params:
-                # Complete the previous reduce-scatter first: bounds gradient buffers
-                # to one unit, and it has had this unit's backward to finish.
-                for reduction in self._reductions:
-                    reduction.advance()
-                reduction = unit.reduce_grads(params, grads, all_reduce=unit.requires_all_reduce)
-                if reduction is not None:
-                    self._reductions.append(reduction)
+            if unit.reshard_after_backward:
+                self._reshard(unit)
+            return
+        params, grads = unit.take_unsharded_grads()
         if unit.reshard_after_backward:
+            # Gradients are separate tensors: free the parameters before the
+            # reduction allocates its buffers, so the two never coexist.
             self._reshard(unit)
+        if params:
+            # Complete the previous reduce-scatter first: bounds gradient buffers
+            # to one unit, and it has had this unit's backward to finish.
+            for reduction in self._reductions:
+                reduction.advance()
+            reduction = unit.reduce_grads(params, grads, all_reduce=unit.requires_all_reduce)
+            del grads  # packed into the reduction's buffer
+            if reduction is not None:
+                self._reductions.append(reduction)
 
     def finalize_backward(self) -> None:
         """End of ``backward()``: reduce what is left and hand gradients over."""
