@@ -6,7 +6,13 @@ prefetch) and reduce-scatters gradients per unit. See the README for usage.
 """
 
 from . import debug, trace
-from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from ._fully_shard import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from ._grad_scaler import ShardedGradScaler
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -22,5 +28,6 @@ __all__ = [
     "debug",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
     "trace",
 ]

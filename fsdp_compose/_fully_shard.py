@@ -23,7 +23,7 @@ from ._sharded_param import ShardedParam
 from ._state import UnitState, state_of
 from ._unit import Unit
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 # Marks on parameter objects, so misuse is caught where it happens:
 _SHARDED_BY = "_fsdp_compose_sharded_by"  # on a sharded DTensor parameter
@@ -268,11 +268,7 @@ def _managed_params(
                     "share it in one unit, e.g. fully_shard([model.embed, model.lm_head]), or "
                     "leave both in the parent's unit."
                 )
-            if isinstance(p, DTensor):
-                raise NotImplementedError(
-                    f"parameter {name!r} of {type(m).__name__} is a DTensor (e.g. from tensor "
-                    "parallel); fully_shard does not compose with DTensor parameters yet."
-                )
+            # DTensor parameters (tensor parallel) are validated by ShardedParam.
             owners.setdefault(p, []).append((m, name))
     return owners
 
@@ -353,7 +349,8 @@ def _register_state_dict_hooks(unit: Unit, state: UnitState) -> None:
                 key = prefix + name
                 value = state_dict.get(key)
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                    if value.shape == p.orig_size:
+                    # (with tensor parallel: the TP DTensor's global shape)
+                    if value.shape == p.global_size:
                         local = p.shard_of(value).to(p.local_shard.device)
                         state_dict[key] = p.make_sharded_grad(local)
 
@@ -547,6 +544,35 @@ class FSDPModule:
         divides separately, which is what this setting requests."""
         del enable
 
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Sets how many reduce-scatters may hold their full-size gradient buffers at
+        once (default 1: a unit's reduce-scatter is completed when the next unit's
+        starts). More lets slow reduce-scatters overlap more backward compute, at
+        the cost of that many units' gradient buffers. Applies to the whole tree."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        del recurse  # one scheduler serves the whole tree
+        self._set_schedule("max_inflight_reductions", max_input_buffers)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not supported: communication buffers come from the regular allocator.
+        Passing ``False`` (the default behaviour) is accepted."""
+        if enable:
+            raise NotImplementedError(
+                "fsdp_compose allocates communication buffers with the regular allocator; "
+                "process-group allocators are not supported yet"
+            )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Not supported yet: raises ``NotImplementedError``."""
+        raise NotImplementedError(
+            "fsdp_compose does not allocate communication buffers from symmetric memory yet"
+        )
+
     def set_custom_all_gather(self, comm: Any) -> None:
         """Not supported yet: raises ``NotImplementedError``."""
         raise NotImplementedError(
@@ -626,6 +652,15 @@ class UnshardHandle:
             return
         if unit.gather_in_flight:
             unit.wait_unshard()
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Accepted for API compatibility with FSDP2 (pipeline parallel stages share
+    CUDA streams there). fsdp_compose already uses one set of communication streams
+    per device for every root, so this only validates its argument."""
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"expected FSDPModules, got {type(m).__name__}")
 
 
 def _units_of(modules: list[FSDPModule]) -> list[Unit]:

@@ -50,6 +50,9 @@ class Scheduler:
         self.forward_depth = 1
         self.backward_depth = 1
         self.max_unsharded_bytes: int | None = None
+        # Reduce-scatters whose full-size buffers may be in flight at once
+        # (set_reduce_scatter_max_input_buffers): 1 bounds memory to one unit.
+        self.max_inflight_reductions = 1
         self.is_last_backward = True
         self.step = 0
         self.forward_active = False
@@ -60,7 +63,8 @@ class Scheduler:
         self._forward_cursor = 0
         self._post_forward_order: list[Unit] = []
         self._post_forward_positions: dict[Unit, list[int]] = {}
-        self._reductions: list[PendingReduction] = []
+        self._reductions: list[PendingReduction] = []  # not yet handed to .grad
+        self._scattering: list[PendingReduction] = []  # reduce-scatter not yet waited
         self._deferred: list[Unit] = []
         self._holding: dict[Unit, int] = {}  # unit -> unsharded bytes it holds
         self._holding_bytes = 0
@@ -291,14 +295,15 @@ class Scheduler:
             # reduction allocates its buffers, so the two never coexist.
             self._reshard(unit)
         if params:
-            # Complete the previous reduce-scatter first: bounds gradient buffers
-            # to one unit, and it has had this unit's backward to finish.
-            for reduction in self._reductions:
-                reduction.advance()
+            # Complete earlier reduce-scatters first: bounds full-size gradient
+            # buffers, and they have had this unit's backward to finish.
+            while len(self._scattering) >= self.max_inflight_reductions:
+                self._scattering.pop(0).advance()
             reduction = unit.reduce_grads(params, grads, all_reduce=unit.requires_all_reduce)
             del grads  # packed into the reduction's buffer
             if reduction is not None:
                 self._reductions.append(reduction)
+                self._scattering.append(reduction)
 
     def finalize_backward(self) -> None:
         """End of ``backward()``: reduce what is left and hand gradients over."""
@@ -321,6 +326,7 @@ class Scheduler:
 
     def _complete_reductions(self) -> None:
         reductions, self._reductions = self._reductions, []
+        self._scattering = []
         for reduction in reductions:
             reduction.finish()
 
@@ -341,6 +347,7 @@ class Scheduler:
             except RuntimeError as exc:  # a collective of the failed step failed too
                 failures.append(str(exc))
         self._reductions = []
+        self._scattering = []
         for unit in self.units:
             unit.discard_unsharded_grads()
             try:

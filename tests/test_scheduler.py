@@ -308,3 +308,35 @@ def test_trace_chrome_json(tmp_path) -> None:
     assert any(n.startswith("forward ") for n in names) and any(n.startswith("backward ") for n in names)
     threads = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"compute", "comm: all_gather", "comm: reduce_scatter"} <= threads
+
+
+def _inflight_job() -> dict:
+    torch.manual_seed(0)
+    cfg = GPTConfig(**TINY)
+    ref = GPT(cfg)
+    model = copy.deepcopy(ref)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    errors = []
+    for bad, exc in ((0, ValueError), (True, TypeError)):
+        try:
+            model.set_reduce_scatter_max_input_buffers(bad)
+        except exc:
+            errors.append(exc.__name__)
+    model.set_reduce_scatter_max_input_buffers(2)
+    diffs = _train_traced(model, ref, cfg, steps=3)
+    ev = _step_events(3)
+    # with two in flight, blocks.2's reduce-scatter is waited only after blocks.1's
+    # was issued (with one, before)
+    wait2 = _first(ev, "wait reduce_scatter blocks.2")
+    issue1 = _first(ev, "reduce_scatter blocks.1")
+    return {"diffs": diffs, "param_diff": max_param_diff(model, ref)[0], "errors": errors,
+            "deferred_wait": wait2["ts"] > issue1["ts"]}
+
+
+def test_reduce_scatter_max_input_buffers() -> None:
+    for r in run_distributed(_inflight_job, 2):
+        assert r["errors"] == ["ValueError", "TypeError"]
+        assert max(r["diffs"]) < 1e-5 and r["param_diff"] < 1e-4
+        assert r["deferred_wait"], r
