@@ -14,6 +14,7 @@ from ._fully_shard import (
     share_comm_ctx,
 )
 from ._grad_scaler import ShardedGradScaler
+from ._pipelining import PipelineStage
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __version__ = "0.1.0"
@@ -23,6 +24,7 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "PipelineStage",
     "ShardedGradScaler",
     "UnshardHandle",
     "debug",

@@ -11,6 +11,7 @@ import fsdp_compose
 PUBLIC = {
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx",
     "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardedGradScaler", "trace", "debug",
+    "PipelineStage",
 }
 # FSDP2 methods we do not implement yet (they raise NotImplementedError with a reason)
 NOT_IMPLEMENTED = {"set_custom_all_gather", "set_custom_reduce_scatter", "set_symm_mem_for_comm"}
