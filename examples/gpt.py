@@ -37,18 +37,36 @@ PRESETS = {
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate q, k and v projections.
+
+    Separate projections let tensor parallel shard them column-wise (each rank
+    gets whole heads of q, k and v): the number of heads is derived from the
+    local projection width, so the same forward runs on a TP shard with
+    ``n_head / tp`` heads. Their seeded init equals that of the former fused
+    ``qkv`` weight split in three.
+
+    The key projection has no bias: a key bias adds ``q . b`` to every logit of a
+    query, which the softmax cancels, so its gradient is zero up to rounding
+    (in the fused layout it was the unused middle third of ``qkv.bias``).
+    """
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k.bias = None  # created first so that the seeded init of the rest is unchanged
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        B, T, _ = x.shape
+        # (B, nh, T, hs), nh = the heads of this rank's projection columns
+        q, k, v = (
+            proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):

@@ -78,6 +78,77 @@ def dtensor_spec_with_dtype(spec: Any, dtype: torch.dtype) -> Any:
     )
 
 
+def strided_shard(dim: int, split_factor: int) -> Placement:
+    """DTensor's placement for a dim sharded over a mesh dim *inside* each of
+    ``split_factor`` chunks made by a later mesh dim (FSDP's shard of a TP shard).
+
+    ``_StridedShard`` is private (torch >= 2.5 under ``torch.distributed.tensor``);
+    without it such a layout cannot be described, so the caller must refuse it.
+    """
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover - torch < 2.5
+        raise NotImplementedError(
+            "sharding a tensor-parallel parameter on the dim that tensor parallel already "
+            "shards needs DTensor's _StridedShard placement (torch >= 2.5)"
+        ) from None
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+_spmd_meshes: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] = {}
+
+
+def concatenate_meshes(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
+    """The mesh whose dims are ``outer``'s followed by ``inner``'s (e.g. dp then tp),
+    both sub-meshes of one root mesh; cached so that every parameter of a layout
+    shares one mesh object.
+
+    Releases with ``DeviceMesh._concatenate`` (what torch's FSDP2 uses) build it
+    directly; older ones slice the shared root mesh by dim names
+    (``root[("dp", "tp")]``).
+    """
+    key = (id(outer), id(inner))
+    hit = _spmd_meshes.get(key)
+    if hit is not None:
+        return hit[2]
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:
+        mesh = concatenate([outer, inner])
+    else:  # pragma: no cover - releases without _concatenate
+        root = root_mesh(outer)
+        if root is not root_mesh(inner):
+            raise RuntimeError("the meshes are not sub-meshes of one root mesh")
+        names = tuple(outer.mesh_dim_names or ()) + tuple(inner.mesh_dim_names or ())
+        if len(names) != outer.ndim + inner.ndim:
+            raise RuntimeError("the meshes need mesh_dim_names to be combined")
+        mesh = root if names == tuple(root.mesh_dim_names or ()) else root[names]
+    # keep outer/inner alive so that their ids are not reused for other meshes
+    _spmd_meshes[key] = (outer, inner, mesh)
+    return mesh
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (itself if it is a root)."""
+    getter = getattr(mesh, "_get_root_mesh", None)
+    if getter is not None:
+        return getter()
+    from torch.distributed.device_mesh import _mesh_resources  # pragma: no cover - older releases
+
+    return _mesh_resources.get_root_mesh(mesh)  # pragma: no cover
+
+
+def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a plain tensor whose collective (if any) has completed.
+
+    DTensor redistributions may hand back a functional collective's
+    ``AsyncCollectiveTensor``, which is only safe to read after ``wait()``.
+    """
+    wait = getattr(tensor, "wait", None)
+    if callable(wait) and type(tensor) is not torch.Tensor:
+        return wait()
+    return tensor
+
+
 def local_tensor(dtensor: DTensor) -> torch.Tensor:
     """The local shard of ``dtensor`` without an autograd op (hot path)."""
     return dtensor._local_tensor  # noqa: SLF001 - stable since torch 2.0

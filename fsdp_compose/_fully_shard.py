@@ -14,7 +14,7 @@ from typing import Any, NoReturn, overload
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+from torch.distributed.tensor import DeviceMesh, Shard
 
 from . import _compat
 from ._mesh import default_mesh, resolve_mesh_info, validate_reshard_after_forward
@@ -348,11 +348,10 @@ def _register_state_dict_hooks(unit: Unit, state: UnitState) -> None:
             for name, p in _params:
                 key = prefix + name
                 value = state_dict.get(key)
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                    # (with tensor parallel: the TP DTensor's global shape)
-                    if value.shape == p.global_size:
-                        local = p.shard_of(value).to(p.local_shard.device)
-                        state_dict[key] = p.make_sharded_grad(local)
+                if isinstance(value, torch.Tensor):
+                    sharded = p.sharded_from_state(value)  # full or TP-only values
+                    if sharded is not None:
+                        state_dict[key] = sharded
 
         def load_post_hook(*_: Any) -> None:
             unit.invalidate()  # parameters may have been re-assigned (assign=True)

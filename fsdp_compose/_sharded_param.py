@@ -11,15 +11,35 @@ never read back, so they are never zeroed.
 
 Sharding on a dim ``k > 0`` (``shard_placement_fn``) requires ``n_k`` divisible by
 W; the local shard is ``chunk(k)[r]`` made contiguous.
+
+[Note: tensor-parallel parameters]
+A parameter that is already a DTensor on a 1-D tensor-parallel mesh (from
+``parallelize_module``) is sharded the same way, but on its *TP-local* tensor:
+everything above applies with ``(n, *rest)`` the TP-local shape, and the unit
+gathers and reduces TP-local tensors only. The sharded parameter is a DTensor on
+the mesh ``dp x tp`` (``replicate x shard x tp`` with HSDP) with the TP DTensor's
+global shape; its placements are the FSDP placement on the dp dim followed by the
+TP placement. When TP already shards the same tensor dim, FSDP's rows are a slice
+*inside* each TP chunk, not a chunk of the whole tensor: DTensor describes that
+with ``_StridedShard(dim, split_factor=tp_size)`` on the dp dim, which is what
+lets ``full_tensor()``, ``redistribute`` and DCP see the true global layout.
+
+The unsharded parameter is a DTensor on the TP mesh with the original placement
+whose local tensor is the gathered view, so TP's forward runs as without FSDP.
+Its gradient is a DTensor that may be ``Partial`` (e.g. a replicated parameter
+used on sharded activations); it is redistributed to the TP placement before its
+local tensor is reduce-scattered over dp.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from . import _compat
 from ._mesh import MeshInfo
@@ -29,7 +49,8 @@ class ShardedParam:
     """Owns one parameter's sharded DTensor and describes its unsharded form.
 
     Args:
-        param: the original parameter (full tensor, possibly on the meta device).
+        param: the original parameter (full tensor, possibly on the meta device), or
+            a tensor-parallel DTensor parameter (see [Note: tensor-parallel parameters]).
         owners: every ``(module, attribute)`` under which ``param`` is registered
             inside the unit (several for tied weights).
         mesh_info: the unit's data-parallel layout.
@@ -50,11 +71,12 @@ class ShardedParam:
         offload_device: torch.device | None = None,
         pin_memory: bool = False,
     ) -> None:
-        if isinstance(param, DTensor):
-            raise NotImplementedError(
-                f"parameter {owners[0][1]!r} is already a DTensor (e.g. from tensor parallel); "
-                "composing fully_shard with DTensor parameters is not supported yet"
-            )
+        # With tensor parallel, FSDP shards the TP-local tensor (see the note above).
+        self.tp_spec = _tp_spec(param, owners, mesh_info) if isinstance(param, DTensor) else None
+        self.global_size = param.shape  # the shape users see (the TP DTensor's global shape)
+        requires_grad = param.requires_grad  # a DTensor's local tensor never requires grad
+        if self.tp_spec is not None:
+            param = _compat.local_tensor(param)  # type: ignore[assignment]
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard cannot shard the 0-dim (scalar) parameter {owners[0][1]!r} of "
@@ -70,8 +92,9 @@ class ShardedParam:
         world, rank = mesh_info.shard_size, mesh_info.shard_rank
         size = param.shape
         if shard_dim != 0 and size[shard_dim] % world != 0:
+            local = " (TP-local)" if self.tp_spec is not None else ""
             raise ValueError(
-                f"parameter {owners[0][1]!r} of shape {tuple(size)} cannot be sharded on dim "
+                f"parameter {owners[0][1]!r} of{local} shape {tuple(size)} cannot be sharded on dim "
                 f"{shard_dim} over {world} ranks: sharding on a dim other than 0 needs the dim "
                 f"size to be divisible by the shard world size (dim 0 allows uneven sizes)."
             )
@@ -96,13 +119,8 @@ class ShardedParam:
         self.local_shape = torch.Size((*size[:shard_dim], stop - start, *size[shard_dim + 1 :]))
         self.local_numel = self.local_shape.numel()
 
-        placements = (
-            (Replicate(), Shard(shard_dim)) if mesh_info.is_hsdp else (Shard(shard_dim),)
-        )
-        self.placements = placements
-        self.spec = _compat.make_dtensor_spec(
-            mesh_info.mesh, placements, size, _contiguous_stride(size), param.dtype
-        )
+        self.spec = self._sharded_spec(param.dtype)
+        self.placements = self.spec.placements
 
         with torch.no_grad():
             if param.is_meta:
@@ -115,7 +133,7 @@ class ShardedParam:
                 if pin_memory and offload_device is not None and not local.is_pinned():
                     local = local.pin_memory()
         self.sharded_param = nn.Parameter(
-            _compat.dtensor_from_local(local, self.spec), requires_grad=param.requires_grad
+            _compat.dtensor_from_local(local, self.spec), requires_grad=requires_grad
         )
         self.register(self.sharded_param)
 
@@ -124,6 +142,33 @@ class ShardedParam:
         self.compute_dtype: torch.dtype = param.dtype
         # Unsharded gradient accumulated in the reduce dtype across no-sync steps.
         self.accumulated_grad: torch.Tensor | None = None
+
+    def _sharded_spec(self, dtype: torch.dtype) -> Any:
+        info, d = self.mesh_info, self.shard_dim
+        replicate: tuple[Placement, ...] = (Replicate(),) if info.is_hsdp else ()
+        if self.tp_spec is None:
+            size = self.orig_size
+            return _compat.make_dtensor_spec(
+                info.mesh, (*replicate, Shard(d)), size, _contiguous_stride(size), dtype
+            )
+        tp_mesh = self.tp_spec.mesh
+        (tp_placement,) = self.tp_spec.placements
+        # FSDP's shard of a TP shard on the same dim (see the note above).
+        split = tp_mesh.size() if _shard_dim_of(tp_placement, len(self.global_size)) == d else 1
+        dp_placement = _compat.strided_shard(d, split) if split > 1 else Shard(d)
+        try:
+            mesh = _compat.concatenate_meshes(info.mesh, tp_mesh)
+        except Exception as exc:  # noqa: BLE001 - explain in terms of the user's meshes
+            raise ValueError(
+                f"parameter {self.fqn!r} is a DTensor on mesh {tp_mesh}, which cannot be combined "
+                f"with fully_shard's mesh {info.mesh} ({exc}). Both must be sub-meshes of one "
+                'device mesh, e.g. mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", '
+                '"tp")); parallelize_module(block, mesh["tp"], ...); fully_shard(block, mesh=mesh["dp"]).'
+            ) from exc
+        meta = self.tp_spec.tensor_meta
+        return _compat.make_dtensor_spec(
+            mesh, (*replicate, dp_placement, tp_placement), meta.shape, meta.stride, dtype
+        )
 
     # -- registration ------------------------------------------------------
 
@@ -158,7 +203,7 @@ class ShardedParam:
         current = self.registered()
         if current is self.sharded_param:
             return
-        if not isinstance(current, DTensor) or current.shape != self.orig_size:
+        if not isinstance(current, DTensor) or current.shape != self.global_size:
             raise RuntimeError(
                 f"parameter {self.fqn!r} was replaced by "
                 f"{type(current).__name__}{tuple(getattr(current, 'shape', ()))} after fully_shard; "
@@ -171,16 +216,95 @@ class ShardedParam:
         self.register(current)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a full (unsharded) tensor of this parameter's shape."""
+        """This rank's shard of a full tensor of this parameter's (global) shape,
+        computed locally (no communication)."""
+        if self.tp_spec is not None:
+            full = self._tp_local_of(full)
+        return self._dp_shard_of(full)
+
+    def _dp_shard_of(self, unsharded: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a tensor of the (TP-local) unsharded shape."""
         rows = self.orig_size[self.shard_dim]
         start = min(self.mesh_info.shard_rank * self.chunk_rows, rows)
-        return full.narrow(self.shard_dim, start, self.local_shape[self.shard_dim])
+        return unsharded.narrow(self.shard_dim, start, self.local_shape[self.shard_dim])
+
+    def sharded_from_state(self, value: torch.Tensor) -> DTensor | None:
+        """A state-dict value as this parameter's sharded DTensor (the conversion
+        ``load_state_dict`` applies), or None to leave the value as it is.
+
+        Converts a full plain tensor of the parameter's global shape and, with
+        tensor parallel, a DTensor laid out by TP alone (a state dict saved
+        before ``fully_shard``); both without communication.
+        """
+        if value.shape != self.global_size:
+            return None
+        if not isinstance(value, DTensor):
+            local = self.shard_of(value)
+        elif (
+            self.tp_spec is not None
+            and value.device_mesh == self.tp_spec.mesh
+            and tuple(value.placements) == tuple(self.tp_spec.placements)
+        ):
+            local = self._dp_shard_of(_compat.local_tensor(value))
+        else:
+            return None
+        return self.make_sharded_grad(local.to(self.local_shard.device))
 
     def make_sharded_grad(self, local_grad: torch.Tensor) -> DTensor:
         spec = _compat.dtensor_spec_with_dtype(self.spec, local_grad.dtype)
         return _compat.dtensor_from_local(local_grad, spec)
 
+    def _tp_local_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's TP-local part of a full tensor: ``torch.chunk`` semantics,
+        like DTensor's ``Shard``; the whole tensor for ``Replicate``."""
+        assert self.tp_spec is not None
+        (placement,) = self.tp_spec.placements
+        dim = _shard_dim_of(placement, full.dim())
+        if dim is None:
+            return full
+        mesh = self.tp_spec.mesh
+        size, rank = full.size(dim), mesh.get_local_rank()
+        chunk = math.ceil(size / mesh.size())
+        start = min(rank * chunk, size)
+        return full.narrow(dim, start, min(chunk, size - start))
+
     # -- unsharded side ----------------------------------------------------
+
+    def wrap_unsharded(self, local: torch.Tensor) -> nn.Parameter:
+        """The unsharded parameter whose data is ``local`` (an unsharded-layout view
+        of the unit's buffer): ``local`` itself, or with tensor parallel a DTensor
+        on the TP mesh with the original placement."""
+        requires_grad = self.sharded_param.requires_grad
+        if self.tp_spec is None:
+            return nn.Parameter(local, requires_grad=requires_grad)
+        spec = _compat.dtensor_spec_with_dtype(self.tp_spec, local.dtype)
+        return nn.Parameter(_compat.dtensor_from_local(local, spec), requires_grad=requires_grad)
+
+    @property
+    def unsharded_local(self) -> torch.Tensor:
+        """The unsharded parameter's data as a plain tensor (its TP-local tensor)."""
+        up = self.unsharded_param
+        assert up is not None
+        return _compat.local_tensor(up) if isinstance(up, DTensor) else up
+
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """An unsharded gradient as the plain tensor that the unit reduces.
+
+        A TP gradient is first redistributed to the parameter's TP placement (a
+        ``Partial`` gradient is summed over the TP group here).
+        """
+        if not isinstance(grad, DTensor):
+            return grad
+        assert self.tp_spec is not None, f"{self.fqn}: DTensor gradient of a plain parameter"
+        if tuple(grad.placements) != tuple(self.tp_spec.placements):
+            grad = grad.redistribute(grad.device_mesh, self.tp_spec.placements)
+        local = _compat.wait_tensor(_compat.local_tensor(grad))
+        if local.shape != self.orig_size:
+            raise RuntimeError(
+                f"fsdp_compose: gradient of {self.fqn!r} has local shape {tuple(local.shape)}, "
+                f"expected the TP-local shape {tuple(self.orig_size)}"
+            )
+        return local
 
     def rank_chunks(self, tensor: torch.Tensor, world: int) -> torch.Tensor:
         """Views an unsharded-shaped tensor as ``(world, chunk)`` rows, one per rank
@@ -196,7 +320,40 @@ class ShardedParam:
         return chunks.view(-1, *self.chunk_shape).movedim(0, d).flatten(d, d + 1)
 
     def __repr__(self) -> str:
-        return f"ShardedParam({self.fqn}, size={tuple(self.orig_size)}, shard_dim={self.shard_dim})"
+        return f"ShardedParam({self.fqn}, size={tuple(self.global_size)}, shard_dim={self.shard_dim})"
+
+
+def _shard_dim_of(placement: Placement, ndim: int) -> int | None:
+    """The tensor dim a TP placement shards, or None (replicated)."""
+    if type(placement) is Shard:
+        return placement.dim % ndim
+    return None
+
+
+def _tp_spec(param: DTensor, owners: list[tuple[nn.Module, str]], mesh_info: MeshInfo) -> Any:
+    """Validates a tensor-parallel parameter and returns its DTensor spec."""
+    name = f"{owners[0][1]!r} of {type(owners[0][0]).__name__}"
+    spec = param._spec  # noqa: SLF001 - the public equivalents rebuild it
+    mesh = param.device_mesh
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"parameter {name} is a DTensor on a {mesh.ndim}-D mesh {mesh}; fully_shard composes "
+            "with DTensor parameters on a 1-D (tensor-parallel) mesh only."
+        )
+    (placement,) = param.placements
+    if type(placement) not in (Shard, Replicate):
+        raise NotImplementedError(
+            f"parameter {name} has placement {placement}; fully_shard composes with "
+            "tensor-parallel parameters placed Shard(dim) or Replicate() only."
+        )
+    if mesh.device_type != mesh_info.mesh.device_type:
+        raise ValueError(
+            f"parameter {name} lives on a {mesh.device_type!r} mesh but fully_shard's mesh is "
+            f"{mesh_info.mesh.device_type!r}: use one device type for both."
+        )
+    if not param.is_meta and not _compat.local_tensor(param).is_contiguous():
+        raise NotImplementedError(f"parameter {name} has a non-contiguous local tensor")
+    return spec
 
 
 def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:

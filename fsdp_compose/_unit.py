@@ -264,9 +264,7 @@ class Unit:
         if self._alias:
             self._unsharded = None
             for p in self.params:
-                p.unsharded_param = nn.Parameter(
-                    p.local_shard, requires_grad=p.sharded_param.requires_grad
-                )
+                p.unsharded_param = p.wrap_unsharded(p.local_shard)
             return
         # Views are created while the storage exists (slicing checks bounds), then
         # the storage is freed until the first unshard.
@@ -283,9 +281,7 @@ class Unit:
                 view = flat[start : start + p.orig_numel * p.compute_dtype.itemsize].view(
                     p.compute_dtype
                 )
-            p.unsharded_param = nn.Parameter(
-                view.view(p.orig_size), requires_grad=p.sharded_param.requires_grad
-            )
+            p.unsharded_param = p.wrap_unsharded(view.view(p.orig_size))
         # Persistent destination views of the copy-out, per gathering world size.
         self._copy_out_targets: dict[int, list[torch.Tensor]] = {}
         self._copy_out_views(world)
@@ -406,14 +402,14 @@ class Unit:
                     if block.dtype != p.compute_dtype:  # byte buffers: reinterpret
                         block = block.view(p.compute_dtype)
                     if p.shard_dim == 0:
-                        flat = p.unsharded_param.view(-1)  # type: ignore[union-attr]
+                        flat = p.unsharded_local.view(-1)
                         full = p.orig_numel // p.chunk_numel
                         flat[: full * p.chunk_numel].view(full, -1).copy_(block[:full])
                         rest = p.orig_numel - full * p.chunk_numel
                         if rest:
                             flat[full * p.chunk_numel :].copy_(block[full, :rest])
                     else:
-                        p.unsharded_param.copy_(p.unsharded_from_rank_chunks(block))  # type: ignore[union-attr]
+                        p.unsharded_local.copy_(p.unsharded_from_rank_chunks(block))
 
     def params_changed_since_unshard(self) -> bool:
         """True if a sharded parameter was written (e.g. by the optimizer) after the
@@ -508,7 +504,7 @@ class Unit:
                 continue
             if self.reduce_dtype is None or up.grad.dtype == self.reduce_dtype:
                 continue
-            grad = up.grad
+            grad = p.local_grad(up.grad)  # kept as a plain (TP-local) tensor
             up.grad = None
             if p.accumulated_grad is None:
                 p.accumulated_grad = grad.to(self.reduce_dtype)
@@ -558,7 +554,7 @@ class Unit:
         params, grads = [], []
         for p in self.trainable_params:
             up = p.unsharded_param
-            grad = up.grad if up is not None else None
+            grad = p.local_grad(up.grad) if up is not None and up.grad is not None else None
             if p.accumulated_grad is not None:
                 if grad is not None:
                     p.accumulated_grad.add_(grad)

@@ -55,13 +55,13 @@ def _structure_job() -> dict:
     # unshard / reshard toggle full plain tensors and DTensors (not recursive)
     block = model.blocks[0]
     assert block.unshard() is None
-    w = block.attn.qkv.weight
-    out["unsharded_plain"] = not isinstance(w, DTensor) and w.shape == ref.blocks[0].attn.qkv.weight.shape
-    out["unsharded_values"] = torch.equal(w.detach(), ref.blocks[0].attn.qkv.weight.detach())
-    out["child_still_sharded"] = isinstance(model.blocks[1].attn.qkv.weight, DTensor)
+    w = block.attn.q.weight
+    out["unsharded_plain"] = not isinstance(w, DTensor) and w.shape == ref.blocks[0].attn.q.weight.shape
+    out["unsharded_values"] = torch.equal(w.detach(), ref.blocks[0].attn.q.weight.detach())
+    out["child_still_sharded"] = isinstance(model.blocks[1].attn.q.weight, DTensor)
     out["root_still_sharded"] = isinstance(model.tok_emb.weight, DTensor)
     block.reshard()
-    out["resharded"] = isinstance(block.attn.qkv.weight, DTensor)
+    out["resharded"] = isinstance(block.attn.q.weight, DTensor)
     handle = model.blocks[1].unshard(async_op=True)
     out["handle_type"] = isinstance(handle, UnshardHandle)
     handle.wait()
