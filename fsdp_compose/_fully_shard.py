@@ -677,7 +677,10 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Makes ``module.<method_name>`` gather and free parameters like ``forward``.
 
     By default only ``forward`` runs the unit's hooks; use this for other entry
-    points such as ``generate``. A no-op for modules that are not ``FSDPModule``.
+    points such as ``generate``. The method counts as one forward of the module:
+    its parameters are gathered once before it and freed (per
+    ``reshard_after_forward``) once after it, even when it calls the module's own
+    ``forward`` several times. A no-op for modules that are not ``FSDPModule``.
 
     Args:
         module (nn.Module): the annotated module.
@@ -692,9 +695,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state._pre_forward(module, args, kwargs)  # noqa: SLF001
-        output = method(*args, **kwargs)
-        return state._post_forward(module, args, output)  # noqa: SLF001
+        return state.run_registered_method(module, method, args, kwargs)
 
     module.__dict__[method_name] = wrapped
 

@@ -7,9 +7,12 @@ scheduler turns that into unit operations:
 * **Prefetch.** Forward order is recorded every iteration. In the next iteration,
   when unit k starts its forward, the all-gathers of the next ``forward_depth``
   units of the previous order are issued, so they run (on gloo's threads, or on an
-  all-gather stream) while unit k computes. Backward walks the current iteration's
-  post-forward order in reverse the same way. An order that changes (conditional
-  modules) only costs an unused prefetch, which is freed at the end of forward.
+  all-gather stream) while unit k computes. Backward walks the post-forward order
+  of the most recent complete forward in reverse the same way, restarting at its
+  end for every backward pass, so each of several backwards (pipeline
+  microbatches, gradient accumulation over graphs kept alive) prefetches. An
+  order that changes (conditional modules) only costs an unused prefetch, which
+  is freed at the end of forward.
   Explicit lists (``set_modules_to_forward_prefetch``) replace the implicit choice.
 * **Rate limiter.** ``max_unsharded_bytes`` bounds the unsharded parameter bytes
   allocated or in flight. A prefetch that would exceed it is deferred until a unit
@@ -62,7 +65,10 @@ class Scheduler:
         self._forward_order: list[Unit] = []
         self._forward_cursor = 0
         self._post_forward_order: list[Unit] = []
-        self._post_forward_positions: dict[Unit, list[int]] = {}
+        # Backward prefetch walks the last complete forward's post-forward order
+        # from its end; the cursor restarts at every backward pass.
+        self._backward_order: list[Unit] = []
+        self._backward_cursor = 0
         self._reductions: list[PendingReduction] = []  # not yet handed to .grad
         self._scattering: list[PendingReduction] = []  # reduce-scatter not yet waited
         self._deferred: list[Unit] = []
@@ -174,7 +180,6 @@ class Scheduler:
         self._forward_order = []
         self._forward_cursor = 0
         self._post_forward_order = []
-        self._post_forward_positions = {}
         self._deferred.clear()
         for unit in self.units:
             if unit.state is ShardState.UNSHARDED and unit.params_changed_since_unshard():
@@ -214,7 +219,6 @@ class Scheduler:
     def post_forward(self, unit: Unit) -> None:
         if _trace.ENABLED:
             _trace.end_span("forward", unit.name)
-        self._post_forward_positions.setdefault(unit, []).append(len(self._post_forward_order))
         self._post_forward_order.append(unit)
         reshard = unit.reshard_after_forward
         if reshard is not False:
@@ -225,8 +229,10 @@ class Scheduler:
         """Called by the state that began the forward, after its post-forward."""
         self.forward_active = False
         self._deferred.clear()
-        ran = set(self._forward_order)
         no_backward = not torch.is_grad_enabled()
+        if self._post_forward_order and not no_backward:
+            self._backward_order = self._post_forward_order
+        ran = set(self._forward_order)
         for unit in self.units:
             if unit.gather_in_flight and unit not in ran:
                 self._reshard(unit)  # a prefetch the forward did not use
@@ -243,7 +249,9 @@ class Scheduler:
         """Called when the gradient of one of ``unit``'s forward outputs is ready."""
         if unit.phase is Phase.PRE_BACKWARD:
             return
-        self.backward_active = True
+        if not self.backward_active:
+            self.backward_active = True
+            self._backward_cursor = len(self._backward_order)
         unit.phase = Phase.PRE_BACKWARD
         versions = self._forward_versions.get(unit)
         if versions is not None and any(
@@ -264,15 +272,23 @@ class Scheduler:
             _trace.begin_span("backward", unit.name)
 
     def _backward_prefetch_targets(self, unit: Unit) -> list[Unit]:
-        positions = self._post_forward_positions.get(unit)
-        index = positions.pop() if positions else None
         if unit.backward_prefetch:
             return unit.backward_prefetch
-        if index is None or self.backward_depth <= 0:
+        order, depth = self._backward_order, self.backward_depth
+        if depth <= 0 or not order:
             return []
+        # This unit's latest post-forward below the cursor (a unit run several
+        # times in one forward is found once per backward through it); if the
+        # order changed, its latest occurrence anywhere.
+        index = next((i for i in range(self._backward_cursor - 1, -1, -1) if order[i] is unit), None)
+        if index is None:
+            index = next((i for i in range(len(order) - 1, -1, -1) if order[i] is unit), None)
+            if index is None:
+                return []
+        self._backward_cursor = index
         targets: list[Unit] = []
-        for earlier in reversed(self._post_forward_order[:index]):
-            if len(targets) == self.backward_depth:
+        for earlier in reversed(order[:index]):
+            if len(targets) == depth:
                 break
             if earlier is not unit and earlier not in targets:
                 targets.append(earlier)
@@ -316,8 +332,6 @@ class Scheduler:
                     self.post_backward(unit)
             if self.is_last_backward:
                 self._complete_reductions()
-                self._post_forward_order = []
-                self._post_forward_positions = {}
         finally:
             for unit in self.units:
                 unit.phase = Phase.IDLE
@@ -368,4 +382,3 @@ class Scheduler:
         self.backward_active = False
         self._forward_order = []
         self._post_forward_order = []
-        self._post_forward_positions = {}

@@ -95,6 +95,11 @@ class UnitState:
         self._began_forward = False
         self._finalize_queued = False
         self._pending_modules: set[nn.Module] = set()  # grouped units: not yet run this pass
+        # Inside a method registered with register_fsdp_forward_method: calls of the
+        # module's own forward from it (generate -> forward) find the parameters
+        # already gathered, and must neither gather nor free them.
+        self._in_registered_method = False
+        self._nested_forwards = 0
         self._cast_inputs_to = (
             mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
         )
@@ -173,6 +178,9 @@ class UnitState:
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self._in_registered_method:
+            self._nested_forwards += 1
+            return self._cast_inputs(args, kwargs)
         self.lazy_init()
         scheduler = self.scheduler
         assert scheduler is not None
@@ -207,6 +215,9 @@ class UnitState:
 
     @_compat.dynamo_disable
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self._nested_forwards:
+            self._nested_forwards -= 1
+            return self._cast_output(output)
         scheduler = self.scheduler
         assert scheduler is not None
         if _compat.inside_backward():
@@ -225,6 +236,23 @@ class UnitState:
             self._complete_partial_groups()
             scheduler.end_forward()
         return self._cast_output(output)
+
+    def run_registered_method(
+        self, module: nn.Module, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Runs ``method`` (registered with ``register_fsdp_forward_method``) as one
+        forward of ``module``: gathered once before, freed once after, however many
+        times it calls the module's ``forward`` in between."""
+        if self._in_registered_method:  # the method calls itself (or another registered one)
+            return method(*args, **kwargs)
+        args, kwargs = self._pre_forward(module, args, kwargs)
+        self._in_registered_method = True
+        try:
+            output = method(*args, **kwargs)
+        finally:
+            self._in_registered_method = False
+            self._nested_forwards = 0
+        return self._post_forward(module, args, output)
 
     def _complete_partial_groups(self) -> None:
         """Reshards grouped units whose modules did not all run in this forward."""
@@ -333,6 +361,7 @@ class UnitState:
         for state in self.all_states:
             state._pending_modules.clear()
             state._began_forward = False
+            state._nested_forwards = 0
         self._finalize_queued = False
 
     def units_in_subtree(self, recurse: bool) -> list[Unit]:

@@ -154,12 +154,6 @@ def test_hf_generate() -> None:
         assert r["all_gathers"] == 4 * 3  # 4 forwards x (root + 2 layers)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core issue: a method registered with register_fsdp_forward_method that calls "
-    "forward on the same module (generate) makes the nested forward raise 'the previous "
-    "forward ... did not finish'",
-)
 def test_hf_generate_registered_forward_method() -> None:
     from dist_utils import run_distributed
 

@@ -209,12 +209,6 @@ def _microbatch_backward_prefetch_job() -> list[int]:
     return prefetches
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core issue: the scheduler's backward prefetch positions are consumed by the "
-    "first backward after a forward, so further microbatch backwards (GPipe, 1F1B "
-    "cool-down) gather every unit on demand",
-)
 def test_every_microbatch_backward_prefetches() -> None:
     from dist_utils import run_distributed
 
