@@ -17,7 +17,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, Shard
 
 from . import _compat
-from ._mesh import default_mesh, resolve_mesh_info, validate_reshard_after_forward
+from ._mesh import (
+    default_mesh,
+    resolve_mesh_info,
+    separate_reduce_scatter_group,
+    validate_reshard_after_forward,
+)
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._sharded_param import ShardedParam
 from ._state import UnitState, state_of
@@ -487,14 +492,24 @@ class FSDPModule:
             unit.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Gathers ``modules``' parameters as soon as this module's forward starts,
-        instead of the implicit next unit(s) of the recorded order."""
-        self._fsdp_state_unit("forward prefetch").forward_prefetch = _units_of(modules)
+        """Sets the modules whose parameters this module's forward all-gathers as
+        soon as it starts, instead of the implicit next unit(s) of the recorded
+        order. An empty list turns forward prefetch off for this module.
+
+        Args:
+            modules (List[FSDPModule]): modules to prefetch, in issue order.
+        """
+        self._set_explicit_prefetch("forward_prefetch", modules)
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Gathers ``modules``' parameters as soon as this module's backward starts,
-        instead of the implicit previous unit(s) of the forward order."""
-        self._fsdp_state_unit("backward prefetch").backward_prefetch = _units_of(modules)
+        """Sets the modules whose parameters this module's backward all-gathers as
+        soon as it starts, instead of the implicit previous unit(s) of the forward
+        order. An empty list turns backward prefetch off for this module.
+
+        Args:
+            modules (List[FSDPModule]): modules to prefetch, in issue order.
+        """
+        self._set_explicit_prefetch("backward_prefetch", modules)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divides reduced gradients by ``factor`` instead of the data-parallel size."""
@@ -557,6 +572,21 @@ class FSDPModule:
         del recurse  # one scheduler serves the whole tree
         self._set_schedule("max_inflight_reductions", max_input_buffers)
 
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Runs gradient reduce-scatters on a process group of their own (one per
+        set of shard ranks, shared by the units), so that they can progress
+        concurrently with backward all-gathers instead of queueing behind them on
+        one communicator. Creating the group is collective over the shard ranks:
+        call it on every rank, with the same arguments.
+
+        Args:
+            enable (bool): ``True`` gives reduce-scatters their own group;
+                ``False`` returns them to the all-gather's group.
+            recurse (bool): apply to every FSDPModule in the subtree.
+        """
+        for unit in self._units(recurse):
+            unit.reduce_scatter_group = separate_reduce_scatter_group(unit.mesh_info) if enable else None
+
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Not supported: communication buffers come from the regular allocator.
         Passing ``False`` (the default behaviour) is accepted."""
@@ -614,11 +644,12 @@ class FSDPModule:
             setattr(state.scheduler, name, value)
         (state.root_state or state).schedule_settings[name] = value
 
-    def _fsdp_state_unit(self, what: str) -> Unit:
-        unit = self._fsdp_state().unit
-        if unit is None:
-            raise ValueError(f"{type(self).__name__} manages no parameters, so it has no {what}")
-        return unit
+    def _set_explicit_prefetch(self, attr: str, modules: list[FSDPModule]) -> None:
+        if not isinstance(modules, (list, tuple)):
+            raise TypeError(f"expected a list of FSDPModules, got {type(modules).__name__}")
+        targets = _units_of(list(modules))  # modules without parameters have nothing to gather
+        state = self._fsdp_state()
+        setattr(state.unit if state.unit is not None else state, attr, targets)
 
     def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
         if not recurse:
@@ -651,6 +682,8 @@ class UnshardHandle:
             return
         if unit.gather_in_flight:
             unit.wait_unshard()
+        else:
+            unit.ensure_registered()
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:

@@ -8,6 +8,7 @@ from here instead of re-deriving them from the mesh.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DeviceMesh
 
 _default_mesh_cache: dict[tuple[str, int], DeviceMesh] = {}
 _subgroup_cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_reduce_scatter_group_cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 @dataclass(frozen=True, eq=False)
@@ -141,21 +143,32 @@ def _check_hsdp_dim_names(names: tuple[str, ...]) -> None:
 
 
 def validate_reshard_after_forward(value: object, shard_size: int) -> bool | int:
-    """Checks ``reshard_after_forward`` and returns it normalised (None -> True,
-    resolved for the root at lazy init)."""
+    """Checks ``reshard_after_forward`` and returns it normalised, as FSDP2 does:
+    None -> True (resolved for the root at lazy init); an int must divide the shard
+    world size; 1 means ``False`` (with a warning) and the shard world size ``True``."""
     if value is None or isinstance(value, bool):
         return True if value is None else value
     if isinstance(value, int):
-        if 1 < value < shard_size and shard_size % value == 0:
-            return value
-        divisors = [d for d in range(2, shard_size) if shard_size % d == 0]
-        hint = f"valid values here: {divisors}" if divisors else "no int value is valid here"
-        raise ValueError(
-            f"reshard_after_forward={value} is invalid: an int N reshards parameters to "
-            f"groups of N ranks after forward and must divide the shard world size "
-            f"({shard_size}) with 1 < N < {shard_size} ({hint}). Use True to fully reshard "
-            "or False to keep parameters unsharded."
-        )
+        if not 1 <= value <= shard_size or shard_size % value != 0:
+            divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
+            raise ValueError(
+                f"reshard_after_forward={value} is invalid: an int N reshards parameters to "
+                f"groups of N ranks after forward and must be a factor of the shard world "
+                f"size {shard_size} (valid here: {divisors}; the useful ones are strictly "
+                "between 1 and the shard world size). Use True to fully reshard or False to "
+                "keep parameters unsharded."
+            )
+        if value == 1:
+            warnings.warn(
+                "reshard_after_forward=1 (int) reshards parameters to groups of one rank, i.e. "
+                "keeps them unsharded after forward, as reshard_after_forward=False; it does "
+                "not mean True.",
+                stacklevel=3,
+            )
+            return False
+        if value == shard_size:
+            return True
+        return value
     raise ValueError(
         "reshard_after_forward must be None, a bool, or an int group size, "
         f"got {value!r} ({type(value).__name__})"
@@ -177,3 +190,15 @@ def post_forward_subgroup(info: MeshInfo, group_size: int) -> tuple[dist.Process
         group = dist.new_group(list(members), use_local_synchronization=True)
         _subgroup_cache[members] = group
     return group, info.shard_rank - start
+
+
+def separate_reduce_scatter_group(info: MeshInfo) -> dist.ProcessGroup:
+    """A second process group over this unit's shard ranks, for reduce-scatters
+    only (``set_separate_reduce_scatter_group``), shared by every unit with the
+    same shard ranks. Created with local synchronization: only member ranks call."""
+    members = tuple(dist.get_process_group_ranks(info.shard_group))
+    group = _reduce_scatter_group_cache.get(members)
+    if group is None:
+        group = dist.new_group(list(members), use_local_synchronization=True)
+        _reduce_scatter_group_cache[members] = group
+    return group

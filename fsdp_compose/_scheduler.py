@@ -133,6 +133,13 @@ class Scheduler:
         self._issue(unit)
         if unit.gather_in_flight:
             unit.wait_unshard()
+        else:
+            unit.ensure_registered()
+
+    def prefetch(self, units: list[Unit]) -> None:
+        """Explicit prefetch from a module that manages no parameters itself."""
+        for unit in units:
+            self._prefetch(unit)
 
     def prefetch_now(self, unit: Unit) -> None:
         """A user's explicit ``unshard()``: issued at once, outside the limit."""
@@ -203,7 +210,7 @@ class Scheduler:
         self._require(unit)
 
     def _forward_prefetch_targets(self, unit: Unit) -> list[Unit]:
-        if unit.forward_prefetch:
+        if unit.forward_prefetch is not None:  # explicit, [] included
             return unit.forward_prefetch
         order, depth = self._prev_forward_order, self.forward_depth
         if depth <= 0 or not order:
@@ -236,10 +243,13 @@ class Scheduler:
         for unit in self.units:
             if unit.gather_in_flight and unit not in ran:
                 self._reshard(unit)  # a prefetch the forward did not use
-            elif no_backward and unit.state is not ShardState.SHARDED:
-                # No backward follows a no-grad forward: keep nothing unsharded (a
-                # later optimizer step would otherwise leave these copies stale).
-                self._reshard(unit)
+            elif no_backward and unit.state is ShardState.UNSHARDED:
+                # Units that stay unsharded (the root; reshard_after_forward=False
+                # for evaluation) keep their data across no-grad forwards, as in
+                # FSDP2, but model.parameters() shows the shards again (an
+                # optimizer built after an evaluation must get those).
+                # begin_forward re-gathers a unit whose shards changed meanwhile.
+                unit.park()
 
     # ------------------------------------------------------------------
     # backward
@@ -272,7 +282,7 @@ class Scheduler:
             _trace.begin_span("backward", unit.name)
 
     def _backward_prefetch_targets(self, unit: Unit) -> list[Unit]:
-        if unit.backward_prefetch:
+        if unit.backward_prefetch is not None:  # explicit, [] included
             return unit.backward_prefetch
         order, depth = self._backward_order, self.backward_depth
         if depth <= 0 or not order:

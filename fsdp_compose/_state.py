@@ -92,6 +92,10 @@ class UnitState:
         self.root_state: UnitState | None = None
         self.all_states: list[UnitState] = []  # root only: every state in its tree
         self.schedule_settings: dict[str, Any] = {}  # applied to the scheduler at lazy init
+        # Explicit prefetch lists of a call that manages no parameters (a unit's own
+        # lists live on the unit); None: nothing to prefetch.
+        self.forward_prefetch: list[Unit] | None = None
+        self.backward_prefetch: list[Unit] | None = None
         self._began_forward = False
         self._finalize_queued = False
         self._pending_modules: set[nn.Module] = set()  # grouped units: not yet run this pass
@@ -159,8 +163,11 @@ class UnitState:
         if self.unit is not None and self.auto_reshard_after_forward:
             self.unit.set_reshard_after_forward(False)
         scheduler = Scheduler(units)
-        for key, value in self.schedule_settings.items():
-            setattr(scheduler, key, value)
+        # Settings made on any module of the tree before this first forward; the
+        # root's own are applied last, so they win.
+        for state in [*(s for s in states if s is not self), self]:
+            for key, value in state.schedule_settings.items():
+                setattr(scheduler, key, value)
         for state in states:
             state.scheduler = scheduler
             state.root_state = self
@@ -203,6 +210,8 @@ class UnitState:
             args, kwargs = self._inputs_to_device(args, kwargs)
         args, kwargs = self._cast_inputs(args, kwargs)
         if unit is None:
+            if self.forward_prefetch:
+                scheduler.prefetch(self.forward_prefetch)
             return args, kwargs
         if len(self.modules) > 1:
             if self._pending_modules:  # another module of the group already gathered
@@ -223,6 +232,8 @@ class UnitState:
         if _compat.inside_backward():
             return self._cast_output(output)
         unit = self.unit
+        if unit is None and self.backward_prefetch:
+            output = self._register_pre_backward(output)
         if unit is not None:
             output = self._register_pre_backward(output)
             if len(self.modules) > 1:
@@ -331,6 +342,8 @@ class UnitState:
             _compat.queue_end_of_backward_callback(root._finalize_backward)
         if self.unit is not None:
             self.scheduler.pre_backward(self.unit)
+        elif self.backward_prefetch:
+            self.scheduler.prefetch(self.backward_prefetch)
 
     @_compat.dynamo_disable
     def post_backward(self) -> None:

@@ -108,6 +108,8 @@ class Unit:
         self.reduce_scatter_unused_params = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.unshard_in_backward = True
+        # set_separate_reduce_scatter_group: reduce-scatters on their own group.
+        self.reduce_scatter_group: dist.ProcessGroup | None = None
         # Explicit prefetch targets (set_modules_to_*_prefetch); None: implicit order.
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
@@ -125,6 +127,10 @@ class Unit:
         self._post_forward_shard: torch.Tensor | None = None
         self._unsharded: torch.Tensor | None = None  # flat buffer, see [Note: unsharded storage]
         self._alias = False
+        # Parked: gathered data kept after a no-grad forward, but the sharded
+        # parameters registered, so model.parameters() still gives the shards the
+        # optimizer must hold. The next use re-registers without communication.
+        self._parked = False
         self._gathered_versions: list[int] = []
         self._unsharded_version = 0  # of the flat buffer right after the copy-out
         # HSDP with set_requires_all_reduce(False): reduce-scattered (not yet
@@ -420,7 +426,21 @@ class Unit:
             p.data_version() != v for p, v in zip(self.params, self._gathered_versions)
         )
 
+    def park(self) -> None:
+        """Registers the sharded parameters but keeps the unsharded data for the
+        next use (see ``_parked``)."""
+        if self.state is ShardState.UNSHARDED and not self._parked:
+            for p in self.params:
+                p.register(p.sharded_param)
+            self._parked = True
+
+    def ensure_registered(self) -> None:
+        """Registers the unsharded parameters again if the unit was parked."""
+        if self._parked:
+            self._register_unsharded()
+
     def _register_unsharded(self) -> None:
+        self._parked = False
         for p in self.params:
             unsharded = p.unsharded_param
             assert unsharded is not None
@@ -466,6 +486,7 @@ class Unit:
             self._post_forward_shard = self._pack_post_forward_shard()
         for p in self.params:
             p.register(p.sharded_param)
+        self._parked = False
         if self._unsharded is not None:
             _free_storage(self._unsharded)
         self.state = ShardState.PARTIALLY_SHARDED if keep_share else ShardState.SHARDED
@@ -599,7 +620,8 @@ class Unit:
             output, rs = packed, None
         else:
             output = torch.empty(row, dtype=reduce_dtype, device=info.device)
-            rs = _collectives.reduce_scatter(output, packed, self.shard_group, self.name)
+            group = self.reduce_scatter_group or self.shard_group
+            rs = _collectives.reduce_scatter(output, packed, group, self.name)
         replicate_group = info.replicate_group if all_reduce else None
         return PendingReduction(self, params, sizes, output, rs, replicate_group, post)
 

@@ -67,3 +67,14 @@ class Reuse(nn.Module):
         for _ in range(3):
             x = self.shared(x)
         return self.out(x).squeeze(-1)
+
+
+class Wrapper(nn.Module):
+    """A root that owns no parameters: every parameter is in the wrapped model."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.gpt = inner
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.gpt(idx)

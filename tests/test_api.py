@@ -16,7 +16,7 @@ PUBLIC = {
 # FSDP2 methods we do not implement yet (they raise NotImplementedError with a reason)
 NOT_IMPLEMENTED = {"set_custom_all_gather", "set_custom_reduce_scatter", "set_symm_mem_for_comm"}
 # Newer than the torch releases fsdp_compose targets, or private
-IGNORED = {"set_separate_reduce_scatter_group", "DataParallelMeshDims"}
+IGNORED = {"DataParallelMeshDims"}
 
 
 def test_public_names() -> None:

@@ -64,11 +64,19 @@ def _errors_job() -> dict[str, str]:
             lambda: fully_shard(nn.Linear(4, 4), reshard_after_forward=bad), ValueError,
             "reshard_after_forward must be None, a bool, or an int",
         )
-    for bad in (1, world, 3, -2):
+    for bad in (0, 3, -2, 2 * world):
         results[f"raf_int_{bad}"] = _expect(
             lambda: fully_shard(nn.Linear(4, 4), reshard_after_forward=bad), ValueError,
-            rf"reshard_after_forward={bad} is invalid.*divide the shard world size \({world}\)",
+            rf"reshard_after_forward={bad} is invalid.*factor of the shard world size {world}",
         )
+    # As in FSDP2: 1 means False (with a warning), the shard world size means True.
+    with pytest.warns(UserWarning, match="as reshard_after_forward=False"):
+        one = fully_shard(nn.Linear(4, 4), reshard_after_forward=1)
+    whole = fully_shard(nn.Linear(4, 4), reshard_after_forward=world)
+    results["raf_int_1_and_world"] = (
+        "ok" if (one._fsdp_state().unit.reshard_after_forward, whole._fsdp_state().unit.reshard_after_forward)
+        == (False, True) else "1 / world not normalised to False / True"
+    )
     results["mesh_type"] = _expect(
         lambda: fully_shard(nn.Linear(4, 4), mesh="cpu"), TypeError, "mesh to be a torch.distributed.DeviceMesh, got str"
     )

@@ -12,6 +12,7 @@ import torch.nn as nn
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import local_slice, max_param_diff, mean_across_ranks, rank_world
+from models import Wrapper
 
 from fsdp_compose import FSDPModule, fully_shard, trace
 
@@ -143,17 +144,6 @@ def test_explicit_prefetch_changes_order() -> None:
         assert all(r["rs_overlap"]), r
 
 
-class _Sequential(nn.Module):
-    """GPT whose root owns no parameters: every parameter is in a child unit."""
-
-    def __init__(self, gpt: GPT) -> None:
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.gpt(idx)
-
-
 def _limit_job(limit_units: int | None) -> dict:
     torch.manual_seed(0)
     cfg = GPTConfig(**TINY)
@@ -163,7 +153,7 @@ def _limit_job(limit_units: int | None) -> dict:
     for block in inner.blocks:
         fully_shard(block)
     fully_shard([inner.ln_f, inner.lm_head])
-    model = _Sequential(inner)
+    model = Wrapper(inner)
     fully_shard(model)
     units = model._fsdp_state().scheduler  # not created before the first forward
     assert units is None
@@ -171,7 +161,7 @@ def _limit_job(limit_units: int | None) -> dict:
                   [inner.tok_emb, *inner.blocks, inner.ln_f]]
     if limit_units is not None:
         model.set_unsharded_memory_limit(max(unit_bytes) * limit_units)
-    diffs = _train_traced(model, _Sequential(ref), cfg, steps=3)
+    diffs = _train_traced(model, Wrapper(ref), cfg, steps=3)
     alive: set[str] = set()
     max_alive, max_total, prefetches = 0, 0, 0
     for e in sorted(trace.events(), key=lambda e: e.get("ts", 0)):
