@@ -1,8 +1,8 @@
 """Train a Hugging Face ``transformers`` model with fsdp_compose.
 
-    torchrun --nproc-per-node 2 examples/train_hf.py                       # Llama, CPU, gloo
-    torchrun --nproc-per-node 2 examples/train_hf.py --model gpt2 --check
-    torchrun --nproc-per-node 2 examples/train_hf.py --gradient-checkpointing
+    torchrun --nproc-per-node 4 examples/train_hf.py                       # Llama, CPU, gloo
+    torchrun --nproc-per-node 4 examples/train_hf.py --model gpt2 --check
+    torchrun --nproc-per-node 4 examples/train_hf.py --gradient-checkpointing
 
 The model is built from a small config (no weights are downloaded; the script
 sets ``HF_HUB_OFFLINE=1``). Each decoder layer is a ``fully_shard`` unit and the
