@@ -29,6 +29,13 @@ from fsdp_compose import debug, fully_shard  # noqa: E402
 
 CFG = GPTConfig(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32)
 PG_TIMEOUT_S = 5.0
+_diverged_at: list[float] = []  # when this rank's scenario diverged (set once)
+
+
+def mark_divergence() -> float:
+    """Records the moment the ranks diverge; the reported time counts from here."""
+    _diverged_at.append(time.monotonic())
+    return _diverged_at[-1]
 
 
 def sharded_gpt() -> GPT:
@@ -46,7 +53,7 @@ def train(model: nn.Module, steps: int, diverge_at: int, on_diverge=None) -> flo
     began = time.monotonic()
     for step in range(steps):
         if step == diverge_at:
-            began = time.monotonic()
+            began = mark_divergence()
             if on_diverge is not None:
                 on_diverge()
         x, y = make_batch(CFG, 2, step)
@@ -119,7 +126,7 @@ def different_models(rank: int, use_debug: bool) -> float:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    began = time.monotonic()
+    began = mark_divergence()
     model(make_batch(cfg, 2, 0)[0])
     return began
 
@@ -133,7 +140,7 @@ def optimizer_before_shard(rank: int, use_debug: bool) -> float:
     fully_shard(model)
     x, y = make_batch(CFG, 2, 0)
     loss_fn(model(x), y).backward()
-    began = time.monotonic()
+    began = mark_divergence()
     opt.step()
     return began
 
@@ -162,6 +169,8 @@ def _rank_main(rank: int, world: int, port: int, name: str, queue: mp.Queue) -> 
         queue.put((rank, "finished without error", time.monotonic() - began))
     except Exception as exc:  # noqa: BLE001 - report whatever surfaced
         first = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        if _diverged_at:  # the scenario raised: count from the divergence, not its start
+            began = _diverged_at[0]
         queue.put((rank, first, time.monotonic() - began))
     queue.close()
     queue.join_thread()  # flush before exiting without teardown

@@ -271,3 +271,13 @@ def default_store() -> dist.Store:
 def process_group_backend(group: dist.ProcessGroup) -> str:
     """Lower-case backend name of ``group`` (``"gloo"``, ``"nccl"``, ...)."""
     return str(dist.get_backend(group)).lower()
+
+
+def process_group_timeout(group: dist.ProcessGroup) -> float | None:
+    """The timeout (seconds) ``group`` was created with, or None if this torch
+    version does not expose it (read through the backend's private options)."""
+    try:
+        device = torch.device("cpu") if process_group_backend(group) == "gloo" else torch.device("cuda")
+        return float(group._get_backend(device).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None

@@ -16,7 +16,9 @@ and a rank that stops issuing collectives makes the others raise after
 ``timeout`` seconds, naming the ranks they waited for.
 
 Turn it on with the environment variable ``FSDP_COMPOSE_DEBUG_COLLECTIVES=1``
-(``FSDP_COMPOSE_DEBUG_TIMEOUT`` sets the timeout, default 60 s), or in code::
+(``FSDP_COMPOSE_DEBUG_TIMEOUT`` sets the timeout; by default it is the process
+group's own timeout, so debug mode never waits longer than the collective itself
+would), or in code::
 
     from fsdp_compose import debug
     debug.enable_collective_checks(timeout=30.0)
@@ -52,8 +54,8 @@ class CollectiveMismatchError(RuntimeError):
 
 
 class _FingerprintChecker:
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout  # None: each group's own process-group timeout
         self._seq: dict[tuple[int, ...], int] = {}
         self._delete_supported = True
 
@@ -70,14 +72,17 @@ class _FingerprintChecker:
         mine = f"{kind} for {label} ({numel} x {str(dtype).replace('torch.', '')}, step {step})"
         store.set(prefix + str(me), mine)
         others = [r for r in ranks if r != me]
+        timeout = self.timeout
+        if timeout is None:
+            timeout = _compat.process_group_timeout(group) or _FALLBACK_TIMEOUT_S
         try:
-            store.wait([prefix + str(r) for r in others], timedelta(seconds=self.timeout))
+            store.wait([prefix + str(r) for r in others], timedelta(seconds=timeout))
         except RuntimeError as exc:
             missing = [r for r in others if not store.check([prefix + str(r)])]
             raise CollectiveMismatchError(
                 f"fsdp_compose: rank {me} issued {mine} as collective #{seq} on group "
                 f"{list(ranks)}, but ranks {missing} issued no collective #{seq} within "
-                f"{self.timeout:.0f}s. They may have stopped early (an uneven number of "
+                f"{timeout:.0f}s. They may have stopped early (an uneven number of "
                 "batches), crashed, taken a branch without this unit, or be blocked elsewhere."
             ) from exc
         seen = {r: store.get(prefix + str(r)).decode() for r in others}
@@ -99,6 +104,7 @@ class _FingerprintChecker:
 
 
 _checker: _FingerprintChecker | None = None
+_FALLBACK_TIMEOUT_S = 60.0  # where torch does not expose a group's timeout
 
 
 def _env_enabled() -> bool:
@@ -111,11 +117,12 @@ def enable_collective_checks(timeout: float | None = None) -> None:
     Args:
         timeout (Optional[float]): seconds to wait for the other ranks' fingerprints
             before raising :class:`CollectiveMismatchError`. Defaults to
-            ``FSDP_COMPOSE_DEBUG_TIMEOUT`` or 60.
+            ``FSDP_COMPOSE_DEBUG_TIMEOUT`` if set, else the timeout of the process
+            group the collective runs on.
     """
     global _checker
-    if timeout is None:
-        timeout = float(os.environ.get("FSDP_COMPOSE_DEBUG_TIMEOUT", "60"))
+    if timeout is None and os.environ.get("FSDP_COMPOSE_DEBUG_TIMEOUT"):
+        timeout = float(os.environ["FSDP_COMPOSE_DEBUG_TIMEOUT"])
     _checker = _FingerprintChecker(timeout)
 
 

@@ -49,7 +49,7 @@ class _SkipOnRank(nn.Module):
         return g.lm_head(g.ln_f(x))
 
 
-def _desync_job(debug_on: bool, uneven_batches: bool) -> None:
+def _desync_job(debug_on: bool, uneven_batches: bool, debug_timeout: float | None = 5.0) -> None:
     rank, world = rank_world()
     torch.manual_seed(0)
     cfg = GPTConfig(**TINY)
@@ -59,7 +59,7 @@ def _desync_job(debug_on: bool, uneven_batches: bool) -> None:
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     steps = 3 if rank == 0 or not uneven_batches else 4  # rank 1 has one batch more
-    context = debug.collective_checks(timeout=5.0) if debug_on else _nullcontext()
+    context = debug.collective_checks(timeout=debug_timeout) if debug_on else _nullcontext()
     with context:
         for step in range(steps):
             x, y = make_batch(cfg, 2, step)
@@ -101,6 +101,22 @@ def test_uneven_batches_debug_mode_times_out_clearly() -> None:
     message, elapsed = _run_expecting_failure(_desync_job, True, True, pg_timeout=30.0)
     assert "ranks [0] issued no collective" in message and "uneven number of batches" in message, message
     assert elapsed < 25, elapsed
+
+
+def test_debug_mode_waits_the_process_group_timeout_by_default() -> None:
+    message, elapsed = _run_expecting_failure(_desync_job, True, True, None, pg_timeout=4.0)
+    assert "ranks [0] issued no collective #" in message and "within 4s" in message, message
+    assert elapsed < 4.0 + 20, elapsed
+
+
+def test_desync_without_debug_fails_instead_of_hanging() -> None:
+    """Without debug mode the ranks first exchange two same-sized units' data (the
+    silent failure debug mode exists for), then one waits for a collective the other
+    never issues: the job fails within about one process-group timeout."""
+    message, elapsed = _run_expecting_failure(_desync_job, False, False, pg_timeout=5.0)
+    assert "fsdp_compose: " in message and "failed on rank" in message, message
+    assert "FSDP_COMPOSE_DEBUG_COLLECTIVES=1" in message, message  # tells how to diagnose
+    assert elapsed < 2 * 5.0 + 20, elapsed
 
 
 def test_uneven_batches_without_debug_fails_within_pg_timeout() -> None:
@@ -277,7 +293,7 @@ def test_different_models_on_ranks() -> None:
 
 
 def _reset_job(fail_in: str | None) -> dict:
-    """Trains 4 steps; with ``fail_in``, step 1 raises (on every rank) in forward or
+    """Trains 5 steps; with ``fail_in``, step 1 raises (on every rank) in forward or
     backward, is recovered with reset_iter_state(), and its batch is skipped."""
     rank, world = rank_world()
     cfg = GPTConfig(**TINY)
@@ -305,7 +321,7 @@ def _reset_job(fail_in: str | None) -> dict:
 
     model.blocks[1].register_forward_pre_hook(hook)
     losses = []
-    for step in range(4):
+    for step in range(5):  # 3 steps after the failed one
         x, y = make_batch(cfg, 2 * world, step)
         x, y = local_slice(x, rank, world), local_slice(y, rank, world)
         if step == 1:
@@ -337,7 +353,7 @@ def test_reset_after_exception(fail_in: str) -> None:
     clean = run_distributed(_reset_job, 2, None)
     recovered = run_distributed(_reset_job, 2, fail_in)
     for a, b in zip(clean, recovered):
-        assert a["losses"] == b["losses"]  # bit-identical
+        assert len(b["losses"]) == 4 and a["losses"] == b["losses"]  # bit-identical, 3 steps after
         assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
 
 
