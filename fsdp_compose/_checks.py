@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from . import _compat, _optim
 from ._unit import Unit
 
 REPLACED_BY = "_fsdp_compose_replaced_by"  # set on original parameters by fully_shard
@@ -113,8 +113,15 @@ def _install_optimizer_hook() -> None:
         return
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    register_optimizer_step_pre_hook(_check_optimizer)
+    register_optimizer_step_pre_hook(_on_optimizer_step)
     _hook_installed = True
+
+
+def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _check_optimizer(optimizer, args, kwargs)
+    # Checked: later steps may run on the local shards (this one keeps the DTensor
+    # path, which also creates the states as DTensors).
+    _optim.accelerate(optimizer)
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

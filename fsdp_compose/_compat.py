@@ -154,6 +154,11 @@ def local_tensor(dtensor: DTensor) -> torch.Tensor:
     return dtensor._local_tensor  # noqa: SLF001 - stable since torch 2.0
 
 
+def dtensor_spec(dtensor: DTensor) -> Any:
+    """The (private) spec of ``dtensor``: mesh, placements and tensor metadata."""
+    return dtensor._spec  # noqa: SLF001 - stable since torch 2.0
+
+
 def set_local_tensor(dtensor: DTensor, tensor: torch.Tensor) -> None:
     """Replaces the local shard object of ``dtensor`` in place."""
     dtensor._local_tensor = tensor  # noqa: SLF001
@@ -173,6 +178,12 @@ def dynamo_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
         return torch._dynamo.disable(fn, recursive=True)
     except Exception:  # pragma: no cover - builds without dynamo
         return fn
+
+
+def is_compiling() -> bool:
+    """True while torch.compile traces the calling code."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 # ---------------------------------------------------------------------------

@@ -24,14 +24,14 @@ from ._mesh import (
     validate_reshard_after_forward,
 )
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._sharded_param import ShardedParam
+from ._sharded_param import SHARDED_BY, ShardedParam
 from ._state import UnitState, state_of
 from ._unit import Unit
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 # Marks on parameter objects, so misuse is caught where it happens:
-_SHARDED_BY = "_fsdp_compose_sharded_by"  # on a sharded DTensor parameter
+_SHARDED_BY = SHARDED_BY  # on a sharded DTensor parameter
 _REPLACED_BY = "_fsdp_compose_replaced_by"  # on an original parameter that was sharded
 
 _fsdp_classes: dict[type, type] = {}
@@ -149,7 +149,7 @@ def fully_shard(
             offload_device=torch.device("cpu") if offload else None,
             pin_memory=offload and getattr(offload_policy, "pin_memory", False),
         )
-        setattr(sharded_param.sharded_param, _SHARDED_BY, unit_label)
+        sharded_param.mark_owned(unit_label)
         setattr(param, _REPLACED_BY, unit_label)
         sharded.append(sharded_param)
     unit = (

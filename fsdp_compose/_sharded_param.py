@@ -45,6 +45,9 @@ from . import _compat
 from ._mesh import MeshInfo
 
 
+
+SHARDED_BY = "_fsdp_compose_sharded_by"  # marks the sharded DTensor parameters we own
+
 class ShardedParam:
     """Owns one parameter's sharded DTensor and describes its unsharded form.
 
@@ -71,6 +74,7 @@ class ShardedParam:
         offload_device: torch.device | None = None,
         pin_memory: bool = False,
     ) -> None:
+        self.unit_label: str | None = None  # see mark_owned
         # With tensor parallel, FSDP shards the TP-local tensor (see the note above).
         self.tp_spec = _tp_spec(param, owners, mesh_info) if isinstance(param, DTensor) else None
         self.global_size = param.shape  # the shape users see (the TP DTensor's global shape)
@@ -202,6 +206,7 @@ class ShardedParam:
         replaced (``load_state_dict(assign=True)``, ``_apply`` without swap)."""
         current = self.registered()
         if current is self.sharded_param:
+            self.mark_owned()  # _apply swaps tensor contents, __dict__ included
             return
         if not isinstance(current, DTensor) or current.shape != self.global_size:
             raise RuntimeError(
@@ -214,6 +219,15 @@ class ShardedParam:
             current = nn.Parameter(current, requires_grad=self.sharded_param.requires_grad)
         self.sharded_param = current
         self.register(current)
+        self.mark_owned()
+
+    def mark_owned(self, unit_label: str | None = None) -> None:
+        """Marks the sharded parameter as fsdp_compose's (read by misuse checks
+        and the local optimizer step), with the label of the unit owning it."""
+        if unit_label is not None:
+            self.unit_label = unit_label
+        if self.unit_label is not None and getattr(self.sharded_param, SHARDED_BY, None) is None:
+            setattr(self.sharded_param, SHARDED_BY, self.unit_label)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a full tensor of this parameter's (global) shape,
