@@ -304,9 +304,9 @@ class Scheduler:
                 targets.append(earlier)
         return targets
 
-    def post_backward(self, unit: Unit) -> None:
+    def post_backward(self, unit: Unit, *, at_end: bool = False) -> None:
         """Called when backward through ``unit`` is done (or at finalisation for
-        units whose forward inputs did not require grad)."""
+        units whose forward inputs did not require grad, with ``at_end``)."""
         if unit.phase is Phase.PRE_BACKWARD and _trace.ENABLED:
             _trace.end_span("backward", unit.name)
         unit.phase = Phase.POST_BACKWARD
@@ -322,8 +322,10 @@ class Scheduler:
             self._reshard(unit)
         if params:
             # Complete earlier reduce-scatters first: bounds full-size gradient
-            # buffers, and they have had this unit's backward to finish.
-            while len(self._scattering) >= self.max_inflight_reductions:
+            # buffers, and they have had this unit's backward to finish. At the
+            # end of backward there is no compute left to overlap and activations
+            # are freed: issue at once, so the last reductions run concurrently.
+            while not at_end and len(self._scattering) >= self.max_inflight_reductions:
                 self._scattering.pop(0).advance()
             reduction = unit.reduce_grads(params, grads, all_reduce=unit.requires_all_reduce)
             del grads  # packed into the reduction's buffer
@@ -339,7 +341,7 @@ class Scheduler:
                     unit.phase is Phase.PRE_BACKWARD or unit.state is not ShardState.SHARDED
                     or unit.has_unsharded_grads()
                 ):
-                    self.post_backward(unit)
+                    self.post_backward(unit, at_end=True)
             if self.is_last_backward:
                 self._complete_reductions()
         finally:
