@@ -337,7 +337,12 @@ class Unit:
         else:
             world, group = self._world, self.shard_group
             out = torch.empty(world * self._row, dtype=self._buffer_dtype, device=device)
-            send = out.view(world, self._row)[self.mesh_info.shard_rank]  # in-place gather
+            if world > 1 and device.type == "cpu":
+                # gloo's in-place all-gather (input a view of the output) is
+                # slower (measured 6.3 ms vs 4.5 ms for 7 MiB at W=2): send a copy.
+                send = torch.empty(self._row, dtype=self._buffer_dtype, device=device)
+            else:  # NCCL gathers in place; one rank copies straight into the output
+                send = out.view(world, self._row)[self.mesh_info.shard_rank]
             self._copy_in(send)
         self._gather_output, self._gather_world = out, world
         if world == 1:
