@@ -246,14 +246,11 @@ def all_gather(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, label: str
 ) -> PendingCollective:
     """Gathers ``input`` from every rank of ``group`` into ``output`` (rank-major)."""
-    return _launch(
-        "all_gather",
-        label,
-        group,
-        input,
-        output,
-        lambda async_op: _compat.all_gather_into_tensor(output, input, group, async_op),
-    )
+    if output.device.type == "cpu":
+        issue = lambda async_op: _compat.gloo_all_gather_into_tensor(output, input, group)  # noqa: E731
+    else:
+        issue = lambda async_op: _compat.all_gather_into_tensor(output, input, group, async_op)  # noqa: E731
+    return _launch("all_gather", label, group, input, output, issue)
 
 
 def _use_all_to_all_reduce_scatter(group: dist.ProcessGroup) -> bool:
@@ -279,9 +276,7 @@ def reduce_scatter(
             group,
             input,
             output,
-            lambda async_op: dist.all_to_all_single(
-                received, input, group=group, async_op=async_op
-            ),
+            lambda async_op: _compat.gloo_all_to_all_single(received, input, group),
             finish=finish,
             keepalive=(received,),
         )

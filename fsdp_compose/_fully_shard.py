@@ -719,8 +719,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         module (nn.Module): the annotated module.
         method_name (str): name of the method to wrap.
     """
-    if not isinstance(module, FSDPModule):
-        return
+    if not isinstance(module, FSDPModule) or method_name == "forward":
+        return  # forward already runs the unit's hooks
     method = getattr(module, method_name, None)
     if method is None or not callable(method):
         raise ValueError(f"{type(module).__name__} has no method {method_name!r}")

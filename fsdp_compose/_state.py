@@ -232,10 +232,9 @@ class UnitState:
         if _compat.inside_backward():
             return self._cast_output(output)
         unit = self.unit
-        if unit is None and self.backward_prefetch:
+        if unit is not None or self.backward_prefetch:
             output = self._register_pre_backward(output)
         if unit is not None:
-            output = self._register_pre_backward(output)
             if len(self.modules) > 1:
                 self._pending_modules.discard(module)
                 if not self._pending_modules:

@@ -25,6 +25,7 @@ unwrapped model costs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -266,6 +267,12 @@ class Unit:
             and all(p.compute_dtype == p.orig_dtype for p in self.params)
         )
         self._fused_copy_out = all(p.shard_dim == 0 for p in self.params)
+        # This rank's shards fill its row without gaps (same dtype, no padding in
+        # its slots): copy-in is one concatenation.
+        self._dense_copy_in = uniform and all(
+            s.param is not None and s.param.local_numel == s.size for s in slots
+        )
+        self._copy_out_sizes: dict[int, list[int]] = {}
         device = info.device
         if self._alias:
             self._unsharded = None
@@ -352,8 +359,13 @@ class Unit:
 
     def _copy_in(self, row: torch.Tensor) -> None:
         """Writes each local shard (cast to its compute dtype) into its slot of
-        ``row``; padding is left as is (never read back)."""
+        ``row``; padding is left as is (never read back). No autograd: neither
+        side requires grad, so no ``no_grad`` context is needed (hot path)."""
         self._gathered_versions = [p.data_version() for p in self.params]
+        if self._dense_copy_in:
+            srcs = [self._copy_in_source(p).view(-1) for p in self.params]
+            torch.cat(srcs, out=row) if len(srcs) > 1 else row.copy_(srcs[0])
+            return
         dsts, srcs = [], []
         byte_mode = not self._uniform
         for slot in self._slots:
@@ -365,14 +377,16 @@ class Unit:
                 dst = row[slot.offset : slot.offset + p.local_numel * item].view(p.compute_dtype)
             else:
                 dst = row[slot.offset : slot.offset + p.local_numel]
-            src = p.local_shard
-            if self.offload:
-                src = src.to(self.mesh_info.device, non_blocking=True)
             dsts.append(dst)
-            srcs.append(src.reshape(-1))
+            srcs.append(self._copy_in_source(p).reshape(-1))
         if dsts:
-            with torch.no_grad():
-                torch._foreach_copy_(dsts, srcs)
+            torch._foreach_copy_(dsts, srcs)
+
+    def _copy_in_source(self, p: ShardedParam) -> torch.Tensor:
+        src = p.local_shard
+        if self.offload:
+            src = src.to(self.mesh_info.device, non_blocking=True)
+        return src.contiguous()
 
     def wait_unshard(self) -> None:
         """Waits for the pending all-gather and registers the unsharded parameters."""
@@ -395,32 +409,39 @@ class Unit:
         assert out is not None and self._unsharded is not None
         _alloc_storage(self._unsharded)
         scale = self._world // world
-        with _compat.preserve_version_counter(self._unsharded), torch.no_grad():
+        # Refilling storage autograd may have saved is not a modification: keep
+        # the version (see [Note: unsharded storage]). Nothing here requires grad.
+        version = self._unsharded._version
+        try:
             rows = out.view(world, -1)
             if self._fused_copy_out:
-                torch.split_with_sizes_copy(
-                    rows,
-                    [s.size * scale for s in self._slots],
-                    dim=1,
-                    out=self._copy_out_views(world),
-                )
+                sizes = self._copy_out_sizes.get(world)
+                if sizes is None:
+                    sizes = self._copy_out_sizes[world] = [s.size * scale for s in self._slots]
+                torch.split_with_sizes_copy(rows, sizes, dim=1, out=self._copy_out_views(world))
             else:  # some parameter is sharded on a dim > 0 (needs a permuted copy)
-                for slot in self._slots:
-                    p = slot.param
-                    if p is None:
-                        continue
-                    block = rows[:, slot.offset * scale : (slot.offset + slot.size) * scale]
-                    if block.dtype != p.compute_dtype:  # byte buffers: reinterpret
-                        block = block.view(p.compute_dtype)
-                    if p.shard_dim == 0:
-                        flat = p.unsharded_local.view(-1)
-                        full = p.orig_numel // p.chunk_numel
-                        flat[: full * p.chunk_numel].view(full, -1).copy_(block[:full])
-                        rest = p.orig_numel - full * p.chunk_numel
-                        if rest:
-                            flat[full * p.chunk_numel :].copy_(block[full, :rest])
-                    else:
-                        p.unsharded_local.copy_(p.unsharded_from_rank_chunks(block))
+                self._copy_out_per_param(rows, scale)
+        finally:
+            _compat.restore_version(self._unsharded, version)
+
+    def _copy_out_per_param(self, rows: torch.Tensor, scale: int) -> None:
+        with torch.no_grad():  # writes through the unsharded parameters (leaves)
+            for slot in self._slots:
+                p = slot.param
+                if p is None:
+                    continue
+                block = rows[:, slot.offset * scale : (slot.offset + slot.size) * scale]
+                if block.dtype != p.compute_dtype:  # byte buffers: reinterpret
+                    block = block.view(p.compute_dtype)
+                if p.shard_dim == 0:
+                    flat = p.unsharded_local.view(-1)
+                    full = p.orig_numel // p.chunk_numel
+                    flat[: full * p.chunk_numel].view(full, -1).copy_(block[:full])
+                    rest = p.orig_numel - full * p.chunk_numel
+                    if rest:
+                        flat[full * p.chunk_numel :].copy_(block[full, :rest])
+                else:
+                    p.unsharded_local.copy_(p.unsharded_from_rank_chunks(block))
 
     def params_changed_since_unshard(self) -> bool:
         """True if a sharded parameter was written (e.g. by the optimizer) after the
@@ -616,11 +637,11 @@ class Unit:
         sizes = [p.chunk_numel for p in params]
         row = sum(sizes)
         packed = torch.empty(world * row, dtype=reduce_dtype, device=info.device)
-        with torch.no_grad():
-            chunks = [g if p.shard_dim == 0 else p.rank_chunks(g, world) for p, g in zip(params, grads)]
-            _compat.chunk_cat(chunks, world, packed.view(world, row))
-            if pre != 1:
-                packed.div_(pre)
+        # Gradients from autograd do not require grad: no no_grad context needed.
+        chunks = [g if p.shard_dim == 0 else p.rank_chunks(g, world) for p, g in zip(params, grads)]
+        _compat.chunk_cat(chunks, world, packed.view(world, row))
+        if pre != 1:
+            packed.div_(pre)
         if world == 1:
             output, rs = packed, None
         else:
@@ -766,6 +787,7 @@ def _device_sync_point(device: torch.device) -> torch.Event:
     return module.current_stream(device).record_event()
 
 
+@functools.lru_cache(maxsize=None)
 def _divide_factors(
     world: int, dtype: torch.dtype, custom: float | None
 ) -> tuple[float, float]:
