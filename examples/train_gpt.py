@@ -129,8 +129,16 @@ def main() -> None:
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "exposed_comm": sum(trace.exposed_communication().values()) if args.trace else None,
     }
-    reports = [None] * world
-    dist.all_gather_object(reports, report)
+    # One float64 row per rank (torch's object collectives would need NumPy).
+    keys = ("params", "optim", "peak_rss", "exposed_comm")
+    row = torch.tensor([float("nan") if report[k] is None else report[k] for k in keys], dtype=torch.float64)
+    rows = torch.empty(world * len(keys), dtype=torch.float64)
+    dist.all_gather_into_tensor(rows, row)
+    rows = rows.view(world, len(keys))
+    reports = [
+        {"rank": r, **{k: (None if v != v else v) for k, v in zip(keys, rows[r].tolist())}}
+        for r in range(world)
+    ]
     if rank == 0:
         full = n_params * 4 / 2**20
         print(f"done: {args.steps} steps in {elapsed:.1f}s; full fp32 parameters would be {full:.1f} MiB per rank")

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import hashlib
+import pickle
 import weakref
 from typing import Any
 
@@ -81,8 +82,9 @@ def verify_same_structure(units: list[Unit]) -> None:
         digests = gathered.tolist()
         if len(set(digests)) == 1:
             continue
-        descriptions: list[Any] = [None] * group.size()
-        dist.all_gather_object(descriptions, description, group=group)
+        descriptions = [
+            pickle.loads(blob) for blob in _all_gather_bytes(pickle.dumps(description), group, device)
+        ]
         ranks = dist.get_process_group_ranks(group)
         me = dist.get_rank()
         other = next(i for i, d in enumerate(digests) if d != digest) if digest != digests[0] else next(
@@ -94,6 +96,24 @@ def verify_same_structure(units: list[Unit]) -> None:
             f"their collectives would not match. Rank {me} vs rank {ranks[other]}: {detail}. "
             "Build the same model (same config, same fully_shard calls) on every rank."
         )
+
+
+def _all_gather_bytes(payload: bytes, group: dist.ProcessGroup, device: torch.device) -> list[bytes]:
+    """Gathers every rank's ``payload`` with tensor collectives. torch's object
+    collectives (``all_gather_object``) need NumPy, which torch does not require;
+    the error they would raise here would hide the one being reported."""
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    sizes = torch.empty(group.size(), dtype=torch.int64, device=device)
+    size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    _compat.all_gather_into_tensor(sizes, size, group, async_op=False)
+    lengths = [int(n) for n in sizes.tolist()]
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine
+    gathered = torch.empty(group.size() * longest, dtype=torch.uint8, device=device)
+    _compat.all_gather_into_tensor(gathered, padded, group, async_op=False)
+    rows = gathered.view(group.size(), longest).cpu()
+    return [bytes(rows[i, :n].tolist()) for i, n in enumerate(lengths)]
 
 
 # ---------------------------------------------------------------------------
