@@ -8,8 +8,7 @@ a fallback or a clear error.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -204,9 +203,10 @@ def inside_backward() -> bool:
 
 
 def restore_version(tensor: torch.Tensor, version: int) -> None:
-    """Sets ``tensor``'s version counter back to ``version`` (read before an
-    in-place write that is not a semantic modification; see
-    :func:`preserve_version_counter`). The hot-path form of that context manager."""
+    """Sets ``tensor``'s version counter back to ``version``, read before an
+    in-place write that is not a semantic modification: refilling an unsharded
+    parameter's storage that autograd saved for backward (see [Note: unsharded
+    storage] in ``_unit.py``)."""
     setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
     if setter is None:  # pragma: no cover
         return
@@ -214,18 +214,6 @@ def restore_version(tensor: torch.Tensor, version: int) -> None:
         setter((tensor,), (version,))
     except TypeError:  # pragma: no cover - older signature: one tensor, one int
         setter(tensor, version)
-
-
-@contextlib.contextmanager
-def preserve_version_counter(tensor: torch.Tensor) -> Iterator[None]:
-    """Writes into an unsharded parameter's storage without bumping its version.
-
-    Autograd saves unsharded parameters for backward; refilling their storage
-    after a reshard is not a semantic modification, so the version check must not
-    fire (see [Note: unsharded storage] in ``_unit.py``).
-    """
-    with torch.autograd._unsafe_preserve_version_counter(tensor):
-        yield
 
 
 # ---------------------------------------------------------------------------
@@ -254,34 +242,36 @@ def all_gather_into_tensor(
 _direct_gloo_ok = True
 
 
+def _issue_gloo(direct: Callable[[], dist.Work], fallback: Callable[[], dist.Work | None]) -> dist.Work:
+    global _direct_gloo_ok
+    if _direct_gloo_ok:
+        try:
+            return direct()
+        except (AttributeError, TypeError):  # pragma: no cover - binding changed
+            _direct_gloo_ok = False
+    work = fallback()
+    assert work is not None
+    return work
+
+
 def gloo_all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
 ) -> dist.Work:
     """Asynchronous all-gather on a gloo ``group`` (see [Note: issuing gloo collectives])."""
-    global _direct_gloo_ok
-    if _direct_gloo_ok:
-        try:
-            return group._allgather_base(output, input)  # noqa: SLF001
-        except (AttributeError, TypeError):  # pragma: no cover - binding changed
-            _direct_gloo_ok = False
-    work = all_gather_into_tensor(output, input, group, async_op=True)
-    assert work is not None
-    return work
+    return _issue_gloo(
+        lambda: group._allgather_base(output, input),  # noqa: SLF001
+        lambda: all_gather_into_tensor(output, input, group, async_op=True),
+    )
 
 
 def gloo_all_to_all_single(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
 ) -> dist.Work:
     """Asynchronous even all-to-all on a gloo ``group`` (see [Note: issuing gloo collectives])."""
-    global _direct_gloo_ok
-    if _direct_gloo_ok:
-        try:
-            return group.alltoall_base(output, input, [], [])
-        except (AttributeError, TypeError):  # pragma: no cover - binding changed
-            _direct_gloo_ok = False
-    work = dist.all_to_all_single(output, input, group=group, async_op=True)
-    assert work is not None
-    return work
+    return _issue_gloo(
+        lambda: group.alltoall_base(output, input, [], []),
+        lambda: dist.all_to_all_single(output, input, group=group, async_op=True),
+    )
 
 
 def reduce_scatter_tensor(

@@ -30,8 +30,8 @@ from ._unit import Unit
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
-# Marks on parameter objects, so misuse is caught where it happens:
-_SHARDED_BY = SHARDED_BY  # on a sharded DTensor parameter
+# Marks on parameter objects, so misuse is caught where it happens (and
+# SHARDED_BY, from _sharded_param, on the sharded DTensor parameters):
 _REPLACED_BY = "_fsdp_compose_replaced_by"  # on an original parameter that was sharded
 
 _fsdp_classes: dict[type, type] = {}
@@ -259,10 +259,10 @@ def _managed_params(
         for name, p in m._parameters.items():
             if p is None or p in ignored:
                 continue
-            if getattr(p, _SHARDED_BY, None) is not None:
+            if getattr(p, SHARDED_BY, None) is not None:
                 raise ValueError(
                     f"parameter {name!r} of {type(m).__name__} is already sharded by "
-                    f"fully_shard({getattr(p, _SHARDED_BY)}): fully_shard must be applied "
+                    f"fully_shard({getattr(p, SHARDED_BY)}): fully_shard must be applied "
                     "bottom-up, i.e. to submodules (e.g. each block) before their parents."
                 )
             if getattr(p, _REPLACED_BY, None) is not None:
