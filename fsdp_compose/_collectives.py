@@ -22,8 +22,11 @@ Listeners (the trace, tests counting collectives) subscribe with
 
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -80,6 +83,36 @@ def remove_listener(listener: Listener) -> None:
 def _notify(event: CollectiveEvent, info: CollectiveInfo) -> None:
     for listener in tuple(_listeners):
         listener(event, info)
+
+
+# ---------------------------------------------------------------------------
+# gloo work at interpreter exit
+# ---------------------------------------------------------------------------
+
+# [Note: gloo work at interpreter exit]
+# A gloo worker thread marks a collective complete (waking the waiting caller) a
+# moment before it drops its own reference to the work and the tensors it holds. If
+# Python dropped those tensors first, the worker must take the GIL to free them; if
+# the interpreter is already finalizing by then, the thread is torn down inside a
+# destructor and the process aborts with "terminate called without an active
+# exception" -- after training finished, on a loaded machine, a few percent of runs
+# (any gloo program can hit it; DTensor's ``full_tensor()`` right before exit is a
+# common trigger). An exit handler, registered on the first gloo collective, frees
+# unreachable objects and releases the GIL briefly while the interpreter is still
+# alive, so such a worker finishes first.
+_EXIT_GRACE_S = 0.1
+_exit_guard_registered = False
+
+
+def _let_gloo_workers_finish() -> None:
+    gc.collect()
+    time.sleep(_EXIT_GRACE_S)
+
+
+def _register_exit_guard() -> None:
+    global _exit_guard_registered
+    _exit_guard_registered = True
+    atexit.register(_let_gloo_workers_finish)
 
 
 # ---------------------------------------------------------------------------
@@ -209,6 +242,8 @@ def _launch(
         _notify("issue", info)
     what = f"{kind} for {label} (step {current_step})"
     if out.device.type == "cpu":
+        if not _exit_guard_registered:
+            _register_exit_guard()
         try:
             work = issue(True)
         except RuntimeError as exc:

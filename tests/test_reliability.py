@@ -16,7 +16,7 @@ from dist_utils import JobFailed, get_pool, run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import local_slice, rank_world
 
-from fsdp_compose import debug, fully_shard
+from fsdp_compose import _collectives, debug, fully_shard
 from fsdp_compose._unit import ShardState
 
 TINY = dict(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32)
@@ -371,7 +371,11 @@ def _determinism_job() -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": [p.detach().full_tensor() for p in model.parameters()]}
+    return {
+        "losses": losses,
+        "params": [p.detach().full_tensor() for p in model.parameters()],
+        "exit_guard": _collectives._exit_guard_registered,
+    }
 
 
 def test_bit_identical_repeat_runs() -> None:
@@ -380,3 +384,5 @@ def test_bit_identical_repeat_runs() -> None:
     for a, b in zip(first, second):
         assert a["losses"] == b["losses"]
         assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
+        # [Note: gloo work at interpreter exit]: training on gloo arms the exit handler
+        assert a["exit_guard"] and b["exit_guard"]
