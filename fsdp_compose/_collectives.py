@@ -27,9 +27,9 @@ import gc
 import itertools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,43 @@ class CollectiveInfo:
     @property
     def output_bytes(self) -> int:
         return self.output_numel * self.dtype.itemsize
+
+
+class _CustomComm(Protocol):
+    """FSDP2's ``Comm`` interface: ``allocate`` makes the communication buffers."""
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor: ...
+
+
+class AllGatherComm(_CustomComm, Protocol):
+    """A user-supplied all-gather (``FSDPModule.set_custom_all_gather``), with the
+    interface of FSDP2's ``AllGather``: ``allocate`` makes the output buffer (the
+    input is a view of it, in place) and the call issues the collective."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None: ...
+
+
+class ReduceScatterComm(_CustomComm, Protocol):
+    """A user-supplied reduce-scatter (``FSDPModule.set_custom_reduce_scatter``),
+    with the interface of FSDP2's ``ReduceScatter``: ``allocate`` makes the input
+    and output buffers and the call issues the collective."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None: ...
 
 
 Listener = Callable[[CollectiveEvent, CollectiveInfo], None]
@@ -278,10 +315,19 @@ def _launch(
 
 
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, label: str
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    label: str,
+    comm: AllGatherComm | None = None,
 ) -> PendingCollective:
-    """Gathers ``input`` from every rank of ``group`` into ``output`` (rank-major)."""
-    if output.device.type == "cpu":
+    """Gathers ``input`` from every rank of ``group`` into ``output`` (rank-major),
+    with ``comm`` if given."""
+    if comm is not None:
+        issue = lambda async_op: comm(  # noqa: E731
+            output_tensor=output, input_tensor=input, group=group, async_op=async_op
+        )
+    elif output.device.type == "cpu":
         issue = lambda async_op: _compat.gloo_all_gather_into_tensor(output, input, group)  # noqa: E731
     else:
         issue = lambda async_op: _compat.all_gather_into_tensor(output, input, group, async_op)  # noqa: E731
@@ -294,11 +340,25 @@ def _use_all_to_all_reduce_scatter(group: dist.ProcessGroup) -> bool:
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, label: str
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    label: str,
+    comm: ReduceScatterComm | None = None,
 ) -> PendingCollective:
     """Sums ``input`` (``group.size()`` equal chunks) over ``group``; rank r receives
-    the sum of chunk r in ``output``. See [Note: reduce-scatter on gloo]."""
+    the sum of chunk r in ``output``. With ``comm`` if given, else see [Note:
+    reduce-scatter on gloo]."""
     world = group.size()
+    if comm is not None:
+        issue = lambda async_op: comm(  # noqa: E731
+            output_tensor=output,
+            input_tensor=input,
+            group=group,
+            op=dist.ReduceOp.SUM,
+            async_op=async_op,
+        )
+        return _launch("reduce_scatter", label, group, input, output, issue)
     if output.device.type == "cpu" and _use_all_to_all_reduce_scatter(group):
         received = torch.empty_like(input)
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, Shard
 
 from . import _compat
+from ._collectives import AllGatherComm, ReduceScatterComm
 from ._mesh import (
     default_mesh,
     resolve_mesh_info,
@@ -602,19 +603,44 @@ class FSDPModule:
             "fsdp_compose does not allocate communication buffers from symmetric memory yet"
         )
 
-    def set_custom_all_gather(self, comm: Any) -> None:
-        """Not supported yet: raises ``NotImplementedError``."""
-        raise NotImplementedError(
-            "fsdp_compose does not support custom all-gather comms yet; all collectives go "
-            "through fsdp_compose._collectives"
-        )
+    def set_custom_all_gather(self, comm: AllGatherComm | None) -> None:
+        """Issues this module's parameter all-gathers with ``comm`` instead of the
+        default collective.
 
-    def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """Not supported yet: raises ``NotImplementedError``."""
-        raise NotImplementedError(
-            "fsdp_compose does not support custom reduce-scatter comms yet; all collectives go "
-            "through fsdp_compose._collectives"
-        )
+        ``comm`` follows FSDP2's ``AllGather`` interface:
+        ``comm.allocate(size, *, dtype, device)`` returns the all-gather output (a
+        contiguous tensor of ``size``), of which this rank's row is the input, and
+        ``comm(output_tensor, input_tensor, group, async_op)`` issues the
+        collective and returns its ``Work`` (or ``None`` once done). Called only
+        when there is something to gather (shard world size above 1). Applies to
+        this module's own parameters, not to its children's; ``None`` restores the
+        default.
+
+        Args:
+            comm (AllGather): the custom all-gather.
+        """
+        _check_comm(comm, "set_custom_all_gather")
+        for unit in self._units(False):
+            unit.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatterComm | None) -> None:
+        """Issues this module's gradient reduce-scatters with ``comm`` instead of
+        the default collective.
+
+        ``comm`` follows FSDP2's ``ReduceScatter`` interface:
+        ``comm.allocate(size, *, dtype, device)`` returns the input and the output
+        buffers, and ``comm(output_tensor, input_tensor, group, op, async_op)``
+        issues the collective and returns its ``Work`` (or ``None`` once done).
+        ``op`` is always ``ReduceOp.SUM``: the averaging division is applied
+        separately. Called only when the shard world size is above 1. Applies to
+        this module's own parameters; ``None`` restores the default.
+
+        Args:
+            comm (ReduceScatter): the custom reduce-scatter.
+        """
+        _check_comm(comm, "set_custom_reduce_scatter")
+        for unit in self._units(False):
+            unit.custom_reduce_scatter = comm
 
     # -- additions beyond FSDP2's API ----------------------------------------
 
@@ -693,6 +719,17 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     for m in modules:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"expected FSDPModules, got {type(m).__name__}")
+
+
+def _check_comm(comm: object, method: str) -> None:
+    if comm is None:
+        return
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise TypeError(
+            f"{method} expects an object with an allocate(size, *, dtype, device) method "
+            f"that is also callable to issue the collective (FSDP2's Comm interface), got "
+            f"{type(comm).__name__}"
+        )
 
 
 def _units_of(modules: list[FSDPModule]) -> list[Unit]:

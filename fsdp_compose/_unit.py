@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _collectives, _compat
-from ._collectives import PendingCollective
+from ._collectives import AllGatherComm, PendingCollective, ReduceScatterComm
 from ._mesh import MeshInfo, post_forward_subgroup
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._sharded_param import ShardedParam
@@ -111,6 +111,9 @@ class Unit:
         self.unshard_in_backward = True
         # set_separate_reduce_scatter_group: reduce-scatters on their own group.
         self.reduce_scatter_group: dist.ProcessGroup | None = None
+        # set_custom_all_gather / set_custom_reduce_scatter: user collectives.
+        self.custom_all_gather: AllGatherComm | None = None
+        self.custom_reduce_scatter: ReduceScatterComm | None = None
         # Explicit prefetch targets (set_modules_to_*_prefetch); None: implicit order.
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
@@ -336,6 +339,10 @@ class Unit:
             self._pending_gather = _DONE
             return
         device = self.mesh_info.device
+        comm = self.custom_all_gather
+        if comm is not None and self._world > 1:
+            self._unshard_with(comm)
+            return
         if self.state is ShardState.PARTIALLY_SHARDED:
             assert self._post_forward_group is not None and self._post_forward_shard is not None
             world, group = self._post_forward_size, self._post_forward_group
@@ -356,6 +363,31 @@ class Unit:
             self._pending_gather = _DONE
         else:
             self._pending_gather = _collectives.all_gather(out, send, group, self.name)
+
+    def _unshard_with(self, comm: AllGatherComm) -> None:
+        """``unshard`` through a custom all-gather: like FSDP2, the output comes from
+        ``comm.allocate`` and this rank's input is its row of that output."""
+        device = self.mesh_info.device
+        if self.state is ShardState.PARTIALLY_SHARDED:
+            assert self._post_forward_group is not None and self._post_forward_shard is not None
+            world, group, rank = self._post_forward_size, self._post_forward_group, self._post_forward_rank
+            row_numel, dtype = self._post_forward_shard.numel(), self._post_forward_shard.dtype
+        else:
+            world, group, rank = self._world, self.shard_group, self.mesh_info.shard_rank
+            row_numel, dtype = self._row, self._buffer_dtype
+        out = _allocated(comm, world * row_numel, dtype, device, f"{self.name}'s custom all-gather")
+        send = out.view(world, row_numel)[rank]
+        if self.state is ShardState.PARTIALLY_SHARDED:
+            assert self._post_forward_shard is not None
+            send.copy_(self._post_forward_shard)
+        else:
+            self._copy_in(send)
+        self._gather_output, self._gather_world = out, world
+        self._pending_gather = _collectives.all_gather(out, send, group, self.name, comm)
+
+    @property
+    def _rs_what(self) -> str:
+        return f"{self.name}'s custom reduce-scatter"
 
     def _copy_in(self, row: torch.Tensor) -> None:
         """Writes each local shard (cast to its compute dtype) into its slot of
@@ -636,7 +668,11 @@ class Unit:
         pre, post = _divide_factors(info.data_parallel_size, reduce_dtype, self.gradient_divide_factor)
         sizes = [p.chunk_numel for p in params]
         row = sum(sizes)
-        packed = torch.empty(world * row, dtype=reduce_dtype, device=info.device)
+        comm = self.custom_reduce_scatter if world > 1 else None
+        if comm is not None:  # like FSDP2: both buffers come from the comm
+            packed = _allocated(comm, world * row, reduce_dtype, info.device, self._rs_what)
+        else:
+            packed = torch.empty(world * row, dtype=reduce_dtype, device=info.device)
         # Gradients from autograd do not require grad: no no_grad context needed.
         chunks = [g if p.shard_dim == 0 else p.rank_chunks(g, world) for p, g in zip(params, grads)]
         _compat.chunk_cat(chunks, world, packed.view(world, row))
@@ -645,11 +681,43 @@ class Unit:
         if world == 1:
             output, rs = packed, None
         else:
-            output = torch.empty(row, dtype=reduce_dtype, device=info.device)
+            if comm is not None:
+                output = _allocated(comm, row, reduce_dtype, info.device, self._rs_what)
+            else:
+                output = torch.empty(row, dtype=reduce_dtype, device=info.device)
             group = self.reduce_scatter_group or self.shard_group
-            rs = _collectives.reduce_scatter(output, packed, group, self.name)
+            rs = _collectives.reduce_scatter(output, packed, group, self.name, comm)
         replicate_group = info.replicate_group if all_reduce else None
         return PendingReduction(self, params, sizes, output, rs, replicate_group, post)
+
+
+def _allocated(
+    comm: AllGatherComm | ReduceScatterComm,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    what: str,
+) -> torch.Tensor:
+    """A communication buffer from a custom comm's ``allocate``, checked."""
+    buffer = comm.allocate((numel,), dtype=dtype, device=device)
+    if (
+        not isinstance(buffer, torch.Tensor)
+        or buffer.numel() != numel
+        or buffer.dtype != dtype
+        or buffer.device != device
+        or not buffer.is_contiguous()
+    ):
+        got = (
+            f"a {'contiguous' if buffer.is_contiguous() else 'non-contiguous'} tensor of "
+            f"{buffer.numel()} {buffer.dtype} elements on {buffer.device}"
+            if isinstance(buffer, torch.Tensor)
+            else type(buffer).__name__
+        )
+        raise ValueError(
+            f"{what}: allocate() returned {got}, but {numel} contiguous {dtype} elements "
+            f"on {device} were asked for"
+        )
+    return buffer.view(-1)
 
 
 class PendingReduction:

@@ -14,7 +14,7 @@ PUBLIC = {
     "PipelineStage",
 }
 # FSDP2 methods we do not implement yet (they raise NotImplementedError with a reason)
-NOT_IMPLEMENTED = {"set_custom_all_gather", "set_custom_reduce_scatter", "set_symm_mem_for_comm"}
+NOT_IMPLEMENTED = {"set_symm_mem_for_comm"}
 # Newer than the torch releases fsdp_compose targets, or private
 IGNORED = {"DataParallelMeshDims"}
 

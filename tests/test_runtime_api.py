@@ -2,13 +2,16 @@
 ``set_reshard_after_forward`` for evaluation, ``set_reshard_after_backward`` and
 ``set_requires_gradient_sync`` with ``recurse=False``, explicit prefetch lists on
 a module that owns no parameters and empty lists, settings made on a non-root
-module before the first forward, and ``set_separate_reduce_scatter_group``."""
+module before the first forward, ``set_separate_reduce_scatter_group``, and
+``set_custom_all_gather`` / ``set_custom_reduce_scatter``."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
@@ -180,9 +183,9 @@ def _settings_and_groups_job() -> dict:
     real_ag, real_rs = unit_module._collectives.all_gather, unit_module._collectives.reduce_scatter
 
     def spy(kind: str, real):  # noqa: ANN001, ANN202
-        def wrapped(output, inp, group, label):  # noqa: ANN001, ANN202
+        def wrapped(output, inp, group, label, *rest):  # noqa: ANN001, ANN202
             groups[kind].add(id(group))
-            return real(output, inp, group, label)
+            return real(output, inp, group, label, *rest)
         return wrapped
 
     unit_module._collectives.all_gather = spy("all_gather", real_ag)
@@ -205,3 +208,114 @@ def test_settings_before_first_forward_and_separate_reduce_scatter_group() -> No
         assert max(r["diffs"]) < 1e-5 and r["param_diff"] < 1e-4, r
         assert r["max_inflight"] == 2, r
         assert r["ag_groups"] == 1 and r["rs_groups"] == 1 and r["disjoint"], r
+
+
+class _CountingAllGather:
+    """A custom all-gather in FSDP2's ``AllGather`` interface that records its calls."""
+
+    def __init__(self) -> None:
+        self.allocations: list[int] = []
+        self.calls: list[tuple[int, bool, bool]] = []  # (group size, in place, async)
+
+    def allocate(self, size, *, dtype, device):  # type: ignore[no-untyped-def]
+        self.allocations.append(int(size[0]))
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):  # type: ignore[no-untyped-def]
+        world = group.size()
+        row = output_tensor.numel() // world
+        in_place = input_tensor.data_ptr() == output_tensor.data_ptr() + (
+            dist.get_rank(group) * row * output_tensor.element_size()
+        )
+        self.calls.append((world, in_place, async_op))
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _CountingReduceScatter:
+    """A custom reduce-scatter in FSDP2's ``ReduceScatter`` interface."""
+
+    def __init__(self) -> None:
+        self.allocations: list[int] = []
+        self.ops: list[object] = []
+
+    def allocate(self, size, *, dtype, device):  # type: ignore[no-untyped-def]
+        self.allocations.append(int(size[0]))
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore[no-untyped-def]
+        self.ops.append(op)
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+class _WrongSizeAllGather(_CountingAllGather):
+    def allocate(self, size, *, dtype, device):  # type: ignore[no-untyped-def]
+        return torch.empty(int(size[0]) + 1, dtype=dtype, device=device)
+
+
+def _custom_comm_job() -> dict:
+    """Blocks gather and reduce through user comms (with ``reshard_after_forward=2``
+    at 4 ranks, so backward re-gathers within pairs); the root keeps the defaults."""
+    rank, world = rank_world()
+    cfg = GPTConfig(**TINY)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    model = copy.deepcopy(ref)
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=2)
+    fully_shard(model)
+    ag, rs = _CountingAllGather(), _CountingReduceScatter()
+    for block in model.blocks:
+        block.set_custom_all_gather(ag)
+        block.set_custom_reduce_scatter(rs)
+    opts = (torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    steps = 3
+    with collective_log() as log:
+        diffs = [_train_step(model, ref, opts, cfg, s) for s in range(steps)]
+    out = {
+        "diffs": diffs,
+        "param_diff": max_param_diff(model, ref)[0],
+        "ag_calls": ag.calls,
+        "ag_allocations": len(ag.allocations),
+        "rs_calls": len(rs.ops),
+        "rs_ops_sum": all(op == dist.ReduceOp.SUM for op in rs.ops),
+        "rs_allocations": len(rs.allocations),
+        "logged": log.kinds(),
+        "steps": steps,
+        "blocks": cfg.n_layer,
+    }
+    # None restores the default collectives
+    for block in model.blocks:
+        block.set_custom_all_gather(None)
+        block.set_custom_reduce_scatter(None)
+    before = (len(ag.calls), len(rs.ops))
+    out["diffs"].append(_train_step(model, ref, opts, cfg, steps))
+    out["after_reset"] = (len(ag.calls), len(rs.ops)) == before
+    # bad input: clear errors, raised identically on every rank (no hang)
+    with pytest.raises(TypeError, match="allocate"):
+        model.blocks[0].set_custom_all_gather(object())
+    bad = copy.deepcopy(ref)
+    for block in bad.blocks:
+        fully_shard(block)
+    fully_shard(bad)
+    bad.blocks[0].set_custom_all_gather(_WrongSizeAllGather())
+    x, _ = make_batch(cfg, 2 * world, 0)
+    with pytest.raises(ValueError, match=r"blocks\.0's custom all-gather: allocate\(\) returned"):
+        bad(local_slice(x, rank, world))
+    return out
+
+
+def test_custom_all_gather_and_reduce_scatter() -> None:
+    for r in run_distributed(_custom_comm_job, 4):
+        assert max(r["diffs"]) < 1e-5 and r["param_diff"] < 1e-4, r
+        n = r["steps"] * r["blocks"]
+        # per block and step: the forward gather over 4 ranks, the backward one
+        # over the post-forward pair; always in place (FSDP2's contract), async
+        assert sorted(c[0] for c in r["ag_calls"]) == [2] * n + [4] * n, r["ag_calls"]
+        assert all(in_place and is_async for _, in_place, is_async in r["ag_calls"]), r["ag_calls"]
+        assert r["ag_allocations"] == 2 * n
+        assert r["rs_calls"] == n and r["rs_ops_sum"] and r["rs_allocations"] == 2 * n, r
+        # the custom collectives are still logged (trace, debug checks); the root's
+        # default ones too
+        assert r["logged"]["all_gather"] == 2 * n + r["steps"], r["logged"]
+        assert r["logged"]["reduce_scatter"] == n + r["steps"], r["logged"]
+        assert r["after_reset"], r
