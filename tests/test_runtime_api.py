@@ -210,6 +210,11 @@ def test_settings_before_first_forward_and_separate_reduce_scatter_group() -> No
         assert r["ag_groups"] == 1 and r["rs_groups"] == 1 and r["disjoint"], r
 
 
+# torch 2.13 renamed the single-tensor collectives; older releases have the old names
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _CountingAllGather:
     """A custom all-gather in FSDP2's ``AllGather`` interface that records its calls."""
 
@@ -228,7 +233,7 @@ class _CountingAllGather:
             dist.get_rank(group) * row * output_tensor.element_size()
         )
         self.calls.append((world, in_place, async_op))
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class _CountingReduceScatter:
@@ -244,7 +249,7 @@ class _CountingReduceScatter:
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore[no-untyped-def]
         self.ops.append(op)
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 class _WrongSizeAllGather(_CountingAllGather):
