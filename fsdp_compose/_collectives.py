@@ -363,7 +363,11 @@ def reduce_scatter(
         received = torch.empty_like(input)
 
         def finish() -> None:
-            torch.sum(received.view(world, -1), dim=0, out=output)
+            rows = received.view(world, -1)
+            if world == 2:  # a binary add is about twice as fast as a 2-row sum (same bits)
+                torch.add(rows[0], rows[1], out=output)
+            else:
+                torch.sum(rows, dim=0, out=output)
 
         return _launch(
             "reduce_scatter",

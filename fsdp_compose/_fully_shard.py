@@ -48,6 +48,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: Any | None = ...,
 ) -> FSDPModule: ...
 
 
@@ -61,6 +62,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: Any | None = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -73,6 +75,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any | None = None,
 ) -> Any:
     """Shards ``module``'s parameters across the data-parallel ranks of ``mesh``.
 
@@ -112,11 +115,22 @@ def fully_shard(
             parameters, gradients and optimizer states in host memory.
         ignored_params (Optional[Set[nn.Parameter]]): parameters left as they are:
             not sharded, not moved, not reduced.
+        dp_mesh_dims (Optional[DataParallelMeshDims]): accepted for compatibility
+            with torch 2.13's FSDP2; only ``None`` is supported (pass the
+            data-parallel submesh as ``mesh`` and tensor-parallel DTensor
+            parameters on their own submesh, as with earlier releases).
 
     Returns:
         The same module (or list), now an :class:`FSDPModule`.
     """
     modules = _validate_modules(module)
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "fsdp_compose does not support dp_mesh_dims (parameters as DTensors on one "
+            "full SPMD mesh) yet: pass the data-parallel submesh, e.g. "
+            "fully_shard(module, mesh=mesh['dp']), with tensor-parallel parameters as "
+            "DTensors on mesh['tp']"
+        )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):

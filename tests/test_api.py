@@ -30,8 +30,6 @@ def test_fully_shard_signature_matches_fsdp2() -> None:
     ours = inspect.signature(fsdp_compose.fully_shard).parameters
     theirs = inspect.signature(torch_fsdp.fully_shard).parameters
     for name, param in theirs.items():
-        if name in ("dp_mesh_dims",):  # torch >= 2.13 only
-            continue
         assert name in ours, name
         assert ours[name].kind == param.kind, name
         if param.default is not inspect.Parameter.empty and name not in ("mp_policy", "offload_policy"):

@@ -29,6 +29,12 @@ def test_not_a_module() -> None:
         fully_shard([])
 
 
+def test_dp_mesh_dims_is_refused_clearly() -> None:
+    # checked before anything else: no process group is needed to see it
+    with pytest.raises(NotImplementedError, match=r"dp_mesh_dims.*mesh\['dp'\]"):
+        fully_shard(nn.Linear(2, 2), dp_mesh_dims=object())
+
+
 def test_policy_validation() -> None:
     with pytest.raises(ValueError, match="floating-point"):
         MixedPrecisionPolicy(param_dtype=torch.int32)
