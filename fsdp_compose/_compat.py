@@ -9,7 +9,7 @@ a fallback or a clear error.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -242,7 +242,10 @@ def all_gather_into_tensor(
 _direct_gloo_ok = True
 
 
-def _issue_gloo(direct: Callable[[], dist.Work], fallback: Callable[[], dist.Work | None]) -> dist.Work:
+_W = TypeVar("_W")
+
+
+def _issue_gloo(direct: Callable[[], _W], fallback: Callable[[], _W | None]) -> _W:
     global _direct_gloo_ok
     if _direct_gloo_ok:
         try:
@@ -262,6 +265,51 @@ def gloo_all_gather_into_tensor(
         lambda: group._allgather_base(output, input),  # noqa: SLF001
         lambda: all_gather_into_tensor(output, input, group, async_op=True),
     )
+
+
+class WorkGroup:
+    """Several ``Work`` objects behaving as one: ``wait`` waits for all of them and
+    ``get_future`` completes when all have."""
+
+    __slots__ = ("_works",)
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return torch.futures.collect_all([work.get_future() for work in self._works])
+
+
+def gloo_all_gather_by_broadcast(
+    output: torch.Tensor, group: dist.ProcessGroup
+) -> WorkGroup:
+    """Asynchronous all-gather on a gloo ``group`` as one broadcast per rank, each
+    straight into its row of ``output`` (this rank's row already holds its input).
+    See [Note: all-gather on gloo]."""
+    rows = output.view(group.size(), -1)
+
+    def direct() -> WorkGroup:
+        works = []
+        for root in range(group.size()):
+            opts = dist.BroadcastOptions()
+            opts.rootRank = root
+            opts.rootTensor = 0
+            works.append(group.broadcast([rows[root]], opts))
+        return WorkGroup(works)
+
+    def fallback() -> WorkGroup:
+        ranks = dist.get_process_group_ranks(group)
+        return WorkGroup([
+            dist.broadcast(rows[root], ranks[root], group=group, async_op=True)  # type: ignore[misc]
+            for root in range(group.size())
+        ])
+
+    return _issue_gloo(direct, fallback)
 
 
 def gloo_all_to_all_single(

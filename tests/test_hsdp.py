@@ -10,6 +10,7 @@ import pytest
 import torch
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import (
+    all_gather_by_broadcast,
     collective_log,
     local_slice,
     max_grad_diff,
@@ -37,6 +38,14 @@ def _hsdp_gpt(cfg: GPTConfig, base: GPT, mesh, **kwargs) -> GPT:
 
 
 def _hsdp_job() -> dict:
+    # all-gathers by broadcasts ([Note: all-gather on gloo]): roots are ranks of
+    # the shard subgroup, not global ranks
+    with all_gather_by_broadcast() as calls:
+        out = _hsdp_job_body()
+    return {**out, "by_broadcast": calls["by_broadcast"]}
+
+
+def _hsdp_job_body() -> dict:
     rank, world = rank_world()
     assert world == 4
     torch.manual_seed(0)
@@ -148,6 +157,7 @@ def test_hsdp_2x2_parity() -> None:
         assert r["kinds"] == {"all_gather": [2], "reduce_scatter": [2], "all_reduce": [2]}
         n_units = TINY["n_layer"] + 1
         assert r["counts"]["reduce_scatter"] == r["counts"]["all_reduce"] == n_units
+        assert r["by_broadcast"] >= r["counts"]["all_gather"] > 0, r
         # accumulation without the replicate all-reduce
         assert r["accum_all_reduces"] == [0, n_units]
         assert not r["grad_before_all_reduce"]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import (
+    all_gather_by_broadcast,
     collective_log,
     local_slice,
     max_grad_diff,
@@ -39,6 +40,10 @@ PARAM_TOL = 1e-4
 
 
 def _gpt_job(options: dict) -> dict:
+    if options.get("broadcast"):
+        with all_gather_by_broadcast() as calls:
+            out = _gpt_job({**options, "broadcast": False})
+        return {**out, "by_broadcast": calls["by_broadcast"]}
     rank, world = rank_world()
     torch.manual_seed(0)
     cfg = GPTConfig(**{**TINY, **options.get("cfg", {})})
@@ -95,6 +100,21 @@ def test_gpt_parity_reshard_true(world_size: int) -> None:
         assert counts[("all_gather", "root")] == 1, counts
         assert counts[("reduce_scatter", "root")] == 1, counts
         assert sum(counts.values()) == 3 * len(results[0]["units"]) + 2
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gpt_parity_all_gather_by_broadcast(world_size: int) -> None:
+    """[Note: all-gather on gloo]: the broadcast form, forced for the tiny model."""
+    from dist_utils import run_distributed
+
+    results = run_distributed(_gpt_job, world_size, {"reshard_after_forward": True, "broadcast": True})
+    n_units = len(results[0]["units"])
+    for r in results:
+        assert max(r["loss_diffs"]) <= LOSS_TOL, r["loss_diffs"]
+        assert r["grad_diff"] <= GRAD_TOL, r["grad_diff"]
+        assert r["param_diff"] <= PARAM_TOL, (r["param_diff"], r["where"])
+        # every gather went by broadcasts: 5 steps x (2 per block + 1 root)
+        assert r["by_broadcast"] == 5 * (2 * n_units + 1), r["by_broadcast"]
 
 
 def test_gpt_parity_no_reshard() -> None:
@@ -251,8 +271,11 @@ def test_gradient_accumulation_without_sync() -> None:
         assert r["param_diff"] <= PARAM_TOL, (r["param_diff"], r["where"])
 
 
-def _torch_oracle_job() -> dict:
+def _torch_oracle_job(broadcast: bool = False) -> dict:
     """fsdp_compose and torch's own FSDP2 on the same model and data."""
+    if broadcast:
+        with all_gather_by_broadcast() as calls:
+            return {**_torch_oracle_job(), "by_broadcast": calls["by_broadcast"]}
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     rank, world = rank_world()
@@ -285,6 +308,9 @@ def _torch_oracle_job() -> dict:
 def test_matches_torch_fsdp2() -> None:
     from dist_utils import run_distributed
 
-    for r in run_distributed(_torch_oracle_job, 2):
-        assert r["ours"] == pytest.approx(r["theirs"], abs=1e-6)
-        assert r["param_diff"] <= 1e-6
+    for broadcast in (False, True):
+        for r in run_distributed(_torch_oracle_job, 2, broadcast):
+            assert r["ours"] == pytest.approx(r["theirs"], abs=1e-6)
+            assert r["param_diff"] <= 1e-6
+            # 4 steps x (3 blocks x 2 + the root once)
+            assert r.get("by_broadcast", 0) == (28 if broadcast else 0)
