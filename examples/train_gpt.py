@@ -133,7 +133,9 @@ def main() -> None:
     keys = ("params", "optim", "peak_rss", "exposed_comm")
     row = torch.tensor([float("nan") if report[k] is None else report[k] for k in keys], dtype=torch.float64)
     rows = torch.empty(world * len(keys), dtype=torch.float64)
-    dist.all_gather_into_tensor(rows, row)
+    # torch 2.13 renamed the single-tensor all-gather; older releases have the old name
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(rows, row)
     rows = rows.view(world, len(keys))
     reports = [
         {"rank": r, **{k: (None if v != v else v) for k, v in zip(keys, rows[r].tolist())}}
