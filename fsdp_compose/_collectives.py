@@ -332,7 +332,8 @@ _broadcast_all_gather_enabled = os.environ.get("FSDP_COMPOSE_GLOO_ALL_GATHER", "
 
 def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.device) -> bool:
     """Whether :func:`all_gather` wants its input to be this rank's row of the
-    output (else a separate buffer serves gloo's own all-gather better)."""
+    output (else a separate buffer serves gloo's own all-gather better). Fixed for
+    a unit: decide once and pass it as ``in_place``."""
     if device.type != "cpu":
         return True  # NCCL gathers in place
     return (
@@ -342,28 +343,25 @@ def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.dev
     )
 
 
-def _is_own_row(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    row_bytes = input.numel() * input.element_size()
-    return input.data_ptr() == output.data_ptr() + group.rank() * row_bytes
-
-
 def all_gather(
     output: torch.Tensor,
     input: torch.Tensor,
     group: dist.ProcessGroup,
     label: str,
+    *,
     comm: AllGatherComm | None = None,
+    in_place: bool = False,
 ) -> PendingCollective:
     """Gathers ``input`` from every rank of ``group`` into ``output`` (rank-major),
-    with ``comm`` if given."""
+    with ``comm`` if given. ``in_place``: ``input`` is this rank's row of
+    ``output``, as :func:`gathers_in_place` asked for (gloo then gathers by
+    broadcasts)."""
     if comm is not None:
         issue = lambda async_op: comm(  # noqa: E731
             output_tensor=output, input_tensor=input, group=group, async_op=async_op
         )
     elif output.device.type == "cpu":
-        if _is_own_row(output, input, group) and gathers_in_place(
-            group, input.numel() * input.element_size(), output.device
-        ):
+        if in_place:
             issue = lambda async_op: _compat.gloo_all_gather_by_broadcast(output, group)  # noqa: E731
         else:
             issue = lambda async_op: _compat.gloo_all_gather_into_tensor(output, input, group)  # noqa: E731
@@ -382,6 +380,7 @@ def reduce_scatter(
     input: torch.Tensor,
     group: dist.ProcessGroup,
     label: str,
+    *,
     comm: ReduceScatterComm | None = None,
 ) -> PendingCollective:
     """Sums ``input`` (``group.size()`` equal chunks) over ``group``; rank r receives

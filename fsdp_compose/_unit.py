@@ -270,6 +270,11 @@ class Unit:
             and all(p.compute_dtype == p.orig_dtype for p in self.params)
         )
         self._fused_copy_out = all(p.shard_dim == 0 for p in self.params)
+        # Whether the all-gather over the shard group takes this rank's row of its
+        # output as input (NCCL; gloo by broadcasts) or a separate send buffer.
+        self._gather_in_place = world == 1 or _collectives.gathers_in_place(
+            self.shard_group, row * self._buffer_dtype.itemsize, info.device
+        )
         # This rank's shards fill its row without gaps (same dtype, no padding in
         # its slots): copy-in is one concatenation.
         self._dense_copy_in = uniform and all(
@@ -345,15 +350,13 @@ class Unit:
             return
         if self.state is ShardState.PARTIALLY_SHARDED:
             assert self._post_forward_group is not None and self._post_forward_shard is not None
-            world, group = self._post_forward_size, self._post_forward_group
+            world, group, in_place = self._post_forward_size, self._post_forward_group, False
             send = self._post_forward_shard
             out = torch.empty(world * send.numel(), dtype=send.dtype, device=device)
         else:
-            world, group = self._world, self.shard_group
+            world, group, in_place = self._world, self.shard_group, self._gather_in_place
             out = torch.empty(world * self._row, dtype=self._buffer_dtype, device=device)
-            row_bytes = self._row * self._buffer_dtype.itemsize
-            if world == 1 or _collectives.gathers_in_place(group, row_bytes, device):
-                # NCCL, and gloo by broadcasts: copy straight into this rank's row
+            if in_place:  # NCCL, and gloo by broadcasts: copy straight into this rank's row
                 send = out.view(world, self._row)[self.mesh_info.shard_rank]
             else:
                 # gloo's own all-gather is slower in place (input a view of the
@@ -364,7 +367,9 @@ class Unit:
         if world == 1:
             self._pending_gather = _DONE
         else:
-            self._pending_gather = _collectives.all_gather(out, send, group, self.name)
+            self._pending_gather = _collectives.all_gather(
+                out, send, group, self.name, in_place=in_place
+            )
 
     def _unshard_with(self, comm: AllGatherComm) -> None:
         """``unshard`` through a custom all-gather: like FSDP2, the output comes from
@@ -385,7 +390,7 @@ class Unit:
         else:
             self._copy_in(send)
         self._gather_output, self._gather_world = out, world
-        self._pending_gather = _collectives.all_gather(out, send, group, self.name, comm)
+        self._pending_gather = _collectives.all_gather(out, send, group, self.name, comm=comm)
 
     @property
     def _rs_what(self) -> str:
@@ -688,7 +693,7 @@ class Unit:
             else:
                 output = torch.empty(row, dtype=reduce_dtype, device=info.device)
             group = self.reduce_scatter_group or self.shard_group
-            rs = _collectives.reduce_scatter(output, packed, group, self.name, comm)
+            rs = _collectives.reduce_scatter(output, packed, group, self.name, comm=comm)
         replicate_group = info.replicate_group if all_reduce else None
         return PendingReduction(self, params, sizes, output, rs, replicate_group, post)
 

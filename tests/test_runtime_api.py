@@ -183,9 +183,9 @@ def _settings_and_groups_job() -> dict:
     real_ag, real_rs = unit_module._collectives.all_gather, unit_module._collectives.reduce_scatter
 
     def spy(kind: str, real):  # noqa: ANN001, ANN202
-        def wrapped(output, inp, group, label, *rest):  # noqa: ANN001, ANN202
+        def wrapped(output, inp, group, label, **kw):  # noqa: ANN001, ANN202
             groups[kind].add(id(group))
-            return real(output, inp, group, label, *rest)
+            return real(output, inp, group, label, **kw)
         return wrapped
 
     unit_module._collectives.all_gather = spy("all_gather", real_ag)
