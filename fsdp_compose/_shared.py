@@ -23,8 +23,9 @@ The scheduler (:class:`SharedUses`) counts every use, the owner's own and the
 borrowers':
 
 * forward: the owner unit stays unsharded from its first use until its last use
-  of the pass (known from the previous forward; the end of the forward in the
-  first), then its ``reshard_after_forward`` applies. So it is gathered once per
+  of the pass (known from the number of uses in the previous forward with
+  gradients; the end of the forward in the first), then its
+  ``reshard_after_forward`` applies. So it is gathered once per
   forward, like the manual workaround ``fully_shard([model.tok_emb,
   model.lm_head])``, and freed earlier when its last user runs before the end.
 * backward: every borrower gathers the owner unit for its backward (whatever the
@@ -211,8 +212,10 @@ class SharedUses:
         self._done[unit] = self._done.get(unit, 0) + 1
         if needs_backward:
             self._backward_pending[unit] = self._backward_pending.get(unit, 0) + 1
+        # A pass may repeat the pattern of uses (generate registered as one forward
+        # calls forward once per token): every ``expected``-th use is a last one.
         expected = self._expected.get(unit)
-        return self._open[unit] == 0 and expected is not None and self._done[unit] >= expected
+        return self._open[unit] == 0 and expected is not None and self._done[unit] % expected == 0
 
     def end_forward_pass(self, *, record: bool) -> list[Unit]:
         """The shared units this forward used (their resharding policy applies now);

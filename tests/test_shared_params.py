@@ -169,3 +169,162 @@ def test_shared_parity(world_size: int) -> None:
     for per_rank in run_distributed(_parity_job, world_size, cases, timeout=240):
         for (kind, raf), r in zip(cases, per_rank):
             _check_parity(r, kind, raf, world_size)
+
+
+# ---------------------------------------------------------------------------
+# composition: no-sync accumulation, CPU offload, activation checkpointing,
+# explicit prefetch, generate, bf16, HSDP
+# ---------------------------------------------------------------------------
+
+
+def _train_and_compare(
+    model: nn.Module, ref: nn.Module, kind: str, *, steps: int = 2, micro: int = 1
+) -> dict:
+    """Trains both (``micro`` micro-batches per step, syncing on the last one);
+    returns the worst loss and parameter differences and reduce-scatters per
+    micro-batch."""
+    rank, world = rank_world()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    loss_diffs, rs = [], []
+    for step in range(steps):
+        for i in range(micro):
+            x, y = batch(kind, 10 * step + i, 2 * world)
+            ref_loss = loss_of(kind, ref(x), y) / micro
+            ref_loss.backward()
+            model.set_requires_gradient_sync(i == micro - 1)
+            with collective_log() as log:
+                loss = loss_of(kind, model(local_slice(x, rank, world)), local_slice(y, rank, world)) / micro
+                loss.backward()
+            rs.append(log.kinds().get("reduce_scatter", 0))
+            loss_diffs.append(abs(mean_across_ranks(loss.item()) - ref_loss.item()))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    return {"loss": max(loss_diffs), "param": max_param_diff(model, ref)[0], "rs": rs, "tied": tied(model, kind)}
+
+
+def _greedy(self: nn.Module, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = self(idx)[:, -1]
+            idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
+    return idx
+
+
+def _checkpointed(block: nn.Module) -> None:
+    """Checkpoints ``block``'s call, its fully_shard hooks included."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner = block.forward
+    block.forward = lambda x: checkpoint(inner, x, use_reentrant=False)  # type: ignore[method-assign]
+
+
+def _composition_job() -> dict:
+    import types
+
+    from fsdp_compose import CPUOffloadPolicy, register_fsdp_forward_method
+
+    out: dict = {}
+    # Gradient accumulation without sync: no reduce-scatter until the last micro-batch.
+    for kind in ("gpt", "albert"):
+        ref, model = build(kind)
+        out[f"no_sync_{kind}"] = _train_and_compare(model, ref, kind, micro=2)
+    # CPU offload (a no-op on a CPU mesh, but the policy must be accepted by every
+    # unit sharing the parameter).
+    ref, model = build("gpt", offload_policy=CPUOffloadPolicy())
+    out["offload"] = _train_and_compare(model, ref, "gpt")
+    # Activation checkpointing around the borrowers (recomputed in backward, where
+    # the owner must be gathered again for them).
+    torch.manual_seed(0)
+    ref = SharedWeightBlocks()
+    model = copy.deepcopy(ref)
+    for i in (1, 3):
+        _checkpointed(model.blocks[i])
+    shard(model, "albert")
+    out["checkpoint"] = _train_and_compare(model, ref, "albert")
+    # Explicit prefetch, to and from the LM head (a module without a unit of its own).
+    ref, model = build("gpt")
+    model.tok_emb.set_modules_to_forward_prefetch([model.blocks[0]])
+    model.blocks[-1].set_modules_to_forward_prefetch([model.lm_head])
+    model.lm_head.set_modules_to_backward_prefetch([model.blocks[-1]])
+    out["prefetch"] = _train_and_compare(model, ref, "gpt")
+    # generate: plain, and registered with register_fsdp_forward_method.
+    prompt = torch.randint(0, TINY["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(3))
+    expected = _greedy(ref, prompt, 5)
+    out["generate"] = _greedy(model, prompt, 5).tolist() == expected.tolist()
+    model.generate = types.MethodType(_greedy, model)  # type: ignore[assignment]
+    register_fsdp_forward_method(model, "generate")
+    with collective_log() as log:
+        out["generate_registered"] = model.generate(prompt, 5).tolist() == expected.tolist()
+    out["generate_gathers"] = log.counts()[("all_gather", "tok_emb")]
+    return out
+
+
+def test_shared_composition() -> None:
+    from dist_utils import run_distributed
+
+    for r in run_distributed(_composition_job, 2, timeout=240):
+        for key in ("no_sync_gpt", "no_sync_albert", "offload", "checkpoint", "prefetch"):
+            assert r[key]["loss"] <= LOSS_TOL, (key, r[key])
+            assert r[key]["param"] <= PARAM_TOL, (key, r[key])
+            assert r[key]["tied"], key
+        for key in ("no_sync_gpt", "no_sync_albert"):  # no reduction without sync
+            assert r[key]["rs"][0::2] == [0, 0] and min(r[key]["rs"][1::2]) > 0, (key, r[key]["rs"])
+        assert r["generate"] and r["generate_registered"]
+        # Gathered once per token's forward (tok_emb and lm_head share one gather).
+        assert r["generate_gathers"] == 5, r["generate_gathers"]
+
+
+def _bf16_hsdp_job() -> dict:
+    """bf16: identical to the manual workaround fully_shard([tok_emb, lm_head]) with
+    the same policy; HSDP (2 x 2): parity in float32."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compose import MixedPrecisionPolicy
+
+    rank, world = rank_world()
+    out: dict = {}
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _, model = build("gpt", mp_policy=mp)
+    torch.manual_seed(0)
+    workaround = GPT(GPTConfig(**TINY))
+    fully_shard([workaround.tok_emb, workaround.lm_head], mp_policy=mp)
+    for block in workaround.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(workaround, mp_policy=mp)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, workaround)]
+    diffs = []
+    for step in range(2):
+        x, y = batch("gpt", step, 2 * world)
+        losses = []
+        for m, opt in zip((model, workaround), opts):
+            loss = loss_fn(m(local_slice(x, rank, world)), local_slice(y, rank, world))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        diffs.append(abs(losses[0] - losses[1]))
+    out["bf16_loss_diff"] = max(diffs)
+    out["bf16_param_diff"] = max(
+        (a.full_tensor() - b.full_tensor()).abs().max().item()
+        for a, b in zip(model.parameters(), workaround.parameters())
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for kind in ("gpt", "albert"):
+        ref, model = build(kind, mesh=mesh)
+        out[f"hsdp_{kind}"] = _train_and_compare(model, ref, kind)
+    return out
+
+
+def test_shared_bf16_and_hsdp() -> None:
+    from dist_utils import run_distributed
+
+    for r in run_distributed(_bf16_hsdp_job, 4, timeout=240):
+        assert r["bf16_loss_diff"] <= 1e-6 and r["bf16_param_diff"] <= 1e-6, r
+        for kind in ("gpt", "albert"):
+            assert r[f"hsdp_{kind}"]["loss"] <= LOSS_TOL, r
+            assert r[f"hsdp_{kind}"]["param"] <= PARAM_TOL, r
+            assert r[f"hsdp_{kind}"]["tied"]
