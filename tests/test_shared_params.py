@@ -328,3 +328,179 @@ def test_shared_bf16_and_hsdp() -> None:
             assert r[f"hsdp_{kind}"]["loss"] <= LOSS_TOL, r
             assert r[f"hsdp_{kind}"]["param"] <= PARAM_TOL, r
             assert r[f"hsdp_{kind}"]["tied"]
+
+
+# ---------------------------------------------------------------------------
+# checkpoints: DCP at another world size, full state dict export
+# ---------------------------------------------------------------------------
+
+CKPT_BATCH = 8  # global batch, divisible by 2 and 4
+
+
+def _ckpt_step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> float:
+    rank, world = rank_world()
+    x, y = batch("gpt", step, CKPT_BATCH)
+    loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return mean_across_ranks(loss.item())
+
+
+def _full_values(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    from helpers import full
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optim)
+    out = {f"param/{k}": full(v).detach().clone() for k, v in model_sd.items()}
+    for fqn, states in optim_sd["state"].items():
+        for name, value in states.items():
+            out[f"optim/{fqn}/{name}"] = full(value).detach().clone()
+    return out
+
+
+def _dcp_save_job(path: str, export_path: str) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    _, model = build("gpt")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(2):
+        _ckpt_step(model, optim, step)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    out: dict = {"saved": _full_values(model, optim)}
+
+    # Full state dict export: the unwrapped model's keys; loads strictly into it.
+    full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    x, _ = batch("gpt", 100, 4)
+    with torch.no_grad():
+        sharded_logits = model(x)
+    if dist.get_rank() == 0:
+        plain = GPT(GPTConfig(**TINY))
+        out["export_keys"] = list(full_sd) == list(plain.state_dict())
+        torch.save(full_sd, export_path)
+        plain.load_state_dict(torch.load(export_path, weights_only=True))
+        out["export_tied"] = plain.lm_head.weight is plain.tok_emb.weight
+        with torch.no_grad():
+            out["export_logits_diff"] = (plain(x) - sharded_logits).abs().max().item()
+    out["losses_after"] = [_ckpt_step(model, optim, step) for step in range(2, 4)]
+    return out
+
+
+def _dcp_load_job(path: str, saved: dict[str, torch.Tensor]) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**TINY))
+    shard(model, "gpt")
+    model.to_empty(device="cpu")
+    out: dict = {"tied_after_to_empty": tied(model, "gpt")}
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = _full_values(model, optim)
+    out["keys_equal"] = sorted(loaded) == sorted(saved)
+    out["max_state_diff"] = max((loaded[k] - saved[k]).abs().max().item() for k in saved if k in loaded)
+    out["losses_after"] = [_ckpt_step(model, optim, step) for step in range(2, 4)]
+    out["tied"] = tied(model, "gpt")
+    return out
+
+
+def test_shared_checkpoint_reshard_and_export(tmp_path: Any) -> None:
+    from dist_utils import run_distributed
+
+    path, export = str(tmp_path / "ckpt"), str(tmp_path / "full.pt")
+    source = run_distributed(_dcp_save_job, 2, path, export, timeout=240)
+    assert source[0]["export_keys"] and source[0]["export_tied"], source[0]
+    assert source[0]["export_logits_diff"] == 0.0, source[0]["export_logits_diff"]
+    saved = source[0]["saved"]
+    for r in run_distributed(_dcp_load_job, 4, path, saved, timeout=240):
+        assert r["tied_after_to_empty"] and r["tied"]
+        assert r["keys_equal"] and r["max_state_diff"] == 0.0, r
+        for got, want in zip(r["losses_after"], source[0]["losses_after"]):
+            assert abs(got - want) <= LOSS_TOL, (r["losses_after"], source[0]["losses_after"])
+
+
+# ---------------------------------------------------------------------------
+# transformers: Llama with tie_word_embeddings, embed_tokens and lm_head as units
+# ---------------------------------------------------------------------------
+
+
+def _llama_tied_job(steps: int = 3) -> dict:
+    import os
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from helpers import full
+    from train_hf import make_batch as hf_batch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=128, max_position_embeddings=32, tie_word_embeddings=True,
+    )
+    ref = LlamaForCausalLM(config).train()
+    model = copy.deepcopy(ref)
+    fully_shard(model.model.embed_tokens)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model.lm_head)
+    fully_shard(model)
+    out: dict = {"tied": model.lm_head.weight is model.model.embed_tokens.weight}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_params = dict(ref.named_parameters())
+    loss_diffs, local = [], 2
+    with collective_log() as log:
+        for step in range(steps):
+            data = hf_batch(local * world, step)
+            ref_loss = ref(**data, use_cache=False).loss
+            ref_loss.backward()
+            mine = {k: v[rank * local : (rank + 1) * local] for k, v in data.items()}
+            log.clear()
+            loss = model(**mine, use_cache=False).loss
+            loss.backward()
+            if step == 0:
+                out["grad_diff"] = max(
+                    (full(p.grad) - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters()
+                )
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            loss_diffs.append(abs(mean_across_ranks(loss.item()) - ref_loss.item()))
+        out["counts"] = dict(log.counts())
+    out["loss_diffs"] = loss_diffs
+    out["param_diff"] = max(
+        (full(p.detach()) - ref_params[n].detach()).abs().max().item() for n, p in model.named_parameters()
+    )
+    out["keys_equal"] = list(model.state_dict()) == list(ref.state_dict())
+    prompt = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    model.eval()
+    ref.eval()
+    out["generate_same"] = model.generate(prompt, **kwargs).tolist() == ref.generate(prompt, **kwargs).tolist()
+    return out
+
+
+def test_shared_transformers_llama_tied() -> None:
+    pytest.importorskip("transformers")
+    from dist_utils import run_distributed
+
+    for r in run_distributed(_llama_tied_job, 2, timeout=240):
+        assert r["tied"] and r["keys_equal"]
+        assert max(r["loss_diffs"]) <= LOSS_TOL, r["loss_diffs"]
+        assert r["grad_diff"] <= GRAD_TOL, r["grad_diff"]
+        assert r["param_diff"] <= PARAM_TOL, r["param_diff"]
+        # embed_tokens owns the tied weight: one gather per forward and backward,
+        # one reduction per step; lm_head has no unit of its own.
+        assert r["counts"][("all_gather", "model.embed_tokens")] == 2, r["counts"]
+        assert r["counts"][("reduce_scatter", "model.embed_tokens")] == 1, r["counts"]
+        assert r["generate_same"]
