@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch.nn as nn
+from torch import nn
 
 from ._mesh import MeshInfo
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy

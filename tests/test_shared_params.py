@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import (
@@ -26,10 +25,18 @@ from helpers import (
     rank_world,
 )
 from models import SharedWeightBlocks
+from torch import nn
 
 from fsdp_compose import FSDPModule, fully_shard
 
-TINY = dict(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32, tie_weights=True)
+TINY = {
+    "vocab_size": 97,
+    "block_size": 16,
+    "n_layer": 3,
+    "n_head": 2,
+    "n_embd": 32,
+    "tie_weights": True,
+}
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-6
 PARAM_TOL = 1e-4  # AdamW after a few steps; see test_parity.PARAM_TOL
@@ -88,7 +95,9 @@ def _parity_case(kind: str, raf: bool | int, steps: int = 3) -> dict:
         "tied": tied(model, kind),
         "n_params": (len(list(model.parameters())), len(list(ref.parameters()))),
         "keys_equal": list(model.state_dict()) == list(ref.state_dict()),
-        "borrower_is_fsdp": isinstance(model.lm_head if kind == "gpt" else model.blocks[1], FSDPModule),
+        "borrower_is_fsdp": isinstance(
+            model.lm_head if kind == "gpt" else model.blocks[1], FSDPModule
+        ),
     }
     unit = owner_unit(model, kind)
     between: list[str] = []
@@ -142,7 +151,10 @@ def _check_parity(r: dict, kind: str, raf: bool | int, world: int) -> None:
     # Freed after its last use of the forward, per reshard_after_forward, and
     # after backward; held between two uses (ALBERT: around block 2).
     expected_state = {True: "sharded", False: "unsharded"}.get(raf, "partially_sharded")  # type: ignore[call-overload]
-    assert r["after_forward"] == [expected_state] * len(r["after_forward"]), (what, r["after_forward"])
+    assert r["after_forward"] == [expected_state] * len(r["after_forward"]), (
+        what,
+        r["after_forward"],
+    )
     assert r["after_backward"] == "sharded", what
     if kind == "albert":
         assert r["between"][1:] == ["unsharded"] * (len(r["between"]) - 1), (what, r["between"])
@@ -194,7 +206,10 @@ def _train_and_compare(
             ref_loss.backward()
             model.set_requires_gradient_sync(i == micro - 1)
             with collective_log() as log:
-                loss = loss_of(kind, model(local_slice(x, rank, world)), local_slice(y, rank, world)) / micro
+                loss = (
+                    loss_of(kind, model(local_slice(x, rank, world)), local_slice(y, rank, world))
+                    / micro
+                )
                 loss.backward()
             rs.append(log.kinds().get("reduce_scatter", 0))
             loss_diffs.append(abs(mean_across_ranks(loss.item()) - ref_loss.item()))
@@ -202,7 +217,12 @@ def _train_and_compare(
         ref_opt.zero_grad()
         opt.step()
         opt.zero_grad()
-    return {"loss": max(loss_diffs), "param": max_param_diff(model, ref)[0], "rs": rs, "tied": tied(model, kind)}
+    return {
+        "loss": max(loss_diffs),
+        "param": max_param_diff(model, ref)[0],
+        "rs": rs,
+        "tied": tied(model, kind),
+    }
 
 
 def _greedy(self: nn.Module, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -251,7 +271,9 @@ def _composition_job() -> dict:
     model.lm_head.set_modules_to_backward_prefetch([model.blocks[-1]])
     out["prefetch"] = _train_and_compare(model, ref, "gpt")
     # generate: plain, and registered with register_fsdp_forward_method.
-    prompt = torch.randint(0, TINY["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(3))
+    prompt = torch.randint(
+        0, TINY["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(3)
+    )
     expected = _greedy(ref, prompt, 5)
     out["generate"] = _greedy(model, prompt, 5).tolist() == expected.tolist()
     model.generate = types.MethodType(_greedy, model)  # type: ignore[assignment]
@@ -362,7 +384,11 @@ def _full_values(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, to
 def _dcp_save_job(path: str, export_path: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+    )
 
     _, model = build("gpt")
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -373,7 +399,9 @@ def _dcp_save_job(path: str, export_path: str) -> dict:
     out: dict = {"saved": _full_values(model, optim)}
 
     # Full state dict export: the unwrapped model's keys; loads strictly into it.
-    full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full_sd = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     x, _ = batch("gpt", 100, 4)
     with torch.no_grad():
         sharded_logits = model(x)
@@ -405,7 +433,9 @@ def _dcp_load_job(path: str, saved: dict[str, torch.Tensor]) -> dict:
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     loaded = _full_values(model, optim)
     out["keys_equal"] = sorted(loaded) == sorted(saved)
-    out["max_state_diff"] = max((loaded[k] - saved[k]).abs().max().item() for k in saved if k in loaded)
+    out["max_state_diff"] = max(
+        (loaded[k] - saved[k]).abs().max().item() for k in saved if k in loaded
+    )
     out["losses_after"] = [_ckpt_step(model, optim, step) for step in range(2, 4)]
     out["tied"] = tied(model, "gpt")
     return out
@@ -443,8 +473,14 @@ def _llama_tied_job(steps: int = 3) -> dict:
     rank, world = rank_world()
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=128, max_position_embeddings=32, tie_word_embeddings=True,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
     )
     ref = LlamaForCausalLM(config).train()
     model = copy.deepcopy(ref)
@@ -469,7 +505,8 @@ def _llama_tied_job(steps: int = 3) -> dict:
             loss.backward()
             if step == 0:
                 out["grad_diff"] = max(
-                    (full(p.grad) - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters()
+                    (full(p.grad) - ref_params[n].grad).abs().max().item()
+                    for n, p in model.named_parameters()
                 )
             opt.step()
             opt.zero_grad()
@@ -479,14 +516,22 @@ def _llama_tied_job(steps: int = 3) -> dict:
         out["counts"] = dict(log.counts())
     out["loss_diffs"] = loss_diffs
     out["param_diff"] = max(
-        (full(p.detach()) - ref_params[n].detach()).abs().max().item() for n, p in model.named_parameters()
+        (full(p.detach()) - ref_params[n].detach()).abs().max().item()
+        for n, p in model.named_parameters()
     )
     out["keys_equal"] = list(model.state_dict()) == list(ref.state_dict())
     prompt = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(0))
-    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    kwargs = {
+        "attention_mask": torch.ones_like(prompt),
+        "max_new_tokens": 4,
+        "do_sample": False,
+        "pad_token_id": 0,
+    }
     model.eval()
     ref.eval()
-    out["generate_same"] = model.generate(prompt, **kwargs).tolist() == ref.generate(prompt, **kwargs).tolist()
+    out["generate_same"] = (
+        model.generate(prompt, **kwargs).tolist() == ref.generate(prompt, **kwargs).tolist()
+    )
     return out
 
 
