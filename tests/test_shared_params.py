@@ -88,7 +88,7 @@ def loss_of(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return loss_fn(out, y) if kind == "gpt" else F.mse_loss(out, y)
 
 
-def _parity_case(kind: str, raf: bool | int, steps: int = 3) -> dict:
+def _parity_case(kind: str, raf: bool | int, steps: int = 2) -> dict:
     rank, world = rank_world()
     ref, model = build(kind, reshard_after_forward=raf)
     out: dict = {
@@ -254,7 +254,7 @@ def _composition_job() -> dict:
     # CPU offload (a no-op on a CPU mesh, but the policy must be accepted by every
     # unit sharing the parameter).
     ref, model = build("gpt", offload_policy=CPUOffloadPolicy())
-    out["offload"] = _train_and_compare(model, ref, "gpt")
+    out["offload"] = _train_and_compare(model, ref, "gpt", steps=1)
     # Activation checkpointing around the borrowers (recomputed in backward, where
     # the owner must be gathered again for them).
     torch.manual_seed(0)
@@ -369,21 +369,10 @@ def _ckpt_step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> flo
     return mean_across_ranks(loss.item())
 
 
-def _full_values(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    from helpers import full
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optim)
-    out = {f"param/{k}": full(v).detach().clone() for k, v in model_sd.items()}
-    for fqn, states in optim_sd["state"].items():
-        for name, value in states.items():
-            out[f"optim/{fqn}/{name}"] = full(value).detach().clone()
-    return out
-
-
 def _dcp_save_job(path: str, export_path: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from test_checkpoint import _full_state
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -396,7 +385,7 @@ def _dcp_save_job(path: str, export_path: str) -> dict:
         _ckpt_step(model, optim, step)
     model_sd, optim_sd = get_state_dict(model, optim)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    out: dict = {"saved": _full_values(model, optim)}
+    out: dict = {"saved": _full_state(model, optim)}
 
     # Full state dict export: the unwrapped model's keys; loads strictly into it.
     full_sd = get_model_state_dict(
@@ -419,6 +408,7 @@ def _dcp_save_job(path: str, export_path: str) -> dict:
 
 def _dcp_load_job(path: str, saved: dict[str, torch.Tensor]) -> dict:
     import torch.distributed.checkpoint as dcp
+    from test_checkpoint import _full_state
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     with torch.device("meta"):
@@ -431,7 +421,7 @@ def _dcp_load_job(path: str, saved: dict[str, torch.Tensor]) -> dict:
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    loaded = _full_values(model, optim)
+    loaded = _full_state(model, optim)
     out["keys_equal"] = sorted(loaded) == sorted(saved)
     out["max_state_diff"] = max(
         (loaded[k] - saved[k]).abs().max().item() for k in saved if k in loaded
@@ -461,7 +451,7 @@ def test_shared_checkpoint_reshard_and_export(tmp_path: Any) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _llama_tied_job(steps: int = 3) -> dict:
+def _llama_tied_job(steps: int = 2) -> dict:
     import os
 
     os.environ["HF_HUB_OFFLINE"] = "1"
