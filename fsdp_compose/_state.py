@@ -415,10 +415,10 @@ def _register_borrowers(
 ) -> None:
     """Tells the scheduler which units other states borrow (shared parameters);
     an owner outside this root's tree could never be coordinated: raise."""
-    names = {id(m): name or "root" for name, m in root.named_modules()}
+    names = {id(m): name for name, m in root.named_modules()}
     for state in states:
         for unit in state.borrowed:
-            borrower = ", ".join(names.get(id(m), type(m).__name__) for m in state.modules)
+            borrower = ", ".join(names.get(id(m)) or type(m).__name__ for m in state.modules)
             if unit not in units:
                 raise RuntimeError(
                     f"fully_shard module {borrower!r} shares a parameter with unit "

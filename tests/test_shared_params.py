@@ -281,7 +281,67 @@ def _composition_job() -> dict:
     with collective_log() as log:
         out["generate_registered"] = model.generate(prompt, 5).tolist() == expected.tolist()
     out["generate_gathers"] = log.counts()[("all_gather", "tok_emb")]
+    out["errors"] = _errors()
     return out
+
+
+def _errors() -> dict[str, str]:
+    """What cannot be shared raises at fully_shard time, naming both modules."""
+    import re
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compose import MixedPrecisionPolicy
+
+    def tied_pair() -> nn.Sequential:
+        m = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+        m[1].weight = m[0].weight
+        return m
+
+    def expect(fn: Any, exc: type[Exception], pattern: str) -> str:
+        try:
+            fn()
+        except exc as e:
+            return "ok" if re.search(pattern, str(e)) else f"wrong message: {e}"
+        return "no error"
+
+    def ignored() -> None:
+        m = tied_pair()
+        fully_shard(m[0])
+        fully_shard(m, ignored_params={m[1].weight})
+
+    def other_mesh() -> None:
+        m = tied_pair()
+        fully_shard(m[0])
+        fully_shard(m, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
+
+    def other_reduce_dtype() -> None:
+        m = tied_pair()
+        fully_shard(m[0])
+        fully_shard(m[1], mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float64))
+
+    def after_forward() -> None:
+        m = tied_pair()
+        fully_shard(m[0])
+        m[0](torch.arange(3))  # the embedding's unit becomes a root and runs
+        fully_shard(m)
+
+    def other_tree() -> None:
+        m = tied_pair()
+        fully_shard(m[0])
+        fully_shard(m[1])
+        m[1](torch.randn(2, 4))  # lm-head-like module as its own root: owner not under it
+
+    both = r"Linear\.weight .*Embedding\.weight"
+    return {
+        "ignored": expect(ignored, ValueError, both + r".*ignored_params"),
+        "mesh": expect(other_mesh, ValueError, both + r".*differ in mesh"),
+        "reduce_dtype": expect(other_reduce_dtype, ValueError, both + r".*reduce_dtype"),
+        "after_forward": expect(after_forward, ValueError, both + r".*already ran forward"),
+        "other_tree": expect(
+            other_tree, RuntimeError, r"'(FSDP)?Linear' shares a parameter with unit 'Embedding'"
+        ),
+    }
 
 
 def test_shared_composition() -> None:
@@ -297,6 +357,7 @@ def test_shared_composition() -> None:
         assert r["generate"] and r["generate_registered"]
         # Gathered once per token's forward (tok_emb and lm_head share one gather).
         assert r["generate_gathers"] == 5, r["generate_gathers"]
+        assert all(v == "ok" for v in r["errors"].values()), r["errors"]
 
 
 def _bf16_hsdp_job() -> dict:
