@@ -44,7 +44,7 @@ never a lost or double-counted gradient.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch import nn
 
@@ -242,7 +242,3 @@ class SharedUses:
         self._open.clear()
         self._done.clear()
         self._backward_pending.clear()
-
-    def describe(self) -> dict[str, Any]:
-        """Owner unit name -> borrowing modules (for logs and errors)."""
-        return {u.name: list(b) for u, b in self.borrowers.items()}

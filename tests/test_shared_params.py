@@ -281,6 +281,21 @@ def _composition_job() -> dict:
     with collective_log() as log:
         out["generate_registered"] = model.generate(prompt, 5).tolist() == expected.tolist()
     out["generate_gathers"] = log.counts()[("all_gather", "tok_emb")]
+    # Two forwards, then one backward each (graphs kept alive): the second backward
+    # finds its count exhausted, and still no gradient is lost or counted twice.
+    for kind in ("gpt", "albert"):
+        ref, model = build(kind)
+        rank, world = rank_world()
+        xs = [batch(kind, 20 + i, 2 * world) for i in range(2)]
+        ref_losses = [loss_of(kind, ref(x), y) for x, y in xs]
+        losses = [
+            loss_of(kind, model(local_slice(x, rank, world)), local_slice(y, rank, world))
+            for x, y in xs
+        ]
+        for ref_loss, loss in zip(ref_losses, losses):
+            ref_loss.backward()
+            loss.backward()
+        out[f"two_graphs_{kind}"] = max_grad_diff(model, ref)
     out["errors"] = _errors()
     return out
 
@@ -358,6 +373,7 @@ def test_shared_composition() -> None:
         # Gathered once per token's forward (tok_emb and lm_head share one gather).
         assert r["generate_gathers"] == 5, r["generate_gathers"]
         assert all(v == "ok" for v in r["errors"].values()), r["errors"]
+        assert r["two_graphs_gpt"] <= GRAD_TOL and r["two_graphs_albert"] <= GRAD_TOL, r
 
 
 def _bf16_hsdp_job() -> dict:
