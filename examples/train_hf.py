@@ -7,8 +7,8 @@
 The model is built from a small config (no weights are downloaded; the script
 sets ``HF_HUB_OFFLINE=1``). Each decoder layer is a ``fully_shard`` unit and the
 model itself is the root unit, holding the embeddings, the final norm and the LM
-head (GPT-2 ties its LM head to the token embedding: both stay in the root unit,
-which is the one place a tied weight may live). The batch is left-padded: the
+head (GPT-2 ties its LM head to the token embedding: both stay in the root unit
+here; they could also be units of their own, sharing the weight). The batch is left-padded: the
 attention mask and the ``-100`` labels of the padding reach the layers as keyword
 arguments, exactly as in fine-tuning. With ``--check`` every rank also trains an
 unsharded copy on the global batch and prints the distance to it.
