@@ -25,7 +25,7 @@ from ._mesh import (
     validate_reshard_after_forward,
 )
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._sharded_param import SHARDED_BY, ShardedParam
+from ._sharded_param import IGNORED_BY, SHARDED_BY, ShardedParam
 from ._state import UnitState, state_of
 from ._unit import Unit
 
@@ -167,6 +167,8 @@ def fully_shard(
         sharded_param.mark_owned(unit_label)
         setattr(param, _REPLACED_BY, unit_label)
         sharded.append(sharded_param)
+    for param in ignored:  # left plain on purpose: not a forgotten root (_missing_root)
+        setattr(param, IGNORED_BY, unit_label)
     unit = (
         Unit(sharded, modules, mesh_info, reshard, mp_policy, offload_policy) if sharded else None
     )
