@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from check import report
 from fsdp_compose import fully_shard
+from launch import init_distributed
 
 VOCAB, SEQ, PAD = 128, 32, 4  # PAD: left-padding tokens per sequence
 
@@ -107,12 +108,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
     if args.batch_size % world:
         raise SystemExit(f"--batch-size must be a multiple of the number of ranks ({world})")
     mesh = init_device_mesh(device.type, (world,))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import time
 
 import torch
@@ -37,6 +36,7 @@ import fsdp_compose
 from check import report
 from fsdp_compose import fully_shard, trace
 from gpt import GPT, PRESETS, loss_fn, make_batch
+from launch import init_distributed
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -101,12 +101,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
     if world % args.pp:
         raise SystemExit(f"--pp {args.pp} must divide the number of ranks ({world})")
     dp = world // args.pp

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import os
 import time
 from collections.abc import Iterable
 
@@ -37,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 from check import report
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 from gpt import GPT, PRESETS, loss_fn, make_batch
+from launch import init_distributed
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -130,12 +130,7 @@ def main() -> None:
     # full_tensor() of FSDP's strided shards of TP shards warns that it needs two
     # all-gathers; expected here (only the parity check gathers full tensors).
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
     if world % (args.tp * args.replicate):
         raise SystemExit(f"world size {world} is not divisible by tp x replicate = {args.tp * args.replicate}")
     dp = world // (args.tp * args.replicate)
