@@ -31,14 +31,13 @@ the training thread, so overlap is lost. Use it to diagnose, not to train.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from . import _compat, _env
 
 __all__ = [
     "CollectiveMismatchError",
@@ -108,7 +107,7 @@ _FALLBACK_TIMEOUT_S = 60.0  # where torch does not expose a group's timeout
 
 
 def _env_enabled() -> bool:
-    return os.environ.get("FSDP_COMPOSE_DEBUG_COLLECTIVES", "0") not in ("", "0", "false", "False")
+    return _env.flag("FSDP_COMPOSE_DEBUG_COLLECTIVES", False)
 
 
 def enable_collective_checks(timeout: float | None = None) -> None:
@@ -121,8 +120,8 @@ def enable_collective_checks(timeout: float | None = None) -> None:
             group the collective runs on.
     """
     global _checker
-    if timeout is None and os.environ.get("FSDP_COMPOSE_DEBUG_TIMEOUT"):
-        timeout = float(os.environ["FSDP_COMPOSE_DEBUG_TIMEOUT"])
+    if timeout is None:
+        timeout = _env.seconds("FSDP_COMPOSE_DEBUG_TIMEOUT")
     _checker = _FingerprintChecker(timeout)
 
 
