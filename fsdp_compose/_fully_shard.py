@@ -103,10 +103,11 @@ def fully_shard(
             1-D mesh over the default process group on its backend's device.
         reshard_after_forward (Optional[Union[bool, int]]): ``True`` frees the
             unsharded parameters after forward and gathers again in backward;
-            ``False`` keeps them until after backward; an ``int`` N (with
-            ``1 < N < shard world size``, dividing it) keeps 1/N of them after
-            forward so backward gathers within groups of N ranks; ``None`` means
-            ``True`` except for the root, which keeps its parameters.
+            ``False`` keeps them until after backward; an ``int`` N that divides
+            the shard world size keeps 1/N of them after forward so backward
+            gathers within groups of N ranks (N equal to the shard world size
+            means ``True``, and N = 1 means ``False``, with a warning); ``None``
+            means ``True`` except for the root, which keeps its parameters.
         shard_placement_fn (Optional[Callable[[nn.Parameter], Optional[Shard]]]):
             chooses the sharded dim per parameter (``None`` means ``Shard(0)``); a
             dim other than 0 must divide evenly.
