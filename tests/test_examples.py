@@ -86,6 +86,13 @@ def test_check_verdict(capsys: pytest.CaptureFixture[str]) -> None:
     assert report(good, show=False) == 0 and capsys.readouterr().out == ""
 
 
+def test_examples_importable_from_the_repository_root() -> None:
+    import importlib
+
+    for name in ("examples.gpt", "examples.parallelize", "examples.train_gpt", "examples.check"):
+        importlib.import_module(name)
+
+
 def test_numpy_is_a_dependency() -> None:
     """torch warns at import without NumPy (three times in the demo: the launcher and
     each rank), so the package depends on it."""
