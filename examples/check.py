@@ -22,8 +22,16 @@ from collections.abc import Sequence
 
 # (what, tolerance) per compute dtype, in the order the rows are reported.
 TOLERANCES: dict[str, dict[str, float]] = {
-    "fp32": {"loss at step 0": 1e-5, "max loss diff over all steps": 2e-4, "max parameter diff": 1e-3},
-    "bf16": {"loss at step 0": 2e-2, "max loss diff over all steps": 5e-2, "max parameter diff": 5e-2},
+    "fp32": {
+        "loss at step 0": 1e-5,
+        "max loss diff over all steps": 2e-4,
+        "max parameter diff": 1e-3,
+    },
+    "bf16": {
+        "loss at step 0": 2e-2,
+        "max loss diff over all steps": 5e-2,
+        "max parameter diff": 5e-2,
+    },
 }
 
 
@@ -47,7 +55,9 @@ def report(measured: dict[str, float], *, dtype: str = "fp32", show: bool = True
     # NaN fails: it is not <= anything.
     failed = [name for name, value, tol in rows if not value <= tol]
     if show:
-        print(f"check vs one process on the global batch ({dtype}; tolerances: see examples/check.py):")
+        print(
+            f"check vs one process on the global batch ({dtype}; tolerances: see examples/check.py):"
+        )
         for name, value, tol in rows:
             verdict = "PASS" if name not in failed else "FAIL"
             print(f"  {name:<30} {value:9.2e}  (tolerance {tol:.0e})  {verdict}")

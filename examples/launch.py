@@ -33,7 +33,11 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
         )
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if use_cuda
+        else torch.device("cpu")
+    )
     if use_cuda:
         torch.cuda.set_device(device)
     return rank, world, device

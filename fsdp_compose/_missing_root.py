@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ._sharded_param import IGNORED_BY, SHARDED_BY
@@ -56,7 +56,9 @@ def check_no_plain_params_with_sharded(
         raise RuntimeError(_message(optimizer, with_grad, units))
 
 
-def _plain_candidates(optimizer: torch.optim.Optimizer, units: Iterable[Unit]) -> list[torch.Tensor]:
+def _plain_candidates(
+    optimizer: torch.optim.Optimizer, units: Iterable[Unit]
+) -> list[torch.Tensor]:
     """The optimizer's plain trainable parameters, if it also holds parameters
     sharded over more than one data-parallel rank (else nothing to watch)."""
     dp_size = {id(p.sharded_param): u.mesh_info.data_parallel_size for u in units for p in u.params}
@@ -75,9 +77,13 @@ def _plain_candidates(optimizer: torch.optim.Optimizer, units: Iterable[Unit]) -
     return plain if sharded_multi_rank else []
 
 
-def _message(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], units: Iterable[Unit]) -> str:
+def _message(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], units: Iterable[Unit]
+) -> str:
     model, names = _find_names(params, units)
-    shown = ", ".join(repr(n) for n in names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+    shown = ", ".join(repr(n) for n in names[:6]) + (
+        f", ... ({len(names)} in all)" if len(names) > 6 else ""
+    )
     owner = f"{type(model).__name__} " if model is not None else ""
     return (
         f"fsdp_compose: {type(optimizer).__name__} holds parameters sharded by fully_shard and "

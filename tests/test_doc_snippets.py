@@ -30,7 +30,9 @@ import pytest
 from dist_utils import run_distributed
 
 _ROOT = Path(__file__).resolve().parent.parent
-_MARKED = re.compile(r"^<!-- doctest:(?P<opts>[^>]*)-->\n```python\n(?P<code>.*?)^```", re.M | re.S)
+_MARKED = re.compile(
+    r"^<!-- doctest:(?P<opts>[^>]*)-->\n```python\n(?P<code>.*?)^```", re.MULTILINE | re.DOTALL
+)
 
 _SETUPS = {
     "none": "",
@@ -42,7 +44,9 @@ cfg = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32)
 model = GPT(cfg)
 """,
 }
-_SETUPS["sharded"] = _SETUPS["gpt"] + """
+_SETUPS["sharded"] = (
+    _SETUPS["gpt"]
+    + """
 import torch.distributed as dist
 from fsdp_compose import fully_shard
 for block in model.blocks:
@@ -59,6 +63,7 @@ def train_step():
 
 train_step()
 """
+)
 _THENS = {
     "none": "",
     "train": """
@@ -92,9 +97,9 @@ def _run_snippet(setup: str, code: str, then: str, workdir: str) -> None:
     os.chdir(workdir)
     try:
         namespace: dict = {"__name__": "__doctest__"}
-        exec(compile(setup, "<setup>", "exec"), namespace)
-        exec(compile(code, "<snippet>", "exec"), namespace)
-        exec(compile(then, "<then>", "exec"), namespace)
+        exec(compile(setup, "<setup>", "exec"), namespace)  # noqa: S102 - running it is the test
+        exec(compile(code, "<snippet>", "exec"), namespace)  # noqa: S102 - running it is the test
+        exec(compile(then, "<then>", "exec"), namespace)  # noqa: S102 - running it is the test
     finally:
         os.chdir(previous)
 

@@ -18,7 +18,14 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_flag_choice_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
-    for value, expected in [("1", True), ("TRUE", True), ("on", True), ("0", False), ("no", False), ("", True)]:
+    for value, expected in [
+        ("1", True),
+        ("TRUE", True),
+        ("on", True),
+        ("0", False),
+        ("no", False),
+        ("", True),
+    ]:
         monkeypatch.setenv("FSDP_COMPOSE_X", value)
         assert _env.flag("FSDP_COMPOSE_X", True) is expected
     monkeypatch.setenv("FSDP_COMPOSE_X", "ture")
@@ -27,7 +34,9 @@ def test_flag_choice_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FSDP_COMPOSE_X", "native")
     assert _env.choice("FSDP_COMPOSE_X", ("a", "native"), "a") == "native"
     monkeypatch.setenv("FSDP_COMPOSE_X", "Native")
-    with pytest.raises(ValueError, match=r"'Native' is not valid: use one of a, native \(default a\)"):
+    with pytest.raises(
+        ValueError, match=r"'Native' is not valid: use one of a, native \(default a\)"
+    ):
         _env.choice("FSDP_COMPOSE_X", ("a", "native"), "a")
     monkeypatch.delenv("FSDP_COMPOSE_X")
     assert _env.seconds("FSDP_COMPOSE_X") is None
@@ -70,10 +79,17 @@ def test_invalid_values_read_at_import_fail_the_import() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_COMPOSE_")}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     result = subprocess.run(
-        [sys.executable, "-c", _IMPORT_CHECK], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _IMPORT_CHECK],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "FSDP_COMPOSE_DEBUG_COLLECTIVES='yes please' is not valid" in result.stdout, result.stdout
+    assert "FSDP_COMPOSE_DEBUG_COLLECTIVES='yes please' is not valid" in result.stdout, (
+        result.stdout
+    )
     assert "FSDP_COMPOSE_GLOO_ALL_GATHER='broadcasts' is not valid" in result.stdout, result.stdout
 
 

@@ -22,20 +22,36 @@ import pytest
 _ROOT = Path(__file__).resolve().parent.parent
 _EXAMPLES = _ROOT / "examples"
 # torch, Python and transformers warnings as they reach stderr
-_WARNING = re.compile(r"Warning|warn|\[W\d{4}|^W\d{4}", re.M)
+_WARNING = re.compile(r"Warning|warn|\[W\d{4}|^W\d{4}", re.MULTILINE)
 
 
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_COMPOSE_", "PYTHONWARNINGS"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("FSDP_COMPOSE_", "PYTHONWARNINGS"))
+    }
     env["PYTHONPATH"] = str(_ROOT)
     env["OMP_NUM_THREADS"] = "1"  # as torchrun sets it (else the launcher says so)
     return subprocess.run(
-        [sys.executable, *args], cwd=_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *args],
+        cwd=_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
     )
 
 
 def test_demo_prints_no_warning() -> None:
-    result = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/train_gpt.py", "--steps", "2")
+    result = _run(
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "examples/train_gpt.py",
+        "--steps",
+        "2",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step   1 | loss" in result.stdout
     assert not _WARNING.search(result.stderr), result.stderr[-3000:]
@@ -96,11 +112,17 @@ def test_examples_importable_from_the_repository_root() -> None:
 def test_numpy_is_a_dependency() -> None:
     """torch warns at import without NumPy (three times in the demo: the launcher and
     each rank), so the package depends on it."""
-    deps = re.search(r"^dependencies = \[(.*?)\]", (_ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    deps = re.search(
+        r"^dependencies = \[(.*?)\]",
+        (_ROOT / "pyproject.toml").read_text(),
+        re.MULTILINE | re.DOTALL,
+    )
     assert deps is not None and re.search(r'"numpy\b', deps.group(1)), "numpy is not a dependency"
 
 
-@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
+@pytest.mark.skipif(
+    "fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork"
+)
 def test_failure_modes_debug_desync_is_deterministic() -> None:
     sys.path.insert(0, str(_EXAMPLES))
     try:
