@@ -153,6 +153,8 @@ def main() -> None:
         if rank == 0:
             print(line)
     elapsed = time.perf_counter() - start
+    if rank == 0:
+        print(f"{args.steps} steps in {elapsed:.1f}s")
 
     status = 0
     if reference is not None:
@@ -168,8 +170,6 @@ def main() -> None:
             "max parameter diff": worst,
         }
         status = report(measured, show=rank == 0)
-    if rank == 0:
-        print(f"{args.steps} steps in {elapsed:.1f}s")
     dist.destroy_process_group()
     raise SystemExit(status)
 
