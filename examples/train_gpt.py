@@ -40,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mp", choices=sorted(_DTYPES), default="fp32",
                    help="compute and all-gather dtype (gradients are reduced in float32); "
                         "fp16 adds loss scaling; on a CPU, fp16 matmuls are several times "
-                        "slower than bf16 (about 7x measured), so use bf16 there")
+                        "slower than bf16 (about 7x for the demo), so use bf16 there")
     p.add_argument("--hsdp", action="store_true", help="2-D mesh: replicate x shard")
     p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy (a no-op on a CPU mesh)")
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")

@@ -6,7 +6,10 @@ all-gather, and every rank waits forever -- or, worse, two units of the same siz
 silently exchange each other's data. In debug mode every collective fsdp_compose
 issues first publishes a fingerprint (unit, kind, sizes, dtype, step) through the
 process group's key-value store and compares it with the fingerprints of the other
-ranks of its group *before* the payload moves. On a mismatch every rank raises::
+ranks of its group *before* the payload moves. On a mismatch every rank raises
+(as long as the store outlives the ranks, as under torchrun; a store hosted by
+rank 0, ``init_method="tcp://..."``, disappears when rank 0 exits after raising,
+and a rank still reading it then fails with ``DistNetworkError`` instead)::
 
     RuntimeError: fsdp_compose collective mismatch on group [0, 1] (collective #17):
       rank 0 issued all_gather for blocks.2 (4160 x float32, step 3)
