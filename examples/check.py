@@ -27,8 +27,10 @@ TOLERANCES: dict[str, dict[str, float]] = {
         "max loss diff over all steps": 2e-4,
         "max parameter diff": 1e-3,
     },
+    # bf16 vs the float32 reference (train_tp.py --mp bf16, 10 steps: 7.3e-5, 1.0e-2,
+    # 1.9e-2 measured)
     "bf16": {
-        "loss at step 0": 2e-2,
+        "loss at step 0": 1e-3,
         "max loss diff over all steps": 5e-2,
         "max parameter diff": 5e-2,
     },
