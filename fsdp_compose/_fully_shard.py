@@ -26,7 +26,7 @@ from ._mesh import (
 )
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._shared import borrow, collect_borrowed, link_shared, shared_link
-from ._sharded_param import SHARDED_BY, ShardedParam
+from ._sharded_param import IGNORED_BY, SHARDED_BY, ShardedParam
 from ._state import UnitState, state_of
 from ._unit import Unit
 
@@ -104,10 +104,11 @@ def fully_shard(
             1-D mesh over the default process group on its backend's device.
         reshard_after_forward (Optional[Union[bool, int]]): ``True`` frees the
             unsharded parameters after forward and gathers again in backward;
-            ``False`` keeps them until after backward; an ``int`` N (with
-            ``1 < N < shard world size``, dividing it) keeps 1/N of them after
-            forward so backward gathers within groups of N ranks; ``None`` means
-            ``True`` except for the root, which keeps its parameters.
+            ``False`` keeps them until after backward; an ``int`` N that divides
+            the shard world size keeps 1/N of them after forward so backward
+            gathers within groups of N ranks (N equal to the shard world size
+            means ``True``, and N = 1 means ``False``, with a warning); ``None``
+            means ``True`` except for the root, which keeps its parameters.
         shard_placement_fn (Optional[Callable[[nn.Parameter], Optional[Shard]]]):
             chooses the sharded dim per parameter (``None`` means ``Shard(0)``); a
             dim other than 0 must divide evenly.
@@ -170,6 +171,8 @@ def fully_shard(
         sharded_param.mark_owned(unit_label)
         setattr(param, _REPLACED_BY, unit_label)
         sharded.append(sharded_param)
+    for param in ignored:  # left plain on purpose: not a forgotten root (_missing_root)
+        setattr(param, IGNORED_BY, unit_label)
     unit = (
         Unit(sharded, modules, mesh_info, reshard, mp_policy, offload_policy) if sharded else None
     )
