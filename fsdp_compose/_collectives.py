@@ -343,6 +343,12 @@ def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.dev
     )
 
 
+def _real_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as the flat real tensor of its (re, im) pairs: gloo has no
+    complex types, and a sum or gather of the pairs is that of the numbers."""
+    return torch.view_as_real(tensor).view(-1) if tensor.is_complex() else tensor
+
+
 def all_gather(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -356,6 +362,8 @@ def all_gather(
     with ``comm`` if given. ``in_place``: ``input`` is this rank's row of
     ``output``, as :func:`gathers_in_place` asked for (gloo then gathers by
     broadcasts)."""
+    if comm is None:
+        output, input = _real_view(output), _real_view(input)
     if comm is not None:
         issue = lambda async_op: comm(  # noqa: E731
             output_tensor=output, input_tensor=input, group=group, async_op=async_op
@@ -387,6 +395,8 @@ def reduce_scatter(
     the sum of chunk r in ``output``. With ``comm`` if given, else see [Note:
     reduce-scatter on gloo]."""
     world = group.size()
+    if comm is None:
+        output, input = _real_view(output), _real_view(input)
     if comm is not None:
         issue = lambda async_op: comm(  # noqa: E731
             output_tensor=output,
@@ -428,6 +438,7 @@ def reduce_scatter(
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> PendingCollective:
     """Sums ``tensor`` in place over ``group``."""
+    tensor = _real_view(tensor)
     return _launch(
         "all_reduce",
         label,

@@ -361,15 +361,17 @@ def _register_state_dict_hooks(unit: Unit, state: UnitState) -> None:
             _module: nn.Module,
             state_dict: dict[str, Any],
             prefix: str,
+            local_metadata: dict[str, Any] | None = None,
             *_: Any,
             _params: list[tuple[str, ShardedParam]] = params,
         ) -> None:
             reshard()
+            assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
             for name, p in _params:
                 key = prefix + name
                 value = state_dict.get(key)
                 if isinstance(value, torch.Tensor):
-                    sharded = p.sharded_from_state(value)  # full or TP-only values
+                    sharded = p.sharded_from_state(value, own=assign)  # full or TP-only values
                     if sharded is not None:
                         state_dict[key] = sharded
 

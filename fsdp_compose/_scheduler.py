@@ -197,6 +197,9 @@ class Scheduler:
     def pre_forward(self, unit: Unit) -> None:
         unit.phase = Phase.FORWARD
         self._forward_order.append(unit)
+        # Adopt parameters replaced since the last step (load_state_dict(assign=True))
+        # before recording the versions backward compares against.
+        unit.lazy_init()
         self._forward_versions[unit] = [p.data_version() for p in unit.params]
         self._issue(unit)
         for target in self._forward_prefetch_targets(unit):
