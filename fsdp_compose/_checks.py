@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import warnings
 import weakref
 from typing import Any
 
@@ -139,6 +140,7 @@ def _install_optimizer_hook() -> None:
 
 def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _check_optimizer(optimizer, args, kwargs)
+    warn_if_gradient_sync_left_off(optimizer)
     # Checked: later steps may run on the local shards (this one keeps the DTensor
     # path, which also creates the states as DTensors).
     _optim.accelerate(optimizer)
@@ -176,3 +178,44 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     "model.parameters() returns the sharded parameters."
                 )
     _checked_optimizers[optimizer] = count
+
+
+# ---------------------------------------------------------------------------
+# gradient sync left off
+# ---------------------------------------------------------------------------
+
+_warned_sync_off = False
+
+
+def warn_if_gradient_sync_left_off(optimizer: torch.optim.Optimizer) -> None:
+    """Warns once if ``optimizer.step()`` finds no gradient on any parameter
+    sharded by fsdp_compose while some unit has gradient sync turned off: the
+    usual cause is ``set_requires_gradient_sync(False)`` (gradient accumulation)
+    never turned back on, so the step silently updates nothing."""
+    global _warned_sync_off
+    if _warned_sync_off:
+        return
+    off = [u for u in list(_live_units) if not u.requires_gradient_sync]
+    if not off:
+        return
+    # The optimizer may hold the DTensors or, during a local step, their local
+    # tensors (see [Note: local optimizer steps]); the DTensors keep the .grad.
+    held_ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    held = [
+        p.sharded_param
+        for u in list(_live_units)
+        for p in u.params
+        if id(p.sharded_param) in held_ids or id(p.local_shard) in held_ids
+    ]
+    if not held or any(p.grad is not None for p in held):
+        return
+    _warned_sync_off = True
+    names = ", ".join(repr(u.name) for u in off[:3]) + (" ..." if len(off) > 3 else "")
+    warnings.warn(
+        f"fsdp_compose: {type(optimizer).__name__}.step() found no gradient on any sharded "
+        f"parameter while gradient sync is off for units {names}: their gradients stay "
+        "unsharded and unreduced, so this step updates nothing. Call "
+        "model.set_requires_gradient_sync(True) before the last backward of each step "
+        "(warned once).",
+        stacklevel=3,
+    )

@@ -136,10 +136,11 @@ class ShardedParam:
                 local = local.to(target, copy=True).contiguous()
                 if pin_memory and offload_device is not None and not local.is_pinned():
                     local = local.pin_memory()
+        # Registered on the owning modules by fully_shard once the whole unit is
+        # valid (see [Note: atomic fully_shard]).
         self.sharded_param = nn.Parameter(
             _compat.dtensor_from_local(local, self.spec), requires_grad=requires_grad
         )
-        self.register(self.sharded_param)
 
         # Set by the unit at lazy init (its flat buffer decides where the data lives).
         self.unsharded_param: nn.Parameter | None = None
