@@ -44,7 +44,7 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from . import _compat, debug
+from . import _compat, _guard, debug
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 CollectiveEvent = Literal["issue", "complete", "wait_begin", "wait_end"]
@@ -272,6 +272,19 @@ def _on_complete(work: dist.Work, info: CollectiveInfo) -> None:
         _notify("complete", info)
 
 
+def _guarded(
+    kind: CollectiveKind, label: str, group: dist.ProcessGroup, inp: torch.Tensor, step: int
+) -> None:
+    """See [Note: collective guard]; a guard that cannot complete (a peer gone or
+    timed out) fails like the collective it protects."""
+    try:
+        _guard.check(kind, label, group, inp.numel(), inp.dtype, step)
+    except debug.CollectiveMismatchError:
+        raise
+    except RuntimeError as exc:
+        raise _failure(f"{kind} for {label} (step {step})", exc) from exc
+
+
 def _launch(
     kind: CollectiveKind,
     label: str,
@@ -284,6 +297,8 @@ def _launch(
 ) -> PendingCollective:
     if debug._checker is not None:
         debug._check(kind, label, group, inp.numel(), inp.dtype, current_step)
+    elif _guard.enabled and out.device.type == "cpu":
+        _guarded(kind, label, group, inp, current_step)
     info = _info(kind, label, group.size(), inp, out)
     if info is not None:
         _notify("issue", info)
