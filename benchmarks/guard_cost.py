@@ -53,7 +53,10 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, que
     optim = workloads.make_optimizer(model)
     batches = workloads.Batches(workloads.PRESETS[args.preset], args.global_batch, rank, world)
     count = [0]
-    listener = lambda event, info: count.__setitem__(0, count[0] + (event == "issue"))  # noqa: E731
+
+    def listener(event: str, info: object) -> None:
+        count[0] += event == "issue"
+
     wall: dict[bool, list[float]] = {True: [], False: []}
     cpu: dict[bool, list[float]] = {True: [], False: []}
     for step in range(args.warmup + 2 * args.steps):

@@ -234,12 +234,17 @@ def test_full_state_dict_round_trip(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _mismatch_job(root: str) -> dict:
+def _saved_after_one_step(root: str) -> tuple[GPTConfig, GPT, torch.optim.Optimizer, str]:
+    """A sharded GPT trained one step and checkpointed under ``root``."""
     cfg = GPTConfig(**TINY)
     model = _build(cfg)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
     _train_step(model, optim, cfg, 0)
-    path = save_checkpoint(root, 1, model, optim)
+    return cfg, model, optim, save_checkpoint(root, 1, model, optim)
+
+
+def _mismatch_job(root: str) -> dict:
+    cfg, model, optim, path = _saved_after_one_step(root)
 
     out = {}
     variants = {"more_layers": {"n_layer": 3}, "fewer_layers": {"n_layer": 1}, "wider": {"n_embd": 48}}
@@ -387,11 +392,7 @@ def _damaged_load_job(root: str, damage: str) -> dict:
     """Saves after step 1, trains a step more, damages a file, loads: the load must
     fail and leave everything as it was after step 2."""
     rank, _ = rank_world()
-    cfg = GPTConfig(**TINY)
-    model = _build(cfg)
-    optim = torch.optim.AdamW(model.parameters(), lr=LR)
-    _train_step(model, optim, cfg, 0)
-    path = save_checkpoint(root, 1, model, optim)
+    cfg, model, optim, path = _saved_after_one_step(root)
     _train_step(model, optim, cfg, 1)
     before = _local_state(model, optim)
     if rank == 0:
@@ -439,13 +440,9 @@ def test_failed_load_leaves_model_and_optimizer_unchanged(tmp_path: Path, damage
 
 
 def _checksums_job(root: str) -> bool:
-    cfg = GPTConfig(**TINY)
-    model = _build(cfg)
-    optim = torch.optim.AdamW(model.parameters(), lr=LR)
-    _train_step(model, optim, cfg, 0)
-    path = save_checkpoint(root, 1, model, optim)
     from checkpoint import verify_checkpoint
 
+    path = _saved_after_one_step(root)[3]
     return verify_checkpoint(path) and os.path.isfile(os.path.join(path, "checksums.json"))
 
 
