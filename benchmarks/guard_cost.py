@@ -10,7 +10,9 @@ both sides alike):
   timed over ``--calls`` calls on loopback (microseconds);
 * per step: the benchmark's training step (``workloads.py``: the examples' GPT,
   one unit per block plus the root, AdamW), median wall and on-CPU time of the
-  steps with the guard on and with it off, and how many collectives a step issues.
+  steps with the guard on and with it off, how many collectives a step issues,
+  and the share of the guarded steps' time spent inside the guard (waiting for
+  the other rank included, which on an overloaded machine is mostly scheduling).
 """
 
 from __future__ import annotations
@@ -49,6 +51,19 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, que
         _guard.check("all_gather", "blocks.3", group, 4160, torch.float32, 1)
         per_call[True].append(time.perf_counter() - start)
 
+    # Time spent inside the guard during the guarded steps (wall and on-CPU).
+    inside = {"wall": 0.0, "cpu": 0.0}
+    check = _guard.check
+
+    def timed_check(*a: object) -> None:
+        start, start_cpu = time.perf_counter(), time.process_time()
+        try:
+            check(*a)  # type: ignore[arg-type]
+        finally:
+            inside["wall"] += time.perf_counter() - start
+            inside["cpu"] += time.process_time() - start_cpu
+
+    _guard.check = timed_check  # type: ignore[assignment]
     model = workloads.build_gpt(args.preset, "fsdp_compose")
     optim = workloads.make_optimizer(model)
     batches = workloads.Batches(workloads.PRESETS[args.preset], args.global_batch, rank, world)
@@ -64,6 +79,7 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, que
         _guard.enabled = on
         if step == args.warmup:
             _collectives.add_listener(listener)
+            inside["wall"] = inside["cpu"] = 0.0
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         workloads.train_step(model, optim, batches.get(step))
@@ -78,6 +94,11 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, que
                 "collectives_per_step": count[0] / (2 * args.steps),
                 "step_wall_s": {k: statistics.median(v) for k, v in wall.items()},
                 "step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
+                "inside_guard_share": {
+                    "wall": inside["wall"] / sum(wall[True]),
+                    "cpu": inside["cpu"] / sum(cpu[True]),
+                },
+                "raw_wall_s": wall,
             }
         )
     dist.destroy_process_group()
@@ -115,7 +136,13 @@ def main() -> None:
     print(f"collectives per step: {n:.0f} -> {n * us / 1e3:.1f} ms of guard per step")
     print(f"step wall time, median of {args.steps}: guard on {on:.3f} s, off {off:.3f} s, ratio {on / off:.3f}")
     print(f"step on-CPU time (rank 0): guard on {cpu_on:.3f} s, off {cpu_off:.3f} s, ratio {cpu_on / cpu_off:.3f}")
-    print(f"guard time / step time (guard off): {n * us / 1e6 / off:.2%}")
+    share = result["inside_guard_share"]
+    print(
+        f"time inside the guard during guarded steps: {share['wall']:.2%} of their wall time, "
+        f"{share['cpu']:.2%} of their on-CPU time (rank 0)"
+    )
+    print(f"raw step wall times (s), on: {[round(t, 3) for t in result['raw_wall_s'][True]]}")
+    print(f"raw step wall times (s), off: {[round(t, 3) for t in result['raw_wall_s'][False]]}")
 
 
 if __name__ == "__main__":
