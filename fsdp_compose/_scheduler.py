@@ -202,6 +202,9 @@ class Scheduler:
     def pre_forward(self, unit: Unit) -> None:
         unit.phase = Phase.FORWARD
         self._forward_order.append(unit)
+        # Adopt parameters replaced since the last step (load_state_dict(assign=True))
+        # before recording the versions backward compares against.
+        unit.lazy_init()
         self._forward_versions[unit] = [p.data_version() for p in unit.params]
         self.shared.forward_use_begin(unit)
         self._issue(unit)
