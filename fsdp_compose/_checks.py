@@ -139,8 +139,8 @@ def _install_optimizer_hook() -> None:
 
 def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _check_optimizer(optimizer, args, kwargs)
-    # Checked: later steps may run on the local shards (this one keeps the DTensor
-    # path, which also creates the states as DTensors).
+    # Checked: this step and later ones may run the sharded update (fsdp_compose's
+    # own step hooks, see [Note: sharded steps run inside step hooks] in _optim).
     _optim.accelerate(optimizer)
 
 
