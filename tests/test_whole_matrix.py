@@ -83,3 +83,33 @@ def test_muon_settings_bit_identical() -> None:
     kwargs = dict(lr=0.02, weight_decay=0.0, nesterov=False, adjust_lr_fn="match_rms_adamw", ns_steps=3)
     for r in run_distributed(_muon_exact_job, 3, kwargs):
         assert r["params_equal"] and r["bufs_equal"], r
+
+
+def _adafactor_job(world_check: int) -> dict:
+    ref = _model()
+    model = _shard(copy.deepcopy(ref))
+    kwargs = dict(lr=1e-2, weight_decay=0.01)
+    opt = torch.optim.Adafactor(model.parameters(), **kwargs)
+    ref_opt = torch.optim.Adafactor(ref.parameters(), **kwargs)
+    for step in range(3):
+        _set_grads(model, ref, step)
+        opt.step()
+        ref_opt.step()
+    worst = max(
+        ((p.full_tensor() - rp).abs().max() / rp.abs().max()).item() for p, rp in zip(model.parameters(), ref.parameters())
+    )
+    state_worst = 0.0
+    for p, rp in zip(model.parameters(), ref.parameters()):
+        for key, value in ref_opt.state[rp].items():
+            mine = opt.state[p][key]
+            mine = mine.full_tensor() if isinstance(mine, DTensor) else mine
+            state_worst = max(state_worst, ((mine - value).abs().max() / value.abs().max().clamp(min=1e-30)).item())
+    kinds = {k: type(v).__name__ for k, v in opt.state[next(model.parameters())].items()}
+    return dict(worst=worst, state_worst=state_worst, kinds=kinds, sd=len(opt.state_dict()["state"]))
+
+
+@pytest.mark.parametrize("world", [3])
+def test_adafactor_matches_one_device(world: int) -> None:
+    for r in run_distributed(_adafactor_job, world, world):
+        assert r["worst"] < 1e-6 and r["state_worst"] < 1e-5, r
+        assert r["kinds"] == {"step": "Tensor", "row_var": "DTensor", "col_var": "DTensor"}, r

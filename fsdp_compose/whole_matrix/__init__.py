@@ -11,7 +11,7 @@ See [Note: owner compute for whole-matrix optimizers] in ``_exchange.py``.
 
 from __future__ import annotations
 
-from . import _muon  # noqa: F401 - registers the Muon step
+from . import _adafactor, _muon  # noqa: F401 - register the sharded steps
 from ._api import map_full_matrices, matrix_owners
 
 __all__ = ["map_full_matrices", "matrix_owners"]

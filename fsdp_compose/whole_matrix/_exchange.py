@@ -59,8 +59,8 @@ _UNSHARDED = ShardLayout(None, 0, 1)
 
 
 def layout_of(t: torch.Tensor, what: str) -> ShardLayout:
-    """The shard layout of a 2-D parameter, or a clear error for layouts the
-    owner compute does not handle (tensor parallel on another mesh dimension)."""
+    """The shard layout of a parameter, or a clear error for layouts the owner
+    compute does not handle (tensor parallel on another mesh dimension)."""
     if not isinstance(t, DTensor):
         return _UNSHARDED
     mesh: DeviceMesh = t.device_mesh
@@ -80,7 +80,7 @@ def layout_of(t: torch.Tensor, what: str) -> ShardLayout:
     layout = ShardLayout(mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim))
     start, end = layout.rows(layout.rank, t.shape[0])
     local = _compat.local_tensor(t)
-    if tuple(local.shape) != (end - start, t.shape[1]):
+    if tuple(local.shape) != (end - start, *t.shape[1:]):
         raise ValueError(
             f"fsdp_compose: {what} holds a local shard of shape {tuple(local.shape)} where rows "
             f"[{start}, {end}) of {tuple(t.shape)} were expected (torch.chunk layout)."
