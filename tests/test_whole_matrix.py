@@ -13,9 +13,10 @@ import torch
 import torch.nn as nn
 from dist_utils import run_distributed
 from helpers import rank_world
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp_compose import fully_shard
+from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 # (in, out) of bias-free Linear layers: tall, wide, rows not divisible by 2/3/4,
 # rows fewer than the world size (empty trailing shards), one square.
@@ -50,9 +51,12 @@ def _split(params: list[torch.nn.Parameter]) -> tuple[list, list]:
     return [p for p in params if p.ndim == 2], [p for p in params if p.ndim != 2]
 
 
-def _muon_exact_job(kwargs: dict) -> dict:
+def _muon_exact_job(kwargs: dict, hsdp: bool = False) -> dict:
     ref = _model()
-    model = _shard(copy.deepcopy(ref))
+    shard_kw = {}
+    if hsdp:  # owners within each shard group; replicas repeat their group's work
+        shard_kw["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _shard(copy.deepcopy(ref), **shard_kw)
     muon, rest = _split(list(model.parameters()))
     ref_muon, ref_rest = _split(list(ref.parameters()))
     opts = [torch.optim.Muon(muon, **kwargs), torch.optim.AdamW(rest, lr=1e-2)]
@@ -113,3 +117,93 @@ def test_adafactor_matches_one_device(world: int) -> None:
     for r in run_distributed(_adafactor_job, world, world):
         assert r["worst"] < 1e-6 and r["state_worst"] < 1e-5, r
         assert r["kinds"] == {"step": "Tensor", "row_var": "DTensor", "col_var": "DTensor"}, r
+
+
+def test_muon_hsdp_bit_identical() -> None:
+    kwargs = dict(lr=0.05, weight_decay=0.1)
+    for r in run_distributed(_muon_exact_job, 4, kwargs, True):
+        assert r["params_equal"] and r["bufs_equal"] and r["layouts"], r
+
+
+def _matrices_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(i, o, bias=False) for i, o in SHAPES])
+
+
+def _coverage_job(config: str) -> dict:
+    """Real backward under ``config``, two micro-batches accumulated, clip_grad_norm_,
+    then Muon: each step equals single-device Muon applied to the same full
+    parameters and gradients."""
+    rank, _ = rank_world()
+    kw: dict = {}
+    if config == "bf16":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif config == "offload":
+        kw["offload_policy"] = CPUOffloadPolicy()
+    model = _shard(_matrices_model(), **kw)
+    params = list(model.parameters())
+    ref = [nn.Parameter(p.full_tensor()) for p in params]
+    opt = torch.optim.Muon(params, lr=0.02, weight_decay=0.1)
+    ref_opt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1)
+    equal = True
+    for step in range(2):
+        for micro in range(2):
+            torch.manual_seed(100 * step + 10 * micro + rank)
+            model(torch.randn(3, SHAPES[0][0])).square().mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1e-4)
+        for p, rp in zip(params, ref):
+            rp.grad = p.grad.full_tensor()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        equal &= all(torch.equal(p.full_tensor(), rp) for p, rp in zip(params, ref))
+    return dict(equal=equal, clipped=float(norm) > 1e-4)
+
+
+@pytest.mark.parametrize("config", ["fp32", "bf16", "offload"])
+def test_muon_with_mixed_precision_offload_accumulation_clip(config: str) -> None:
+    for r in run_distributed(_coverage_job, 2, config):
+        assert r == {"equal": True, "clipped": True}, r
+
+
+def _ckpt_job(path: str, phase: str) -> dict:
+    """Muon with DCP: 2 steps, save (phase "save"), 2 more; or load and 2 more."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ref = _matrices_model()  # unused by the sharded run except for shapes of the grads
+    model = _shard(_matrices_model())
+    opt = torch.optim.Muon(model.parameters(), lr=0.05)
+    first = 0
+    if phase == "save":
+        for step in range(2):
+            _set_grads(model, ref, step)
+            opt.step()
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    else:
+        _set_grads(model, ref, 0)  # lazy init, then discard
+        opt.zero_grad()
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    first = 2
+    for step in range(first, first + 2):
+        _set_grads(model, ref, step)
+        opt.step()
+    bufs = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+    return dict(
+        params=[p.detach().full_tensor() for p in model.parameters()],
+        bufs=[b.full_tensor() for b in bufs],
+        sharded=all(isinstance(b, DTensor) and b.placements == p.placements for b, p in zip(bufs, model.parameters())),
+    )
+
+
+def test_muon_checkpoint_resumes_at_another_world_size(tmp_path) -> None:
+    path = str(tmp_path / "muon")
+    saved = run_distributed(_ckpt_job, 2, path, "save")[0]
+    for r in run_distributed(_ckpt_job, 3, path, "load"):
+        assert r["sharded"]
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], saved["params"]))
+        assert all(torch.equal(a, b) for a, b in zip(r["bufs"], saved["bufs"]))
