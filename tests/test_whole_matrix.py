@@ -207,3 +207,63 @@ def test_muon_checkpoint_resumes_at_another_world_size(tmp_path) -> None:
         assert r["sharded"]
         assert all(torch.equal(a, b) for a, b in zip(r["params"], saved["params"]))
         assert all(torch.equal(a, b) for a, b in zip(r["bufs"], saved["bufs"]))
+
+
+def _bad_input_job() -> dict:
+    from torch.distributed.tensor import Shard
+
+    from fsdp_compose._sharded_param import SHARDED_BY
+
+    model = _shard(_model())
+    out: dict = {}
+    try:
+        torch.optim.Muon(model.parameters())  # holds a bias
+    except ValueError as exc:
+        out["non_2d"] = "2D" in str(exc)
+    # A matrix sharded on columns, as tensor parallelism would leave it under fully_shard.
+    mesh = next(model.parameters()).device_mesh
+    tp = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(1)]))
+    setattr(tp, SHARDED_BY, "tp")
+    muon_params = [p for p in model.parameters() if p.ndim == 2]
+    opt = torch.optim.Muon([*muon_params, tp], lr=0.1)
+    _set_grads(model, _model(), 0)
+    tp.grad = distribute_tensor(torch.randn(6, 4), mesh, [Shard(1)])
+    before = [p.detach().to_local().clone() for p in muon_params]
+    try:
+        opt.step()
+    except ValueError as exc:
+        out["tp_message"] = "Tensor-parallel" in str(exc) and "AdamW" in str(exc)
+    out["unchanged"] = all(torch.equal(b, p.detach().to_local()) for b, p in zip(before, muon_params))
+    out["no_state"] = len(opt.state) == 0
+    return out
+
+
+def test_bad_input_raises_before_any_change() -> None:
+    for r in run_distributed(_bad_input_job, 2):
+        assert r == {"non_2d": True, "tp_message": True, "unchanged": True, "no_state": True}, r
+
+
+def _shampoo_job() -> dict:
+    from shampoo import Shampoo
+
+    from fsdp_compose.whole_matrix import matrix_owners
+
+    ref = _matrices_model()
+    model = _shard(copy.deepcopy(ref))
+    opt, ref_opt = Shampoo(model.parameters(), lr=0.05), Shampoo(ref.parameters(), lr=0.05)
+    for step in range(3):
+        _set_grads(model, ref, step)
+        opt.step()
+        ref_opt.step()
+    worst = max((p.full_tensor() - rp).abs().max().item() for p, rp in zip(model.parameters(), ref.parameters()))
+    rank, _ = rank_world()
+    owners = matrix_owners(list(model.parameters()))
+    mine = sorted(k[1] for k in opt.statistics)
+    return dict(worst=worst, owned_only=mine == [i for i, o in enumerate(owners) if o == rank], owners=owners)
+
+
+def test_shampoo_example_matches_one_device() -> None:
+    results = run_distributed(_shampoo_job, 3)
+    for r in results:
+        assert r["worst"] <= 1e-6 and r["owned_only"], r
+    assert sorted(set(results[0]["owners"])) == [0, 1, 2]  # balanced: every rank owns some
