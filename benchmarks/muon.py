@@ -41,7 +41,7 @@ def _muon_params(model: Any, kind: str) -> tuple[list[Any], list[Any]]:
 
 def _build(kind: str, impl: str) -> Any:
     import torch
-    import torch.nn as nn
+    from torch import nn
 
     if kind == "gpt":
         from workloads import build_gpt
@@ -74,7 +74,9 @@ def _forward_backward(model: Any, kind: str, rank: int, world: int) -> None:
         model(torch.randn(8, 512)).square().mean().backward()
 
 
-_CPU: dict[str, list[float]] = {}  # process CPU seconds per step, by label (all threads of the rank)
+_CPU: dict[
+    str, list[float]
+] = {}  # process CPU seconds per step, by label (all threads of the rank)
 
 
 def _timed(fn: Any, steps: int, sync: bool = True, label: str | None = None) -> float:
@@ -103,21 +105,30 @@ def _max_over_ranks(value: float) -> float:
     return t.item()
 
 
-def _rank_main(rank: int, world: int, store: str, kind: str, steps: int, repeats: int, out: str) -> None:
+def _rank_main(
+    rank: int, world: int, store: str, kind: str, steps: int, repeats: int, out: str
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     sys.path[:0] = [_REPO, os.path.join(_REPO, "examples"), os.path.join(_REPO, "benchmarks")]
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=1800))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=1800),
+    )
     from fsdp_compose.whole_matrix import _muon
 
     models, opts = {}, {}
     for impl in ("fsdp_compose", "fsdp2") + (("single",) if rank == 0 else ()):
         model = _build(kind, impl)
-        _forward_backward(model, kind, rank if impl != "single" else 0, world if impl != "single" else 1)
+        _forward_backward(
+            model, kind, rank if impl != "single" else 0, world if impl != "single" else 1
+        )
         matrices, _ = _muon_params(model, kind)
         models[impl], opts[impl] = model, torch.optim.Muon(matrices, lr=1e-3)
         opts[impl].step()  # warm-up (creates the momentum buffers)
@@ -129,7 +140,11 @@ def _rank_main(rank: int, world: int, store: str, kind: str, steps: int, repeats
         for impl in order if r % 2 == 0 else order[::-1]:
             if impl == "single":
                 dist.barrier()
-                t = _timed(opts["single"].step, steps, sync=False, label="single") if rank == 0 else 0.0
+                t = (
+                    _timed(opts["single"].step, steps, sync=False, label="single")
+                    if rank == 0
+                    else 0.0
+                )
                 dist.barrier()
             else:
                 t = _timed(opts[impl].step, steps, label=impl)
@@ -152,8 +167,11 @@ def _rank_main(rank: int, world: int, store: str, kind: str, steps: int, repeats
     # Whole training steps on fsdp_compose: Muon for the matrices + AdamW for the rest vs AdamW alone.
     model = models["fsdp_compose"]
     matrices, rest = _muon_params(model, kind)
-    with_muon = [torch.optim.Muon(matrices, lr=1e-3), torch.optim.AdamW(rest, lr=1e-3)] if rest else [
-        torch.optim.Muon(matrices, lr=1e-3)]
+    with_muon = (
+        [torch.optim.Muon(matrices, lr=1e-3), torch.optim.AdamW(rest, lr=1e-3)]
+        if rest
+        else [torch.optim.Muon(matrices, lr=1e-3)]
+    )
     adamw = [torch.optim.AdamW(model.parameters(), lr=1e-3)]
 
     def train(optims: list[Any]) -> None:
@@ -166,8 +184,12 @@ def _rank_main(rank: int, world: int, store: str, kind: str, steps: int, repeats
     train(adamw)
     train_samples: dict[str, list[float]] = {"muon": [], "adamw": []}
     for r in range(repeats):
-        for name in (["muon", "adamw"] if r % 2 == 0 else ["adamw", "muon"]):
-            train_samples[name].append(_max_over_ranks(_timed(lambda: train(with_muon if name == "muon" else adamw), steps)))
+        for name in ["muon", "adamw"] if r % 2 == 0 else ["adamw", "muon"]:
+            train_samples[name].append(
+                _max_over_ranks(
+                    _timed(lambda name=name: train(with_muon if name == "muon" else adamw), steps)
+                )
+            )
     result["train_step_s"] = {k: statistics.median(v) for k, v in train_samples.items()}
 
     # Single device: Muon's extra cost over AdamW on the same matrices (rank 0).
@@ -189,7 +211,12 @@ def run(kind: str, world: int, steps: int, repeats: int) -> dict[str, Any]:
 
     workdir = tempfile.mkdtemp(prefix="fsdp_compose_muon_")
     store, out = os.path.join(workdir, "store"), os.path.join(workdir, "out.json")
-    mp.start_processes(_rank_main, args=(world, store, kind, steps, repeats, out), nprocs=world, start_method="spawn")
+    mp.start_processes(
+        _rank_main,
+        args=(world, store, kind, steps, repeats, out),
+        nprocs=world,
+        start_method="spawn",
+    )
     with open(out) as f:
         return json.load(f)
 
@@ -225,7 +252,9 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--models", nargs="+", default=["square", "gpt"], choices=["square", "gpt"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per sample (median)")
-    parser.add_argument("--repeats", type=int, default=2, help="alternating samples per implementation")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="alternating samples per implementation"
+    )
     parser.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results", "muon.json"))
     args = parser.parse_args()
     rows = []
@@ -233,7 +262,10 @@ def main() -> None:
         for world in args.worlds:
             row = summarize(run(kind, world, args.steps, args.repeats))
             rows.append(row)
-            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            print(
+                json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+                flush=True,
+            )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)

@@ -15,8 +15,8 @@ Run the parity check on 2 CPU processes::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -43,7 +43,9 @@ class Shampoo(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
-                    raise ValueError(f"Shampoo here handles 2-D parameters; got shape {tuple(p.shape)}")
+                    raise ValueError(
+                        f"Shampoo here handles 2-D parameters; got shape {tuple(p.shape)}"
+                    )
         # (L, R) per parameter, on the owner of that matrix only (not in state_dict()).
         self.statistics: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -56,13 +58,22 @@ class Shampoo(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             indexed = [(pi, p) for pi, p in enumerate(group["params"]) if p.grad is not None]
 
-            def precondition(i: int, grad: torch.Tensor, gi: int = gi, indexed: list = indexed) -> torch.Tensor:
+            def precondition(
+                i: int,
+                grad: torch.Tensor,
+                gi: int = gi,
+                indexed: list = indexed,
+                group: dict = group,
+            ) -> torch.Tensor:
                 # Runs on the owner of matrix i, with the full (m, n) gradient.
                 key = (gi, indexed[i][0])
                 if key not in self.statistics:
                     m, n = grad.shape
                     eps = group["eps"]
-                    self.statistics[key] = (eps * torch.eye(m, dtype=grad.dtype), eps * torch.eye(n, dtype=grad.dtype))
+                    self.statistics[key] = (
+                        eps * torch.eye(m, dtype=grad.dtype),
+                        eps * torch.eye(n, dtype=grad.dtype),
+                    )
                 left, right = self.statistics[key]
                 left.add_(grad @ grad.T)
                 right.add_(grad.T @ grad)
@@ -87,7 +98,9 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 30, bias=False), torch.nn.Linear(30, 7, bias=False))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 30, bias=False), torch.nn.Linear(30, 7, bias=False)
+    )
     reference = copy.deepcopy(model)
     for layer in model:
         fully_shard(layer)
@@ -101,7 +114,10 @@ def main() -> None:
             p.grad = distribute_tensor(rp.grad, p.device_mesh, p.placements)
         opt.step()
         ref_opt.step()
-    worst = max((p.full_tensor() - rp).abs().max().item() for p, rp in zip(model.parameters(), reference.parameters()))
+    worst = max(
+        (p.full_tensor() - rp).abs().max().item()
+        for p, rp in zip(model.parameters(), reference.parameters())
+    )
     if dist.get_rank() == 0:
         print(f"Shampoo on {dist.get_world_size()} ranks vs one process: max |diff| = {worst:.2e}")
     dist.destroy_process_group()

@@ -45,8 +45,9 @@ from __future__ import annotations
 import os
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor

@@ -206,7 +206,7 @@ def _scheduler_job(sched_name: str, optim_name: str) -> dict:
                 for step in range(3):
                     x, y = make_batch(cfg, 2 * world, step)
 
-                    def closure() -> torch.Tensor:
+                    def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
                         opt.zero_grad()
                         loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
                         loss.backward()

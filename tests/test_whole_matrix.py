@@ -6,13 +6,12 @@ no LR-scheduler warnings from fsdp_compose's step hooks."""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 from dist_utils import run_distributed
 from helpers import rank_world
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -44,7 +43,11 @@ def _set_grads(model: nn.Module, ref: nn.Module, step: int) -> None:
     for p, rp in zip(model.parameters(), ref.parameters()):
         g = torch.randn(rp.shape)
         rp.grad = g.clone()
-        p.grad = distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g.clone()
+        p.grad = (
+            distribute_tensor(g, p.device_mesh, p.placements)
+            if isinstance(p, DTensor)
+            else g.clone()
+        )
 
 
 def _split(params: list[torch.nn.Parameter]) -> tuple[list, list]:
@@ -69,22 +72,33 @@ def _muon_exact_job(kwargs: dict, hsdp: bool = False) -> dict:
     worst = max((p.full_tensor() - rp).abs().max().item() for p, rp in zip(muon, ref_muon))
     bufs = [opts[0].state[p]["momentum_buffer"] for p in muon]
     bufs_equal = all(
-        torch.equal(b.full_tensor(), ref_opts[0].state[rp]["momentum_buffer"]) for b, rp in zip(bufs, ref_muon)
+        torch.equal(b.full_tensor(), ref_opts[0].state[rp]["momentum_buffer"])
+        for b, rp in zip(bufs, ref_muon)
     )
-    layouts = all(isinstance(b, DTensor) and b.placements == p.placements for b, p in zip(bufs, muon))
+    layouts = all(
+        isinstance(b, DTensor) and b.placements == p.placements for b, p in zip(bufs, muon)
+    )
     grads_back = all(p.grad is not None for p in model.parameters())
-    return dict(params_equal=params_equal, worst=worst, bufs_equal=bufs_equal, layouts=layouts, grads_back=grads_back)
+    return {
+        "params_equal": params_equal,
+        "worst": worst,
+        "bufs_equal": bufs_equal,
+        "layouts": layouts,
+        "grads_back": grads_back,
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_muon_bit_identical_to_one_device(world: int) -> None:
-    kwargs = dict(lr=0.05, weight_decay=0.1, momentum=0.9)
+    kwargs = {"lr": 0.05, "weight_decay": 0.1, "momentum": 0.9}
     for r in run_distributed(_muon_exact_job, world, kwargs):
         assert r["params_equal"] and r["bufs_equal"] and r["layouts"] and r["grads_back"], r
 
 
 def test_muon_settings_bit_identical() -> None:
-    kwargs = dict(lr=0.02, weight_decay=0.0, nesterov=False, adjust_lr_fn="match_rms_adamw", ns_steps=3)
+    kwargs = {
+        "lr": 0.02, "weight_decay": 0.0, "nesterov": False, "adjust_lr_fn": "match_rms_adamw", "ns_steps": 3
+    }
     for r in run_distributed(_muon_exact_job, 3, kwargs):
         assert r["params_equal"] and r["bufs_equal"], r
 
@@ -92,7 +106,7 @@ def test_muon_settings_bit_identical() -> None:
 def _adafactor_job(world_check: int) -> dict:
     ref = _model()
     model = _shard(copy.deepcopy(ref))
-    kwargs = dict(lr=1e-2, weight_decay=0.01)
+    kwargs = {"lr": 1e-2, "weight_decay": 0.01}
     opt = torch.optim.Adafactor(model.parameters(), **kwargs)
     ref_opt = torch.optim.Adafactor(ref.parameters(), **kwargs)
     for step in range(3):
@@ -100,16 +114,22 @@ def _adafactor_job(world_check: int) -> dict:
         opt.step()
         ref_opt.step()
     worst = max(
-        ((p.full_tensor() - rp).abs().max() / rp.abs().max()).item() for p, rp in zip(model.parameters(), ref.parameters())
+        ((p.full_tensor() - rp).abs().max() / rp.abs().max()).item()
+        for p, rp in zip(model.parameters(), ref.parameters())
     )
     state_worst = 0.0
     for p, rp in zip(model.parameters(), ref.parameters()):
         for key, value in ref_opt.state[rp].items():
             mine = opt.state[p][key]
             mine = mine.full_tensor() if isinstance(mine, DTensor) else mine
-            state_worst = max(state_worst, ((mine - value).abs().max() / value.abs().max().clamp(min=1e-30)).item())
+            state_worst = max(
+                state_worst,
+                ((mine - value).abs().max() / value.abs().max().clamp(min=1e-30)).item(),
+            )
     kinds = {k: type(v).__name__ for k, v in opt.state[next(model.parameters())].items()}
-    return dict(worst=worst, state_worst=state_worst, kinds=kinds, sd=len(opt.state_dict()["state"]))
+    return {
+        "worst": worst, "state_worst": state_worst, "kinds": kinds, "sd": len(opt.state_dict()["state"])
+    }
 
 
 @pytest.mark.parametrize("world", [3])
@@ -120,7 +140,7 @@ def test_adafactor_matches_one_device(world: int) -> None:
 
 
 def test_muon_hsdp_bit_identical() -> None:
-    kwargs = dict(lr=0.05, weight_decay=0.1)
+    kwargs = {"lr": 0.05, "weight_decay": 0.1}
     for r in run_distributed(_muon_exact_job, 4, kwargs, True):
         assert r["params_equal"] and r["bufs_equal"] and r["layouts"], r
 
@@ -137,7 +157,9 @@ def _coverage_job(config: str) -> dict:
     rank, _ = rank_world()
     kw: dict = {}
     if config == "bf16":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     elif config == "offload":
         kw["offload_policy"] = CPUOffloadPolicy()
     model = _shard(_matrices_model(), **kw)
@@ -157,7 +179,7 @@ def _coverage_job(config: str) -> dict:
         ref_opt.step()
         opt.zero_grad()
         equal &= all(torch.equal(p.full_tensor(), rp) for p, rp in zip(params, ref))
-    return dict(equal=equal, clipped=float(norm) > 1e-4)
+    return {"equal": equal, "clipped": float(norm) > 1e-4}
 
 
 @pytest.mark.parametrize("config", ["fp32", "bf16", "offload"])
@@ -193,11 +215,14 @@ def _ckpt_job(path: str, phase: str) -> dict:
         _set_grads(model, ref, step)
         opt.step()
     bufs = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
-    return dict(
-        params=[p.detach().full_tensor() for p in model.parameters()],
-        bufs=[b.full_tensor() for b in bufs],
-        sharded=all(isinstance(b, DTensor) and b.placements == p.placements for b, p in zip(bufs, model.parameters())),
-    )
+    return {
+        "params": [p.detach().full_tensor() for p in model.parameters()],
+        "bufs": [b.full_tensor() for b in bufs],
+        "sharded": all(
+            isinstance(b, DTensor) and b.placements == p.placements
+            for b, p in zip(bufs, model.parameters())
+        ),
+    }
 
 
 def test_muon_checkpoint_resumes_at_another_world_size(tmp_path) -> None:
@@ -233,7 +258,9 @@ def _bad_input_job() -> dict:
         opt.step()
     except ValueError as exc:
         out["tp_message"] = "Tensor-parallel" in str(exc) and "AdamW" in str(exc)
-    out["unchanged"] = all(torch.equal(b, p.detach().to_local()) for b, p in zip(before, muon_params))
+    out["unchanged"] = all(
+        torch.equal(b, p.detach().to_local()) for b, p in zip(before, muon_params)
+    )
     out["no_state"] = len(opt.state) == 0
     return out
 
@@ -255,11 +282,18 @@ def _shampoo_job() -> dict:
         _set_grads(model, ref, step)
         opt.step()
         ref_opt.step()
-    worst = max((p.full_tensor() - rp).abs().max().item() for p, rp in zip(model.parameters(), ref.parameters()))
+    worst = max(
+        (p.full_tensor() - rp).abs().max().item()
+        for p, rp in zip(model.parameters(), ref.parameters())
+    )
     rank, _ = rank_world()
     owners = matrix_owners(list(model.parameters()))
     mine = sorted(k[1] for k in opt.statistics)
-    return dict(worst=worst, owned_only=mine == [i for i, o in enumerate(owners) if o == rank], owners=owners)
+    return {
+        "worst": worst,
+        "owned_only": mine == [i for i, o in enumerate(owners) if o == rank],
+        "owners": owners,
+    }
 
 
 def test_shampoo_example_matches_one_device() -> None:

@@ -35,10 +35,17 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def _state_like(p: DTensor, local: torch.Tensor, shape: list[int], *, replicate: bool = False) -> DTensor:
+def _state_like(
+    p: DTensor, local: torch.Tensor, shape: list[int], *, replicate: bool = False
+) -> DTensor:
     placements = [Replicate()] * p.device_mesh.ndim if replicate else list(p.placements)
     return DTensor.from_local(
-        local, p.device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=_contiguous(shape)
+        local,
+        p.device_mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=_contiguous(shape),
     )
 
 
@@ -53,9 +60,16 @@ def _contiguous(shape: list[int]) -> tuple[int, ...]:
 class _Job:
     """One parameter's step, in the phases between the two all-reduces."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group: dict[str, Any], p: DTensor, layout: ShardLayout) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        group: dict[str, Any],
+        p: DTensor,
+        layout: ShardLayout,
+    ) -> None:
         self.group, self.p, self.layout = group, p, layout
         self.param = _compat.local_tensor(p)
+        assert isinstance(p.grad, DTensor)  # a parameter sharded by fully_shard
         grad = _compat.local_tensor(p.grad)
         self.grad = -grad if group["maximize"] else grad
         self.state = optimizer.state[p]
@@ -73,13 +87,16 @@ class _Job:
             state["row_var"] = _state_like(p, self.grad.new_zeros(local_row), row_shape)
             col_shape = [*p.shape[:-2], 1, p.shape[-1]]
             if p.ndim == 2:  # the column factor spans every rank's rows
-                state["col_var"] = _state_like(p, self.grad.new_zeros([1, p.shape[-1]]), col_shape, replicate=True)
+                state["col_var"] = _state_like(
+                    p, self.grad.new_zeros([1, p.shape[-1]]), col_shape, replicate=True
+                )
             else:
                 local_col = [*self.grad.shape[:-2], 1, p.shape[-1]]
                 state["col_var"] = _state_like(p, self.grad.new_zeros(local_col), col_shape)
         else:
             state["variance"] = _compat.dtensor_from_local(
-                torch.zeros_like(self.grad, memory_format=torch.preserve_format), _compat.dtensor_spec(p)
+                torch.zeros_like(self.grad, memory_format=torch.preserve_format),
+                _compat.dtensor_spec(p),
             )
 
     def first_phase(self) -> list[torch.Tensor]:
@@ -103,7 +120,9 @@ class _Job:
         group, state, grad = self.group, self.state, self.grad
         lr = _lr(group)
         rho = min(lr, 1 / (self.step**0.5))
-        self.alpha = max(group["eps"][1], math.sqrt(totals[0].item()) / (self.p.numel() ** 0.5)) * rho
+        self.alpha = (
+            max(group["eps"][1], math.sqrt(totals[0].item()) / (self.p.numel() ** 0.5)) * rho
+        )
         if group["weight_decay"] != 0:
             self.param.mul_(1 - lr * group["weight_decay"])
         if self.p.ndim > 1:
@@ -111,7 +130,9 @@ class _Job:
             col_var = _compat.local_tensor(state["col_var"])
             if self.rows_sharded:
                 m = self.p.shape[0]
-                col_var.lerp_((totals[1] / m).to(col_var.dtype).reshape(col_var.shape), self.one_minus_beta2)
+                col_var.lerp_(
+                    (totals[1] / m).to(col_var.dtype).reshape(col_var.shape), self.one_minus_beta2
+                )
                 row_mean = torch.tensor(totals[2].item() / m, dtype=row_var.dtype).clamp_(min=eps1)
             else:
                 col_mean = torch.norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2))
@@ -154,7 +175,10 @@ def _all_reduce(parts: list[list[torch.Tensor]], layout: ShardLayout) -> list[li
 def adafactor_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The sharded step of a ``torch.optim.Adafactor`` for the parameters
     ``fully_shard`` sharded; checks everything before changing anything."""
-    if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+    if (
+        getattr(optimizer, "grad_scale", None) is not None
+        or getattr(optimizer, "found_inf", None) is not None
+    ):
         raise AssertionError("Grad scaling should occur outside of optimizer.step()")
     found: list[tuple[dict[str, Any], DTensor, ShardLayout]] = []
     for gi, group in enumerate(optimizer.param_groups):

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,13 +16,20 @@ def _plans(matrices: Sequence[torch.Tensor]) -> list[tuple[ExchangePlan, list[in
     layouts: list[ShardLayout] = []
     for i, t in enumerate(matrices):
         if t.ndim != 2:
-            raise ValueError(f"fsdp_compose: matrices[{i}] has shape {tuple(t.shape)}; a 2-D matrix is needed.")
+            raise ValueError(
+                f"fsdp_compose: matrices[{i}] has shape {tuple(t.shape)}; a 2-D matrix is needed."
+            )
         layouts.append(layout_of(t, f"matrices[{i}]"))
     members: dict[int, list[int]] = {}
     for i, layout in enumerate(layouts):
         members.setdefault(id(layout.group), []).append(i)
     return [
-        (ExchangePlan.build(layouts[idx[0]], [(matrices[i].shape[0], matrices[i].shape[1]) for i in idx]), idx)
+        (
+            ExchangePlan.build(
+                layouts[idx[0]], [(matrices[i].shape[0], matrices[i].shape[1]) for i in idx]
+            ),
+            idx,
+        )
         for idx in members.values()
     ]
 
@@ -83,7 +89,9 @@ def map_full_matrices(
     dtypes = {t.dtype for t in matrices}
     if comm_dtype is None:
         if len(dtypes) != 1:
-            raise ValueError(f"fsdp_compose: matrices of several dtypes {sorted(map(str, dtypes))}; pass comm_dtype.")
+            raise ValueError(
+                f"fsdp_compose: matrices of several dtypes {sorted(map(str, dtypes))}; pass comm_dtype."
+            )
         comm_dtype = next(iter(dtypes))
     out_dtype = result_dtype or comm_dtype
     plans = _plans(matrices)
@@ -113,7 +121,9 @@ def map_full_matrices(
                 device=locals_[idx[0]].device,
             )
     return [
-        _compat.dtensor_from_local(out, _compat.dtensor_spec_with_dtype(_compat.dtensor_spec(t), out_dtype))
+        _compat.dtensor_from_local(
+            out, _compat.dtensor_spec_with_dtype(_compat.dtensor_spec(t), out_dtype)
+        )
         if isinstance(t, DTensor)
         else out
         for t, out in zip(matrices, outputs)

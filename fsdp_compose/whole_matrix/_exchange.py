@@ -29,8 +29,8 @@ on one *owner* rank of the shard group:
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,9 @@ def layout_of(t: torch.Tensor, what: str) -> ShardLayout:
     mesh: DeviceMesh = t.device_mesh
     placements = tuple(t.placements)
     sharded = [i for i, pl in enumerate(placements) if not pl.is_replicate()]
-    if len(sharded) > 1 or (sharded and not (type(placements[sharded[0]]) is Shard and placements[sharded[0]].dim == 0)):  # noqa: E721
+    # Exactly Shard(0): _StridedShard (FSDP over tensor parallel) is a Shard subclass.
+    rows = [pl for pl in placements if type(pl) is Shard and pl.dim == 0]
+    if len(sharded) > 1 or len(rows) != len(sharded):
         raise ValueError(
             f"fsdp_compose: {what} has placements {placements}; whole-matrix optimizers on "
             "sharded parameters need the rows sharded on one mesh dimension (Shard(0), as "
@@ -165,7 +167,9 @@ class ExchangePlan:
 
         # Send buffers stay referenced until their collective has completed.
         def post_gather(rnd: list[int | None]) -> tuple[dist.Work, torch.Tensor, torch.Tensor]:
-            pieces = [local_rows(i).reshape(-1) for i in rnd if i is not None and self._numel(me, i)]
+            pieces = [
+                local_rows(i).reshape(-1) for i in rnd if i is not None and self._numel(me, i)
+            ]
             send = (
                 torch.cat([p.to(comm_dtype) for p in pieces])
                 if pieces
@@ -174,18 +178,27 @@ class ExchangePlan:
             in_splits = [self._numel(me, i) for i in rnd]
             out_splits = [self._numel(r, rnd[me]) for r in range(layout.world)]
             recv = torch.empty(sum(out_splits), dtype=comm_dtype, device=device)
-            work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=layout.group, async_op=True)
+            work = dist.all_to_all_single(
+                recv, send, out_splits, in_splits, group=layout.group, async_op=True
+            )
             assert work is not None
             return work, recv, send
 
-        def finish_return(pending: tuple[dist.Work, torch.Tensor, torch.Tensor, list[int | None]]) -> None:
+        def finish_return(
+            pending: tuple[dist.Work, torch.Tensor, torch.Tensor, list[int | None]],
+        ) -> None:
             work, back, _, rnd = pending
             work.wait()
             offset = 0
             for i in rnd:
                 numel = self._numel(me, i)
                 if i is not None:
-                    consume(i, back[offset : offset + numel].view(numel // self.shapes[i][1], self.shapes[i][1]))
+                    consume(
+                        i,
+                        back[offset : offset + numel].view(
+                            numel // self.shapes[i][1], self.shapes[i][1]
+                        ),
+                    )
                 offset += numel
 
         gathering = post_gather(self.rounds[0]) if self.rounds else None
@@ -204,7 +217,9 @@ class ExchangePlan:
             out_splits = [self._numel(r, mine) for r in range(layout.world)]
             in_splits = [self._numel(me, i) for i in rnd]
             back = torch.empty(sum(in_splits), dtype=result_dtype, device=device)
-            ret = dist.all_to_all_single(back, result, in_splits, out_splits, group=layout.group, async_op=True)
+            ret = dist.all_to_all_single(
+                back, result, in_splits, out_splits, group=layout.group, async_op=True
+            )
             assert ret is not None
             if returning is not None:
                 finish_return(returning)

@@ -39,11 +39,18 @@ from .. import _compat, _optim
 from .._sharded_param import SHARDED_BY
 from ._exchange import ExchangePlan, ShardLayout, layout_of
 
-_plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[Any, ExchangePlan]] = weakref.WeakKeyDictionary()
+_plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[Any, ExchangePlan]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def newton_schulz(
-    x: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, *, use_addmm: bool = True
+    x: torch.Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    *,
+    use_addmm: bool = True,
 ) -> torch.Tensor:
     """The quintic Newton–Schulz orthogonalization of ``torch.optim.Muon``, in
     the same op order (so the same bits). ``x`` is a bfloat16 matrix that may be
@@ -97,13 +104,17 @@ def muon_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
                 continue
             what = f"Muon param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
             if p.ndim != 2 or p.grad.ndim != 2:
-                raise ValueError(f"fsdp_compose: {what} is not a 2-D matrix; Muon needs 2-D parameters.")
+                raise ValueError(
+                    f"fsdp_compose: {what} is not a 2-D matrix; Muon needs 2-D parameters."
+                )
             if torch.is_complex(p):
                 raise RuntimeError("Muon does not support complex parameters")
             if p.grad.is_sparse:
                 raise RuntimeError("Muon does not support sparse gradients")
             if not isinstance(p.grad, DTensor) or p.grad.placements != p.placements:
-                raise ValueError(f"fsdp_compose: {what} has a gradient not laid out like the parameter.")
+                raise ValueError(
+                    f"fsdp_compose: {what} has a gradient not laid out like the parameter."
+                )
             _check_group(group)
             jobs.append((group, p, layout_of(p, what)))
     if not jobs:
@@ -118,21 +129,30 @@ def muon_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         key = tuple(id(jobs[j][1]) for j in members)
         plan = cache.get(key)
         if plan is None:
-            plan = cache[key] = ExchangePlan.build(jobs[members[0]][2], [tuple(jobs[j][1].shape) for j in members])
+            plan = cache[key] = ExchangePlan.build(
+                jobs[members[0]][2], [(jobs[j][1].shape[0], jobs[j][1].shape[1]) for j in members]
+            )
         _run(optimizer, [jobs[j] for j in members], plan)
     return [p for _, p, _ in jobs]
 
 
-def _run(optimizer: torch.optim.Optimizer, jobs: list[tuple[dict[str, Any], DTensor, ShardLayout]], plan: ExchangePlan) -> None:
+def _run(
+    optimizer: torch.optim.Optimizer,
+    jobs: list[tuple[dict[str, Any], DTensor, ShardLayout]],
+    plan: ExchangePlan,
+) -> None:
     state = optimizer.state
 
     def local_rows(i: int) -> torch.Tensor:
         group, p, _ = jobs[i]
-        grad = _compat.local_tensor(p.grad)
+        dgrad = p.grad
+        assert isinstance(dgrad, DTensor)  # checked by muon_step
+        grad = _compat.local_tensor(dgrad)
         entry = state[p]
         if "momentum_buffer" not in entry:
             entry["momentum_buffer"] = _compat.dtensor_from_local(
-                torch.zeros_like(grad, memory_format=torch.preserve_format), _compat.dtensor_spec(p.grad)
+                torch.zeros_like(grad, memory_format=torch.preserve_format),
+                _compat.dtensor_spec(dgrad),
             )
         buf = _compat.local_tensor(entry["momentum_buffer"])
         momentum = group["momentum"]
@@ -142,7 +162,11 @@ def _run(optimizer: torch.optim.Optimizer, jobs: list[tuple[dict[str, Any], DTen
     def compute(i: int, full: torch.Tensor) -> torch.Tensor:
         group = jobs[i][0]
         return newton_schulz(
-            full, group["ns_coefficients"], group["ns_steps"], group["eps"], use_addmm=group.get("use_addmm", True)
+            full,
+            group["ns_coefficients"],
+            group["ns_steps"],
+            group["eps"],
+            use_addmm=group.get("use_addmm", True),
         )
 
     def consume(i: int, rows: torch.Tensor) -> None:
