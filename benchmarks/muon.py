@@ -247,6 +247,33 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The BENCHMARKS.md tables for ``rows`` (from one run)."""
+    head = (
+        "| model | W | one process (ms) | fsdp_compose (ms) | FSDP2 + Muon (ms) | vs one process "
+        "| vs FSDP2 | on-CPU vs one process | on-CPU vs FSDP2 | exchange / ideal fp32 | rounds |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    body = "".join(
+        f"| {r['model']} | {r['W']} | {r['single_ms']:.0f} | {r['fsdp_compose_ms']:.0f} | "
+        f"{r['fsdp2_ms']:.0f} | {r['vs_single']:.2f} | {r['vs_fsdp2']:.2f} | "
+        f"{r['cpu_vs_single']:.2f} | {r['cpu_vs_fsdp2']:.2f} | "
+        f"{r['exchange_vs_ideal_fp32']:.2f} ({r['exchange_MiB']:.1f} MiB) | {r['rounds']} |\n"
+        for r in rows
+    )
+    head2 = (
+        "\n| model | W | train step, Muon (ms) | train step, AdamW (ms) | Muon / AdamW "
+        "| Muon's extra per rank (ms) | one process's Muon extra / W (ms) |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
+    body2 = "".join(
+        f"| {r['model']} | {r['W']} | {r['train_muon_ms']:.0f} | {r['train_adamw_ms']:.0f} | "
+        f"{r['train_ratio']:.2f} | {r['muon_extra_per_rank_ms']:.0f} | {r['single_extra_over_W_ms']:.0f} |\n"
+        for r in rows
+    )
+    return head + body + head2 + body2
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -255,8 +282,13 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=2, help="alternating samples per implementation"
     )
+    parser.add_argument("--table", help="print the markdown tables of this results file and exit")
     parser.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results", "muon.json"))
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(markdown(json.load(f)))
+        return
     rows = []
     for kind in args.models:
         for world in args.worlds:
@@ -269,6 +301,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
+    print(markdown(rows))
 
 
 if __name__ == "__main__":

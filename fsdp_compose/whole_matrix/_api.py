@@ -65,8 +65,9 @@ def map_full_matrices(
     unsharded) is gathered onto its owner (see :func:`matrix_owners`), which calls
     ``fn(i, full)``; every rank receives its rows of the result. Owners are
     balanced by ``m·n·min(m, n)``; matrices move in batched all-to-alls, one per
-    round of one matrix per owner, overlapped with ``fn``, so a rank holds at most
-    two full input matrices and two full results at once.
+    round (each owner's next matrices, up to 2 MiB of bfloat16 elements), each way,
+    overlapped with ``fn``, so a rank holds the full matrices and results of at most
+    two rounds at once.
 
     Args:
         matrices: 2-D tensors. ``DTensor`` inputs must be sharded on rows

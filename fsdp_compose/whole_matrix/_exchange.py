@@ -10,16 +10,17 @@ on one *owner* rank of the shard group:
 * Owners are chosen by longest-processing-time-first on the cost ``m·n·min(m, n)``
   (the flops of a Newton–Schulz iteration), the same on every rank because it
   depends on shapes only.
-* Matrices move in *rounds*: round ``b`` holds the ``b``-th matrix of every
-  owner (heaviest first). One ``all_to_all_single`` gathers the round's matrices,
-  each to its owner (the rows arrive in rank order, so the receive buffer *is*
-  the full matrix, with no assembly copy), and one ``all_to_all_single`` sends
-  each rank its rows of the results. Each matrix crosses the network once each
-  way: ``2·(W-1)/W`` of its bytes in the exchange's dtype.
+* Matrices move in *rounds*: round ``b`` holds every owner's next matrices
+  (heaviest first), up to ``ROUND_NUMEL`` elements per owner (at least one
+  matrix). One ``all_to_all_single`` gathers the round's matrices, each to its
+  owner (with one matrix per owner the rows arrive in rank order, so the receive
+  buffer *is* the full matrix), and one ``all_to_all_single`` sends each rank
+  its rows of the results. Each matrix crosses the network once each way:
+  ``2·(W-1)/W`` of its bytes in the exchange's dtype.
 * The gather of round ``b+1`` and the return of round ``b`` are in flight while
-  the owner computes round ``b``. A rank therefore holds at most two full input
-  matrices (the one being computed and the next), the result being computed and
-  the previous round's result being sent, plus the function's temporaries.
+  the owner computes round ``b``. A rank therefore holds the full matrices of at
+  most two rounds (``2·ROUND_NUMEL`` elements, or two matrices where one alone is
+  larger) and the results of two, plus the function's temporaries.
 * HSDP: owners are chosen within each shard group; every replica group repeats
   the same work on its identical data, which costs no communication across
   replicas (the alternative, splitting the owners over all ranks, would need the
@@ -29,6 +30,7 @@ on one *owner* rank of the shard group:
 from __future__ import annotations
 
 import heapq
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -107,6 +109,11 @@ def newton_schulz_cost(shape: tuple[int, int]) -> float:
     return float(m) * n * min(m, n)
 
 
+#: Elements of full matrices one owner receives per round (2 MiB in bfloat16): a
+#: round holds an owner's next matrices up to this size (at least one matrix).
+ROUND_NUMEL = int(os.environ.get("FSDP_COMPOSE_WHOLE_MATRIX_ROUND_NUMEL", str(1 << 20)))
+
+
 @dataclass
 class ExchangePlan:
     """Owners and rounds for a list of ``(m, n)`` matrices sharded with ``layout``."""
@@ -114,33 +121,40 @@ class ExchangePlan:
     layout: ShardLayout
     shapes: list[tuple[int, int]]
     owners: list[int]
-    rounds: list[list[int | None]]  # rounds[b][owner] = matrix index or None
+    rounds: list[list[list[int]]]  # rounds[b][owner] = the matrices that owner computes in round b
 
     @classmethod
-    def build(cls, layout: ShardLayout, shapes: list[tuple[int, int]]) -> ExchangePlan:
+    def build(
+        cls, layout: ShardLayout, shapes: list[tuple[int, int]], round_numel: int | None = None
+    ) -> ExchangePlan:
+        budget = ROUND_NUMEL if round_numel is None else round_numel
         owners = lpt_owners([newton_schulz_cost(s) for s in shapes], layout.world)
-        by_owner: list[list[int]] = [[] for _ in range(layout.world)]
+        chunks: list[list[list[int]]] = [[] for _ in range(layout.world)]
         for i in sorted(range(len(shapes)), key=lambda i: (-newton_schulz_cost(shapes[i]), i)):
-            by_owner[owners[i]].append(i)
-        depth = max((len(x) for x in by_owner), default=0)
-        rounds = [[(x[b] if b < len(x) else None) for x in by_owner] for b in range(depth)]
+            mine = chunks[owners[i]]
+            numel = shapes[i][0] * shapes[i][1]
+            if not mine or sum(shapes[j][0] * shapes[j][1] for j in mine[-1]) + numel > budget:
+                mine.append([])
+            mine[-1].append(i)
+        depth = max((len(x) for x in chunks), default=0)
+        rounds = [[(x[b] if b < len(x) else []) for x in chunks] for b in range(depth)]
         return cls(layout, shapes, owners, rounds)
 
-    def _numel(self, rank: int, i: int | None) -> int:
-        if i is None:
-            return 0
+    def _numel(self, rank: int, i: int) -> int:
         m, n = self.shapes[i]
         start, end = self.layout.rows(rank, m)
         return (end - start) * n
+
+    def _split(self, rank: int, matrices: list[int]) -> int:
+        return sum(self._numel(rank, i) for i in matrices)
 
     def exchanged_bytes(self, dtype: torch.dtype) -> int:
         """Bytes this rank sends to other ranks in one :meth:`run` (both ways)."""
         me, size = self.layout.rank, torch.empty((), dtype=dtype).element_size()
         total = 0
         for rnd in self.rounds:
-            total += sum(self._numel(me, i) for r, i in enumerate(rnd) if r != me)
-            mine = rnd[me]
-            total += sum(self._numel(r, mine) for r in range(self.layout.world) if r != me)
+            total += sum(self._split(me, owned) for r, owned in enumerate(rnd) if r != me)
+            total += sum(self._split(r, rnd[me]) for r in range(self.layout.world) if r != me)
         return total * size
 
     def run(
@@ -156,73 +170,101 @@ class ExchangePlan:
         """For each matrix ``i``: ``compute(i, full)`` on its owner, where ``full``
         is the row-wise concatenation of every rank's ``local_rows(i)`` cast to
         ``comm_dtype``; then ``consume(i, rows)`` on every rank with its rows of
-        the result (``result_dtype``). See [Note: owner compute for whole-matrix
+        the result (``result_dtype``). ``local_rows`` is called once per matrix
+        this rank holds rows of. See [Note: owner compute for whole-matrix
         optimizers]."""
-        layout, me = self.layout, self.layout.rank
-        if layout.group is None or layout.world == 1:
+        layout, me, world = self.layout, self.layout.rank, self.layout.world
+        if layout.group is None or world == 1:
             for i in range(len(self.shapes)):
                 rows = local_rows(i).to(comm_dtype, copy=True)  # compute may work in place
                 consume(i, compute(i, rows).to(result_dtype))
             return
 
+        def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(numel, dtype=dtype, device=device)
+
         # Send buffers stay referenced until their collective has completed.
-        def post_gather(rnd: list[int | None]) -> tuple[dist.Work, torch.Tensor, torch.Tensor]:
+        def post_gather(rnd: list[list[int]]) -> tuple[dist.Work, torch.Tensor, torch.Tensor]:
+            # To each owner, in rank order: my rows of each matrix it computes.
             pieces = [
-                local_rows(i).reshape(-1) for i in rnd if i is not None and self._numel(me, i)
+                local_rows(i).reshape(-1) for owned in rnd for i in owned if self._numel(me, i)
             ]
-            send = (
-                torch.cat([p.to(comm_dtype) for p in pieces])
-                if pieces
-                else torch.empty(0, dtype=comm_dtype, device=device)
-            )
-            in_splits = [self._numel(me, i) for i in rnd]
-            out_splits = [self._numel(r, rnd[me]) for r in range(layout.world)]
-            recv = torch.empty(sum(out_splits), dtype=comm_dtype, device=device)
+            send = torch.cat([p.to(comm_dtype) for p in pieces]) if pieces else empty(0, comm_dtype)
+            in_splits = [self._split(me, owned) for owned in rnd]
+            out_splits = [self._split(r, rnd[me]) for r in range(world)]
+            recv = empty(sum(out_splits), comm_dtype)
             work = dist.all_to_all_single(
                 recv, send, out_splits, in_splits, group=layout.group, async_op=True
             )
             assert work is not None
             return work, recv, send
 
+        def full_matrices(recv: torch.Tensor, owned: list[int]) -> list[torch.Tensor]:
+            if len(owned) == 1:  # rows arrive in rank order: the buffer is the matrix
+                m, n = self.shapes[owned[0]]
+                return [recv.view(m, n)]
+            parts: list[list[torch.Tensor]] = [[] for _ in owned]
+            offset = 0
+            for r in range(world):
+                for k, i in enumerate(owned):
+                    numel = self._numel(r, i)
+                    parts[k].append(recv[offset : offset + numel])
+                    offset += numel
+            return [torch.cat(p).view(self.shapes[i]) for p, i in zip(parts, owned)]
+
+        def post_return(
+            rnd: list[list[int]], results: list[torch.Tensor]
+        ) -> tuple[dist.Work, torch.Tensor, torch.Tensor]:
+            # To each rank, in rank order: its rows of each result computed here.
+            pieces = []
+            for r in range(world):
+                for i, result in zip(rnd[me], results):
+                    start, end = layout.rows(r, self.shapes[i][0])
+                    pieces.append(result[start:end].reshape(-1))
+            send = torch.cat(pieces) if pieces else empty(0, result_dtype)
+            out_splits = [self._split(r, rnd[me]) for r in range(world)]
+            in_splits = [self._split(me, owned) for owned in rnd]
+            back = empty(sum(in_splits), result_dtype)
+            work = dist.all_to_all_single(
+                back, send, in_splits, out_splits, group=layout.group, async_op=True
+            )
+            assert work is not None
+            return work, back, send
+
         def finish_return(
-            pending: tuple[dist.Work, torch.Tensor, torch.Tensor, list[int | None]],
+            pending: tuple[dist.Work, torch.Tensor, torch.Tensor], rnd: list[list[int]]
         ) -> None:
-            work, back, _, rnd = pending
+            work, back, _ = pending
             work.wait()
             offset = 0
-            for i in rnd:
-                numel = self._numel(me, i)
-                if i is not None:
+            for owned in rnd:
+                for i in owned:
+                    numel = self._numel(me, i)
                     consume(
                         i,
                         back[offset : offset + numel].view(
                             numel // self.shapes[i][1], self.shapes[i][1]
                         ),
                     )
-                offset += numel
+                    offset += numel
 
         gathering = post_gather(self.rounds[0]) if self.rounds else None
-        returning: tuple[dist.Work, torch.Tensor, torch.Tensor, list[int | None]] | None = None
+        returning: tuple[tuple[dist.Work, torch.Tensor, torch.Tensor], list[list[int]]] | None = (
+            None
+        )
         for b, rnd in enumerate(self.rounds):
             assert gathering is not None
             work, recv, _ = gathering
             work.wait()
             gathering = post_gather(self.rounds[b + 1]) if b + 1 < len(self.rounds) else None
-            mine = rnd[me]
-            if mine is None:
-                result = torch.empty(0, dtype=result_dtype, device=device)
-            else:
-                m, n = self.shapes[mine]
-                result = compute(mine, recv.view(m, n)).to(result_dtype).contiguous().view(-1)
-            out_splits = [self._numel(r, mine) for r in range(layout.world)]
-            in_splits = [self._numel(me, i) for i in rnd]
-            back = torch.empty(sum(in_splits), dtype=result_dtype, device=device)
-            ret = dist.all_to_all_single(
-                back, result, in_splits, out_splits, group=layout.group, async_op=True
-            )
-            assert ret is not None
+            results = [
+                compute(i, full).to(result_dtype).contiguous()
+                for i, full in zip(rnd[me], full_matrices(recv, rnd[me]))
+            ]
+            del recv, work
+            pending = post_return(rnd, results)
             if returning is not None:
-                finish_return(returning)
-            returning = (ret, back, result, rnd)
+                finish_return(*returning)
+            returning = (pending, rnd)
         if returning is not None:
-            finish_return(returning)
+            finish_return(*returning)
