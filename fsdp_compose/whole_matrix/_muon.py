@@ -176,7 +176,7 @@ def _run(
             lr = lr.squeeze()
         local = _compat.local_tensor(p)
         local.mul_(1 - lr * group["weight_decay"])
-        local.add_(rows, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], tuple(p.shape)))
+        local.add_(rows, alpha=-adjusted_lr(lr, group.get("adjust_lr_fn"), tuple(p.shape)))
 
     with torch.no_grad():
         # Momentum for shards with no rows: nothing to update, but the state exists
