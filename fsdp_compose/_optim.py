@@ -42,7 +42,6 @@ by one returning its loss, so ``step(closure)`` returns the same value.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -52,7 +51,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _compat
+from . import _compat, _env
 from ._sharded_param import SHARDED_BY
 
 #: A sharded update for one optimizer class: it updates the parameters it can
@@ -97,7 +96,7 @@ _records: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Record] = weakref.We
 
 
 def enabled() -> bool:
-    return os.environ.get("FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP", "1") not in ("0", "false", "False")
+    return _env.flag("FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP", True)
 
 
 def register_step_handler(

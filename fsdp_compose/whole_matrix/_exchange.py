@@ -30,7 +30,6 @@ on one *owner* rank of the shard group:
 from __future__ import annotations
 
 import heapq
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -111,7 +110,7 @@ def newton_schulz_cost(shape: tuple[int, int]) -> float:
 
 #: Elements of full matrices one owner receives per round (2 MiB in bfloat16): a
 #: round holds an owner's next matrices up to this size (at least one matrix).
-ROUND_NUMEL = int(os.environ.get("FSDP_COMPOSE_WHOLE_MATRIX_ROUND_NUMEL", str(1 << 20)))
+ROUND_NUMEL = 1 << 20
 
 
 @dataclass
