@@ -76,7 +76,9 @@ def map_full_matrices(
         fn: called as ``fn(i, full)`` on the owner of matrix ``i``, with ``full`` a
             fresh contiguous ``(m, n)`` tensor in ``comm_dtype`` that it may
             overwrite. It must return an ``(m, n)`` tensor (any layout); it is cast
-            to ``result_dtype``.
+            to ``result_dtype``. It runs inside the exchange: if it raises on the
+            owner, the other ranks wait in their all-to-all until the process
+            group's timeout, so validate inputs before calling this.
         comm_dtype: dtype the matrices travel in (default: their dtype, which must
             then be the same for all of them).
         result_dtype: dtype of the results (default: ``comm_dtype``).
