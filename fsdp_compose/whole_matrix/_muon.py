@@ -126,7 +126,7 @@ def muon_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         by_group.setdefault(id(layout.group), []).append(j)
     cache = _plans.setdefault(optimizer, {})
     for members in by_group.values():
-        key = tuple(id(jobs[j][1]) for j in members)
+        key = tuple((id(jobs[j][1]), tuple(jobs[j][1].shape)) for j in members)
         plan = cache.get(key)
         if plan is None:
             plan = cache[key] = ExchangePlan.build(
