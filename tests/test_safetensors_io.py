@@ -21,9 +21,14 @@ import torch
 
 pytest.importorskip("safetensors")
 
-from dist_utils import run_distributed  # noqa: E402
+from dist_utils import run_distributed
 
-CFG = dict(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=34)  # uneven at W=4
+CFG = {"vocab_size": 97, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 34}  # uneven at W=4
+
+
+def _index(directory: str) -> dict:
+    with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+        return json.load(f)
 
 
 def _ref(tie: bool = False, seed: int = 0):
@@ -98,7 +103,7 @@ def _load_job(tmp: str) -> dict:
     save_safetensors(ref, os.path.join(tmp, "split"), max_shard_size=20_000)  # a plain model: rank 0 writes
     model = _sharded(meta=False)
     load_safetensors(model, os.path.join(tmp, "split"))
-    out["n_files"] = len(json.load(open(os.path.join(tmp, "split", "model.safetensors.index.json")))["weight_map"])
+    out["n_files"] = len(set(_index(os.path.join(tmp, "split"))["weight_map"].values()))
     out["split"] = _full_diff(model, ref)
 
     # bfloat16 file into float32 parameters
@@ -232,8 +237,8 @@ def _errors_job(tmp: str) -> dict:
     wrong_index = case("wrong_index", {k: v for k, v in state.items() if k != "ln_f.bias"}, {"weight_map": wm})
     if rank == 0:
         path = os.path.join(truncated, "model.safetensors")
-        data = open(path, "rb").read()
-        open(path, "wb").write(data[: len(data) - 100])
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 100)
     dist.barrier()
     cases = {
         "missing": (missing, "blocks.1.mlp.fc.weight"),
@@ -291,7 +296,11 @@ def _export_job(tmp: str) -> dict:
     from safetensors.torch import load_file
 
     from fsdp_compose import safetensors_io
-    from fsdp_compose.safetensors_io import export_dcp_to_safetensors, load_safetensors, save_safetensors
+    from fsdp_compose.safetensors_io import (
+        export_dcp_to_safetensors,
+        load_safetensors,
+        save_safetensors,
+    )
 
     rank = dist.get_rank()
     out: dict = {}
@@ -306,7 +315,7 @@ def _export_job(tmp: str) -> dict:
     d = os.path.join(tmp, "export")
     paths = save_safetensors(model, d, max_shard_size="20KB", dtype=None)
     dist.barrier()
-    index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
+    index = _index(d)
     files = sorted(set(index["weight_map"].values()))
     loaded: dict = {}
     for f in files:
@@ -349,7 +358,7 @@ def _export_job(tmp: str) -> dict:
     dd = os.path.join(tmp, "from_dcp_dist")
     export_dcp_to_safetensors(ckpt, dd, max_shard_size="20KB")
     dist.barrier()
-    index = json.load(open(os.path.join(dd, "model.safetensors.index.json")))
+    index = _index(dd)
     from_dcp: dict = {}
     for f in sorted(set(index["weight_map"].values())):
         from_dcp.update(load_file(os.path.join(dd, f)))
