@@ -75,6 +75,18 @@ def _save_rank0(tensors: dict, path: str, **kw) -> None:
     dist.barrier()
 
 
+def _export_diff(model, directory: str, expected: dict) -> float:
+    """Exports ``model`` and returns the largest difference to ``expected``."""
+    from safetensors.torch import load_file
+
+    from fsdp_compose.safetensors_io import save_safetensors
+
+    save_safetensors(model, directory)
+    written = load_file(os.path.join(directory, "model.safetensors"))
+    assert sorted(written) == sorted(expected), sorted(set(written) ^ set(expected))
+    return max((written[k] - v).abs().max().item() for k, v in expected.items())
+
+
 def _load_job(tmp: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -141,6 +153,7 @@ def _load_job(tmp: str) -> dict:
         model = _sharded(mesh=mesh)
         load_safetensors(model, single)
         out["hsdp"] = (_full_diff(model, ref), _logits_diff(model, ref))
+        out["hsdp_export"] = _export_diff(model, os.path.join(tmp, "hsdp_export"), state)
     return out
 
 
@@ -158,7 +171,7 @@ def test_load_into_shards(tmp_path, world: int) -> None:
         assert r["tied"] == (0.0, True, True), r
         assert r["key_map"] == 0.0, r
         if world == 4:
-            assert r["hsdp"] == (0.0, 0.0), r
+            assert r["hsdp"] == (0.0, 0.0) and r["hsdp_export"] == 0.0, r
 
 
 def _tp_job(tmp: str) -> dict:
@@ -189,6 +202,7 @@ def _tp_job(tmp: str) -> dict:
             boxes_agree.append((name, mine == (tuple(shape), tuple(offset))))
     load_safetensors(model, single)
     out = {
+        "export": _export_diff(model, os.path.join(tmp, "export"), ref.state_dict()),
         "param": _full_diff(model, ref),
         "logits": _logits_diff(model, copy.deepcopy(ref)),
         "boxes_agree": [n for n, ok in boxes_agree if not ok],
@@ -201,7 +215,7 @@ def test_load_tensor_parallel_2d(tmp_path) -> None:
     for r in run_distributed(_tp_job, 4, str(tmp_path), timeout=180):
         assert r["strided"], "the TP + FSDP layout should have strided shards"
         assert r["boxes_agree"] == [], r
-        assert r["param"] == 0.0, r
+        assert r["param"] == 0.0 and r["export"] == 0.0, r
         assert r["logits"] <= 1e-5, r
 
 
@@ -295,7 +309,7 @@ def _export_job(tmp: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
-    from fsdp_compose import safetensors_io
+    from fsdp_compose.safetensors_io import _export as safetensors_export
     from fsdp_compose.safetensors_io import (
         export_dcp_to_safetensors,
         load_safetensors,
@@ -333,7 +347,7 @@ def _export_job(tmp: str) -> dict:
     out["bf16"] = {str(v.dtype) for v in one.values()}
 
     # a failing export publishes nothing and keeps an older complete export
-    real = safetensors_io._write_bytes
+    real = safetensors_export._write_bytes
     calls = [0]
 
     def failing(f, tensor):
@@ -342,14 +356,14 @@ def _export_job(tmp: str) -> dict:
             raise OSError("disk full (simulated)")
         real(f, tensor)
 
-    safetensors_io._write_bytes = failing
+    safetensors_export._write_bytes = failing
     try:
         save_safetensors(model, d, max_shard_size="20KB")
         out["failure"] = "no error"
     except (OSError, RuntimeError) as exc:
         out["failure"] = type(exc).__name__
     finally:
-        safetensors_io._write_bytes = real
+        safetensors_export._write_bytes = real
     out["after_failure"] = sorted(os.listdir(d))
 
     # DCP checkpoint -> safetensors offline, here on the 2 ranks
