@@ -102,8 +102,14 @@ def _load_job(tmp: str) -> dict:
 
     # meta-device model, single file: each rank reads only its rows
     model = _sharded()
+    before = list(model.parameters())
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)  # created on the meta parameters
     res = load_safetensors(model, single)
     out["meta_single"] = (_full_diff(model, ref), _logits_diff(model, ref))
+    out["same_objects"] = all(a is b for a, b in zip(before, model.parameters()))
+    model(torch.zeros(2, 4, dtype=torch.long)).sum().backward()
+    optim.step()  # the optimizer holds the loaded parameters
+    out["optim_moved"] = _full_diff(model, ref) > 0
     total = torch.tensor([res.bytes_read])
     dist.all_reduce(total)
     out["bytes_read_total"] = int(total.item())
@@ -162,7 +168,7 @@ def test_load_into_shards(tmp_path, world: int) -> None:
     results = run_distributed(_load_job, world, str(tmp_path), timeout=180)
     for r in results:
         assert r["meta_single"] == (0.0, 0.0), r
-        assert r["all_loaded"]
+        assert r["all_loaded"] and r["same_objects"] and r["optim_moved"], r
         # each rank read only its own part: all ranks together read the file's data once
         assert r["bytes_read_total"] == r["bytes_file"], r
         assert r["bytes_read_rank"] < r["bytes_file"] * 0.75, r

@@ -146,8 +146,15 @@ def _owners(module: nn.Module, tensor: torch.Tensor, is_param: bool) -> list[tup
 
 
 def _materialize(module: nn.Module, t: Target, device: torch.device) -> None:
-    """Replaces a meta tensor by an uninitialized one with the same layout (only
-    the local shard is allocated), registered wherever the meta one was."""
+    """Gives a meta tensor uninitialized storage with the same layout (only the
+    local shard is allocated).
+
+    The tensor object stays the same (``torch.utils.swap_tensors``, as
+    ``nn.Module._apply`` does with swapping enabled), so an optimizer created on
+    the meta parameters and every module a tied weight is registered on see the
+    data. Where swapping is refused, the new tensor is registered wherever the
+    meta one was instead.
+    """
     old = t.tensor
     local = torch.empty(local_of(old).shape, dtype=old.dtype, device=device)
     new: torch.Tensor = local
@@ -162,6 +169,14 @@ def _materialize(module: nn.Module, t: Target, device: torch.device) -> None:
         )
     if t.is_param:
         new = nn.Parameter(new, requires_grad=old.requires_grad)
+    attributes = dict(old.__dict__)  # e.g. fsdp_compose's ownership mark
+    try:
+        torch.utils.swap_tensors(old, new)
+    except RuntimeError as exc:  # e.g. weak references to the meta tensor
+        logger.debug("load_safetensors: cannot swap %s in place (%s); re-registering", t.keys[0], exc)
+    else:
+        old.__dict__.update(attributes)
+        return
     for owner, name in _owners(module, old, t.is_param):
         if t.is_param:
             owner._parameters[name] = new  # type: ignore[assignment]
