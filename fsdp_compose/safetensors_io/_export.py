@@ -11,6 +11,7 @@ written under temporary names and renamed at the end, the index (or the single
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from ._format import (
     parse_size,
     split_files,
 )
+from ._layout import box_at
 from ._load import targets_of
 
 logger = logging.getLogger("fsdp_compose")
@@ -107,6 +109,62 @@ class _Export:
                 pass
 
 
+def _gather_to_rank0(tensor: DTensor) -> torch.Tensor | None:
+    """The full tensor on global rank 0, ``None`` on the other ranks.
+
+    Every rank computes every rank's box of the tensor (:func:`box_at`); the first
+    rank holding each distinct box sends it to rank 0 (HSDP replicas send once),
+    which receives it straight into its place in one full-size buffer (through a
+    box-sized buffer when the box is not contiguous, e.g. a column block). Rank 0
+    thus holds one full tensor plus at most one box; the others send their local
+    tensor and allocate nothing.
+    """
+    grid = tensor.device_mesh.mesh  # global rank at each mesh coordinate
+    me = dist.get_rank()
+    if 0 not in grid.flatten().tolist():
+        # A mesh without rank 0, e.g. the dp mesh of another TP rank: its tensor is
+        # a replica of the one on rank 0's mesh, which rank 0 gathers from there.
+        return None
+    sizes = list(grid.shape)
+    local = tensor.to_local()
+    senders: dict[tuple[tuple[int, int], ...], int] = {}
+    for coord in itertools.product(*(range(n) for n in sizes)):
+        box = tuple(box_at(tensor.shape, sizes, tensor.placements, coord))
+        if all(b > a for a, b in box):
+            senders.setdefault(box, int(grid[coord]))
+    if me != 0:
+        for src in senders.values():
+            if src == me:
+                dist.send(local.contiguous(), dst=0)
+        return None
+    full = torch.empty(tensor.shape, dtype=tensor.dtype, device=local.device)
+    for box, src in senders.items():
+        region = full[tuple(slice(a, b) for a, b in box)]
+        if src == 0:
+            region.copy_(local)
+        elif region.is_contiguous():
+            dist.recv(region, src=src)
+        else:
+            buf = torch.empty(region.shape, dtype=tensor.dtype, device=local.device)
+            dist.recv(buf, src=src)
+            region.copy_(buf)
+            del buf
+    return full
+
+
+def _check_layouts(targets: list[Any]) -> None:
+    """Raises, on every rank alike and before anything is written, for a tensor
+    that :func:`_gather_to_rank0` cannot gather."""
+    for t in targets:
+        if not isinstance(t.tensor, DTensor):
+            continue
+        grid = t.tensor.device_mesh.mesh
+        try:
+            box_at(t.tensor.shape, list(grid.shape), t.tensor.placements, [0] * grid.ndim)
+        except NotImplementedError as exc:
+            raise ValueError(f"save_safetensors cannot gather {t.keys[0]!r}: {exc}") from exc
+
+
 def _dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -137,7 +195,7 @@ def save_safetensors(
     of at most ``max_shard_size`` bytes each plus ``model.safetensors.index.json``.
 
     Collective: every rank of the module's meshes must call it. Tensors are
-    gathered one at a time (``DTensor.full_tensor()``) in state-dict order, i.e.
+    gathered one at a time in state-dict order (straight into one full-size buffer on rank 0), i.e.
     unit by unit, and rank 0 appends each to its file at once, so no rank holds
     more than one full tensor (see [Note: streaming export]). Tied parameters are
     written once, under their first state-dict name (as ``save_pretrained`` does;
@@ -161,7 +219,9 @@ def save_safetensors(
     key_map = key_map or (lambda k: k)
     max_bytes = parse_size(max_shard_size)
     out: list[OutTensor] = []
-    for t in targets_of(module):
+    targets = targets_of(module)
+    _check_layouts(targets)
+    for t in targets:
         name = key_map(t.keys[0])
         if name is None:
             continue
@@ -177,8 +237,9 @@ def save_safetensors(
 
     def gather(t: OutTensor) -> torch.Tensor | None:
         gathered[0] += 1
-        full = t.source.full_tensor() if isinstance(t.source, DTensor) else t.source
-        return full if rank == 0 else None
+        if isinstance(t.source, DTensor):
+            return _gather_to_rank0(t.source)
+        return t.source if rank == 0 else None
 
     error: BaseException | None = None
     if rank == 0:

@@ -32,17 +32,27 @@ def local_box(shape: Iterable[int], mesh: Any, placements: Iterable[Any]) -> lis
             a ``_StridedShard`` whose split factor is the product of the later
             ``Shard`` placements' mesh sizes on the same dim.
     """
-    box = [(0, int(n)) for n in shape]
-    placements = list(placements)
     coord = mesh.get_coordinate()
     if coord is None:  # not part of the mesh: holds nothing
-        return [(0, 0) for _ in box]
+        return [(0, 0) for _ in shape]
+    sizes = [mesh.size(i) for i in range(mesh.ndim)]
+    return box_at(shape, sizes, placements, coord)
+
+
+def box_at(
+    shape: Iterable[int], mesh_sizes: list[int], placements: Iterable[Any], coord: Iterable[int]
+) -> list[tuple[int, int]]:
+    """:func:`local_box` of the rank at mesh coordinate ``coord`` of a mesh of
+    ``mesh_sizes``."""
+    box = [(0, int(n)) for n in shape]
+    placements = list(placements)
+    coord = list(coord)
     strided: list[int] = []
     for i, placement in enumerate(placements):
         if _is_strided(placement):
             strided.append(i)
         elif type(placement) is Shard:
-            box = _take_chunk(box, placement.dim % len(box), mesh.size(i), coord[i])
+            box = _take_chunk(box, placement.dim % len(box), mesh_sizes[i], coord[i])
         elif not isinstance(placement, Replicate):
             raise NotImplementedError(
                 f"placement {placement} (only Shard and Replicate are supported)"
@@ -52,7 +62,7 @@ def local_box(shape: Iterable[int], mesh: Any, placements: Iterable[Any]) -> lis
         dim = placement.dim % len(box)
         # _StridedShard is a shard inside the chunks selected by the later Shard(dim)s.
         later = math.prod(
-            mesh.size(j)
+            mesh_sizes[j]
             for j in range(i + 1, len(placements))
             if type(placements[j]) is Shard and placements[j].dim % len(box) == dim
         )
@@ -61,7 +71,7 @@ def local_box(shape: Iterable[int], mesh: Any, placements: Iterable[Any]) -> lis
                 f"placement {placement} on mesh dim {i}: split factor {placement.split_factor} is not the "
                 f"size {later} of the later Shard({dim}) mesh dims"
             )
-        box = _take_chunk(box, dim, mesh.size(i), coord[i])
+        box = _take_chunk(box, dim, mesh_sizes[i], coord[i])
     return box
 
 

@@ -173,7 +173,9 @@ def _materialize(module: nn.Module, t: Target, device: torch.device) -> None:
     try:
         torch.utils.swap_tensors(old, new)
     except RuntimeError as exc:  # e.g. weak references to the meta tensor
-        logger.debug("load_safetensors: cannot swap %s in place (%s); re-registering", t.keys[0], exc)
+        logger.debug(
+            "load_safetensors: cannot swap %s in place (%s); re-registering", t.keys[0], exc
+        )
     else:
         old.__dict__.update(attributes)
         return
@@ -220,7 +222,9 @@ def load_safetensors(
     mesh, an HSDP mesh, or a ``dp x tp`` mesh with tensor parallel), other
     ``DTensor``s, or plain tensors; on the meta device (built under
     ``torch.device("meta")`` and annotated with ``fully_shard``) or materialized.
-    Meta tensors are materialized on ``device``: only the local shard is allocated.
+    Meta tensors are materialized on ``device``, in place (the same
+    ``Parameter`` objects, so an optimizer may already hold them): only the local shard
+    is allocated.
     Values are cast to each tensor's dtype (e.g. a bfloat16 file into float32
     parameters). Tied parameters (one tensor under several names) are loaded once,
     from whichever of their names the checkpoint has.
