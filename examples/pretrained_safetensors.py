@@ -25,6 +25,7 @@ import argparse
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
 import torch.distributed as dist
