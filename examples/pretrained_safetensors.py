@@ -29,9 +29,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
 import torch.distributed as dist
+from train_hf import apply_fsdp, build_model, make_batch
 
 from fsdp_compose.safetensors_io import load_safetensors, save_safetensors
-from train_hf import apply_fsdp, build_model, make_batch
 
 
 def main() -> None:
