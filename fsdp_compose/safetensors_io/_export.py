@@ -251,8 +251,8 @@ def save_safetensors(
             error = exc
     # The other ranks (and rank 0 after a failure) only take part in the gathers,
     # so that every rank issues the same collectives.
-    for t in out[gathered[0] :]:
-        gather(t)
+    for rest in out[gathered[0] :]:
+        gather(rest)
     paths: list[str] = []
     if rank == 0 and error is None:
         try:

@@ -75,8 +75,8 @@ def resolve(path: str | os.PathLike[str]) -> tuple[list[str], dict[str, str]]:
     else:
         raise FileNotFoundError(f"safetensors checkpoint {path} does not exist")
     try:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        with open(index) as fh:
+            weight_map = json.load(fh)["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"cannot read the safetensors index {index}: {exc}") from exc
     base = os.path.dirname(index)
@@ -85,9 +85,9 @@ def resolve(path: str | os.PathLike[str]) -> tuple[list[str], dict[str, str]]:
         by_file.setdefault(file, []).append(name)
     missing = [f for f in by_file if not os.path.isfile(os.path.join(base, f))]
     if missing:
-        f = missing[0]
+        first = missing[0]
         raise FileNotFoundError(
-            f"the index {index} names the file {f!r} (tensors {names_of(by_file[f])}), which does not "
+            f"the index {index} names the file {first!r} (tensors {names_of(by_file[first])}), which does not "
             f"exist in {base}"
             + (f"; {len(missing) - 1} more files are missing" if len(missing) > 1 else "")
         )

@@ -138,7 +138,7 @@ def _plan_load(
 
 
 def _owners(module: nn.Module, tensor: torch.Tensor, is_param: bool) -> list[tuple[nn.Module, str]]:
-    owners = []
+    owners: list[tuple[nn.Module, str]] = []
     for m in module.modules():
         slots = m._parameters if is_param else m._buffers
         owners.extend((m, name) for name, v in slots.items() if v is tensor)
