@@ -132,6 +132,8 @@ def _gather_to_rank0(tensor: DTensor) -> torch.Tensor | None:
         box = tuple(box_at(tensor.shape, sizes, tensor.placements, coord))
         if all(b > a for a, b in box):
             senders.setdefault(box, int(grid[coord]))
+    if list(senders.values()) == [0]:  # rank 0 holds the whole tensor (W=1, replicated)
+        return local if me == 0 else None
     if me != 0:
         for src in senders.values():
             if src == me:
