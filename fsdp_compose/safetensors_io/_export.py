@@ -196,10 +196,12 @@ def save_safetensors(
     layout: ``model.safetensors``, or ``model-0000x-of-0000y.safetensors`` files
     of at most ``max_shard_size`` bytes each plus ``model.safetensors.index.json``.
 
-    Collective: every rank of the module's meshes must call it. Tensors are
-    gathered one at a time in state-dict order (straight into one full-size buffer on rank 0), i.e.
-    unit by unit, and rank 0 appends each to its file at once, so no rank holds
-    more than one full tensor (see [Note: streaming export]). Tied parameters are
+    Collective: every rank calls it with the same module structure (the whole
+    model, not a pipeline stage). Tensors are gathered one at a time in
+    state-dict order, i.e. unit by unit, point to point into one full-size buffer
+    on rank 0 (:func:`_gather_to_rank0`), which appends each to its file at once, so
+    no rank holds more than one full tensor (see [Note: streaming export]). Tied
+    parameters are
     written once, under their first state-dict name (as ``save_pretrained`` does;
     ``from_pretrained`` re-ties them).
 
