@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _compat, _optim
+from . import _compat, _missing_root, _optim
 from ._unit import Unit
 
 REPLACED_BY = "_fsdp_compose_replaced_by"  # set on original parameters by fully_shard
@@ -139,6 +139,7 @@ def _install_optimizer_hook() -> None:
 
 def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _check_optimizer(optimizer, args, kwargs)
+    _missing_root.check_no_plain_params_with_sharded(optimizer, list(_live_units))
     # Checked: later steps may run on the local shards (this one keeps the DTensor
     # path, which also creates the states as DTensors).
     _optim.accelerate(optimizer)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import atexit
 import gc
 import itertools
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from . import _compat, debug
+from . import _compat, _env, debug
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 CollectiveEvent = Literal["issue", "complete", "wait_begin", "wait_end"]
@@ -327,7 +326,9 @@ def _launch(
 # Rows smaller than this gather with gloo's own all-gather: for tiny units one
 # collective costs less to issue than W broadcasts.
 _BROADCAST_ALL_GATHER_MIN_ROW_BYTES = 64 * 1024
-_broadcast_all_gather_enabled = os.environ.get("FSDP_COMPOSE_GLOO_ALL_GATHER", "broadcast") != "native"
+_broadcast_all_gather_enabled = (
+    _env.choice("FSDP_COMPOSE_GLOO_ALL_GATHER", ("broadcast", "native"), "broadcast") != "native"
+)
 
 
 def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.device) -> bool:
@@ -371,7 +372,7 @@ def all_gather(
 
 
 def _use_all_to_all_reduce_scatter(group: dist.ProcessGroup) -> bool:
-    mode = os.environ.get("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", "all_to_all")
+    mode = _env.choice("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", ("all_to_all", "native"), "all_to_all")
     return mode != "native" and _compat.process_group_backend(group) == "gloo"
 
 
