@@ -146,6 +146,23 @@ def _load_job(tmp: str) -> dict:
     out["tied"] = (_full_diff(model, tied_ref), model.lm_head.weight is model.tok_emb.weight,
                    "lm_head.weight" in res.loaded)
 
+    # tied weights across units: tok_emb and lm_head annotated as units of their own
+    from gpt import GPT, GPTConfig
+
+    from fsdp_compose import fully_shard
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**CFG, tie_weights=True))
+    fully_shard(model.tok_emb)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model.lm_head)
+    fully_shard(model)
+    load_safetensors(model, tied_file)
+    export = _export_diff(model, os.path.join(tmp, "tied_units_export"), tied_state)
+    out["tied_units"] = (_full_diff(model, tied_ref), _logits_diff(model, tied_ref), export,
+                         model.lm_head.weight is model.tok_emb.weight)
+
     # key map: the file's names have a prefix
     prefixed = os.path.join(tmp, "prefixed", "model.safetensors")
     _save_rank0({"transformer." + k: v for k, v in state.items()}, prefixed)
@@ -175,6 +192,7 @@ def test_load_into_shards(tmp_path, world: int) -> None:
         assert r["n_files"] > 1 and r["split"] == 0.0, r
         assert r["bf16"] == 0.0 and r["dtype"] == {"torch.float32"}, r
         assert r["tied"] == (0.0, True, True), r
+        assert r["tied_units"] == (0.0, 0.0, 0.0, True), r
         assert r["key_map"] == 0.0, r
         if world == 4:
             assert r["hsdp"] == (0.0, 0.0) and r["hsdp_export"] == 0.0, r
