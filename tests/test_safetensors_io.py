@@ -452,3 +452,19 @@ def test_core_does_not_import_the_extension() -> None:
     for name in core:
         with open(os.path.join(root, name)) as f:
             assert "safetensors" not in f.read(), name
+
+
+def test_export_argument_errors(tmp_path) -> None:
+    from fsdp_compose.safetensors_io import export_dcp_to_safetensors, save_safetensors
+
+    model = torch.nn.Linear(2, 3)  # a plain module, one process: no process group needed
+    with pytest.raises(ValueError, match="max_shard_size"):
+        save_safetensors(model, tmp_path / "out", max_shard_size="5 parsecs")
+    with pytest.raises(ValueError, match="two tensors are exported under the name 'w'"):
+        save_safetensors(model, tmp_path / "out", key_map=lambda k: "w")
+    assert not (tmp_path / "out").exists(), "nothing may be written after a bad argument"
+    with pytest.raises(ValueError, match="not a readable torch.distributed.checkpoint"):
+        export_dcp_to_safetensors(tmp_path / "no_such_checkpoint", tmp_path / "out")
+    paths = save_safetensors(model, tmp_path / "out", max_shard_size="1KiB")
+    assert paths == [str(tmp_path / "out" / "model.safetensors")]
+    assert sorted(os.listdir(tmp_path / "out")) == ["model.safetensors"]
