@@ -53,6 +53,17 @@ def _rank_main(args: argparse.Namespace) -> None:
     from fsdp_compose.safetensors_io import load_safetensors, save_safetensors
 
     torch.set_num_threads(1)
+    if args.mode == "dcp_export":  # offline: one process, no process group
+        from fsdp_compose.safetensors_io import export_dcp_to_safetensors
+
+        out = {"rss_before": measure.reset_peak_rss()}
+        start = time.perf_counter()
+        export_dcp_to_safetensors(args.dcp, os.path.join(args.out, "from_dcp"))
+        out["export_s"] = time.perf_counter() - start
+        out["export_peak"] = measure.peak_rss_bytes() - out["rss_before"]
+        with open(os.path.join(args.out, "rank0.json"), "w") as f:
+            json.dump(out, f)
+        return
     dist.init_process_group(
         "gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=args.world
     )
@@ -100,12 +111,16 @@ def _rank_main(args: argparse.Namespace) -> None:
                 out["export_equal"] = all(
                     torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in names
                 )
+        if args.dcp:  # the input of the offline DCP -> safetensors measurement
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save({"model": model.state_dict()}, checkpoint_id=args.dcp)
     with open(os.path.join(args.out, f"rank{args.rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
 
 
-def _run(world: int, mode: str, preset: str, file: str) -> list[dict]:
+def _run(world: int, mode: str, preset: str, file: str, dcp: str = "") -> list[dict]:
     work = tempfile.mkdtemp(prefix="fsdp_compose_st_")
     env = {
         **os.environ,
@@ -132,6 +147,8 @@ def _run(world: int, mode: str, preset: str, file: str) -> list[dict]:
                     work,
                     "--store",
                     os.path.join(work, "store"),
+                    "--dcp",
+                    dcp,
                 ],
                 env=env,
             )
@@ -149,7 +166,8 @@ def _run(world: int, mode: str, preset: str, file: str) -> list[dict]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _write_checkpoint(preset: str, path: str) -> int:
+def _write_checkpoint(preset: str, path: str) -> tuple[int, int]:
+    """Writes the preset's model; returns its parameter count and largest tensor's bytes."""
     import torch
     from gpt import GPT, PRESETS
     from safetensors.torch import save_file
@@ -157,7 +175,8 @@ def _write_checkpoint(preset: str, path: str) -> int:
     torch.manual_seed(0)
     model = GPT(PRESETS[preset])
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
-    return sum(p.numel() for p in model.parameters())
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    return sum(p.numel() for p in model.parameters()), max(sizes)
 
 
 def main() -> None:
@@ -176,6 +195,7 @@ def main() -> None:
     p.add_argument("--file", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--store", help=argparse.SUPPRESS)
+    p.add_argument("--dcp", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank is not None:
         _rank_main(args)
@@ -184,7 +204,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="fsdp_compose_st_ckpt_")
     try:
         file = os.path.join(tmp, "model.safetensors")
-        n = _write_checkpoint(args.preset, file)
+        n, largest = _write_checkpoint(args.preset, file)
         print(
             f"{args.preset} preset: {n / 1e6:.0f}M parameters, {os.path.getsize(file) / MiB:.0f} MiB "
             "float32 file; per-rank numbers are the maximum over ranks (MiB)\n"
@@ -195,8 +215,10 @@ def main() -> None:
             "| export: added peak | export time |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        dcp_dir = os.path.join(tmp, "dcp")
         for world in args.worlds:
-            rows = _run(world, "load", args.preset, file)
+            dcp = dcp_dir if world == args.worlds[-1] else ""
+            rows = _run(world, "load", args.preset, file, dcp=dcp)
             naive = None if args.no_naive else _run(world, "naive", args.preset, file)
 
             def over(r: dict, key: str) -> float:  # what the bound 1.2 (S + L) leaves over
@@ -216,6 +238,12 @@ def main() -> None:
                 f"| {max(r['load_s'] for r in rows):.2f} s | {naive_peak} "
                 f"| {max(r['export_peak'] for r in rows) / MiB:.0f} | {max(r['export_s'] for r in rows):.2f} s |"
             )
+        r = _run(1, "dcp_export", args.preset, file, dcp=dcp_dir)[0]
+        print(
+            f"\nDCP checkpoint (saved at W={args.worlds[-1]}) -> safetensors offline on one process: "
+            f"added peak {r['export_peak'] / MiB:.0f} MiB (largest tensor "
+            f"{largest / MiB:.0f} MiB), {r['export_s']:.2f} s"
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
