@@ -18,6 +18,9 @@ the meta device, annotate it with fully_shard (examples/parallelize.py), and:
   of the whole file on every rank, then ``load_state_dict`` of the full tensors.
 * **export**: ``save_safetensors(model, out_dir)`` of the loaded model (5 GB
   files; the preset fits in one), with its own peak reset, and its wall time.
+* **DCP offline**: the ranks of the last W also save the loaded model with
+  ``torch.distributed.checkpoint``; one fresh process (no process group) then
+  converts it with ``export_dcp_to_safetensors``.
 
 Prints a Markdown table (paste it into BENCHMARKS.md).
 """
