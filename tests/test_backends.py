@@ -206,6 +206,25 @@ def _fake_process_group(world_size: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def _user_training_code(
+    cfg: GPTConfig, steps: int
+) -> tuple[GPT, torch.optim.Optimizer, torch.Tensor]:
+    """What a user's script does (no mesh, no backend-specific code): shard a GPT
+    and train it for ``steps`` steps; returns the model, optimizer and last loss."""
+    model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        x, y = make_batch(cfg, 2, step)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return model, opt, loss
+
+
 @pytest.mark.parametrize("world", [8, 1024])
 def test_fake_backend_full_step_on_fake_tensors(world: int) -> None:
     """Forward, backward and optimizer step of user code unchanged (no mesh given),
@@ -215,17 +234,7 @@ def test_fake_backend_full_step_on_fake_tensors(world: int) -> None:
     rank = world - 1  # the last rank: the shortest (often empty) shards
     cfg = GPTConfig(**TINY)
     with _fake_process_group(world, rank), FakeTensorMode():
-        model = GPT(cfg)
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for step in range(2):
-            x, y = make_batch(cfg, 2, step)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
+        model, opt, loss = _user_training_code(cfg, steps=2)
         route = _collectives.route_of(model.blocks[0]._fsdp_state().unit.shard_group)
     assert isinstance(loss, FakeTensor)
     assert route == _collectives.PUBLIC_ROUTE
@@ -244,16 +253,9 @@ def test_fake_backend_real_tensors() -> None:
     meaningless (nothing is communicated) but shapes and the schedule are real."""
     with _fake_process_group(8, 3):
         torch.manual_seed(0)
-        cfg = GPTConfig(**TINY)
-        model = GPT(cfg)
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x, y = make_batch(cfg, 2, 0)
-        loss_fn(model(x), y).backward()
-        opt.step()
-        assert all(p.grad is not None for p in model.parameters())
+        model, opt, loss = _user_training_code(GPTConfig(**TINY), steps=1)
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and opt.state[p]["step"] == 1 for p in model.parameters())
 
 
 # ---------------------------------------------------------------------------
