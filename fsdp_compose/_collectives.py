@@ -268,10 +268,11 @@ class PendingCollective:
 # [Note: why a collective failed]
 # A collective fails either because of the other ranks -- one crashed (its
 # connections close or reset), or stopped issuing or issued something else (this
-# rank times out waiting) -- or because of this rank's own call: a dtype the
-# backend does not support, no backend for the tensors' device. Only the first kind
-# gets the hint about peers and mismatched collectives; the second says what the
-# backend refused, so that nobody hunts for a crashed peer that does not exist.
+# rank times out waiting, or a checking backend reports the mismatch) -- or
+# because of this rank's own call: a dtype the backend does not support, no
+# backend for the tensors' device. Only the first kind gets the hint about peers
+# and mismatched collectives; the second says what the backend refused, so that
+# nobody hunts for a crashed peer that does not exist.
 # Backends word these differently (gloo: "Connection closed by peer", "Timed out
 # waiting ... for recv"; NCCL: "ncclRemoteError", "Watchdog caught collective
 # operation timeout", "communicator was aborted"); the signs below cover them.
@@ -289,6 +290,9 @@ _PEER_SIGNS = (
     "remoteerror",
     "network error",
     "communicator was aborted",
+    # the ranks issued different collectives (TORCH_DISTRIBUTED_DEBUG=DETAIL, gloo)
+    "mismatch",
+    "doesn't match expected size",
 )
 
 
@@ -322,9 +326,9 @@ def _local_cause(
     exc: BaseException, tensor: torch.Tensor | None, group: dist.ProcessGroup | None
 ) -> str:
     text = str(exc).lower()
-    backend = f"process group's backend ({_backend_name(group)})" if group is not None else (
-        "process group's backend"
-    )
+    backend = "process group's backend"
+    if group is not None:
+        backend += f" ({_backend_name(group)})"
     device = tensor.device.type if tensor is not None else "these"
     dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "this dtype"
     if "no backend type associated with device type" in text:

@@ -322,6 +322,8 @@ def test_gloo_paths_only_on_gloo_and_local_failures_named() -> None:
         ),
         ("NCCL error: remote process exited or there was a network error, ncclRemoteError", True),
         ("NCCL communicator was aborted on rank 3.", True),
+        # the ranks issued different collectives
+        ("Detected mismatch between collectives on ranks: CollectiveFingerPrint(...)", True),
         # this rank's own call
         ("No backend type associated with device type cpu", False),
         ("Invalid scalar type", False),
