@@ -190,6 +190,18 @@ def test_threaded_process_group_parity(world: int, options: dict[str, Any]) -> N
         assert set(r["kinds"]) == expected, r
 
 
+def _rank0_waits_alone() -> None:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+
+
+def test_threaded_runner_fails_a_hang_within_its_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"ranks \[0\] did not finish within 2s"):
+        run_threaded(2, _rank0_waits_alone, timeout=2.0)
+    assert time.monotonic() - start < 15
+
+
 # ---------------------------------------------------------------------------
 # torch's fake backend: dry runs at any world size
 # ---------------------------------------------------------------------------
