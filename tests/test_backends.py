@@ -277,26 +277,28 @@ def test_fake_backend_real_tensors() -> None:
 
 def _routes_and_errors_job() -> dict[str, Any]:
     _, world = rank_world()
-    out: dict[str, Any] = {"world": _collectives.route_of(dist.group.WORLD)}
-    # A group with gloo for CUDA tensors only: CPU tensors have no backend.
-    cuda_only = dist.new_group(backend="cuda:gloo")
-    out["cuda_only_route"] = _collectives.route_of(cuda_only)
-    send = torch.ones(4)
-    try:
-        _collectives.all_gather(torch.empty(4 * world), send, cuda_only, "probe").wait()
+    default = dist.group.WORLD
+    assert default is not None
+    # Failures below happen on groups of their own: a gloo group whose collective
+    # failed may fail its next one too, and the pool's default group is reused.
+    cuda_only = dist.new_group(backend="cuda:gloo")  # gloo for CUDA tensors only
+    gloo = dist.new_group(backend="gloo")
+    out: dict[str, Any] = {
+        "world": _collectives.route_of(default),
+        "cuda_only_route": _collectives.route_of(cuda_only),
+    }
+    try:  # CPU tensors on a group without a CPU backend
+        _collectives.all_gather(torch.empty(4 * world), torch.ones(4), cuda_only, "probe").wait()
         out["no_backend"] = "no error"
     except RuntimeError as exc:
         out["no_backend"] = str(exc)
     # gloo has no int16 all-to-all (and all-gather): a dtype the backend refuses.
     grads = torch.ones(4 * world, dtype=torch.int16)
     try:
-        _collectives.reduce_scatter(
-            torch.empty(4, dtype=torch.int16), grads, dist.group.WORLD, "probe"
-        ).wait()
+        _collectives.reduce_scatter(torch.empty(4, dtype=torch.int16), grads, gloo, "probe").wait()
         out["dtype"] = "no error"
     except RuntimeError as exc:
         out["dtype"] = str(exc)
-    dist.barrier()
     return out
 
 
