@@ -250,6 +250,9 @@ def all_gather_into_tensor(
 # With hundreds of small units per step that is most of the per-unit overhead, so
 # gloo collectives are issued on the ProcessGroup object directly. Accelerator
 # backends keep the wrappers: they decide which stream the collective runs on.
+# Only for groups whose CPU backend is a ProcessGroupGloo (serves_cpu_with_gloo):
+# a group without one (torch's threaded test group, a CUDA-only group) has nothing
+# to issue on, see [Note: collectives per backend] in _collectives.py.
 _direct_gloo_ok = True
 
 
