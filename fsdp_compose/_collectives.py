@@ -338,12 +338,19 @@ def _local_cause(
             'init_process_group("gloo") for CPU, "cpu:gloo,cuda:nccl" for both) or build the '
             "mesh on a device its backend serves."
         )
-    if "scalar type" in text or "dtype" in text or "unsupported" in text or "not supported" in text:
+    if "scalar type" in text or "dtype" in text or "data type" in text:
         return (
             f"This rank's call was refused, not a peer's: the {backend} does not support this "
             f"collective on {dtype} tensors. Use a dtype it supports for communication, e.g. "
             "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...), or a backend that supports "
             f"{dtype}."
+        )
+    if any(sign in text for sign in ("support", "not implemented", "unimplemented")):
+        return (
+            f"This rank's call was refused, not a peer's: the {backend} does not implement this "
+            f"collective ({dtype} tensors on {device}). fsdp_compose needs all-gather into one "
+            "tensor, reduce-scatter of one tensor and all-reduce (gloo, NCCL and UCC have them); "
+            "or supply your own with set_custom_all_gather / set_custom_reduce_scatter."
         )
     return (
         f"The {backend} raised this on this rank ({dtype} tensors on {device}); it does not "

@@ -343,6 +343,7 @@ def test_gloo_paths_only_on_gloo_and_local_failures_named() -> None:
         ("Invalid scalar type", False),
         ("Unsupported dtype Float8_e4m3fn for allreduce", False),
         ("Tensors must be contiguous", False),
+        ("no support for _allgather_base in MPI process group", False),
     ],
 )
 def test_peer_hint_only_where_a_peer_can_be_the_cause(message: str, peer: bool) -> None:
@@ -354,3 +355,7 @@ def test_peer_hint_only_where_a_peer_can_be_the_cause(message: str, peer: bool) 
     )
     assert ("A peer rank may have crashed" in text) is peer, text
     assert ("FSDP_COMPOSE_DEBUG_COLLECTIVES=1" in text) is peer, text
+    if "dtype" in message or "scalar type" in message:
+        assert "does not support this collective on float32 tensors" in text, text
+    if "no support for" in message:
+        assert "does not implement this collective (float32 tensors on cpu)" in text, text
