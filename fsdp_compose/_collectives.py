@@ -383,7 +383,7 @@ def _guarded(
     except debug.CollectiveMismatchError:
         raise
     except RuntimeError as exc:
-        raise _failure(f"{kind} for {label} (step {step})", exc) from exc
+        raise _failure(f"{kind} for {label} (step {step})", exc, inp, group) from exc
 
 
 def _launch(
