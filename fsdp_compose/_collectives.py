@@ -474,9 +474,7 @@ def route_of(group: dist.ProcessGroup) -> Route:
         gloo = _compat.serves_cpu_with_gloo(group)
         route = Route(
             gloo=gloo,
-            all_to_all_reduce_scatter=gloo
-            and _env.choice("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", ("all_to_all", "native"), "all_to_all")
-            != "native",
+            all_to_all_reduce_scatter=gloo and _use_all_to_all_reduce_scatter(group),
             broadcast_all_gather=gloo and _broadcast_all_gather_enabled,
         )
         _routes[group] = route
@@ -487,6 +485,14 @@ def route_of(group: dist.ProcessGroup) -> Route:
                 _backend_name(group),
             )
     return route
+
+
+def _use_all_to_all_reduce_scatter(group: dist.ProcessGroup) -> bool:
+    """Whether reduce-scatters on ``group`` go by all-to-all ([Note: reduce-scatter
+    on gloo]): a real gloo group, unless ``FSDP_COMPOSE_GLOO_REDUCE_SCATTER=native``.
+    Read by :func:`route_of`, once per group."""
+    mode = _env.choice("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", ("all_to_all", "native"), "all_to_all")
+    return mode != "native" and _compat.serves_cpu_with_gloo(group)
 
 
 def _backend_name(group: dist.ProcessGroup) -> str:
