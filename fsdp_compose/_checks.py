@@ -122,7 +122,13 @@ def verify_same_replicas(units: list[Unit]) -> None:
     at the first forward (e.g. ranks seeded differently), which would otherwise
     train silently apart. One float64 checksum per unit, all-gathered across the
     replicate group."""
-    hsdp = [u for u in units if u.mesh_info.replicate_group is not None and u.mesh_info.replicate_size > 1]
+    hsdp = [
+        u
+        for u in units
+        if u.mesh_info.replicate_group is not None
+        and u.mesh_info.replicate_size > 1
+        and not _compat.is_fake_backend(u.mesh_info.replicate_group)  # dry run: no replicas
+    ]
     groups: dict[int, list[Unit]] = {}
     for u in hsdp:
         groups.setdefault(id(u.mesh_info.replicate_group), []).append(u)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import local_slice, max_param_diff, rank_world
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import _collectives, fully_shard
@@ -219,14 +219,14 @@ def _fake_process_group(world_size: int, rank: int) -> Iterator[None]:
 
 
 def _user_training_code(
-    cfg: GPTConfig, steps: int
+    cfg: GPTConfig, steps: int, mesh: DeviceMesh | None = None
 ) -> tuple[GPT, torch.optim.Optimizer, torch.Tensor]:
-    """What a user's script does (no mesh, no backend-specific code): shard a GPT
-    and train it for ``steps`` steps; returns the model, optimizer and last loss."""
+    """What a user's script does (no backend-specific code): shard a GPT and train
+    it for ``steps`` steps; returns the model, optimizer and last loss."""
     model = GPT(cfg)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(steps):
         x, y = make_batch(cfg, 2, step)
@@ -237,24 +237,31 @@ def _user_training_code(
     return model, opt, loss
 
 
-@pytest.mark.parametrize("world", [8, 1024])
-def test_fake_backend_full_step_on_fake_tensors(world: int) -> None:
-    """Forward, backward and optimizer step of user code unchanged (no mesh given),
-    built under FakeTensorMode: no parameter or activation memory is allocated."""
+@pytest.mark.parametrize("world, replicas", [(8, 1), (1024, 1), (1024, 2)])
+def test_fake_backend_full_step_on_fake_tensors(world: int, replicas: int) -> None:
+    """Forward, backward and optimizer step of user code unchanged (no mesh given;
+    or an HSDP mesh), built under FakeTensorMode: no parameter or activation memory
+    is allocated."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     rank = world - 1  # the last rank: the shortest (often empty) shards
     cfg = GPTConfig(**TINY)
-    with _fake_process_group(world, rank), FakeTensorMode():
-        model, opt, loss = _user_training_code(cfg, steps=2)
-        route = _collectives.route_of(model.blocks[0]._fsdp_state().unit.shard_group)
+    with _fake_process_group(world, rank):
+        mesh = None
+        if replicas > 1:
+            shape = (replicas, world // replicas)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        with FakeTensorMode():
+            model, opt, loss = _user_training_code(cfg, steps=2, mesh=mesh)
+            route = _collectives.route_of(model.blocks[0]._fsdp_state().unit.shard_group)
     assert isinstance(loss, FakeTensor)
     assert route == _collectives.PUBLIC_ROUTE
+    shards, shard_rank = world // replicas, rank % (world // replicas)
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor) and isinstance(p.to_local(), FakeTensor), name
         rows = p.shape[0]
-        chunk = -(-rows // world)
-        expected_rows = max(0, min(chunk, rows - rank * chunk))
+        chunk = -(-rows // shards)
+        expected_rows = max(0, min(chunk, rows - shard_rank * chunk))
         assert p.to_local().shape[0] == expected_rows, (name, p.to_local().shape, expected_rows)
         assert p.grad is not None and p.grad.to_local().shape == p.to_local().shape, name
         assert opt.state[p]["step"] == 2, name
