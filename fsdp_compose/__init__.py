@@ -5,7 +5,7 @@ Annotate modules bottom-up with :func:`fully_shard`; parameters become sharded
 prefetch) and reduce-scatters gradients per unit. See the README for usage.
 """
 
-from . import debug, trace
+from . import debug, trace, whole_matrix
 from ._fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -32,4 +32,5 @@ __all__ = [
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "trace",
+    "whole_matrix",
 ]

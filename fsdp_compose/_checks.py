@@ -201,8 +201,8 @@ def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     _check_optimizer(optimizer, args, kwargs)
     _missing_root.check_no_plain_params_with_sharded(optimizer, list(_live_units))
     warn_if_gradient_sync_left_off(optimizer)
-    # Checked: later steps may run on the local shards (this one keeps the DTensor
-    # path, which also creates the states as DTensors).
+    # Checked: this step and later ones may run the sharded update (fsdp_compose's
+    # own step hooks, see [Note: sharded steps run inside step hooks] in _optim).
     _optim.accelerate(optimizer)
 
 
