@@ -14,6 +14,7 @@ plus the collectives fsdp_compose issued.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -118,9 +119,12 @@ def _setter_job(setter: str) -> dict:
                 m.set_all_reduce_hook(hook)
         if setter == "reduce_scatter_unused_params":
             branch_ranks = {0}
-            modules[side][-1].set_reduce_scatter_unused_params(True)  # the root, recursing
-        if setter == "unshard_in_backward":
-            (ours if side == "ours" else theirs).emb.set_unshard_in_backward(False)
+            (ours if side == "ours" else theirs).set_reduce_scatter_unused_params(True)  # recurses
+        if setter.startswith("unshard_in_backward"):
+            model = ours if side == "ours" else theirs
+            model.emb.set_unshard_in_backward(False)
+            if setter.endswith("no_prefetch"):
+                model.trunk.set_modules_to_backward_prefetch([])
 
     counts: dict[str, dict] = {}
     with collective_log() as log:
@@ -163,12 +167,36 @@ def _setter_job(setter: str) -> dict:
     }
 
 
+@functools.cache
+def _baseline() -> dict:
+    """The same job with no setter called (rank 0's result)."""
+    return run_distributed(_setter_job, WORLD, "none")[0]
+
+
+# [fsdp_compose bug, reported] torch's FSDP2 does not prefetch a unit with
+# unshard_in_backward=False in backward (FSDPParamGroup._prefetch_unshard unshards
+# it in the PRE_BACKWARD state, where unshard() returns early); fsdp_compose's
+# Scheduler.pre_backward prefetches _backward_prefetch_targets without checking
+# the target's unshard_in_backward, so the embedding is all-gathered anyway
+# (gradients stay right; the all-gather and its memory are wasted).
+_PREFETCHES_SKIPPED_UNIT = pytest.mark.xfail(
+    strict=True, reason="backward prefetch ignores the target's unshard_in_backward (_scheduler.py)"
+)
+
+
 @pytest.mark.parametrize(
-    "setter", ["gradient_divide_factor", "all_reduce_hook", "reduce_scatter_unused_params", "unshard_in_backward"]
+    "setter",
+    [
+        "gradient_divide_factor",
+        "all_reduce_hook",
+        "reduce_scatter_unused_params",
+        "unshard_in_backward_no_prefetch",
+        pytest.param("unshard_in_backward", marks=_PREFETCHES_SKIPPED_UNIT),
+    ],
 )
 def test_setter_matches_reference_and_torch_fsdp2(setter: str) -> None:
     results = run_distributed(_setter_job, WORLD, setter)
-    baseline = run_distributed(_setter_job, WORLD, "none")[0]
+    baseline = _baseline()
     for rank, r in enumerate(results):
         for key in ("vs_reference", "vs_torch", "torch_vs_reference"):
             diff, where = r[key]
@@ -176,7 +204,7 @@ def test_setter_matches_reference_and_torch_fsdp2(setter: str) -> None:
         # every rank issues the same reduce-scatters (sizes included)
         assert r["rs_sizes"] == results[0]["rs_sizes"], (rank, r["rs_sizes"], results[0]["rs_sizes"])
     r = results[0]
-    if setter == "unshard_in_backward":
+    if setter.startswith("unshard_in_backward"):
         # the embedding's unit is not all-gathered again in backward
         assert r["backward_counts"]["all_gather"] == baseline["backward_counts"]["all_gather"] - 1, (
             r["backward_counts"],
