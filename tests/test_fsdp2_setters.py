@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn as nn
 from dist_utils import run_distributed
 from helpers import collective_log, full, rank_world
+from torch import nn
 
 from fsdp_compose import FSDPModule, fully_shard
 
@@ -65,7 +65,9 @@ def _loss(model: nn.Module, rank: int, use_branch: bool) -> torch.Tensor:
     return (model(idx, use_branch) - y[:, None]).pow(2).mean()
 
 
-def _reference_grad_sum(base: nn.Module, world: int, branch_ranks: set[int]) -> dict[str, torch.Tensor | None]:
+def _reference_grad_sum(
+    base: nn.Module, world: int, branch_ranks: set[int]
+) -> dict[str, torch.Tensor | None]:
     """Sum over ranks of each rank's local gradient, on one process."""
     ref = copy.deepcopy(base)
     for r in range(world):
@@ -74,10 +76,15 @@ def _reference_grad_sum(base: nn.Module, world: int, branch_ranks: set[int]) -> 
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: None if p.grad is None else full(p.grad).detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: None if p.grad is None else full(p.grad).detach().clone()
+        for n, p in model.named_parameters()
+    }
 
 
-def _max_diff(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> tuple[float, str]:
+def _max_diff(
+    a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]
+) -> tuple[float, str]:
     """Largest |a - b| over the names of ``a``; inf where only one side has a gradient."""
     worst, where = 0.0, ""
     for name, ga in a.items():
@@ -144,7 +151,9 @@ def _setter_job(setter: str) -> dict:
     _loss(theirs, rank, rank in branch_ranks).backward()
 
     ref_sum = _reference_grad_sum(base, world, branch_ranks)
-    divide = {"gradient_divide_factor": 3.0, "all_reduce_hook": world / 2.0}.get(setter, float(world))
+    divide = {"gradient_divide_factor": 3.0, "all_reduce_hook": world / 2.0}.get(
+        setter, float(world)
+    )
     expected = {n: None if g is None else g / divide for n, g in ref_sum.items()}
     if setter == "reduce_scatter_unused_params":
         expected["spare"] = torch.zeros(3)  # joins the reduce-scatter with zeros
@@ -154,7 +163,9 @@ def _setter_job(setter: str) -> dict:
         # the units' reductions may complete in another order: pair them by size
         # (each unit's reduce-scatter output has its own size in this model)
         pairs = zip(*(sorted(seen[side], key=torch.Tensor.numel) for side in ("ours", "theirs")))
-        hook_diff = max(float("inf") if a.shape != b.shape else (a - b).abs().max().item() for a, b in pairs)
+        hook_diff = max(
+            float("inf") if a.shape != b.shape else (a - b).abs().max().item() for a, b in pairs
+        )
     return {
         "vs_reference": _max_diff(expected, _grads(ours)),
         "vs_torch": _max_diff(_grads(theirs), _grads(ours)),
@@ -202,16 +213,27 @@ def test_setter_matches_reference_and_torch_fsdp2(setter: str) -> None:
             diff, where = r[key]
             assert diff <= TOL, f"rank {rank} {setter}: {key} max |diff| {diff} at {where}"
         # every rank issues the same reduce-scatters (sizes included)
-        assert r["rs_sizes"] == results[0]["rs_sizes"], (rank, r["rs_sizes"], results[0]["rs_sizes"])
+        assert r["rs_sizes"] == results[0]["rs_sizes"], (
+            rank,
+            r["rs_sizes"],
+            results[0]["rs_sizes"],
+        )
     r = results[0]
     if setter.startswith("unshard_in_backward"):
         # the embedding's unit is not all-gathered again in backward
-        assert r["backward_counts"]["all_gather"] == baseline["backward_counts"]["all_gather"] - 1, (
+        assert (
+            r["backward_counts"]["all_gather"] == baseline["backward_counts"]["all_gather"] - 1
+        ), (
             r["backward_counts"],
             baseline["backward_counts"],
         )
     else:
-        assert r["backward_counts"] == baseline["backward_counts"], (r["backward_counts"], baseline["backward_counts"])
+        assert r["backward_counts"] == baseline["backward_counts"], (
+            r["backward_counts"],
+            baseline["backward_counts"],
+        )
     if setter == "all_reduce_hook":
         assert r["hook_calls"] == 3, r["hook_calls"]  # once per unit per backward
-        assert r["hook_diff"] <= TOL, f"the hook saw other values than under torch's FSDP2: {r['hook_diff']}"
+        assert r["hook_diff"] <= TOL, (
+            f"the hook saw other values than under torch's FSDP2: {r['hook_diff']}"
+        )
