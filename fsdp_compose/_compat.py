@@ -1,9 +1,10 @@
 """Every use of a torch internal that may move between releases lives here.
 
-fsdp_compose declares ``torch>=2.6`` and is exercised on 2.11 (CUDA) and 2.13
-(CPU). Where a public API exists it is used elsewhere; this module wraps the few
-private ones we need for speed or because no public equivalent exists, each with
-a fallback or a clear error.
+fsdp_compose declares ``torch>=2.11``, the oldest release it is exercised on
+(2.11 with CUDA, 2.13 on the CPU). Where a public API exists it is used
+elsewhere; this module wraps the few private ones we need for speed or because no
+public equivalent exists. Fallbacks kept here cover renames *after* 2.11 (the
+``*_single`` collectives) and bindings that may change, not older releases.
 """
 
 from __future__ import annotations
@@ -15,14 +16,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor
-from torch.distributed.tensor.placement_types import Placement
-
-try:  # torch >= 2.4
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-except ImportError:  # pragma: no cover - older layouts
-    DTensorSpec = None  # type: ignore[assignment,misc]
-    TensorMeta = None  # type: ignore[assignment,misc]
-
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 # ---------------------------------------------------------------------------
 # DTensor construction without autograd or communication
@@ -37,8 +32,6 @@ def make_dtensor_spec(
     dtype: torch.dtype,
 ) -> Any:
     """Builds the (private) spec object used by :func:`dtensor_from_local`."""
-    if DTensorSpec is None:  # pragma: no cover
-        return (mesh, tuple(placements), shape, stride)
     return DTensorSpec(
         mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, dtype)
     )
@@ -51,15 +44,12 @@ def dtensor_from_local(local: torch.Tensor, spec: Any) -> DTensor:
     ``DTensor.from_local``'s argument handling and autograd; the public API is the
     fallback when the private constructor is unavailable.
     """
-    if DTensorSpec is not None:
-        try:
-            return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
-        except TypeError:  # pragma: no cover - constructor signature changed
-            pass
-        meta = spec.tensor_meta
-        mesh, placements, shape, stride = spec.mesh, spec.placements, meta.shape, meta.stride
-    else:  # pragma: no cover
-        mesh, placements, shape, stride = spec
+    try:
+        return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+    except TypeError:  # pragma: no cover - constructor signature changed
+        pass
+    meta = spec.tensor_meta
+    mesh, placements, shape, stride = spec.mesh, spec.placements, meta.shape, meta.stride
     with torch.no_grad():
         return DTensor.from_local(
             local, mesh, placements, run_check=False, shape=shape, stride=stride
@@ -68,8 +58,6 @@ def dtensor_from_local(local: torch.Tensor, spec: Any) -> DTensor:
 
 def dtensor_spec_with_dtype(spec: Any, dtype: torch.dtype) -> Any:
     """Returns ``spec`` describing a tensor of ``dtype`` (same shape and placement)."""
-    if DTensorSpec is None:  # pragma: no cover
-        return spec
     meta = spec.tensor_meta
     if meta.dtype == dtype:
         return spec
@@ -82,16 +70,8 @@ def strided_shard(dim: int, split_factor: int) -> Placement:
     """DTensor's placement for a dim sharded over a mesh dim *inside* each of
     ``split_factor`` chunks made by a later mesh dim (FSDP's shard of a TP shard).
 
-    ``_StridedShard`` is private (torch >= 2.5 under ``torch.distributed.tensor``);
-    without it such a layout cannot be described, so the caller must refuse it.
+    ``_StridedShard`` is private, hence wrapped here.
     """
-    try:
-        from torch.distributed.tensor.placement_types import _StridedShard
-    except ImportError:  # pragma: no cover - torch < 2.5
-        raise NotImplementedError(
-            "sharding a tensor-parallel parameter on the dim that tensor parallel already "
-            "shards needs DTensor's _StridedShard placement (torch >= 2.5)"
-        ) from None
     return _StridedShard(dim, split_factor=split_factor)
 
 
@@ -103,25 +83,14 @@ def concatenate_meshes(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
     both sub-meshes of one root mesh; cached so that every parameter of a layout
     shares one mesh object.
 
-    Releases with ``DeviceMesh._concatenate`` (what torch's FSDP2 uses) build it
-    directly; older ones slice the shared root mesh by dim names
-    (``root[("dp", "tp")]``).
+    Built by ``DeviceMesh._concatenate``, as torch's FSDP2 does (private, hence
+    wrapped here).
     """
     key = (id(outer), id(inner))
     hit = _spmd_meshes.get(key)
     if hit is not None:
         return hit[2]
-    concatenate = getattr(DeviceMesh, "_concatenate", None)
-    if concatenate is not None:
-        mesh = concatenate([outer, inner])
-    else:  # pragma: no cover - releases without _concatenate
-        root = root_mesh(outer)
-        if root is not root_mesh(inner):
-            raise RuntimeError("the meshes are not sub-meshes of one root mesh")
-        names = tuple(outer.mesh_dim_names or ()) + tuple(inner.mesh_dim_names or ())
-        if len(names) != outer.ndim + inner.ndim:
-            raise RuntimeError("the meshes need mesh_dim_names to be combined")
-        mesh = root if names == tuple(root.mesh_dim_names or ()) else root[names]
+    mesh = DeviceMesh._concatenate([outer, inner])
     # keep outer/inner alive so that their ids are not reused for other meshes
     _spmd_meshes[key] = (outer, inner, mesh)
     return mesh
@@ -129,12 +98,7 @@ def concatenate_meshes(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced from (itself if it is a root)."""
-    getter = getattr(mesh, "_get_root_mesh", None)
-    if getter is not None:
-        return getter()
-    from torch.distributed.device_mesh import _mesh_resources  # pragma: no cover - older releases
-
-    return _mesh_resources.get_root_mesh(mesh)  # pragma: no cover
+    return mesh._get_root_mesh()
 
 
 def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -167,10 +131,8 @@ def set_local_tensor(dtensor: DTensor, tensor: torch.Tensor) -> None:
 def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
     """Suspends an active ``FakeTensorMode`` (a dry run) for code that must read
     tensor values back, such as a ``DeviceMesh``'s rank table."""
-    try:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-    except ImportError:  # pragma: no cover - releases without it
-        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     return unset_fake_temporarily()
 
 
@@ -192,8 +154,7 @@ def dynamo_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def is_compiling() -> bool:
     """True while torch.compile traces the calling code."""
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+    return torch.compiler.is_compiling()
 
 
 # ---------------------------------------------------------------------------
@@ -218,19 +179,16 @@ def restore_version(tensor: torch.Tensor, version: int) -> None:
     in-place write that is not a semantic modification: refilling an unsharded
     parameter's storage that autograd saved for backward (see [Note: unsharded
     storage] in ``_unit.py``)."""
-    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-    if setter is None:  # pragma: no cover
-        return
-    try:
-        setter((tensor,), (version,))
-    except TypeError:  # pragma: no cover - older signature: one tensor, one int
-        setter(tensor, version)
+    torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
 
 
 # ---------------------------------------------------------------------------
 # Collectives whose names changed between releases
 # ---------------------------------------------------------------------------
 
+# Recent releases name these ``all_gather_single``/``reduce_scatter_single`` (what
+# torch 2.13's FSDP2 calls); the older names stay the fallback (kept: not checked
+# that 2.11 has the new ones).
 _all_gather_single = getattr(dist, "all_gather_single", None)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None)
 
@@ -353,30 +311,13 @@ def chunk_cat(
 ) -> None:
     """Packs ``tensors`` into ``out`` (shape ``(num_chunks, -1)``): row ``r`` holds
     the ``r``-th dim-0 chunk of every tensor, each padded to equal size, cast to
-    ``out.dtype``. One fused kernel where torch has it."""
-    if hasattr(torch, "_chunk_cat"):
-        torch._chunk_cat(list(tensors), dim=0, num_chunks=num_chunks, out=out)
-        return
-    col = 0  # pragma: no cover - fallback for builds without the fused op
-    for t in tensors:
-        rows = -(-t.size(0) // num_chunks) if t.dim() else 1
-        width = rows * (t.numel() // max(t.size(0), 1))
-        flat = t.reshape(-1)
-        block = out[:, col : col + width]
-        full = flat.numel() // width
-        if full:
-            block[:full].copy_(flat[: full * width].view(full, width))
-        rest = flat.numel() - full * width
-        if rest:
-            block[full, :rest].copy_(flat[full * width :])
-        col += width
+    ``out.dtype``, in one fused kernel."""
+    torch._chunk_cat(list(tensors), dim=0, num_chunks=num_chunks, out=out)
 
 
 def register_load_state_dict_pre_hook(module: torch.nn.Module, hook: Callable[..., None]) -> Any:
     """``hook(module, state_dict, prefix, *args)`` before ``module`` loads its state."""
-    if hasattr(module, "register_load_state_dict_pre_hook"):
-        return module.register_load_state_dict_pre_hook(hook)
-    return module._register_load_state_dict_pre_hook(hook, with_module=True)  # pragma: no cover
+    return module.register_load_state_dict_pre_hook(hook)
 
 
 def default_store() -> dist.Store:

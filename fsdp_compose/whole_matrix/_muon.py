@@ -196,5 +196,4 @@ def _run(
         )
 
 
-if hasattr(torch.optim, "Muon"):  # torch >= 2.9
-    _optim.register_step_handler(torch.optim.Muon, muon_step)
+_optim.register_step_handler(torch.optim.Muon, muon_step)
