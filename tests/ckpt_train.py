@@ -24,14 +24,14 @@ sys.path[:0] = [os.path.join(os.path.dirname(_HERE), "examples")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
-
 from checkpoint import resume, save_checkpoint  # noqa: E402
 from gpt import GPT, GPTConfig, loss_fn, make_batch  # noqa: E402
+from models import TINY_GPT  # noqa: E402
+from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
 
 from fsdp_compose import fully_shard  # noqa: E402
 
-TINY = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32)
+TINY = GPTConfig(**{**TINY_GPT, "n_layer": 2})
 GLOBAL_BATCH = 8
 
 

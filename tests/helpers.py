@@ -121,3 +121,71 @@ def assert_close(actual: float, expected: float, tol: float, what: str) -> None:
 
 def summary(**kw: Any) -> dict[str, Any]:
     return kw
+
+
+def gpt_batches(cfg: Any, per_rank: int = 2) -> Any:
+    """``step -> (x, y)``: the global GPT batch of ``per_rank`` rows per rank."""
+    from gpt import make_batch
+
+    return lambda step: make_batch(cfg, per_rank * dist.get_world_size(), step)
+
+
+def train_side_by_side(
+    model: nn.Module,
+    ref: nn.Module,
+    steps: int,
+    batch: Any,
+    loss_fn: Any,
+    *,
+    lr: float = 1e-3,
+    params: Any = None,
+    grad_skip: tuple[str, ...] = (),
+    log: CollectiveLog | None = None,
+    after_backward: Any = None,
+) -> dict[str, Any]:
+    """The tests' parity loop: trains the sharded ``model`` on this rank's slice of
+    each global batch ``batch(step) -> (x, y)`` and the unsharded ``ref`` on the
+    whole batch, side by side, with AdamW over ``params(module)`` (default: all
+    parameters).
+
+    ``log`` (if given) is cleared before the model's forward of every step, so it
+    holds the model's collectives of the step; ``after_backward(step, x, y)`` runs
+    after both backwards, before the optimizer steps (where step-0 checks go).
+    Returns ``loss_diffs`` (per step, |mean over ranks of the loss - reference
+    loss|), ``grad_diff`` (step 0, largest |grad - reference grad| outside
+    ``grad_skip``) and ``param_diff``/``where`` after the last step.
+    """
+    rank, world = rank_world()
+    chosen = params or (lambda m: m.parameters())
+    opt = torch.optim.AdamW(chosen(model), lr=lr)
+    ref_opt = torch.optim.AdamW(chosen(ref), lr=lr)
+    loss_diffs, grad_diff = [], None
+    for step in range(steps):
+        x, y = batch(step)
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        if log is not None:
+            log.clear()
+        loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+        loss.backward()
+        if step == 0:
+            grad_diff = max_grad_diff(model, ref, skip=grad_skip)
+        if after_backward is not None:
+            after_backward(step, x, y)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        loss_diffs.append(abs(mean_across_ranks(loss.item()) - ref_loss.item()))
+    diff, where = max_param_diff(model, ref)
+    return {"loss_diffs": loss_diffs, "grad_diff": grad_diff, "param_diff": diff, "where": where}
+
+
+def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    """For assert messages: shapes, dtypes and the largest |a - b|."""
+    if a.shape != b.shape:
+        return f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
+    if a.numel() == 0:
+        return "both empty"
+    d = (a.double() - b.double()).abs()
+    return f"max |diff| {d.max().item():.3g} at {tuple(int(i) for i in torch.unravel_index(d.argmax(), d.shape))} ({a.dtype} vs {b.dtype})"

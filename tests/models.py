@@ -107,3 +107,9 @@ class _MixBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.mix(torch.tanh(self.own(x))))
+
+
+# The tests' tiny GPT (``examples/gpt.py``'s GPTConfig fields): a prime vocabulary
+# so that embedding rows split unevenly over 2 and 4 ranks; 3 layers (tests that
+# only need depth use ``{**TINY_GPT, "n_layer": 2}``).
+TINY_GPT: dict[str, int] = {"vocab_size": 97, "block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 32}

@@ -25,12 +25,13 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import local_slice, max_param_diff, rank_world
+from models import TINY_GPT
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import _collectives, fully_shard
 
-TINY = {"vocab_size": 97, "block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 32}
+TINY = TINY_GPT
 LOSS_TOL = 1e-5
 PARAM_TOL = 1e-4  # AdamW after a few steps, as in test_parity.py
 THREAD_TIMEOUT_S = 60.0

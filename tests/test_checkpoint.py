@@ -24,6 +24,7 @@ from checkpoint import CheckpointMismatchError, load_checkpoint, save_checkpoint
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import collective_log, full, local_slice, mean_across_ranks, rank_world
+from models import TINY_GPT
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_compose import fully_shard
 
-TINY = dict(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32)
+TINY = {**TINY_GPT, "n_layer": 2}
 GLOBAL_BATCH = 8  # divisible by every world size used here
 LR = 1e-3
 LOSS_TOL = 1e-5
@@ -143,7 +144,7 @@ def test_reshard_on_load(tmp_path: Path, save_world: int, load_world: int) -> No
     assert any(k.endswith("/exp_avg_sq") for k in saved) and any(k.endswith("/step") for k in saved)
 
     for r in run_distributed(_load_job, load_world, path, saved):
-        assert r["keys_equal"]
+        assert r["keys_equal"], r
         assert r["max_state_diff"] == 0.0  # parameters and Adam states, bit for bit
         for got, want in zip(r["losses_after"], source[0]["losses_after"]):
             assert abs(got - want) <= LOSS_TOL, (r["losses_after"], source[0]["losses_after"])
@@ -223,7 +224,7 @@ def _full_state_dict_job(path: str) -> dict:
 
 def test_full_state_dict_round_trip(tmp_path: Path) -> None:
     for r in run_distributed(_full_state_dict_job, 2, str(tmp_path / "full.pt")):
-        assert r["full_plain"]
+        assert r["full_plain"], r
         assert r["plain_logits_diff"] == 0.0 and r["sharded_load_logits_diff"] == 0.0
         assert r["meta_sharded"] and r["meta_logits_diff"] == 0.0
         assert r["train_loss_diff"] <= LOSS_TOL

@@ -14,12 +14,13 @@ import pytest
 import torch
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import local_slice, max_grad_diff, max_param_diff, rank_world
+from models import TINY_GPT
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import MixedPrecisionPolicy, ShardedGradScaler, fully_shard
 
-TINY = dict(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32)
+TINY = {**TINY_GPT, "n_layer": 2}
 NORM_TOL = 1e-5
 GRAD_TOL = 1e-6
 PARAM_TOL = 1e-6  # SGD: an update is lr * grad, so parameters stay as close as grads
@@ -162,7 +163,7 @@ def test_clip_and_scaler(hsdp: bool) -> None:
     for r in results:
         for norm_type, (total, ref_total) in r["norms"].items():
             assert abs(total - ref_total) <= NORM_TOL, (norm_type, total, ref_total)
-        assert r["clipped"]
+        assert r["clipped"], r
         assert r["clip_grad_diff"] <= GRAD_TOL, r["clip_grad_diff"]
         assert r["clip_param_diff"] <= PARAM_TOL, r["clip_param_diff"]
         assert r["unscaled_grad_diff"] <= GRAD_TOL, r["unscaled_grad_diff"]

@@ -18,10 +18,11 @@ import pytest
 import torch
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import collective_log, full, local_slice, mean_across_ranks, rank_world
+from models import TINY_GPT
 
 from fsdp_compose import fully_shard
 
-TINY = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32)
+TINY = GPTConfig(**{**TINY_GPT, "n_layer": 2})
 LOSS_TOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-6, 1e-4  # as in test_parity.py
 
 

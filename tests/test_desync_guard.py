@@ -16,11 +16,12 @@ import torch.nn as nn
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import rank_world
+from models import TINY_GPT
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 from fsdp_compose.debug import CollectiveMismatchError
 
-TINY = dict(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32)
+TINY = TINY_GPT
 
 
 class _Net(nn.Module):

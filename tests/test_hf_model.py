@@ -132,7 +132,7 @@ def test_hf_tied_embedding_across_units_is_shared() -> None:
     from dist_utils import run_distributed
 
     for r in run_distributed(_tied_across_units_job, 2):
-        assert r["tied"]
+        assert r["tied"], r
         assert r["loss_diff"] <= LOSS_TOL and r["grad_diff"] <= GRAD_TOL, r
 
 
@@ -167,7 +167,7 @@ def test_hf_generate() -> None:
 
     for r in run_distributed(_generate_job, 2, False):
         assert "error" not in r, r
-        assert r["same"]
+        assert r["same"], r
         assert r["all_gathers"] == 1 + 4 * 2  # the root keeps its params (no_grad too); 2 layers x 4 forwards
 
 
@@ -176,5 +176,5 @@ def test_hf_generate_registered_forward_method() -> None:
 
     for r in run_distributed(_generate_job, 2, True):
         assert "error" not in r, r
-        assert r["same"]
+        assert r["same"], r
         assert r["all_gathers"] == 1 + 4 * 2  # the root once for the whole generate

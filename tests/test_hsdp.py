@@ -12,18 +12,19 @@ from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import (
     all_gather_by_broadcast,
     collective_log,
+    gpt_batches,
     local_slice,
     max_grad_diff,
-    max_param_diff,
-    mean_across_ranks,
     rank_world,
+    train_side_by_side,
 )
+from models import TINY_GPT
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 
-TINY = dict(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32)
+TINY = TINY_GPT
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-6
 PARAM_TOL = 1e-4  # AdamW amplifies last-bit differences, see test_parity.py
@@ -59,37 +60,26 @@ def _hsdp_job_body() -> dict:
     }
 
     # Parity: 4 data-parallel ranks (2 replicas x 2 shards) vs the global batch.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    loss_diffs = []
+    def step0_checks(step: int, *_: object) -> None:
+        if step == 0:
+            out["grad_placements"] = sorted({str(p.grad.placements) for p in model.parameters()})
+            # both replicas of a shard hold the same gradient after the all-reduce
+            local = torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()])
+            replicas = [torch.empty_like(local) for _ in range(2)]
+            torch.distributed.all_gather(replicas, local, group=mesh.get_group("replicate"))
+            out["replicas_agree"] = torch.equal(replicas[0], replicas[1])
+            out["replicas_max_diff"] = (replicas[0] - replicas[1]).abs().max().item()
+
     with collective_log() as log:
-        for step in range(3):
-            x, y = make_batch(cfg, 2 * world, step)
-            ref_loss = loss_fn(ref(x), y)
-            ref_loss.backward()
-            log.clear()
-            loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
-            loss.backward()
-            if step == 0:
-                out["grad_diff"] = max_grad_diff(model, ref)
-                out["grad_placements"] = sorted({str(p.grad.placements) for p in model.parameters()})
-                # both replicas of a shard hold the same gradient after the all-reduce
-                local = torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()])
-                replicas = [torch.empty_like(local) for _ in range(2)]
-                torch.distributed.all_gather(replicas, local, group=mesh.get_group("replicate"))
-                out["replicas_agree"] = torch.equal(replicas[0], replicas[1])
-            ref_opt.step()
-            ref_opt.zero_grad()
-            opt.step()
-            opt.zero_grad()
-            loss_diffs.append(abs(mean_across_ranks(loss.item()) - ref_loss.item()))
+        parity = train_side_by_side(model, ref, 3, gpt_batches(cfg), loss_fn, log=log, after_backward=step0_checks)
+    out["grad_diff"] = parity["grad_diff"]
     out["kinds"] = {
         kind: sorted({i.group_size for i in log.issued if i.kind == kind})
         for kind in ("all_gather", "reduce_scatter", "all_reduce")
     }
     out["counts"] = dict(log.kinds())
-    out["loss_diffs"] = loss_diffs
-    out["param_diff"], out["where"] = max_param_diff(model, ref)
+    out["loss_diffs"] = parity["loss_diffs"]
+    out["param_diff"], out["where"] = parity["param_diff"], parity["where"]
 
     # set_requires_all_reduce(False): the first micro-step reduce-scatters and keeps
     # the sums; the last one all-reduces them together with its own.
@@ -148,7 +138,7 @@ def test_hsdp_2x2_parity() -> None:
     for r in results:
         assert r["placements"] == [str((Replicate(), Shard(0)))]
         assert r["grad_placements"] == [str((Replicate(), Shard(0)))]
-        assert r["replicas_agree"]
+        assert r["replicas_agree"], r
         assert r["grad_diff"] <= GRAD_TOL, r["grad_diff"]
         assert max(r["loss_diffs"]) <= LOSS_TOL, r["loss_diffs"]
         assert r["param_diff"] <= PARAM_TOL, (r["param_diff"], r["where"])
@@ -156,11 +146,11 @@ def test_hsdp_2x2_parity() -> None:
         # the shard group, all-reduces in the replicate group; one of each per unit
         assert r["kinds"] == {"all_gather": [2], "reduce_scatter": [2], "all_reduce": [2]}
         n_units = TINY["n_layer"] + 1
-        assert r["counts"]["reduce_scatter"] == r["counts"]["all_reduce"] == n_units
+        assert r["counts"]["reduce_scatter"] == r["counts"]["all_reduce"] == n_units, (r["counts"], n_units)
         assert r["by_broadcast"] >= r["counts"]["all_gather"] > 0, r
         # accumulation without the replicate all-reduce
         assert r["accum_all_reduces"] == [0, n_units]
-        assert not r["grad_before_all_reduce"]
+        assert not r["grad_before_all_reduce"], r
         assert r["accum_grad_diff"] <= GRAD_TOL, r["accum_grad_diff"]
         assert r["mp_dtypes"] == {
             "all_gather": ["torch.bfloat16"],

@@ -10,11 +10,12 @@ import torch
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import local_slice, rank_world
+from models import TINY_GPT
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compose import fully_shard
 
-TINY = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32)
+TINY = GPTConfig(**{**TINY_GPT, "n_layer": 2})
 
 
 def _step(model: torch.nn.Module, opts: list[torch.optim.Optimizer], step: int = 0) -> None:
@@ -46,6 +47,7 @@ def _missing_root_job() -> dict:
     except RuntimeError as exc:
         out["error"] = str(exc)
     out["root_param_unchanged"] = torch.equal(before, model.tok_emb.weight)
+    out["root_param_max_change"] = (before - model.tok_emb.weight).abs().max().item()
 
     # 2. Fixed: the root annotated too.
     model = _blocks_only()
@@ -85,7 +87,7 @@ def test_forgotten_root_raises_at_first_step() -> None:
             assert name in message
         assert "fully_shard(model)" in message and "GPT model" in message
         assert "ignored_params" in message and "optimizer of their own" in message
-        assert out["root_param_unchanged"]
+        assert out["root_param_unchanged"], out
 
 
 if __name__ == "__main__":

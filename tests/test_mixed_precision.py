@@ -15,11 +15,12 @@ import torch
 import torch.nn as nn
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import collective_log, full, local_slice, mean_across_ranks, rank_world
+from models import TINY_GPT
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 
-TINY = dict(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32)
+TINY = TINY_GPT
 BF16_LOSS_RTOL = 2e-2  # the bound; measured 7e-3 (a bf16 loss of ~4.6 rounds to 2**-7)
 # no-sync accumulation in float32 vs. reducing every micro-step in float32: the
 # same bf16 gradients summed in a different order

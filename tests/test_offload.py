@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import local_slice
+from models import TINY_GPT
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-TINY = dict(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32)
+TINY = {**TINY_GPT, "n_layer": 2}
 GRAD_TOL = 1e-5  # GPU reductions run in another order than the reference's
 PARAM_TOL = 1e-4
 
@@ -116,7 +117,7 @@ def _assert_offload(results: list[dict], device_type: str) -> None:
             assert r[f"{name}_grad_devices"] == ["cpu"]
             assert r[f"{name}_state_devices"] == ["cpu"]
         assert r["pinned_pinned"] == offloaded
-        assert not r["pageable_pinned"]
+        assert not r["pageable_pinned"], r
         for name in ("none", "pinned", "pageable"):
             assert r[f"{name}_grad_diff"] <= GRAD_TOL, (name, r[f"{name}_grad_diff"])
             assert r[f"{name}_param_diff"] <= PARAM_TOL, (name, r[f"{name}_param_diff"])

@@ -12,11 +12,12 @@ import torch
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import local_slice, rank_world
+from models import TINY_GPT
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import _optim, fully_shard
 
-TINY = dict(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32)
+TINY = {**TINY_GPT, "n_layer": 2}
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
     "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),

@@ -16,17 +16,18 @@ from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import (
     all_gather_by_broadcast,
     collective_log,
+    gpt_batches,
     local_slice,
-    max_grad_diff,
     max_param_diff,
     mean_across_ranks,
     rank_world,
+    train_side_by_side,
 )
-from models import FrozenAndIgnored, Reuse, Stack
+from models import TINY_GPT, FrozenAndIgnored, Reuse, Stack
 
 from fsdp_compose import fully_shard
 
-TINY = dict(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32)
+TINY = TINY_GPT
 LOSS_TOL = 1e-5
 # Reduced gradients are compared directly (before any optimizer step): this is
 # the strict check of the all-gather / reduce-scatter arithmetic.
@@ -44,7 +45,6 @@ def _gpt_job(options: dict) -> dict:
         with all_gather_by_broadcast() as calls:
             out = _gpt_job({**options, "broadcast": False})
         return {**out, "by_broadcast": calls["by_broadcast"]}
-    rank, world = rank_world()
     torch.manual_seed(0)
     cfg = GPTConfig(**{**TINY, **options.get("cfg", {})})
     ref = GPT(cfg)
@@ -53,29 +53,13 @@ def _gpt_job(options: dict) -> dict:
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=raf)
     fully_shard(model, reshard_after_forward=options.get("root_reshard_after_forward"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    batch, steps = 2, options.get("steps", 5)
-    loss_diffs, per_step_counts = [], []
+    per_step_counts: list[dict] = []
     with collective_log() as log:
-        for step in range(steps):
-            x, y = make_batch(cfg, batch * world, step)
-            ref_loss = loss_fn(ref(x), y)
-            ref_loss.backward()
-            log.clear()
-            loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
-            loss.backward()
-            per_step_counts.append(dict(log.counts()))
-            if step == 0:
-                grad_diff = max_grad_diff(model, ref)
-            ref_opt.step()
-            ref_opt.zero_grad()
-            opt.step()
-            opt.zero_grad()
-            loss_diffs.append(abs(mean_across_ranks(loss.item()) - ref_loss.item()))
-    diff, where = max_param_diff(model, ref)
-    return {"loss_diffs": loss_diffs, "param_diff": diff, "where": where, "counts": per_step_counts,
-            "grad_diff": grad_diff,
+        out = train_side_by_side(
+            model, ref, options.get("steps", 5), gpt_batches(cfg), loss_fn, log=log,
+            after_backward=lambda *_: per_step_counts.append(dict(log.counts())),
+        )
+    return {**out, "counts": per_step_counts,
             "units": [b._fsdp_state().unit.name for b in model.blocks]}
 
 
@@ -99,7 +83,7 @@ def test_gpt_parity_reshard_true(world_size: int) -> None:
         # root keeps its parameters after forward (reshard_after_forward=None)
         assert counts[("all_gather", "root")] == 1, counts
         assert counts[("reduce_scatter", "root")] == 1, counts
-        assert sum(counts.values()) == 3 * len(results[0]["units"]) + 2
+        assert sum(counts.values()) == 3 * len(results[0]["units"]) + 2, counts
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -124,7 +108,7 @@ def test_gpt_parity_no_reshard() -> None:
         _gpt_job, 2, {"reshard_after_forward": False, "root_reshard_after_forward": True}
     )
     for r in results:
-        assert max(r["loss_diffs"]) <= LOSS_TOL
+        assert max(r["loss_diffs"]) <= LOSS_TOL, r["loss_diffs"]
         assert r["param_diff"] <= PARAM_TOL, (r["param_diff"], r["where"])
     counts = results[0]["counts"][-1]
     for unit in results[0]["units"]:
@@ -140,7 +124,7 @@ def test_gpt_parity_int_reshard_and_tied_weights() -> None:
         _gpt_job, 4, {"reshard_after_forward": 2, "cfg": {"tie_weights": True}}, timeout=240
     )
     for r in results:
-        assert max(r["loss_diffs"]) <= LOSS_TOL
+        assert max(r["loss_diffs"]) <= LOSS_TOL, r["loss_diffs"]
         assert r["param_diff"] <= PARAM_TOL, (r["param_diff"], r["where"])
     counts = results[0]["counts"][-1]
     for unit in results[0]["units"]:
@@ -172,19 +156,13 @@ def _small_model_job(which: str, steps: int = 4) -> dict:
         skip = {id(p) for p in (m.ignored.parameters() if which == "frozen" else [])}
         return [p for p in m.parameters() if p.requires_grad and id(p) not in skip]
 
-    opt = torch.optim.AdamW(trained(model), lr=1e-3)
-    ref_opt = torch.optim.AdamW(trained(ref), lr=1e-3)
     gen = torch.Generator().manual_seed(7)
-    loss_diffs, out = [], {}
-    for step in range(steps):
-        x = torch.randn(4 * world, in_dim, generator=gen)
-        y = torch.randn(4 * world, generator=gen)
-        ref_loss = F.mse_loss(ref(x), y)
-        ref_loss.backward()
-        loss = F.mse_loss(model(local_slice(x, rank, world)), local_slice(y, rank, world))
-        loss.backward()
-        if step == 0:
-            out["grad_diff"] = max_grad_diff(model, ref, skip=("ignored",))
+    out: dict = {}
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(4 * world, in_dim, generator=gen), torch.randn(4 * world, generator=gen)
+
+    def ignored_and_frozen(step: int, x: torch.Tensor, y: torch.Tensor) -> None:
         if which == "frozen" and step == 0:
             # Ignored parameters: plain tensors, gradient of the local batch only.
             local_ref = copy.deepcopy(ref)
@@ -194,13 +172,11 @@ def _small_model_job(which: str, steps: int = 4) -> dict:
             out["ignored_grad_diff"] = (model.ignored.weight.grad - local_ref.ignored.weight.grad).abs().max().item()
             out["frozen_has_grad"] = model.frozen.weight.grad is not None
             out["frozen_is_dtensor"] = type(model.frozen.weight.data).__name__ == "DTensor"
-        ref_opt.step()
-        ref_opt.zero_grad()
-        opt.step()
-        opt.zero_grad()
-        loss_diffs.append(abs(mean_across_ranks(loss.item()) - ref_loss.item()))
-    diff, where = max_param_diff(model, ref)
-    out.update(loss_diffs=loss_diffs, param_diff=diff, where=where)
+
+    out.update(train_side_by_side(
+        model, ref, steps, batch, F.mse_loss, params=trained, grad_skip=("ignored",),
+        after_backward=ignored_and_frozen,
+    ))
     return out
 
 
@@ -214,10 +190,10 @@ def test_small_models_parity(which: str, world_size: int) -> None:
         assert r["grad_diff"] <= GRAD_TOL, r["grad_diff"]
         assert r["param_diff"] <= PARAM_TOL, (r["param_diff"], r["where"])
         if which == "frozen":
-            assert r["ignored_is_plain"]
-            assert r["ignored_grad_diff"] <= 1e-6
-            assert not r["frozen_has_grad"]
-            assert r["frozen_is_dtensor"]
+            assert r["ignored_is_plain"], r
+            assert r["ignored_grad_diff"] <= 1e-6, r["ignored_grad_diff"]
+            assert not r["frozen_has_grad"], r
+            assert r["frozen_is_dtensor"], r
 
 
 def _grad_accum_job(micro_steps: int) -> dict:
@@ -267,7 +243,7 @@ def test_gradient_accumulation_without_sync() -> None:
         # micro-steps without sync issue no reduce-scatter; the last one reduces
         # every unit exactly once
         assert r["rs_per_micro"] == [0, 0, r["n_units"]] * 2, r["rs_per_micro"]
-        assert max(r["loss_diffs"]) <= LOSS_TOL
+        assert max(r["loss_diffs"]) <= LOSS_TOL, r["loss_diffs"]
         assert r["param_diff"] <= PARAM_TOL, (r["param_diff"], r["where"])
 
 
@@ -311,6 +287,6 @@ def test_matches_torch_fsdp2() -> None:
     for broadcast in (False, True):
         for r in run_distributed(_torch_oracle_job, 2, broadcast):
             assert r["ours"] == pytest.approx(r["theirs"], abs=1e-6)
-            assert r["param_diff"] <= 1e-6
+            assert r["param_diff"] <= 1e-6, r["param_diff"]
             # 4 steps x (3 blocks x 2 + the root once)
             assert r.get("by_broadcast", 0) == (28 if broadcast else 0)

@@ -85,4 +85,4 @@ def test_transformers_round_trip(tmp_path, arch: str, world: int) -> None:
         assert "model.safetensors.index.json" in r["files"], r["files"]
         assert not any(f.endswith(".tmp") for f in r["files"]), r["files"]
         if arch == "gpt2":
-            assert r["tied"]
+            assert r["tied"], r

@@ -239,7 +239,7 @@ def test_order_change_stays_correct() -> None:
     for r in run_distributed(_conditional_job, 2):
         assert max(r["diffs"]) < 1e-5 and r["param_diff"] < 1e-4
         assert r["mistargeted_prefetch"] >= 1 and r["freed"] >= 1, r
-        assert r["clean"]
+        assert r["clean"], r
 
 
 def _trace_export_job(out_dir: str) -> dict:

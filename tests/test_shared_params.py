@@ -615,4 +615,4 @@ def test_shared_transformers_llama_tied() -> None:
         # one reduction per step; lm_head has no unit of its own.
         assert r["counts"][("all_gather", "model.embed_tokens")] == 2, r["counts"]
         assert r["counts"][("reduce_scatter", "model.embed_tokens")] == 1, r["counts"]
-        assert r["generate_same"]
+        assert r["generate_same"], r

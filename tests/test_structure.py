@@ -82,10 +82,10 @@ def _structure_job() -> dict:
 
 def test_structure_in_place() -> None:
     for r in run_distributed(_structure_job, 2):
-        assert r["returned_same"]
+        assert r["returned_same"], r
         assert r["names_same"] and r["keys_same"]
         assert r["isinstance"] and r["class_name"] == "FSDPGPT"
-        assert r["params_ok"]
+        assert r["params_ok"], r
         assert r["sd_dtensor"] and r["sd_after_forward_dtensor"]
         assert r["unsharded_plain"] and r["unsharded_values"]
         assert r["child_still_sharded"] and r["root_still_sharded"] and r["resharded"]
@@ -158,6 +158,7 @@ def _meta_init_job() -> dict:
         "local_mb": local_bytes / 2**20,
         "rss_growth_mb": after_materialize - before,
         "init_equal": max_param_diff(model, ref)[0] == 0.0,
+        "init_diff": max_param_diff(model, ref),
     }
     # trains at parity
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -185,7 +186,7 @@ def test_meta_device_init() -> None:
         assert abs(r["local_mb"] - r["full_mb"] / 2) < 1.0
         # materialising allocates this rank's shards only (not the full model)
         assert r["rss_growth_mb"] < 0.75 * r["full_mb"], r
-        assert r["init_equal"]
+        assert r["init_equal"], r
         assert max(r["loss_diffs"]) < 1e-5
 
 

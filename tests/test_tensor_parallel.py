@@ -235,13 +235,13 @@ def test_tp_fsdp_2x2(tmp_path: Path) -> None:
     results = run_distributed(_tp_fsdp_job, DP * TP, str(tmp_path / "ckpt"), timeout=300)
     for rank, r in enumerate(results):
         assert r["layout_errors"] == [], (rank, r["layout_errors"])
-        assert r["sd_keys_equal"]
+        assert r["sd_keys_equal"], r
         assert r["unsharded"] and r["resharded"]
         assert max(r["loss_diffs"]) <= LOSS_TOL, r["loss_diffs"]
         assert r["grad_diff"] <= GRAD_TOL, r["grad_diff"]
-        assert r["grad_placements_match"]
+        assert r["grad_placements_match"], r
         assert r["param_diff"][0] <= PARAM_TOL, r["param_diff"]
-        assert r["full_sd_matches"]
+        assert r["full_sd_matches"], r
         assert r["full_load_diff"] == 0.0
         assert r["tp_only_load_diff"] == 0.0
         assert r["dcp_param_diff"] == 0.0

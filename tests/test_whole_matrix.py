@@ -241,7 +241,7 @@ def test_muon_checkpoint_resumes_at_another_world_size(tmp_path) -> None:
     path = str(tmp_path / "muon")
     saved = run_distributed(_ckpt_job, 2, path, "save")[0]
     for r in run_distributed(_ckpt_job, 3, path, "load"):
-        assert r["sharded"]
+        assert r["sharded"], r
         assert all(torch.equal(a, b) for a, b in zip(r["params"], saved["params"]))
         assert all(torch.equal(a, b) for a, b in zip(r["bufs"], saved["bufs"]))
 
