@@ -73,25 +73,29 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def max_param_diff(model: nn.Module, ref: nn.Module) -> tuple[float, str]:
+def max_param_diff(model: nn.Module, ref: nn.Module, rename: Any = None) -> tuple[float, str]:
+    """Largest |param - reference param| and where; ``rename`` maps the model's
+    parameter names to the reference's (e.g. dropping a wrapper's prefix)."""
     worst, where = 0.0, ""
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        d = (full(p.detach()) - ref_params[name].detach()).abs().max().item()
+        d = (full(p.detach()) - ref_params[rename(name) if rename else name].detach()).abs().max().item()
         if d > worst:
             worst, where = d, name
     return worst, where
 
 
-def max_grad_diff(model: nn.Module, ref: nn.Module, skip: tuple[str, ...] = ()) -> float:
-    """Largest |grad - reference grad| over parameters that have a gradient."""
+def max_grad_diff(model: nn.Module, ref: nn.Module, skip: tuple[str, ...] = (), rename: Any = None) -> float:
+    """Largest |grad - reference grad| over parameters that have a gradient
+    (``rename`` as in :func:`max_param_diff`)."""
     worst = 0.0
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
+        ref_p = ref_params[rename(name) if rename else name]
         if p.grad is None or any(s in name for s in skip):
-            assert ref_params[name].grad is None or any(s in name for s in skip), name
+            assert ref_p.grad is None or any(s in name for s in skip), name
             continue
-        d = (full(p.grad) - ref_params[name].grad).abs().max().item()
+        d = (full(p.grad) - ref_p.grad).abs().max().item()
         worst = max(worst, d)
     return worst
 
@@ -141,7 +145,9 @@ def train_side_by_side(
     params: Any = None,
     grad_skip: tuple[str, ...] = (),
     log: CollectiveLog | None = None,
+    before_model: Any = None,
     after_backward: Any = None,
+    rename: Any = None,
 ) -> dict[str, Any]:
     """The tests' parity loop: trains the sharded ``model`` on this rank's slice of
     each global batch ``batch(step) -> (x, y)`` and the unsharded ``ref`` on the
@@ -149,8 +155,10 @@ def train_side_by_side(
     parameters).
 
     ``log`` (if given) is cleared before the model's forward of every step, so it
-    holds the model's collectives of the step; ``after_backward(step, x, y)`` runs
-    after both backwards, before the optimizer steps (where step-0 checks go).
+    holds the model's collectives of the step; ``before_model(step)`` runs just
+    before the model's forward, ``after_backward(step, x, y)`` after both
+    backwards, before the optimizer steps (where step-0 checks go); ``rename`` maps
+    the model's parameter names to the reference's (wrappers' prefixes).
     Returns ``loss_diffs`` (per step, |mean over ranks of the loss - reference
     loss|), ``grad_diff`` (step 0, largest |grad - reference grad| outside
     ``grad_skip``) and ``param_diff``/``where`` after the last step.
@@ -166,10 +174,12 @@ def train_side_by_side(
         ref_loss.backward()
         if log is not None:
             log.clear()
+        if before_model is not None:
+            before_model(step)
         loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
         loss.backward()
         if step == 0:
-            grad_diff = max_grad_diff(model, ref, skip=grad_skip)
+            grad_diff = max_grad_diff(model, ref, skip=grad_skip, rename=rename)
         if after_backward is not None:
             after_backward(step, x, y)
         ref_opt.step()
@@ -177,7 +187,7 @@ def train_side_by_side(
         opt.step()
         opt.zero_grad()
         loss_diffs.append(abs(mean_across_ranks(loss.item()) - ref_loss.item()))
-    diff, where = max_param_diff(model, ref)
+    diff, where = max_param_diff(model, ref, rename)
     return {"loss_diffs": loss_diffs, "grad_diff": grad_diff, "param_diff": diff, "where": where}
 
 

@@ -17,7 +17,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import collective_log, full, local_slice, mean_across_ranks, rank_world
+from helpers import (
+    collective_log,
+    full,
+    local_slice,
+    mean_across_ranks,
+    rank_world,
+    train_side_by_side,
+)
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_compose import fully_shard
@@ -94,7 +101,7 @@ def _wrap_with_torch_checkpoint_wrapper(model: Net) -> None:
 
 
 def _parity_job(mode: str, steps: int = 3) -> dict:
-    rank, world = rank_world()
+    _, world = rank_world()
     torch.manual_seed(0)
     ref = Net()
     model = copy.deepcopy(ref)
@@ -114,37 +121,25 @@ def _parity_job(mode: str, steps: int = 3) -> dict:
     first_mlp = model.blocks[0].get_submodule(wrapped + "mlp")
     first_mlp.register_forward_pre_hook(lambda *_: mlp_calls.__setitem__(0, mlp_calls[0] + 1))
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    ref_params = dict(ref.named_parameters())
-    name = lambda n: n.replace("._checkpoint_wrapped_module", "")  # noqa: E731
-    loss_diffs, counts, calls = [], [], []
-    grad_diff = 0.0
+    counts, calls = [], []
     gen = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        x = torch.randn(4 * world, 16, 32, generator=gen)
-        y = torch.randn(4 * world, 16, generator=gen)
-        ref_loss = _loss(ref(x), y)
-        ref_loss.backward()
-        mlp_calls[0] = 0
-        with collective_log() as log:
-            loss = _loss(model(local_slice(x, rank, world)), local_slice(y, rank, world))
-            loss.backward()
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(4 * world, 16, 32, generator=gen), torch.randn(4 * world, 16, generator=gen)
+
+    def record(*_: object) -> None:
         counts.append(dict(log.counts()))
         calls.append(mlp_calls[0])
-        if step == 0:
-            grad_diff = max((full(p.grad) - ref_params[name(n)].grad).abs().max().item()
-                            for n, p in model.named_parameters())
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss_diffs.append(abs(mean_across_ranks(loss.item()) - ref_loss.item()))
-    param_diff = max((full(p.detach()) - ref_params[name(n)].detach()).abs().max().item()
-                     for n, p in model.named_parameters())
+
+    with collective_log() as log:
+        parity = train_side_by_side(
+            model, ref, steps, batch, _loss, log=log, after_backward=record,
+            before_model=lambda step: mlp_calls.__setitem__(0, 0),
+            rename=lambda n: n.replace("._checkpoint_wrapped_module", ""),
+        )
     units = [b._fsdp_state().unit.name for b in model.blocks]
-    return {"loss_diffs": loss_diffs, "grad_diff": grad_diff, "param_diff": param_diff,
-            "counts": counts, "mlp_calls": calls, "units": units}
+    return {"loss_diffs": parity["loss_diffs"], "grad_diff": parity["grad_diff"],
+            "param_diff": parity["param_diff"], "counts": counts, "mlp_calls": calls, "units": units}
 
 
 @pytest.mark.parametrize("mode", ["inside", "around", "pairs", "wrapper"])

@@ -16,8 +16,8 @@ import shutil
 
 import pytest
 import torch
-from gpt import GPT, GPTConfig, loss_fn, make_batch
-from helpers import collective_log, full, local_slice, mean_across_ranks, rank_world
+from gpt import GPT, GPTConfig, loss_fn
+from helpers import collective_log, gpt_batches, train_side_by_side
 from models import TINY_GPT
 
 from fsdp_compose import fully_shard
@@ -32,7 +32,6 @@ def _compile_job(how: str, backend: str, steps: int = 3) -> dict:
 
     torch._dynamo.reset()  # the pool's processes are reused across tests
     counters.clear()
-    rank, world = rank_world()
     torch.manual_seed(0)
     ref = GPT(TINY)
     model = copy.deepcopy(ref)
@@ -48,38 +47,25 @@ def _compile_job(how: str, backend: str, steps: int = 3) -> dict:
     if how == "root_compile":
         model.compile(backend=backend)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    ref_params = dict(ref.named_parameters())
-    name = lambda n: n.replace("._orig_mod", "")  # noqa: E731 - torch.compile's wrapper
-    loss_diffs, counts, graphs = [], [], []
-    grad_diff = 0.0
-    for step in range(steps):
-        x, y = make_batch(TINY, 2 * world, step)
-        ref_loss = loss_fn(ref(x), y)
-        ref_loss.backward()
-        with collective_log() as log:
-            loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
-            loss.backward()
+    counts, graphs = [], []
+
+    def record(*_: object) -> None:
         counts.append(dict(log.counts()))
         graphs.append(counters["stats"]["unique_graphs"])
-        if step == 0:
-            grad_diff = max((full(p.grad) - ref_params[name(n)].grad).abs().max().item()
-                            for n, p in model.named_parameters())
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss_diffs.append(abs(mean_across_ranks(loss.item()) - ref_loss.item()))
-    param_diff = max((full(p.detach()) - ref_params[name(n)].detach()).abs().max().item()
-                     for n, p in model.named_parameters())
+
+    with collective_log() as log:
+        parity = train_side_by_side(
+            model, ref, steps, gpt_batches(TINY), loss_fn, log=log, after_backward=record,
+            rename=lambda n: n.replace("._orig_mod", ""),  # torch.compile's wrapper
+        )
     # Graph-break reasons (dynamo files those it falls back to eager for under
     # "unimplemented"), first line of each.
     breaks = sorted({reason.splitlines()[0] for key in ("graph_break", "unimplemented")
                      for reason in counters[key]})
     root = model._fsdp_state()
     units = [s.unit.name for s in root.all_states if s.unit is not None and s is not root]
-    return {"units": units, "loss_diffs": loss_diffs, "grad_diff": grad_diff, "param_diff": param_diff,
+    return {"units": units, "loss_diffs": parity["loss_diffs"], "grad_diff": parity["grad_diff"],
+            "param_diff": parity["param_diff"],
             "counts": counts, "unique_graphs": graphs, "graph_breaks": breaks,
             "aot_graphs": counters["aot_autograd"]["total"]}
 
