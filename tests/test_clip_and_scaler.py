@@ -174,7 +174,7 @@ def test_clip_and_scaler(hsdp: bool) -> None:
         assert r["inf_scale"] == INIT_SCALE / 2
         assert r["mixed_skipped"] and r["mixed_scale"] == INIT_SCALE / 2
     if not hsdp:
-        assert all(r["torch_scaler_skipped"] for r in results)
+        assert all(r["torch_scaler_skipped"] for r in results), [r["torch_scaler_skipped"] for r in results]
 
 
 def _fp16_training_job(hsdp: bool) -> dict:
@@ -212,10 +212,10 @@ def test_fp16_training_with_loss_scaling(hsdp: bool) -> None:
     results = run_distributed(_fp16_training_job, 4 if hsdp else 2, hsdp, timeout=240)
     scales = results[0]["scales"]
     assert all(r["scales"] == scales for r in results), [r["scales"] for r in results]
-    assert all(r["checksum"] == results[0]["checksum"] for r in results)
+    assert all(r["checksum"] == results[0]["checksum"] for r in results), [r["checksum"] for r in results]
     skipped = sum(1 for a, b in zip([INIT_FP16_SCALE] + scales, scales) if b < a)
     assert 0 < skipped < len(scales), scales
     for r in results:
         assert r["dtypes"] == ["torch.float32"]
-        assert all(math.isfinite(v) for v in r["losses"])
+        assert all(math.isfinite(v) for v in r["losses"]), r["losses"]
         assert r["losses"][-1] < r["losses"][0], r["losses"]

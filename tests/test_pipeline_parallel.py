@@ -134,7 +134,7 @@ def test_pp_dp_parity_one_reduce_scatter_per_step(schedule: str) -> None:
             # Each unit reduces the sum over the 4 microbatches exactly once.
             assert _reduce_scatters(counts) == {u: 1 for u in r["units"]}, counts
         # Settings are back to normal after the step.
-        assert all(sync and reshard for sync, reshard in r["settings_after"])
+        assert all(sync and reshard for sync, reshard in r["settings_after"]), r["settings_after"]
 
 
 @pytest.mark.slow

@@ -14,12 +14,13 @@ import torch
 import torch.nn as nn
 from dist_utils import JobFailed, get_pool, run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
-from helpers import local_slice, rank_world
+from helpers import local_slice, rank_world, tensor_diff
+from models import TINY_GPT
 
 from fsdp_compose import _collectives, debug, fully_shard
 from fsdp_compose._unit import ShardState
 
-TINY = dict(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32)
+TINY = TINY_GPT
 
 
 def _sharded_gpt(cfg: GPTConfig | None = None, seed: int = 0) -> GPT:
@@ -358,7 +359,9 @@ def test_reset_after_exception(fail_in: str) -> None:
     recovered = run_distributed(_reset_job, 2, fail_in)
     for a, b in zip(clean, recovered):
         assert len(b["losses"]) == 4 and a["losses"] == b["losses"]  # bit-identical, 3 steps after
-        assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
+        assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"])), [
+            tensor_diff(p, q) for p, q in zip(a["params"], b["params"]) if not torch.equal(p, q)
+        ]
 
 
 def _determinism_job() -> dict:
@@ -387,6 +390,8 @@ def test_bit_identical_repeat_runs() -> None:
     second = run_distributed(_determinism_job, 4)
     for a, b in zip(first, second):
         assert a["losses"] == b["losses"]
-        assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
+        assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"])), [
+            tensor_diff(p, q) for p, q in zip(a["params"], b["params"]) if not torch.equal(p, q)
+        ]
         # [Note: gloo work at interpreter exit]: training on gloo arms the exit handler
         assert a["exit_guard"] and b["exit_guard"]

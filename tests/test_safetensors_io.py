@@ -421,7 +421,7 @@ def test_export(tmp_path) -> None:
     assert results[0]["failure"] == "OSError" and results[1]["failure"] == "RuntimeError"
     n_paths, n_files = results[0]["paths"]
     assert n_files > 1 and n_paths == n_files + 1, results[0]["paths"]
-    assert not any(".tmp" in f for f in results[0]["listing"])
+    assert not any(".tmp" in f for f in results[0]["listing"]), results[0]["listing"]
     # the same DCP checkpoint on one process (no process group)
     out = tmp_path / "from_dcp_single"
     paths = export_dcp_to_safetensors(tmp_path / "dcp", out, max_shard_size="1GB")

@@ -293,9 +293,10 @@ def test_trace_chrome_json(tmp_path) -> None:
             assert e["dur"] >= 0 and e["name"]
     names = {e["name"] for e in events}
     for kind in ("all_gather", "reduce_scatter"):
-        assert any(n.startswith(kind) for n in names)
-    assert any(n.startswith("wait ") for n in names)
-    assert any(n.startswith("forward ") for n in names) and any(n.startswith("backward ") for n in names)
+        assert any(n.startswith(kind) for n in names), (kind, sorted(set(names)))
+    assert any(n.startswith("wait ") for n in names), sorted(set(names))
+    assert any(n.startswith("forward ") for n in names), sorted(set(names))
+    assert any(n.startswith("backward ") for n in names), sorted(set(names))
     threads = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"compute", "comm: all_gather", "comm: reduce_scatter"} <= threads
 
