@@ -69,6 +69,19 @@ def all_gather_by_broadcast(min_row_bytes: int = 0) -> Iterator[Counter[str]]:
         _collectives._BROADCAST_ALL_GATHER_MIN_ROW_BYTES = threshold
 
 
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int) -> Iterator[None]:
+    """This process as ``rank`` of ``world_size`` on torch's ``fake`` backend
+    (collectives return at once without communicating): dry runs at any size."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 

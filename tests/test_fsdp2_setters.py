@@ -9,6 +9,15 @@ the batch and checks the reduced gradients against
 * torch's FSDP2 given the same setter (the semantics fsdp_compose copies),
 
 plus the collectives fsdp_compose issued.
+
+torch's FSDP2 runs with ``set_force_sum_reduction_for_comms(True)``: that is what
+fsdp_compose always does (SUM, then a separate division), and gloo has no
+PREMUL_SUM for FSDP2's custom divide factor otherwise. It matters for the
+all-reduce hook: fsdp_compose (like FSDP2 with that setting) hands the hook the
+summed gradient before the division, whereas FSDP2's default for float32/bfloat16
+reduces with ``ReduceOp.AVG`` and hands the hook the averaged one (checked by
+hand: the hook's inputs differ by the factor 2 at 2 ranks; the final gradients
+agree here only because this hook is linear).
 """
 
 from __future__ import annotations

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from gpt import GPT, GPTConfig
-from helpers import collective_log
+from helpers import collective_log, fake_process_group
 from models import OddShapes, Stack
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -41,17 +39,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from fsdp_compose import fully_shard
 
 TINY = {"vocab_size": 97, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
-
-
-@contextmanager
-def _fake_world(world: int, rank: int) -> Iterator[None]:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _gpt() -> tuple[nn.Module, list[nn.Module], Callable[[nn.Module], torch.Tensor]]:
@@ -99,7 +86,7 @@ def _layout_at(model_name: str, world: int, rank: int, replicas: int) -> dict:
     model, units, run = MODELS[model_name]()
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     unit_names = [n for n, m in model.named_modules() if any(m is u for u in units)]
-    with _fake_world(world, rank):
+    with fake_process_group(world, rank):
         mesh = None
         if replicas > 1:
             mesh = init_device_mesh(
@@ -198,7 +185,7 @@ def test_shard_placement_fn_dim1_layout() -> None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 5), nn.Linear(5, 3))
         ref = copy.deepcopy(model)
-        with _fake_world(world, rank):
+        with fake_process_group(world, rank):
             fully_shard(
                 model,
                 shard_placement_fn=lambda p: (
