@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
-from helpers import local_slice, max_param_diff, rank_world
+from helpers import fake_process_group, local_slice, max_param_diff, rank_world
 from models import TINY_GPT
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -208,17 +208,6 @@ def test_threaded_runner_fails_a_hang_within_its_timeout() -> None:
 # ---------------------------------------------------------------------------
 
 
-@contextmanager
-def _fake_process_group(world_size: int, rank: int) -> Iterator[None]:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _user_training_code(
     cfg: GPTConfig, steps: int, mesh: DeviceMesh | None = None
 ) -> tuple[GPT, torch.optim.Optimizer, torch.Tensor]:
@@ -247,7 +236,7 @@ def test_fake_backend_full_step_on_fake_tensors(world: int, replicas: int) -> No
 
     rank = world - 1  # the last rank: the shortest (often empty) shards
     cfg = GPTConfig(**TINY)
-    with _fake_process_group(world, rank):
+    with fake_process_group(world, rank):
         mesh = None
         if replicas > 1:
             shape = (replicas, world // replicas)
@@ -271,7 +260,7 @@ def test_fake_backend_full_step_on_fake_tensors(world: int, replicas: int) -> No
 def test_fake_backend_real_tensors() -> None:
     """The fake backend with real (CPU) tensors also runs a step: the values are
     meaningless (nothing is communicated) but shapes and the schedule are real."""
-    with _fake_process_group(8, 3):
+    with fake_process_group(8, 3):
         torch.manual_seed(0)
         model, opt, loss = _user_training_code(GPTConfig(**TINY), steps=1)
     assert torch.isfinite(loss), loss
