@@ -9,6 +9,7 @@ module's class to a subclass of :class:`FSDPModule` and of its original class.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn, overload
 
@@ -29,6 +30,8 @@ from ._shared import borrow, collect_borrowed, link_shared, shared_link
 from ._sharded_param import IGNORED_BY, SHARDED_BY, ShardedParam
 from ._state import UnitState, state_of
 from ._unit import Unit
+
+logger = logging.getLogger("fsdp_compose")
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
@@ -667,19 +670,41 @@ class FSDPModule:
             unit.reduce_scatter_group = separate_reduce_scatter_group(unit.mesh_info) if enable else None
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Not supported: communication buffers come from the regular allocator.
-        Passing ``False`` (the default behaviour) is accepted."""
+        """Asks for communication staging buffers from the process group's own
+        allocator (NCCL: zero-copy transfers over SHARP).
+
+        Accepted on every backend so that one training script runs on CPU and
+        GPU alike, but fsdp_compose always allocates the buffers with the regular
+        allocator: with gloo on CPU there is no such allocator, and the CUDA path
+        is not implemented yet. ``True`` logs a one-time note saying so; the
+        collectives and results are those of the default path.
+
+        Args:
+            enable (bool): whether to use the process group's allocator.
+        """
+        if not isinstance(enable, bool):
+            raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
         if enable:
-            raise NotImplementedError(
-                "fsdp_compose allocates communication buffers with the regular allocator; "
-                "process-group allocators are not supported yet"
+            _note_comm_buffers_unchanged(
+                "set_allocate_memory_from_process_group_for_comm(True)", self._fsdp_state()
             )
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Not supported yet: raises ``NotImplementedError``."""
-        raise NotImplementedError(
-            "fsdp_compose does not allocate communication buffers from symmetric memory yet"
-        )
+        """Asks for all-gather staging buffers in symmetric memory (``symm_mem``),
+        for NCCL's copy-engine or symmetric-kernel all-gathers.
+
+        Accepted on every backend so that one training script runs on CPU and
+        GPU alike, but fsdp_compose always allocates the buffers with the regular
+        allocator: gloo on CPU has no symmetric memory, and the CUDA path is not
+        implemented yet. The call logs a one-time note saying so; the
+        collectives and results are those of the default path.
+
+        Args:
+            backend (str): the symmetric memory backend; only ``"NCCL"``, as in FSDP2.
+        """
+        if backend != "NCCL":
+            raise ValueError(f'set_symm_mem_for_comm supports backend="NCCL" only, got {backend!r}')
+        _note_comm_buffers_unchanged("set_symm_mem_for_comm()", self._fsdp_state())
 
     def set_custom_all_gather(self, comm: AllGatherComm | None) -> None:
         """Issues this module's parameter all-gathers with ``comm`` instead of the
@@ -798,6 +823,31 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     for m in modules:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"expected FSDPModules, got {type(m).__name__}")
+
+
+_noted_comm_settings: set[tuple[str, str]] = set()
+
+
+def _note_comm_buffers_unchanged(setting: str, state: UnitState) -> None:
+    """Logs once per process and device type that ``setting`` keeps the regular
+    allocator for communication buffers (see the two setters' docstrings)."""
+    units = state.units_in_subtree(False)
+    device_type = units[0].mesh_info.device.type if units else "cpu"
+    key = (setting, device_type)
+    if key in _noted_comm_settings:
+        return
+    _noted_comm_settings.add(key)
+    why = (
+        "gloo/CPU has no such allocator"
+        if device_type == "cpu"
+        else f"this path is not implemented for {device_type!r} yet"
+    )
+    logger.warning(
+        "fsdp_compose: %s accepted; communication buffers still come from the regular "
+        "allocator (%s). Collectives and results are unchanged.",
+        setting,
+        why,
+    )
 
 
 def _check_comm(comm: object, method: str) -> None:

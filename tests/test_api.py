@@ -13,8 +13,8 @@ PUBLIC = {
     "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardedGradScaler", "trace", "debug",
     "PipelineStage", "whole_matrix",
 }
-# FSDP2 methods we do not implement yet (they raise NotImplementedError with a reason)
-NOT_IMPLEMENTED = {"set_symm_mem_for_comm"}
+# FSDP2 methods missing from fsdp_compose (none left)
+NOT_IMPLEMENTED: set[str] = set()
 # Newer than the torch releases fsdp_compose targets, or private
 IGNORED = {"DataParallelMeshDims"}
 
