@@ -19,6 +19,7 @@ from torch.distributed.tensor import DeviceMesh, Shard
 
 from . import _compat
 from ._collectives import AllGatherComm, ReduceScatterComm
+from ._errors import FSDPRuntimeError, FSDPValueError
 from ._mesh import (
     default_mesh,
     resolve_mesh_info,
@@ -239,7 +240,7 @@ def _validate_modules(module: object) -> tuple[nn.Module, ...]:
                 "so no hook would ever run. Annotate its elements (e.g. each block) instead."
             )
         if state_of(m) is not None:
-            raise ValueError(
+            raise FSDPValueError(  # see [Note: FSDP2's exception types]
                 f"{type(m).__name__} already has fully_shard applied; each module can be "
                 "annotated once (use FSDPModule.set_* methods to change its settings)."
             )
@@ -457,7 +458,7 @@ def _reshard_unit(unit: Unit, state: UnitState) -> None:
 
 
 def _no_deepcopy(*_: Any) -> NoReturn:
-    raise RuntimeError(
+    raise FSDPRuntimeError(
         "fully_shard modules cannot be deep-copied (their parameters are shards tied to "
         "process groups). Copy the model before fully_shard, or use state_dict()."
     )

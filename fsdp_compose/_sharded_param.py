@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from . import _compat
+from ._errors import FSDPValueError
 from ._mesh import MeshInfo
 
 
@@ -89,7 +90,7 @@ class ShardedParam:
                 "in ignored_params to leave it unsharded."
             )
         if not -param.dim() <= shard_dim < param.dim():
-            raise ValueError(
+            raise FSDPValueError(
                 f"shard dim {shard_dim} is out of range for parameter {owners[0][1]!r} "
                 f"of shape {tuple(param.shape)}"
             )
@@ -98,7 +99,7 @@ class ShardedParam:
         size = param.shape
         if shard_dim != 0 and size[shard_dim] % world != 0:
             local = " (TP-local)" if self.tp_spec is not None else ""
-            raise ValueError(
+            raise NotImplementedError(  # FSDP2's type, see [Note: FSDP2's exception types]
                 f"parameter {owners[0][1]!r} of{local} shape {tuple(size)} cannot be sharded on dim "
                 f"{shard_dim} over {world} ranks: sharding on a dim other than 0 needs the dim "
                 f"size to be divisible by the shard world size (dim 0 allows uneven sizes)."

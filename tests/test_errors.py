@@ -132,7 +132,7 @@ def _errors_job() -> dict[str, str]:
     results["scalar"] = _expect(lambda: fully_shard(Scalar()), ValueError, "0-dim .*ignored_params")
     results["uneven_dim1"] = _expect(
         lambda: fully_shard(nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(1)),
-        ValueError, "divisible by the shard world size",
+        NotImplementedError, "divisible by the shard world size",
     )
 
     def meta_forward() -> None:

@@ -77,3 +77,71 @@ def test_comm_allocator_settings_accepted_with_one_note() -> None:
         assert len(r["notes"]) == 2, r["notes"]
         assert "set_symm_mem_for_comm()" in r["notes"][0] and "gloo/CPU" in r["notes"][0]
         assert "set_allocate_memory_from_process_group_for_comm(True)" in r["notes"][1]
+
+
+def _refusal_cases(shard) -> dict:
+    """name -> a function taking ``fully_shard`` and making it refuse something."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    def twice(fs):
+        m = nn.Linear(4, 4)
+        fs(m)
+        fs(m)
+
+    def deepcopy(fs):
+        import copy
+
+        copy.deepcopy(fs(nn.Linear(4, 4)))
+
+    def reshard_not_bool(fs):
+        fs(nn.Linear(4, 4)).set_reshard_after_forward(1)
+
+    return {
+        "uneven_dim1": lambda fs: fs(nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(1)),
+        "dim_out_of_range": lambda fs: fs(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)),
+        "not_a_shard": lambda fs: fs(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate()),
+        "twice": twice,
+        "deepcopy": deepcopy,
+        "scalar": lambda fs: fs(_Scalar()),
+        "container": lambda fs: fs(nn.ModuleList([nn.Linear(2, 2)])),
+        "reshard_int": lambda fs: fs(nn.Linear(4, 4), reshard_after_forward=3),
+        "reshard_not_bool": reshard_not_bool,
+        "mesh_3d": lambda fs: fs(nn.Linear(4, 4), mesh=shard),
+    }
+
+
+class _Scalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(1.0))
+
+
+def _exception_types_job() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh_3d = init_device_mesh("cpu", (1, 1, 2))
+    out = {}
+    for name, case in _refusal_cases(mesh_3d).items():
+        caught = []
+        for fs in (torch_fully_shard, fully_shard):
+            try:
+                case(fs)
+                caught.append(None)
+            except Exception as exc:  # noqa: BLE001 - compared below
+                caught.append(exc)
+        theirs, ours = caught
+        out[name] = (
+            type(theirs).__name__ if theirs is not None else None,
+            type(ours).__name__ if ours is not None else None,
+            theirs is not None and isinstance(ours, type(theirs)),
+        )
+    return out
+
+
+def test_refusals_raise_fsdp2_exception_types() -> None:
+    # Each refusal is made by torch's FSDP2 and by fsdp_compose on the same input:
+    # fsdp_compose's exception must be an instance of FSDP2's type.
+    for r in run_distributed(_exception_types_job, 2):
+        for name, (theirs, ours, ok) in r.items():
+            assert ok, f"{name}: FSDP2 raises {theirs}, fsdp_compose {ours}"
