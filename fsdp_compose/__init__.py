@@ -6,6 +6,7 @@ prefetch) and reduce-scatters gradients per unit. See the README for usage.
 """
 
 from . import debug, trace, whole_matrix
+from ._mesh import DataParallelMeshDims
 from ._fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

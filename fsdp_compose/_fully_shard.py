@@ -21,8 +21,10 @@ from . import _compat
 from ._collectives import AllGatherComm, ReduceScatterComm
 from ._errors import FSDPRuntimeError, FSDPValueError
 from ._mesh import (
+    DataParallelMeshDims,
     default_mesh,
     resolve_mesh_info,
+    resolve_spmd_mesh_info,
     separate_reduce_scatter_group,
     validate_reshard_after_forward,
 )
@@ -54,7 +56,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: Any | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
 ) -> FSDPModule: ...
 
 
@@ -68,7 +70,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: Any | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -81,7 +83,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
-    dp_mesh_dims: Any | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> Any:
     """Shards ``module``'s parameters across the data-parallel ranks of ``mesh``.
 
@@ -122,22 +124,17 @@ def fully_shard(
             parameters, gradients and optimizer states in host memory.
         ignored_params (Optional[Set[nn.Parameter]]): parameters left as they are:
             not sharded, not moved, not reduced.
-        dp_mesh_dims (Optional[DataParallelMeshDims]): accepted for compatibility
-            with torch 2.13's FSDP2; only ``None`` is supported (pass the
-            data-parallel submesh as ``mesh`` and tensor-parallel DTensor
-            parameters on their own submesh, as with earlier releases).
+        dp_mesh_dims (Optional[DataParallelMeshDims]): when given, ``mesh`` is the
+            full SPMD mesh (e.g. dims ``("dp", "tp")``) and every parameter must be
+            a DTensor on it with ``Replicate()`` on the data-parallel dims; the
+            parameters are sharded over the dim named ``shard`` (and replicated
+            over ``replicate``, HSDP), keeping their placement on the other dim.
+            One shard dim, at most one replicate dim and at most one other dim.
 
     Returns:
         The same module (or list), now an :class:`FSDPModule`.
     """
     modules = _validate_modules(module)
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "fsdp_compose does not support dp_mesh_dims (parameters as DTensors on one "
-            "full SPMD mesh) yet: pass the data-parallel submesh, e.g. "
-            "fully_shard(module, mesh=mesh['dp']), with tensor-parallel parameters as "
-            "DTensors on mesh['tp']"
-        )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -149,7 +146,15 @@ def fully_shard(
         raise TypeError("shard_placement_fn must be callable (param -> Shard | None)")
     ignored = _validate_ignored_params(ignored_params, modules)
     mesh = default_mesh() if mesh is None else mesh
-    mesh_info = resolve_mesh_info(mesh)
+    if dp_mesh_dims is None:
+        mesh_info = resolve_mesh_info(mesh)
+    else:  # a full SPMD mesh, see [Note: dp_mesh_dims]
+        mesh_info = resolve_spmd_mesh_info(mesh, dp_mesh_dims)
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(
+                "reshard_after_forward as an int is not supported with dp_mesh_dims (as in "
+                "FSDP2); pass True or False"
+            )
     if mesh_info.device.type == "meta":
         raise ValueError(
             f"fully_shard got a mesh on the meta device ({mesh}): the sharded parameters would "

@@ -145,3 +145,163 @@ def test_refusals_raise_fsdp2_exception_types() -> None:
     for r in run_distributed(_exception_types_job, 2):
         for name, (theirs, ours, ok) in r.items():
             assert ok, f"{name}: FSDP2 raises {theirs}, fsdp_compose {ours}"
+
+
+# -- dp_mesh_dims: parameters as DTensors on the full SPMD mesh ------------------
+
+_LAYOUTS = {
+    # mesh dim names -> (shard, replicate) names; the remaining dim is tensor parallel
+    "dp_tp": (("dp", "tp"), "dp", None),
+    "tp_dp": (("tp", "dp"), "dp", None),
+    "hsdp": (("rep", "dp"), "dp", "rep"),
+}
+
+
+class _SpmdMLP(nn.Module):
+    """fc1 (column-parallel) -> relu -> fc2 (row-parallel) -> head, on DTensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = getattr(self, "spmd_mesh", None)
+        if mesh is not None:
+            x = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim)
+        y = self.fc2(torch.relu(self.fc1(x)))
+        if mesh is not None:
+            y = y.redistribute(mesh, [Replicate()] * mesh.ndim)
+        out = self.head(y)
+        return out.to_local() if mesh is not None else out
+
+
+def _distribute(model: _SpmdMLP, mesh, tp_dim: int | None) -> None:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    tp_placements = {"fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1)}
+    for module_name, module in model.named_children():
+        for name, p in list(module.named_parameters()):
+            placements = [Replicate()] * mesh.ndim
+            if tp_dim is not None:
+                placements[tp_dim] = tp_placements.get(f"{module_name}.{name}", Replicate())
+            setattr(module, name, nn.Parameter(distribute_tensor(p.detach().clone(), mesh, placements)))
+    model.spmd_mesh = mesh
+
+
+def _dp_mesh_dims_job(layout: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_compose import DataParallelMeshDims
+
+    names, shard, replicate = _LAYOUTS[layout]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    dp_rank = mesh.get_local_rank(names.index(shard))
+    rep_rank = mesh.get_local_rank(names.index(replicate)) if replicate else 0
+    dp_index, dp_world = (rep_rank * 2 + dp_rank, 4) if replicate else (dp_rank, 2)
+    tp_dim = None if replicate else 1 - names.index(shard)
+    dims = DataParallelMeshDims(shard=shard, replicate=replicate)
+
+    torch.manual_seed(0)
+    ref = _SpmdMLP()
+    model = _SpmdMLP()
+    model.load_state_dict(ref.state_dict())
+    _distribute(model, mesh, tp_dim)
+    fully_shard(model.fc1, mesh=mesh, dp_mesh_dims=dims)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    out: dict = {
+        "placements": {n: (str(p.device_mesh.mesh_dim_names), str(p.placements)) for n, p in model.named_parameters()},
+        "all_dtensor": all(isinstance(p, DTensor) and p.device_mesh == mesh for p in model.parameters()),
+    }
+    # the same layout as torch's FSDP2 gives
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    theirs = _SpmdMLP()
+    _distribute(theirs, mesh, tp_dim)
+    torch_fully_shard(theirs.fc1, mesh=mesh, dp_mesh_dims=dims)
+    torch_fully_shard(theirs, mesh=mesh, dp_mesh_dims=dims)
+    out["torch_placements"] = {
+        n: (str(p.device_mesh.mesh_dim_names), str(p.placements)) for n, p in theirs.named_parameters()
+    }
+    if layout == "dp_tp":
+        out["errors"] = _dp_mesh_dims_errors(mesh, dims)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    loss_diffs, grad_diffs = [], []
+    for _ in range(3):
+        x = torch.randn(8, 8)
+        per = 8 // dp_world
+        loss = model(x[dp_index * per : (dp_index + 1) * per]).square().mean()
+        loss.backward()
+        ref_loss = ref(x).square().mean()
+        ref_loss.backward()
+        # mean over the data-parallel ranks of the per-rank losses = the full-batch loss
+        mean_loss = torch.tensor([loss.item()])
+        torch.distributed.all_reduce(mean_loss)
+        loss_diffs.append(abs(mean_loss.item() / 4 - ref_loss.item()))
+        ref_grads = dict(ref.named_parameters())
+        grad_diffs.append(max(
+            (p.grad.full_tensor() - ref_grads[n].grad).abs().max().item() for n, p in model.named_parameters()
+        ))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    out["param_diff"] = max(
+        (p.detach().full_tensor() - ref_params[n].detach()).abs().max().item() for n, p in model.named_parameters()
+    )
+    out["loss_diff"], out["grad_diff"] = max(loss_diffs), max(grad_diffs)
+    return out
+
+
+def _dp_mesh_dims_errors(mesh, dims) -> dict:
+    from fsdp_compose import DataParallelMeshDims
+
+    def spmd_model() -> _SpmdMLP:
+        m = _SpmdMLP()
+        _distribute(m, mesh, 1)
+        return m
+
+    cases = {
+        "plain_param": (lambda: fully_shard(_SpmdMLP(), mesh=mesh, dp_mesh_dims=dims), ValueError),
+        "unknown_dim": (
+            lambda: fully_shard(spmd_model(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp")),
+            ValueError,
+        ),
+        "replicate_only": (
+            lambda: fully_shard(spmd_model(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp")),
+            NotImplementedError,
+        ),
+        "reshard_int": (
+            lambda: fully_shard(spmd_model(), mesh=mesh, dp_mesh_dims=dims, reshard_after_forward=2),
+            NotImplementedError,
+        ),
+        "not_dims": (lambda: fully_shard(spmd_model(), mesh=mesh, dp_mesh_dims="dp"), TypeError),
+    }
+    out = {}
+    for name, (fn, expected) in cases.items():
+        try:
+            fn()
+            out[name] = "no exception"
+        except expected:
+            out[name] = "ok"
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_dp_mesh_dims_parity(layout: str) -> None:
+    results = run_distributed(_dp_mesh_dims_job, 4, layout)
+    for r in results:
+        assert r["all_dtensor"], r["placements"]
+        assert r["placements"] == r["torch_placements"]
+        assert all(v == "ok" for v in r.get("errors", {}).values()), r["errors"]
+        assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
+    print(layout, results[0]["placements"])
