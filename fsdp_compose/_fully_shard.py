@@ -22,6 +22,7 @@ from ._collectives import AllGatherComm, ReduceScatterComm
 from ._errors import FSDPRuntimeError, FSDPValueError
 from ._mesh import (
     DataParallelMeshDims,
+    MeshInfo,
     default_mesh,
     resolve_mesh_info,
     resolve_spmd_mesh_info,
@@ -178,21 +179,35 @@ def fully_shard(
 
     unit_label = _describe(modules)
     sharded: list[ShardedParam] = []
+    # One unit per data-parallel mesh, see [Note: per-parameter meshes].
+    groups: dict[MeshInfo, list[ShardedParam]] = {mesh_info: []}
+    param_meshes = _ParamMeshes(mesh_info)
     for param, param_owners in owners.items():
-        shard_dim = _shard_dim(shard_placement_fn, param, param_owners)
+        shard_dim, param_mesh_info = _placement(shard_placement_fn, param, param_owners, param_meshes)
         sharded_param = ShardedParam(
             param,
             param_owners,
-            mesh_info,
+            param_mesh_info,
             shard_dim,
             device,
             offload_device=torch.device("cpu") if offload else None,
             pin_memory=offload and getattr(offload_policy, "pin_memory", False),
         )
         sharded.append(sharded_param)
-    unit = (
-        Unit(sharded, modules, mesh_info, reshard, mp_policy, offload_policy) if sharded else None
-    )
+        groups.setdefault(param_mesh_info, []).append(sharded_param)
+    units = [
+        Unit(
+            group,
+            modules,
+            info,
+            reshard if info is mesh_info else validate_reshard_after_forward(reshard_after_forward, info.shard_size),
+            mp_policy,
+            offload_policy,
+        )
+        for info, group in groups.items()
+        if group
+    ]
+    unit_of = {id(p): u for u in units for p in u.params}
     # Validated: from here on the module changes.
     _move_buffers(managed_modules, device)
     for param in ignored:  # left plain on purpose: not a forgotten root (_missing_root)
@@ -202,11 +217,14 @@ def fully_shard(
         sharded_param.mark_owned(unit_label)
         setattr(sharded_param.sharded_param, _SHARDED_MODULES, modules)
         setattr(param, _REPLACED_BY, unit_label)
-    state = UnitState(modules, unit, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
-    if unit is not None:
+    state = UnitState(
+        modules, units[0] if units else None, mp_policy, auto_reshard_after_forward=reshard_after_forward is None
+    )
+    state.extra_units = units[1:]
+    for unit in units:
         _register_state_dict_hooks(unit, state)
-        for (param, _), sharded_param in zip(owners.items(), sharded):
-            link_shared(param, sharded_param, unit, state)
+    for (param, _), sharded_param in zip(owners.items(), sharded):
+        link_shared(param, sharded_param, unit_of[id(sharded_param)], state)
     borrow(state, borrowed)
     for link, pairs in borrowed.items():
         _register_state_dict_hooks(link.unit, link.state, [(m, n, link.param) for m, n in pairs])
@@ -387,22 +405,85 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
                 m._buffers[name] = b.to(device)
 
 
-def _shard_dim(
-    fn: Callable[[nn.Parameter], Shard | None] | None,
+# [Note: per-parameter meshes]
+# ``shard_placement_fn`` may return FSDP2's ``ShardPlacementResult`` (a placement and
+# a torch ``FSDPMeshInfo``) to shard a parameter on a mesh of its own, e.g. MoE
+# expert weights on an expert-data-parallel mesh while the rest of the block uses
+# the data-parallel mesh. One ``fully_shard`` call then makes one unit per mesh
+# (each with its own all-gather and reduce-scatter), all owned by the call's
+# ``UnitState``: its hooks gather and reduce every unit together, issuing all of
+# their collectives before waiting for any, so the meshes' collectives overlap.
+
+
+class _ParamMeshes:
+    """Resolves the meshes ``shard_placement_fn`` names to one :class:`MeshInfo`
+    per set of process groups (parameters on the same groups share a unit)."""
+
+    def __init__(self, default: MeshInfo) -> None:
+        self.default = default
+        self._by_id: dict[int, MeshInfo] = {}
+        self._by_groups: dict[tuple[int, int], MeshInfo] = {self._key(default): default}
+
+    @staticmethod
+    def _key(info: MeshInfo) -> tuple[int, int]:
+        return (id(info.shard_group), id(info.replicate_group))
+
+    def resolve(self, torch_mesh_info: Any, where: str) -> MeshInfo:
+        known = self._by_id.get(id(torch_mesh_info))
+        if known is not None:
+            return known
+        mesh = getattr(torch_mesh_info, "mesh", None)
+        if not isinstance(mesh, DeviceMesh):
+            raise ValueError(
+                f"shard_placement_fn returned a ShardPlacementResult for {where} whose mesh_info "
+                f"has no DeviceMesh (got {type(torch_mesh_info).__name__}); build it as "
+                "FSDPMeshInfo(mesh, shard_mesh_dim=0) (1-D) or HSDPMeshInfo(mesh, "
+                "shard_mesh_dim=1, replicate_mesh_dim=0) (2-D)"
+            )
+        shard_dim = getattr(torch_mesh_info, "shard_mesh_dim", mesh.ndim - 1)
+        replicate_dim = getattr(torch_mesh_info, "replicate_mesh_dim", None)
+        if shard_dim != mesh.ndim - 1 or (mesh.ndim == 2 and replicate_dim not in (0, None)):
+            raise NotImplementedError(
+                f"shard_placement_fn for {where}: fsdp_compose supports a 1-D mesh (shard dim 0) "
+                "or a 2-D (replicate, shard) mesh per parameter, got shard_mesh_dim="
+                f"{shard_dim}, replicate_mesh_dim={replicate_dim} on {mesh}"
+            )
+        info = resolve_mesh_info(mesh, check_names=False)
+        if info.device != self.default.device:
+            raise ValueError(
+                f"shard_placement_fn for {where}: its mesh is on {info.device} but fully_shard's "
+                f"mesh is on {self.default.device}; use one device type for every mesh"
+            )
+        if self.default.spmd is not None:
+            raise NotImplementedError("per-parameter meshes cannot be combined with dp_mesh_dims")
+        info = self._by_groups.setdefault(self._key(info), info)
+        self._by_id[id(torch_mesh_info)] = info
+        return info
+
+
+def _placement(
+    fn: Callable[[nn.Parameter], Any] | None,
     param: nn.Parameter,
     owners: list[tuple[nn.Module, str]],
-) -> int:
+    meshes: _ParamMeshes,
+) -> tuple[int, MeshInfo]:
+    """The shard dim and data-parallel mesh ``shard_placement_fn`` chooses for
+    ``param`` (default: dim 0 on fully_shard's mesh)."""
     if fn is None:
-        return 0
-    placement = fn(param)
-    if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
+        return 0, meshes.default
+    result = fn(param)
+    info = meshes.default
+    if result is not None and not isinstance(result, Shard) and hasattr(result, "mesh_info"):
+        info = meshes.resolve(result.mesh_info, repr(owners[0][1]))  # FSDP2's ShardPlacementResult
+        result = getattr(result, "placement", None)
+    if result is None:
+        return 0, info
+    if not isinstance(result, Shard):
         raise ValueError(
-            f"shard_placement_fn must return a Shard placement or None, got {placement!r} "
-            f"for parameter {owners[0][1]!r} (per-parameter meshes are not supported)"
+            f"shard_placement_fn must return a Shard placement, a ShardPlacementResult or None, "
+            f"got {result!r} for parameter {owners[0][1]!r}"
         )
-    return placement.dim
+    return result.dim, info
 
 
 def _describe(modules: tuple[nn.Module, ...]) -> str:
@@ -508,13 +589,13 @@ class FSDPModule:
                 waits before returning ``None``.
         """
         state = self._fsdp_state()
-        unit = state.unit
-        if unit is not None:
+        units = state.own_units
+        for unit in units:  # issue every mesh's all-gather before waiting on any
             if state.scheduler is not None:
                 state.scheduler.prefetch_now(unit)
             else:
                 unit.unshard()
-        handle = UnshardHandle(unit, state)
+        handle = UnshardHandle(units, state)
         if async_op:
             return handle
         handle.wait()
@@ -524,8 +605,8 @@ class FSDPModule:
         """Frees this module's unsharded parameters (if any) and registers the
         sharded ones. Not recursive."""
         state = self._fsdp_state()
-        if state.unit is not None:
-            _reshard_unit(state.unit, state)
+        for unit in state.own_units:
+            _reshard_unit(unit, state)
 
     def reset_iter_state(self) -> None:
         """Recovers from an exception raised inside forward or backward.
@@ -569,8 +650,8 @@ class FSDPModule:
         for module in self._fsdp_modules(recurse):
             state = module._fsdp_state()
             state.auto_reshard_after_forward = False
-            if state.unit is not None:
-                state.unit.set_reshard_after_forward(reshard_after_forward)
+            for unit in state.own_units:
+                unit.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Sets whether parameters are freed after backward. ``False`` saves the
@@ -638,6 +719,7 @@ class FSDPModule:
         averaging division. ``stream`` is accepted for API compatibility; the hook
         runs where the reduction completes."""
         del stream
+        _check_single_mesh(self._fsdp_state(), "set_all_reduce_hook")
         for unit in self._units(False):
             unit.all_reduce_hook = hook
 
@@ -729,6 +811,7 @@ class FSDPModule:
             comm (AllGather): the custom all-gather.
         """
         _check_comm(comm, "set_custom_all_gather")
+        _check_single_mesh(self._fsdp_state(), "set_custom_all_gather")
         for unit in self._units(False):
             unit.custom_all_gather = comm
 
@@ -748,6 +831,7 @@ class FSDPModule:
             comm (ReduceScatter): the custom reduce-scatter.
         """
         _check_comm(comm, "set_custom_reduce_scatter")
+        _check_single_mesh(self._fsdp_state(), "set_custom_reduce_scatter")
         for unit in self._units(False):
             unit.custom_reduce_scatter = comm
 
@@ -784,7 +868,8 @@ class FSDPModule:
             raise TypeError(f"expected a list of FSDPModules, got {type(modules).__name__}")
         targets = _units_of(list(modules))  # modules without parameters have nothing to gather
         state = self._fsdp_state()
-        setattr(state.unit if state.unit is not None else state, attr, targets)
+        for holder in state.own_units or [state]:
+            setattr(holder, attr, targets)
 
     def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
         if not recurse:
@@ -795,7 +880,7 @@ class FSDPModule:
         # Conversions (.to(), to_empty(), .half()) must see the sharded parameters;
         # afterwards the unit re-derives dtypes and buffers from them.
         state = self._fsdp_state()
-        units = ([state.unit] if state.unit is not None else []) + state.borrowed
+        units = state.own_units + state.borrowed
         for unit in units:
             _reshard_unit(unit, state)
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
@@ -808,18 +893,17 @@ class UnshardHandle:
     """A pending :meth:`FSDPModule.unshard`; :meth:`wait` makes the unsharded
     parameters usable and registers them on the module."""
 
-    def __init__(self, unit: Unit | None = None, state: UnitState | None = None) -> None:
-        self._unit = unit
+    def __init__(self, units: list[Unit] | None = None, state: UnitState | None = None) -> None:
+        self._units = list(units or [])
         self._state = state
 
     def wait(self) -> None:
-        unit, self._unit = self._unit, None
-        if unit is None:
-            return
-        if unit.gather_in_flight:
-            unit.wait_unshard()
-        else:
-            unit.ensure_registered()
+        units, self._units = self._units, []
+        for unit in units:
+            if unit.gather_in_flight:
+                unit.wait_unshard()
+            else:
+                unit.ensure_registered()
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
@@ -856,6 +940,15 @@ def _note_comm_buffers_unchanged(setting: str, state: UnitState) -> None:
     )
 
 
+def _check_single_mesh(state: UnitState, method: str) -> None:
+    if len(state.own_units) > 1:  # ValueError, as FSDP2
+        raise ValueError(
+            f"{method} is not supported on a module whose parameters use several meshes "
+            "(per-parameter meshes from shard_placement_fn): it would be ambiguous which "
+            "mesh's collectives it applies to"
+        )
+
+
 def _check_comm(comm: object, method: str) -> None:
     if comm is None:
         return
@@ -874,8 +967,8 @@ def _units_of(modules: list[FSDPModule]) -> list[Unit]:
             raise ValueError(f"expected FSDPModules (modules annotated by fully_shard), got {type(m).__name__}")
         state = m._fsdp_state()
         # A module that borrows a shared parameter needs its owner unit too.
-        for unit in [state.unit, *state.borrowed]:
-            if unit is not None and unit not in units:
+        for unit in [*state.own_units, *state.borrowed]:
+            if unit not in units:
                 units.append(unit)
     return units
 

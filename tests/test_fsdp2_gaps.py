@@ -305,3 +305,169 @@ def test_dp_mesh_dims_parity(layout: str) -> None:
         assert all(v == "ok" for v in r.get("errors", {}).values()), r["errors"]
         assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
     print(layout, results[0]["placements"])
+
+
+# -- per-parameter meshes: MoE experts on an expert-data-parallel mesh -----------
+
+_E, _D, _H, _TOKENS = 4, 8, 12, 6
+
+
+class _MoE(nn.Module):
+    """A dense mixture of experts: every token goes to every expert, weighted by
+    the router. With ``ep_group`` set, each rank holds ``E / ep`` experts (DTensor
+    ``Shard(0)`` on the ep mesh) and the ep group exchanges tokens and outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(_D, _D)
+        self.router = nn.Linear(_D, _E)
+        self.w_in = nn.Parameter(torch.randn(_E, _D, _H) * 0.3)
+        self.w_out = nn.Parameter(torch.randn(_E, _H, _D) * 0.3)
+        self.ep_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        gate = torch.softmax(self.router(x), dim=-1)
+        if self.ep_group is None:
+            h = torch.relu(torch.einsum("nd,edh->neh", x, self.w_in))
+            return x + torch.einsum("neh,ehd,ne->nd", h, self.w_out, gate)
+        import warnings
+
+        import torch.distributed.nn.functional as dnn  # differentiable collectives
+
+        warnings.filterwarnings("ignore", "torch.distributed.nn.functional", FutureWarning)
+
+        ep, rank, n = dist_size(self.ep_group), torch.distributed.get_rank(self.ep_group), x.shape[0]
+        w_in, w_out = self.w_in.to_local(), self.w_out.to_local()
+        local = slice(rank * w_in.shape[0], (rank + 1) * w_in.shape[0])
+
+        def gather(t: torch.Tensor) -> torch.Tensor:  # differentiable all-gather over ep
+            padded = torch.zeros(ep * n, *t.shape[1:], dtype=t.dtype)
+            padded = padded.index_copy(0, torch.arange(rank * n, (rank + 1) * n), t)
+            return dnn.all_reduce(padded, group=self.ep_group)
+
+        xs, gs = gather(x), gather(gate)
+        h = torch.relu(torch.einsum("nd,edh->neh", xs, w_in))
+        ys = dnn.all_reduce(torch.einsum("neh,ehd,ne->nd", h, w_out, gs[:, local]), group=self.ep_group)
+        return x + ys[rank * n : (rank + 1) * n]
+
+
+def dist_size(group) -> int:
+    return torch.distributed.get_world_size(group)
+
+
+class _MoEModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _MoE()
+        self.head = nn.Linear(_D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def _per_param_mesh_job() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fsdp_compose import _collectives
+
+    rank = torch.distributed.get_rank()
+    dp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    torch.manual_seed(0)
+    ref = _MoEModel()
+    model = _MoEModel()
+    model.load_state_dict(ref.state_dict())
+    block = model.block
+    for name in ("w_in", "w_out"):  # expert parallel: 2 of the 4 experts per rank
+        full = getattr(block, name).detach()
+        setattr(block, name, nn.Parameter(distribute_tensor(full, mesh["ep"], [Shard(0)])))
+    block.ep_group = mesh["ep"].get_group()
+    edp_info = FSDPMeshInfo(mesh["edp"], shard_mesh_dim=0)
+    experts = {block.w_in, block.w_out}
+
+    def placement(param: nn.Parameter):
+        return ShardPlacementResult(Shard(0), edp_info) if param in experts else None
+
+    fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=dp_mesh)
+    # Experts' gradients are summed over all 4 ranks' tokens (ep x edp): average by 4.
+    block.set_gradient_divide_factor(4.0)
+    out: dict = {
+        "meshes": {n: str(p.device_mesh.mesh_dim_names) for n, p in model.named_parameters()},
+        "placements": {n: str(p.placements) for n, p in model.named_parameters()},
+    }
+    try:
+        block.set_custom_all_gather(None)
+        out["custom_comm"] = "accepted"
+    except ValueError:
+        out["custom_comm"] = "ValueError"
+
+    events: list[tuple[str, str, str]] = []
+
+    def listen(event: str, info) -> None:
+        if event in ("issue", "wait_begin") and info.label.startswith("block"):
+            events.append((event, str(info.kind), info.label))
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    torch.manual_seed(1)
+    loss_diffs = []
+    _collectives.add_listener(listen)
+    try:
+        for step in range(3):
+            x = torch.randn(4 * _TOKENS, _D)
+            events.clear()
+            loss = model(x[rank * _TOKENS : (rank + 1) * _TOKENS]).square().mean()
+            loss.backward()
+            ref_loss = sum(ref(x[r * _TOKENS : (r + 1) * _TOKENS]).square().mean() for r in range(4)) / 4
+            ref_loss.backward()
+            mean = torch.tensor([loss.item()])
+            torch.distributed.all_reduce(mean)
+            loss_diffs.append(abs(mean.item() / 4 - ref_loss.item()))
+            if step == 1:
+                ref_grads = dict(ref.named_parameters())
+                out["grad_diff"] = max(
+                    (p.grad.full_tensor() - ref_grads[n].grad).abs().max().item()
+                    for n, p in model.named_parameters()
+                )
+                out["events"] = list(events)
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+    finally:
+        _collectives.remove_listener(listen)
+    ref_params = dict(ref.named_parameters())
+    out["param_diff"] = max(
+        (p.detach().full_tensor() - ref_params[n].detach()).abs().max().item() for n, p in model.named_parameters()
+    )
+    out["loss_diff"] = max(loss_diffs)
+    return out
+
+
+def _issued_before_first_wait(events: list[tuple[str, str, str]], kind: str) -> set[str]:
+    """Labels of ``kind`` collectives issued before the first wait on one of them."""
+    labels: set[str] = set()
+    for event, k, label in events:
+        if kind not in k:
+            continue
+        if event == "wait_begin":
+            break
+        labels.add(label)
+    return labels
+
+
+def test_per_parameter_meshes_moe() -> None:
+    results = run_distributed(_per_param_mesh_job, 4)
+    for r in results:
+        assert r["meshes"]["block.w_in"] == "('edp', 'ep')" and r["meshes"]["block.proj.weight"] == "('dp',)"
+        assert r["placements"]["block.w_in"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", r["placements"]
+        assert r["custom_comm"] == "ValueError"
+        assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
+        # the two meshes' collectives overlap: both issued before either is waited on
+        both = {"block", "block [edp]"}
+        assert _issued_before_first_wait(r["events"], "all_gather") >= both, r["events"]
+        assert _issued_before_first_wait(r["events"], "reduce_scatter") >= both, r["events"]
