@@ -6,7 +6,6 @@ prefetch) and reduce-scatters gradients per unit. See the README for usage.
 """
 
 from . import debug, trace, whole_matrix
-from ._mesh import DataParallelMeshDims
 from ._fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -15,6 +14,7 @@ from ._fully_shard import (
     share_comm_ctx,
 )
 from ._grad_scaler import ShardedGradScaler
+from ._mesh import DataParallelMeshDims
 from ._pipelining import PipelineStage
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 

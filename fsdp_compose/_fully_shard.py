@@ -434,7 +434,7 @@ class _ParamMeshes:
             return known
         mesh = getattr(torch_mesh_info, "mesh", None)
         if not isinstance(mesh, DeviceMesh):
-            raise ValueError(
+            raise TypeError(
                 f"shard_placement_fn returned a ShardPlacementResult for {where} whose mesh_info "
                 f"has no DeviceMesh (got {type(torch_mesh_info).__name__}); build it as "
                 "FSDPMeshInfo(mesh, shard_mesh_dim=0) (1-D) or HSDPMeshInfo(mesh, "
@@ -868,7 +868,8 @@ class FSDPModule:
             raise TypeError(f"expected a list of FSDPModules, got {type(modules).__name__}")
         targets = _units_of(list(modules))  # modules without parameters have nothing to gather
         state = self._fsdp_state()
-        for holder in state.own_units or [state]:
+        holders: list[Unit | UnitState] = [*state.own_units] or [state]
+        for holder in holders:
             setattr(holder, attr, targets)
 
     def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:

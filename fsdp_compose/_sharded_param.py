@@ -202,9 +202,14 @@ class ShardedParam:
         # A model-parallel Shard of the same tensor dim on a later mesh dim splits
         # first in our layout (FSDP shards the TP-local tensor): a strided shard.
         split = 1
-        if self.tp_dim is not None and self.tp_dim > spmd.shard_dim and self.tp_placement is not None:
-            if _shard_dim_of(self.tp_placement, len(self.global_size)) == d:
-                split = spmd.mesh.size(self.tp_dim)
+        tp_dim, tp_placement = self.tp_dim, self.tp_placement
+        if (
+            tp_dim is not None
+            and tp_dim > spmd.shard_dim
+            and tp_placement is not None
+            and _shard_dim_of(tp_placement, len(self.global_size)) == d
+        ):
+            split = spmd.mesh.size(tp_dim)
         placements[spmd.shard_dim] = _compat.strided_shard(d, split) if split > 1 else Shard(d)
         meta = self.tp_spec.tensor_meta
         return _compat.make_dtensor_spec(spmd.mesh, tuple(placements), meta.shape, meta.stride, dtype)
@@ -430,7 +435,7 @@ def _spmd_spec(param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_in
     assert spmd is not None
     name = f"{owners[0][1]!r} of {type(owners[0][0]).__name__}"
     if not isinstance(param, DTensor):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004 - FSDP2's type for this refusal
             f"When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
             f"mesh (e.g. via distribute_tensor / distribute_module), but parameter {name} is a "
             f"plain tensor. Distribute it on {spmd.mesh} with Replicate() on the data-parallel dims."
@@ -443,7 +448,7 @@ def _spmd_spec(param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_in
     dim_names = spmd.mesh.mesh_dim_names or ()
     for i in spmd.dp_dims:
         if not isinstance(param.placements[i], Replicate):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - FSDP2's type for this refusal
                 f"parameter {name}: expected Replicate() on data-parallel mesh dim "
                 f"{dim_names[i]!r} (index {i}) but got {param.placements[i]}"
             )
@@ -455,7 +460,7 @@ def _spmd_spec(param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_in
             )
     if not param.is_meta and not _compat.local_tensor(param).is_contiguous():
         raise NotImplementedError(f"parameter {name} has a non-contiguous local tensor")
-    return param._spec  # noqa: SLF001 - the public equivalents rebuild it
+    return param._spec  # the public equivalents rebuild it
 
 
 def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:

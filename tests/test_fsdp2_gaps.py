@@ -7,8 +7,8 @@ import logging
 
 import pytest
 import torch
-import torch.nn as nn
 from dist_utils import run_distributed
+from torch import nn
 
 from fsdp_compose import fully_shard
 
@@ -188,7 +188,9 @@ def _distribute(model: _SpmdMLP, mesh, tp_dim: int | None) -> None:
             placements = [Replicate()] * mesh.ndim
             if tp_dim is not None:
                 placements[tp_dim] = tp_placements.get(f"{module_name}.{name}", Replicate())
-            setattr(module, name, nn.Parameter(distribute_tensor(p.detach().clone(), mesh, placements)))
+            setattr(
+                module, name, nn.Parameter(distribute_tensor(p.detach().clone(), mesh, placements))
+            )
     model.spmd_mesh = mesh
 
 
@@ -214,8 +216,13 @@ def _dp_mesh_dims_job(layout: str) -> dict:
     fully_shard(model.fc1, mesh=mesh, dp_mesh_dims=dims)
     fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
     out: dict = {
-        "placements": {n: (str(p.device_mesh.mesh_dim_names), str(p.placements)) for n, p in model.named_parameters()},
-        "all_dtensor": all(isinstance(p, DTensor) and p.device_mesh == mesh for p in model.parameters()),
+        "placements": {
+            n: (str(p.device_mesh.mesh_dim_names), str(p.placements))
+            for n, p in model.named_parameters()
+        },
+        "all_dtensor": all(
+            isinstance(p, DTensor) and p.device_mesh == mesh for p in model.parameters()
+        ),
     }
     # the same layout as torch's FSDP2 gives
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -225,7 +232,8 @@ def _dp_mesh_dims_job(layout: str) -> dict:
     torch_fully_shard(theirs.fc1, mesh=mesh, dp_mesh_dims=dims)
     torch_fully_shard(theirs, mesh=mesh, dp_mesh_dims=dims)
     out["torch_placements"] = {
-        n: (str(p.device_mesh.mesh_dim_names), str(p.placements)) for n, p in theirs.named_parameters()
+        n: (str(p.device_mesh.mesh_dim_names), str(p.placements))
+        for n, p in theirs.named_parameters()
     }
     if layout == "dp_tp":
         out["errors"] = _dp_mesh_dims_errors(mesh, dims)
@@ -245,16 +253,20 @@ def _dp_mesh_dims_job(layout: str) -> dict:
         torch.distributed.all_reduce(mean_loss)
         loss_diffs.append(abs(mean_loss.item() / 4 - ref_loss.item()))
         ref_grads = dict(ref.named_parameters())
-        grad_diffs.append(max(
-            (p.grad.full_tensor() - ref_grads[n].grad).abs().max().item() for n, p in model.named_parameters()
-        ))
+        grad_diffs.append(
+            max(
+                (p.grad.full_tensor() - ref_grads[n].grad).abs().max().item()
+                for n, p in model.named_parameters()
+            )
+        )
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
     ref_params = dict(ref.named_parameters())
     out["param_diff"] = max(
-        (p.detach().full_tensor() - ref_params[n].detach()).abs().max().item() for n, p in model.named_parameters()
+        (p.detach().full_tensor() - ref_params[n].detach()).abs().max().item()
+        for n, p in model.named_parameters()
     )
     out["loss_diff"], out["grad_diff"] = max(loss_diffs), max(grad_diffs)
     return out
@@ -271,15 +283,21 @@ def _dp_mesh_dims_errors(mesh, dims) -> dict:
     cases = {
         "plain_param": (lambda: fully_shard(_SpmdMLP(), mesh=mesh, dp_mesh_dims=dims), ValueError),
         "unknown_dim": (
-            lambda: fully_shard(spmd_model(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp")),
+            lambda: fully_shard(
+                spmd_model(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp")
+            ),
             ValueError,
         ),
         "replicate_only": (
-            lambda: fully_shard(spmd_model(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp")),
+            lambda: fully_shard(
+                spmd_model(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp")
+            ),
             NotImplementedError,
         ),
         "reshard_int": (
-            lambda: fully_shard(spmd_model(), mesh=mesh, dp_mesh_dims=dims, reshard_after_forward=2),
+            lambda: fully_shard(
+                spmd_model(), mesh=mesh, dp_mesh_dims=dims, reshard_after_forward=2
+            ),
             NotImplementedError,
         ),
         "not_dims": (lambda: fully_shard(spmd_model(), mesh=mesh, dp_mesh_dims="dp"), TypeError),
@@ -337,7 +355,11 @@ class _MoE(nn.Module):
 
         warnings.filterwarnings("ignore", "torch.distributed.nn.functional", FutureWarning)
 
-        ep, rank, n = dist_size(self.ep_group), torch.distributed.get_rank(self.ep_group), x.shape[0]
+        ep, rank, n = (
+            dist_size(self.ep_group),
+            torch.distributed.get_rank(self.ep_group),
+            x.shape[0],
+        )
         w_in, w_out = self.w_in.to_local(), self.w_out.to_local()
         local = slice(rank * w_in.shape[0], (rank + 1) * w_in.shape[0])
 
@@ -348,7 +370,9 @@ class _MoE(nn.Module):
 
         xs, gs = gather(x), gather(gate)
         h = torch.relu(torch.einsum("nd,edh->neh", xs, w_in))
-        ys = dnn.all_reduce(torch.einsum("neh,ehd,ne->nd", h, w_out, gs[:, local]), group=self.ep_group)
+        ys = dnn.all_reduce(
+            torch.einsum("neh,ehd,ne->nd", h, w_out, gs[:, local]), group=self.ep_group
+        )
         return x + ys[rank * n : (rank + 1) * n]
 
 
@@ -422,7 +446,9 @@ def _per_param_mesh_job() -> dict:
             events.clear()
             loss = model(x[rank * _TOKENS : (rank + 1) * _TOKENS]).square().mean()
             loss.backward()
-            ref_loss = sum(ref(x[r * _TOKENS : (r + 1) * _TOKENS]).square().mean() for r in range(4)) / 4
+            ref_loss = (
+                sum(ref(x[r * _TOKENS : (r + 1) * _TOKENS]).square().mean() for r in range(4)) / 4
+            )
             ref_loss.backward()
             mean = torch.tensor([loss.item()])
             torch.distributed.all_reduce(mean)
@@ -442,7 +468,8 @@ def _per_param_mesh_job() -> dict:
         _collectives.remove_listener(listen)
     ref_params = dict(ref.named_parameters())
     out["param_diff"] = max(
-        (p.detach().full_tensor() - ref_params[n].detach()).abs().max().item() for n, p in model.named_parameters()
+        (p.detach().full_tensor() - ref_params[n].detach()).abs().max().item()
+        for n, p in model.named_parameters()
     )
     out["loss_diff"] = max(loss_diffs)
     return out
@@ -463,8 +490,13 @@ def _issued_before_first_wait(events: list[tuple[str, str, str]], kind: str) -> 
 def test_per_parameter_meshes_moe() -> None:
     results = run_distributed(_per_param_mesh_job, 4)
     for r in results:
-        assert r["meshes"]["block.w_in"] == "('edp', 'ep')" and r["meshes"]["block.proj.weight"] == "('dp',)"
-        assert r["placements"]["block.w_in"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", r["placements"]
+        assert (
+            r["meshes"]["block.w_in"] == "('edp', 'ep')"
+            and r["meshes"]["block.proj.weight"] == "('dp',)"
+        )
+        assert r["placements"]["block.w_in"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", r[
+            "placements"
+        ]
         assert r["custom_comm"] == "ValueError"
         assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
         # the two meshes' collectives overlap: both issued before either is waited on
