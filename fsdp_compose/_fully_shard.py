@@ -119,7 +119,11 @@ def fully_shard(
             means ``True`` except for the root, which keeps its parameters.
         shard_placement_fn (Optional[Callable[[nn.Parameter], Optional[Shard]]]):
             chooses the sharded dim per parameter (``None`` means ``Shard(0)``); a
-            dim other than 0 must divide evenly.
+            dim other than 0 must divide evenly. It may also return FSDP2's
+            ``ShardPlacementResult(placement, mesh_info)`` to shard the parameter
+            over ``mesh_info.mesh`` instead of ``mesh`` (e.g. MoE experts on an
+            expert-data-parallel mesh): the call then makes one unit per mesh,
+            gathered and reduced together (see [Note: per-parameter meshes]).
         mp_policy (MixedPrecisionPolicy): mixed precision for this unit.
         offload_policy (OffloadPolicy): :class:`CPUOffloadPolicy` keeps sharded
             parameters, gradients and optimizer states in host memory.

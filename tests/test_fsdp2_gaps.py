@@ -472,6 +472,15 @@ def _per_param_mesh_job() -> dict:
         for n, p in model.named_parameters()
     )
     out["loss_diff"] = max(loss_diffs)
+    # a full (plain) state dict loads into both meshes' shards
+    torch.manual_seed(5)
+    model.load_state_dict(_MoEModel().state_dict())
+    torch.manual_seed(5)
+    fresh = _MoEModel()
+    out["load_diff"] = max(
+        (p.detach().full_tensor() - fresh.state_dict()[n]).abs().max().item()
+        for n, p in model.named_parameters()
+    )
     return out
 
 
@@ -499,6 +508,7 @@ def test_per_parameter_meshes_moe() -> None:
         ]
         assert r["custom_comm"] == "ValueError"
         assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
+        assert r["load_diff"] == 0.0
         # the two meshes' collectives overlap: both issued before either is waited on
         both = {"block", "block [edp]"}
         assert _issued_before_first_wait(r["events"], "all_gather") >= both, r["events"]
