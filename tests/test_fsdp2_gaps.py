@@ -107,6 +107,38 @@ def _refusal_cases(shard) -> dict:
         "reshard_int": lambda fs: fs(nn.Linear(4, 4), reshard_after_forward=3),
         "reshard_not_bool": reshard_not_bool,
         "mesh_3d": lambda fs: fs(nn.Linear(4, 4), mesh=shard),
+        **_spmd_refusal_cases(),
+    }
+
+
+def _spmd_refusal_cases() -> dict:
+    """Refusals of ``dp_mesh_dims`` (a full (dp, tp) mesh of 2 x 1 ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fsdp_compose import DataParallelMeshDims
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    dims = DataParallelMeshDims(shard="dp")
+
+    def spmd_linear() -> nn.Linear:
+        m = nn.Linear(4, 4)
+        for name, p in list(m.named_parameters()):
+            setattr(
+                m,
+                name,
+                nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate(), Replicate()])),
+            )
+        return m
+
+    return {
+        "spmd_plain_param": lambda fs: fs(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=dims),
+        "spmd_unknown_dim": lambda fs: fs(
+            spmd_linear(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp")
+        ),
+        "spmd_reshard_int": lambda fs: fs(
+            spmd_linear(), mesh=mesh, dp_mesh_dims=dims, reshard_after_forward=2
+        ),
     }
 
 
@@ -269,6 +301,23 @@ def _dp_mesh_dims_job(layout: str) -> dict:
         for n, p in model.named_parameters()
     )
     out["loss_diff"], out["grad_diff"] = max(loss_diffs), max(grad_diffs)
+    # state dicts: a full plain one, and one laid out as before fully_shard, load
+    # into the shards
+    torch.manual_seed(3)
+    plain = _SpmdMLP()
+    model.load_state_dict(plain.state_dict())
+    loaded = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    spmd = _SpmdMLP()
+    spmd.load_state_dict(plain.state_dict())
+    _distribute(spmd, mesh, tp_dim)
+    model.load_state_dict(spmd.state_dict())
+    out["load_diffs"] = [
+        max((loaded[n] - v).abs().max().item() for n, v in plain.state_dict().items()),
+        max(
+            (p.detach().full_tensor() - plain.state_dict()[n]).abs().max().item()
+            for n, p in model.named_parameters()
+        ),
+    ]
     return out
 
 
@@ -320,6 +369,7 @@ def test_dp_mesh_dims_parity(layout: str) -> None:
     for r in results:
         assert r["all_dtensor"], r["placements"]
         assert r["placements"] == r["torch_placements"]
+        assert r["load_diffs"] == [0.0, 0.0], r["load_diffs"]
         assert all(v == "ok" for v in r.get("errors", {}).values()), r["errors"]
         assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
     print(layout, results[0]["placements"])
