@@ -16,6 +16,7 @@ from ._fully_shard import (
 from ._grad_scaler import ShardedGradScaler
 from ._pipelining import PipelineStage
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .plan import auto_wrap
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,7 @@ __all__ = [
     "PipelineStage",
     "ShardedGradScaler",
     "UnshardHandle",
+    "auto_wrap",
     "debug",
     "fully_shard",
     "register_fsdp_forward_method",

@@ -11,7 +11,7 @@ import fsdp_compose
 PUBLIC = {
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx",
     "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardedGradScaler", "trace", "debug",
-    "PipelineStage",
+    "PipelineStage", "auto_wrap",
 }
 # FSDP2 methods we do not implement yet (they raise NotImplementedError with a reason)
 NOT_IMPLEMENTED = {"set_symm_mem_for_comm"}

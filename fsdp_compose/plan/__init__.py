@@ -13,6 +13,10 @@ This subpackage uses the core through its public API; the core never imports it.
 """
 
 from ._autowrap import auto_wrap
+from ._estimate import MemoryEstimate, estimate, format_bytes, parse_bytes
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 
-__all__ = ["ShardingPlan", "UnitPlan", "WrapPolicy", "auto_wrap", "resolve_plan"]
+__all__ = [
+    "MemoryEstimate", "ShardingPlan", "UnitPlan", "WrapPolicy", "auto_wrap", "estimate",
+    "format_bytes", "parse_bytes", "resolve_plan",
+]

@@ -135,7 +135,7 @@ def profile_model(
     # Substitute fresh meta tensors (in the compute dtype) for the parameters:
     # backward then fills *their* .grad, and the model stays untouched.
     substitutes: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in model.named_parameters():  # tied weights: one entry, functional_call re-ties
         dtype = compute_dtype if compute_dtype is not None and p.dtype.is_floating_point else p.dtype
         substitutes[name] = torch.empty(p.shape, dtype=dtype, device="meta").requires_grad_(p.requires_grad)
     param_storages = {t.untyped_storage()._cdata for t in substitutes.values()}
@@ -180,7 +180,7 @@ def profile_model(
         handles.append(named[fqn].register_forward_hook(post_hook, with_kwargs=True, always_call=True))
     flops = FlopCounterMode(display=False)
     try:
-        with flops, torch.device("meta"):
+        with flops, torch.device("meta"), _FusedAttention():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 step = _Step(model, step_fn, batch, seq)
                 loss = torch.func.functional_call(
@@ -220,6 +220,44 @@ def profile_model(
         ),
         loss_grad_bytes=profiles[ROOT].largest_saved,
     )
+
+
+class _FusedAttention(torch.overrides.TorchFunctionMode):
+    """Runs ``scaled_dot_product_attention`` as the fused kernel real devices use.
+
+    On the meta device torch picks the math fallback, which saves the full
+    ``(B, H, S, S)`` attention matrix; the CPU flash kernel and the CUDA
+    flash/memory-efficient kernels save only q, k, v, the output and a
+    ``(B, H, S)`` log-sum-exp. The CPU flash op has meta kernels and the same
+    saved tensors as the CUDA ones, so it stands in for all of them.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _fused_sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _fused_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    if enable_gqa and k.size(-3) != q.size(-3):
+        repeat = q.size(-3) // k.size(-3)
+        k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+    if attn_mask is not None and attn_mask.dtype != q.dtype and attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask.to(q.dtype)
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )[0]
+    return out
 
 
 class _Step(nn.Module):
