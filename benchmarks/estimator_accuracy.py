@@ -199,28 +199,39 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 def measure_job(config: dict[str, Any]) -> dict[str, Any]:
     """``worker.py`` entry point (``kind: "estimate"``)."""
+    if not config.get("glibc_heap"):
+        mmap_large_allocations()
     return measure_rank(config["case"], config.get("scale", "bench"), steps=config.get("steps", 1))
+
+
+def mmap_large_allocations(threshold: int = 65536) -> None:
+    """Makes glibc serve every allocation above ``threshold`` bytes with its own
+    mapping, returned to the kernel when freed, so that the resident set follows
+    the live tensors. With glibc's default (a dynamic threshold that grows to
+    32 MiB after the first large free), freed blocks stay in the heap and the
+    resident peak adds fragmentation that depends on the order of frees.
+    """
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    m_mmap_threshold = -3  # <malloc.h>; setting it also turns the dynamic threshold off
+    if libc.mallopt(m_mmap_threshold, threshold) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
 
 
 def run_case(case: Case, scale: str = "bench", glibc_heap: bool = False) -> dict[str, Any]:
     """Measures ``case`` on fresh ranks and compares with the estimate.
 
-    Unless ``glibc_heap``, the ranks run with ``MALLOC_MMAP_THRESHOLD_=65536``:
-    every tensor above 64 KiB gets its own mapping, returned to the kernel when
-    freed, so the resident set follows the live tensors. With glibc's default
-    (a dynamic threshold of up to 32 MiB), freed blocks stay in the heap and the
-    resident peak adds fragmentation that depends on the order of frees.
+    Unless ``glibc_heap``, the ranks set glibc's mmap threshold to 64 KiB
+    (:func:`mmap_large_allocations`).
     """
     from harness import run_job
 
-    if glibc_heap:
-        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-    else:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
 
     est = predict(case, scale)
     ranks = run_job({"kind": "estimate", "impl": "fsdp_compose", "world_size": case.world_size,
-                     "case": asdict(case), "scale": scale}, timeout_s=900)
+                     "case": asdict(case), "scale": scale, "glibc_heap": glibc_heap}, timeout_s=900)
     measured = max(r["measured"] for r in ranks)
     return {
         "case": case.label, "predicted": est.peak_bytes_per_rank, "measured": measured,
@@ -254,12 +265,14 @@ def cases(quick: bool) -> list[Case]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few cases only")
+    parser.add_argument("--glibc-heap", action="store_true",
+                        help="keep glibc's default mmap threshold (the resident peak then includes heap fragmentation)")
     args = parser.parse_args()
     rows = []
     print("| case | predicted (MiB) | measured (MiB) | measured / predicted | predicted peak at |")
     print("| --- | ---: | ---: | ---: | --- |")
     for case in cases(args.quick):
-        r = run_case(case)
+        r = run_case(case, glibc_heap=args.glibc_heap)
         rows.append(r)
         print(f"| {r['case']} | {r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "
               f"{r['ratio']:.3f} | {r['peak_at']} |", flush=True)

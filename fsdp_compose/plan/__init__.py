@@ -14,9 +14,10 @@ This subpackage uses the core through its public API; the core never imports it.
 
 from ._autowrap import auto_wrap
 from ._estimate import MemoryEstimate, estimate, format_bytes, parse_bytes
+from ._planner import CostModel, PlanResult, plan_to_budget
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 
 __all__ = [
-    "MemoryEstimate", "ShardingPlan", "UnitPlan", "WrapPolicy", "auto_wrap", "estimate",
-    "format_bytes", "parse_bytes", "resolve_plan",
+    "CostModel", "MemoryEstimate", "PlanResult", "ShardingPlan", "UnitPlan", "WrapPolicy", "auto_wrap", "estimate",
+    "format_bytes", "parse_bytes", "plan_to_budget", "resolve_plan",
 ]

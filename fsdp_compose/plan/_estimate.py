@@ -75,6 +75,7 @@ class UnitEstimate:
     activation_bytes: int
     flops: float
     all_gather_bytes: int  # sent per step (forward + backward re-gather)
+    backward_gather_bytes: int  # of which the backward re-gather
     reduce_bytes: int  # sent per step (reduce-scatter + HSDP all-reduce)
 
 
@@ -175,6 +176,7 @@ class _Unit:
     rs_buffers: int = 0
     numel: int = 0
     ag_send: int = 0
+    ag_backward: int = 0
     reduce_send: int = 0
 
     def kept_after_forward(self) -> int:
@@ -313,7 +315,7 @@ def estimate(
         units=tuple(
             UnitEstimate(
                 u.name, u.numel, u.sharded, u.unsharded, u.reshard, u.checkpoint, u.saved,
-                u.profile.flops, u.ag_send, u.reduce_send,
+                u.profile.flops, u.ag_send, u.ag_backward, u.reduce_send,
             )
             for u in units
         ),
@@ -418,7 +420,8 @@ def _size(
         if regather is None:
             k = int(u.reshard)
             regather = (k - 1) / k * shard / (shard - 1)  # within the post-forward group
-        u.ag_send = round(frac * u.unsharded * (1 + regather))
+        u.ag_backward = round(frac * u.unsharded * regather)
+        u.ag_send = round(frac * u.unsharded) + u.ag_backward
         u.reduce_send = round(frac * shard * reduce_row)
     if replicate > 1:
         u.reduce_send += round(2 * (replicate - 1) / replicate * reduce_row)
