@@ -58,7 +58,9 @@ def auto_wrap(
         activation_checkpointing: checkpoint every non-root unit (with ``policy``).
 
     Returns:
-        The units made, in the order they were annotated (the root last).
+        Every module annotated, as :class:`~fsdp_compose.FSDPModule`, in the order
+        they were annotated (the root last); the modules of a multi-module unit
+        appear one after the other.
 
     Raises:
         ValueError: a policy or plan that does not match the model (checked
