@@ -201,7 +201,38 @@ def measure_job(config: dict[str, Any]) -> dict[str, Any]:
     """``worker.py`` entry point (``kind: "estimate"``)."""
     if not config.get("glibc_heap"):
         mmap_large_allocations()
-    return measure_rank(config["case"], config.get("scale", "bench"), steps=config.get("steps", 1))
+    if config.get("calibrate"):
+        return calibrate_bandwidth()
+    plan = plan_from_dict(config["plan"]) if config.get("plan") else None
+    return measure_rank(config["case"], config.get("scale", "bench"), plan=plan, steps=config.get("steps", 1))
+
+
+def plan_to_dict(plan: Any) -> dict[str, Any]:
+    return {"prefetch_depth": plan.prefetch_depth,
+            "units": [[list(u.modules), u.reshard_after_forward, u.checkpoint] for u in plan.units]}
+
+
+def plan_from_dict(d: dict[str, Any]) -> Any:
+    from fsdp_compose.plan import ShardingPlan, UnitPlan
+
+    return ShardingPlan(tuple(UnitPlan(tuple(m), r, c) for m, r, c in d["units"]), d["prefetch_depth"])
+
+
+def calibrate_bandwidth(nbytes: int = 16 << 20, repeats: int = 5) -> dict[str, Any]:
+    """Bytes/s one rank sends in an all-gather over the default group (gloo)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    chunk = torch.ones(nbytes // 4 // world)
+    out = torch.empty(chunk.numel() * world)
+    dist.all_gather_into_tensor(out, chunk)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_gather_into_tensor(out, chunk)
+    elapsed = (time.perf_counter() - start) / repeats
+    sent = (world - 1) / world * out.numel() * 4
+    return {"measured": 0, "bandwidth": sent / elapsed, "step_s": elapsed}
 
 
 def mmap_large_allocations(threshold: int = 65536) -> None:

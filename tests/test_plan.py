@@ -311,5 +311,9 @@ def test_cli_bad_input(tmp_path: "os.PathLike[str]") -> None:
     assert proc.returncode == 2 and "holds 8 ranks, not world size 6" in proc.stderr, proc.stderr
     proc = _cli(LLAMA_70B, "--world-size", "8", "--batch", "1", "--seq", "8", "--budget", "lots")
     assert proc.returncode == 2 and "cannot read 'lots' as a memory size" in proc.stderr
-    proc = _cli(LLAMA_70B, "--world-size", "8", "--batch", "1", "--seq", "8", "--policy", "Blok")
+    small = os.path.join(tmp_path, "config.json")
+    with open(small, "w") as f:
+        json.dump({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                   "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}, f)
+    proc = _cli(str(tmp_path), "--world-size", "8", "--batch", "1", "--seq", "8", "--policy", "Blok")
     assert proc.returncode == 2 and "does not contain: ['Blok']" in proc.stderr, proc.stderr

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from .._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._estimate import OPTIMIZERS, estimate, format_bytes, parse_bytes
+from ._estimate import OPTIMIZERS, _check_mesh, estimate, format_bytes, parse_bytes
 from ._planner import CostModel, plan_to_budget
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -166,6 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     for name in ("world_size", "batch", "seq"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive int")
+    _check_mesh(args.world_size, args.mesh_shape)  # before the (slow) model build
     model = load_model(args.config, _DTYPES[args.dtype])
     mp = MixedPrecisionPolicy(
         param_dtype=_DTYPES[args.param_dtype] if args.param_dtype else None,

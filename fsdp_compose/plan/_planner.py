@@ -266,6 +266,7 @@ def plan_to_budget(
     step_fn: StepFn = default_step,
     groups: Sequence[int] = (1, 2, 4),
     depths: Sequence[int] = (0, 1, 2),
+    keeps: Sequence[int] | None = None,
 ) -> PlanResult:
     """Chooses unit boundaries, ``reshard_after_forward`` per unit, the prefetch
     depth and (optionally) activation checkpointing to fit ``budget`` per rank
@@ -280,6 +281,8 @@ def plan_to_budget(
         activation_checkpointing: whether the planner may turn it on.
         cost: the rates of the step-time model.
         groups, depths: the unit groupings and prefetch depths searched.
+        keeps: the numbers of units (last in forward order) searched with
+            ``reshard_after_forward=False`` (default: 0, 1, 2, 4, ... and all).
 
     Returns:
         A :class:`PlanResult`; ``result.fits`` is False (with what is missing in
@@ -298,7 +301,7 @@ def plan_to_budget(
     }
     shape = (replicate, shard) if replicate > 1 else (shard,)
     candidates = candidate_plans(
-        base, groups=groups, depths=depths,
+        base, groups=groups, depths=depths, keeps=keeps,
         checkpointing=(False, True) if activation_checkpointing else (False,),
     )
     best: tuple[tuple[float, int, int], dict[str, Any], ShardingPlan, MemoryEstimate, float, float] | None = None
