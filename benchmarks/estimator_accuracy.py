@@ -27,8 +27,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
+import torch
+from torch import nn
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _EXAMPLES = os.path.join(os.path.dirname(_HERE), "examples")
@@ -36,7 +36,7 @@ for _p in (_HERE, _EXAMPLES):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,11 @@ class Case:
 
     @property
     def label(self) -> str:
-        extra = [x for x, on in (("bf16", self.bf16), ("offload", self.offload), ("AC", self.checkpoint)) if on]
+        extra = [
+            x
+            for x, on in (("bf16", self.bf16), ("offload", self.offload), ("AC", self.checkpoint))
+            if on
+        ]
         if self.optimizer != "adamw":
             extra.append(self.optimizer)
         return f"{self.model} W={self.world_size} reshard={self.reshard}" + (
@@ -65,9 +69,13 @@ class Case:
 
 def _gpt(tied: bool, scale: str) -> nn.Module:
     if scale == "test":
-        cfg = GPTConfig(vocab_size=4096, block_size=128, n_layer=3, n_head=4, n_embd=256, tie_weights=tied)
+        cfg = GPTConfig(
+            vocab_size=4096, block_size=128, n_layer=3, n_head=4, n_embd=256, tie_weights=tied
+        )
     else:
-        cfg = GPTConfig(vocab_size=8192, block_size=256, n_layer=4, n_head=6, n_embd=384, tie_weights=tied)
+        cfg = GPTConfig(
+            vocab_size=8192, block_size=256, n_layer=4, n_head=6, n_embd=384, tie_weights=tied
+        )
     with torch.device("meta"):
         return GPT(cfg)
 
@@ -76,11 +84,25 @@ def _llama(scale: str) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if scale == "test":
-        cfg = LlamaConfig(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                          intermediate_size=688, vocab_size=4096, max_position_embeddings=128)
+        cfg = LlamaConfig(
+            hidden_size=256,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=688,
+            vocab_size=4096,
+            max_position_embeddings=128,
+        )
     else:
-        cfg = LlamaConfig(hidden_size=384, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2,
-                          intermediate_size=1024, vocab_size=8192, max_position_embeddings=256)
+        cfg = LlamaConfig(
+            hidden_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            intermediate_size=1024,
+            vocab_size=8192,
+            max_position_embeddings=256,
+        )
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
         return LlamaForCausalLM(cfg)
@@ -105,8 +127,11 @@ def _policy(model: nn.Module) -> Any:
 def _policies(case: Case) -> tuple[Any, Any]:
     from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.bf16 \
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if case.bf16
         else MixedPrecisionPolicy()
+    )
     return mp, (CPUOffloadPolicy(pin_memory=False) if case.offload else OffloadPolicy())
 
 
@@ -117,9 +142,16 @@ def predict(case: Case, scale: str = "bench") -> Any:
     model = build_meta(case.model, scale)
     mp, offload = _policies(case)
     return estimate(
-        model, batch=case.batch, seq=case.seq, world_size=case.world_size, policy=_policy(model),
-        reshard_after_forward=case.reshard, activation_checkpointing=case.checkpoint,
-        mp_policy=mp, offload_policy=offload, optimizer=case.optimizer,
+        model,
+        batch=case.batch,
+        seq=case.seq,
+        world_size=case.world_size,
+        policy=_policy(model),
+        reshard_after_forward=case.reshard,
+        activation_checkpointing=case.checkpoint,
+        mp_policy=mp,
+        offload_policy=offload,
+        optimizer=case.optimizer,
     )
 
 
@@ -131,14 +163,16 @@ def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def measure_rank(case_dict: dict[str, Any], scale: str = "bench", plan: Any = None, steps: int = 1) -> dict[str, int]:
+def measure_rank(
+    case_dict: dict[str, Any], scale: str = "bench", plan: Any = None, steps: int = 1
+) -> dict[str, int]:
     """Runs ``steps`` training steps on this rank (process group already up);
     returns the measured peak (bytes) as the memory benchmark defines it."""
+    import measure
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
-    import measure
     from fsdp_compose import auto_wrap
 
     case = Case(**case_dict)
@@ -147,8 +181,15 @@ def measure_rank(case_dict: dict[str, Any], scale: str = "bench", plan: Any = No
     mp, offload = _policies(case)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if plan is None:
-        auto_wrap(model, _policy(model), mesh=mesh, reshard_after_forward=case.reshard, mp_policy=mp,
-                  offload_policy=offload, activation_checkpointing=case.checkpoint)
+        auto_wrap(
+            model,
+            _policy(model),
+            mesh=mesh,
+            reshard_after_forward=case.reshard,
+            mp_policy=mp,
+            offload_policy=offload,
+            activation_checkpointing=case.checkpoint,
+        )
     else:
         auto_wrap(model, plan=plan, mesh=mesh, mp_policy=mp, offload_policy=offload)
     model.to_empty(device="cpu")
@@ -180,7 +221,9 @@ def measure_rank(case_dict: dict[str, Any], scale: str = "bench", plan: Any = No
     state_bytes = sum(_local_bytes(p) for p in model.parameters())
     state_bytes += sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
     state_bytes += sum(
-        _local_bytes(v) for st in optim.state.values() for v in st.values()
+        _local_bytes(v)
+        for st in optim.state.values()
+        for v in st.values()
         if isinstance(v, torch.Tensor) and v.dim() > 0
     )
     rss_at_reset = measure.reset_peak_rss()
@@ -204,18 +247,24 @@ def measure_job(config: dict[str, Any]) -> dict[str, Any]:
     if config.get("calibrate"):
         return calibrate_bandwidth()
     plan = plan_from_dict(config["plan"]) if config.get("plan") else None
-    return measure_rank(config["case"], config.get("scale", "bench"), plan=plan, steps=config.get("steps", 1))
+    return measure_rank(
+        config["case"], config.get("scale", "bench"), plan=plan, steps=config.get("steps", 1)
+    )
 
 
 def plan_to_dict(plan: Any) -> dict[str, Any]:
-    return {"prefetch_depth": plan.prefetch_depth,
-            "units": [[list(u.modules), u.reshard_after_forward, u.checkpoint] for u in plan.units]}
+    return {
+        "prefetch_depth": plan.prefetch_depth,
+        "units": [[list(u.modules), u.reshard_after_forward, u.checkpoint] for u in plan.units],
+    }
 
 
 def plan_from_dict(d: dict[str, Any]) -> Any:
     from fsdp_compose.plan import ShardingPlan, UnitPlan
 
-    return ShardingPlan(tuple(UnitPlan(tuple(m), r, c) for m, r, c in d["units"]), d["prefetch_depth"])
+    return ShardingPlan(
+        tuple(UnitPlan(tuple(m), r, c) for m, r, c in d["units"]), d["prefetch_depth"]
+    )
 
 
 def calibrate_bandwidth(nbytes: int = 16 << 20, repeats: int = 5) -> dict[str, Any]:
@@ -259,14 +308,25 @@ def run_case(case: Case, scale: str = "bench", glibc_heap: bool = False) -> dict
     """
     from harness import run_job
 
-
     est = predict(case, scale)
-    ranks = run_job({"kind": "estimate", "impl": "fsdp_compose", "world_size": case.world_size,
-                     "case": asdict(case), "scale": scale, "glibc_heap": glibc_heap}, timeout_s=900)
+    ranks = run_job(
+        {
+            "kind": "estimate",
+            "impl": "fsdp_compose",
+            "world_size": case.world_size,
+            "case": asdict(case),
+            "scale": scale,
+            "glibc_heap": glibc_heap,
+        },
+        timeout_s=900,
+    )
     measured = max(r["measured"] for r in ranks)
     return {
-        "case": case.label, "predicted": est.peak_bytes_per_rank, "measured": measured,
-        "ratio": measured / est.peak_bytes_per_rank, "peak_at": est.peak_at,
+        "case": case.label,
+        "predicted": est.peak_bytes_per_rank,
+        "measured": measured,
+        "ratio": measured / est.peak_bytes_per_rank,
+        "peak_at": est.peak_at,
         "step_s": max(r["step_s"] for r in ranks),
     }
 
@@ -294,10 +354,15 @@ def cases(quick: bool) -> list[Case]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="a few cases only")
-    parser.add_argument("--glibc-heap", action="store_true",
-                        help="keep glibc's default mmap threshold (the resident peak then includes heap fragmentation)")
+    parser.add_argument(
+        "--glibc-heap",
+        action="store_true",
+        help="keep glibc's default mmap threshold (the resident peak then includes heap fragmentation)",
+    )
     args = parser.parse_args()
     rows = []
     print("| case | predicted (MiB) | measured (MiB) | measured / predicted | predicted peak at |")
@@ -305,11 +370,16 @@ def main() -> None:
     for case in cases(args.quick):
         r = run_case(case, glibc_heap=args.glibc_heap)
         rows.append(r)
-        print(f"| {r['case']} | {r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "
-              f"{r['ratio']:.3f} | {r['peak_at']} |", flush=True)
+        print(
+            f"| {r['case']} | {r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "
+            f"{r['ratio']:.3f} | {r['peak_at']} |",
+            flush=True,
+        )
     ratios = [r["ratio"] for r in rows]
-    print(f"\n{len(rows)} cases; measured/predicted from {min(ratios):.3f} to {max(ratios):.3f}; "
-          f"{sum(abs(x - 1) <= 0.10 for x in ratios)} within 10%")
+    print(
+        f"\n{len(rows)} cases; measured/predicted from {min(ratios):.3f} to {max(ratios):.3f}; "
+        f"{sum(abs(x - 1) <= 0.10 for x in ratios)} within 10%"
+    )
 
 
 if __name__ == "__main__":

@@ -26,11 +26,10 @@ from dataclasses import asdict
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import estimator_accuracy as ea  # noqa: E402
-from harness import run_job  # noqa: E402
+import estimator_accuracy as ea
+import torch
+import torch.nn.functional as F
+from harness import run_job
 
 
 def measured_flop_rate(case: ea.Case, flops: float) -> float:
@@ -54,7 +53,9 @@ def main() -> None:
     from fsdp_compose.plan import CostModel, estimate, plan_to_budget, resolve_plan
     from fsdp_compose.plan._planner import candidate_plans, step_time
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--budget-quantile", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=2)
@@ -63,44 +64,79 @@ def main() -> None:
     model = ea.build_meta(case.model)
     common = {"batch": case.batch, "seq": case.seq, "world_size": case.world_size}
     base = resolve_plan(model, ["Block"])
-    grid = candidate_plans(base, groups=(1, 2), depths=(0, 1), checkpointing=(False, True), keeps=None)
+    grid = candidate_plans(
+        base, groups=(1, 2), depths=(0, 1), checkpointing=(False, True), keeps=None
+    )
     grid = [(c, p) for c, p in grid if c["keep"] in (0, len(p.units) - 1)]
     preds = [estimate(model, plan=p, **common) for _, p in grid]
     flops = sum(u.flops for u in preds[0].units)
-    bandwidth = run_job({"kind": "estimate", "impl": "fsdp_compose", "world_size": case.world_size,
-                         "calibrate": True, "case": asdict(case)})[0]["bandwidth"]
+    bandwidth = run_job(
+        {
+            "kind": "estimate",
+            "impl": "fsdp_compose",
+            "world_size": case.world_size,
+            "calibrate": True,
+            "case": asdict(case),
+        }
+    )[0]["bandwidth"]
     cost = CostModel(flop_rate=measured_flop_rate(case, flops), bandwidth=bandwidth, latency=1e-3)
     peaks = sorted(e.peak_bytes_per_rank for e in preds)
     budget = peaks[min(len(peaks) - 1, int(args.budget_quantile * len(peaks)))]
-    chosen = plan_to_budget(model, budget, groups=(1, 2), depths=(0, 1), cost=cost, policy=["Block"],
-                            keeps=sorted({c["keep"] for c, _ in grid}), **common)
-    print(f"W={case.world_size}, micro-batch {case.batch} x {case.seq}; budget {budget / 2**20:.1f} MiB; "
-          f"cost model: {cost.flop_rate / 1e9:.2f} GFLOP/s, {cost.bandwidth / 1e6:.0f} MB/s, "
-          f"latency {cost.latency * 1e3:.1f} ms\n")
-    print("| units of | no-reshard units | prefetch | AC | predicted peak (MiB) | measured peak (MiB) | fits (measured) "
-          "| predicted step (s) | measured step (s) |")
+    chosen = plan_to_budget(
+        model,
+        budget,
+        groups=(1, 2),
+        depths=(0, 1),
+        cost=cost,
+        policy=["Block"],
+        keeps=sorted({c["keep"] for c, _ in grid}),
+        **common,
+    )
+    print(
+        f"W={case.world_size}, micro-batch {case.batch} x {case.seq}; budget {budget / 2**20:.1f} MiB; "
+        f"cost model: {cost.flop_rate / 1e9:.2f} GFLOP/s, {cost.bandwidth / 1e6:.0f} MB/s, "
+        f"latency {cost.latency * 1e3:.1f} ms\n"
+    )
+    print(
+        "| units of | no-reshard units | prefetch | AC | predicted peak (MiB) | measured peak (MiB) | fits (measured) "
+        "| predicted step (s) | measured step (s) |"
+    )
     print("| ---: | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: |")
     rows = []
     for (choice, plan), est in zip(grid, preds):
-        ranks = run_job({"kind": "estimate", "impl": "fsdp_compose", "world_size": case.world_size,
-                         "case": asdict(case), "plan": ea.plan_to_dict(plan), "steps": args.steps}, timeout_s=1800)
+        ranks = run_job(
+            {
+                "kind": "estimate",
+                "impl": "fsdp_compose",
+                "world_size": case.world_size,
+                "case": asdict(case),
+                "plan": ea.plan_to_dict(plan),
+                "steps": args.steps,
+            },
+            timeout_s=1800,
+        )
         measured = max(r["measured"] for r in ranks)
         step_s = max(r["step_s"] for r in ranks)
         predicted_step, _ = step_time(est, cost, plan.prefetch_depth)
         is_choice = chosen.plan == plan
         rows.append((choice, plan, measured, step_s, is_choice))
         mark = " **(planner)**" if is_choice else ""
-        print(f"| {choice['group']} | {choice['keep']} | {choice['prefetch_depth']} | "
-              f"{'on' if choice['checkpoint'] else 'off'} | {est.peak_bytes_per_rank / 2**20:.1f} | "
-              f"{measured / 2**20:.1f} | {'yes' if measured <= budget else 'no'} | {predicted_step:.2f} | "
-              f"{step_s:.2f}{mark} |", flush=True)
+        print(
+            f"| {choice['group']} | {choice['keep']} | {choice['prefetch_depth']} | "
+            f"{'on' if choice['checkpoint'] else 'off'} | {est.peak_bytes_per_rank / 2**20:.1f} | "
+            f"{measured / 2**20:.1f} | {'yes' if measured <= budget else 'no'} | {predicted_step:.2f} | "
+            f"{step_s:.2f}{mark} |",
+            flush=True,
+        )
     fitting = [r for r in rows if r[2] <= budget]
     best = min(fitting, key=lambda r: r[3]) if fitting else None
     mine = next((r for r in rows if r[4]), None)
     if best and mine:
-        print(f"\nplanner's plan: measured peak {mine[2] / 2**20:.1f} MiB (budget {budget / 2**20:.1f} MiB, "
-              f"{'fits' if mine[2] <= budget else 'DOES NOT FIT'}), step {mine[3]:.2f} s; fastest fitting grid "
-              f"point: {best[3]:.2f} s; ratio {mine[3] / best[3]:.3f}")
+        print(
+            f"\nplanner's plan: measured peak {mine[2] / 2**20:.1f} MiB (budget {budget / 2**20:.1f} MiB, "
+            f"{'fits' if mine[2] <= budget else 'DOES NOT FIT'}), step {mine[3]:.2f} s; fastest fitting grid "
+            f"point: {best[3]:.2f} s; ratio {mine[3] / best[3]:.3f}"
+        )
     else:
         print("\nno comparison: the planner found no plan or nothing measured fits")
 

@@ -25,9 +25,9 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
 from gpt import GPT, Block, GPTConfig, loss_fn, make_batch
 from helpers import full, local_slice, mean_across_ranks, rank_world
+from torch import nn
 
 from fsdp_compose.plan import (
     ShardingPlan,
@@ -42,7 +42,7 @@ from fsdp_compose.plan import (
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BENCH = os.path.join(_REPO, "benchmarks")
 LLAMA_70B = os.path.join(_BENCH, "configs", "llama3_70b.json")
-TINY = dict(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32)
+TINY = {"vocab_size": 97, "block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 32}
 
 
 def _meta_gpt(**kw: object) -> GPT:
@@ -54,8 +54,15 @@ def _llama(layers: int = 2) -> nn.Module:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=128, max_position_embeddings=32)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=32,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -127,8 +134,11 @@ def _auto_wrap_gpt_job() -> dict:
     ref = GPT(cfg)
     model = copy.deepcopy(ref)
     plan = ShardingPlan(
-        (UnitPlan(("blocks.0",), True, True), UnitPlan(("blocks.1", "blocks.2"), False, False),
-         UnitPlan(("",))),
+        (
+            UnitPlan(("blocks.0",), True, True),
+            UnitPlan(("blocks.1", "blocks.2"), False, False),
+            UnitPlan(("",)),
+        ),
         prefetch_depth=2,
     )
     units = auto_wrap(model, plan=plan)
@@ -146,9 +156,15 @@ def _auto_wrap_gpt_job() -> dict:
             o.zero_grad()
         diffs.append(abs(mean_across_ranks(loss.item()) - ref_loss.item()))
     ref_params = dict(ref.named_parameters())
-    param_diff = max((full(p.detach()) - ref_params[n]).abs().max().item() for n, p in model.named_parameters())
-    return {"units": [u._fsdp_state().unit.name for u in units], "loss_diffs": diffs, "param_diff": param_diff,
-            "depth": model._fsdp_state().scheduler.forward_depth}
+    param_diff = max(
+        (full(p.detach()) - ref_params[n]).abs().max().item() for n, p in model.named_parameters()
+    )
+    return {
+        "units": [u._fsdp_state().unit.name for u in units],
+        "loss_diffs": diffs,
+        "param_diff": param_diff,
+        "depth": model._fsdp_state().scheduler.forward_depth,
+    }
 
 
 def _auto_wrap_llama_job() -> dict:
@@ -182,7 +198,9 @@ def test_auto_wrap_gpt_plan_parity() -> None:
 
     for r in run_distributed(_auto_wrap_gpt_job, 2):
         # one FSDPModule per annotated module; blocks.1 and blocks.2 share a unit
-        assert r["units"] == ["blocks.0", "blocks.1, blocks.2", "blocks.1, blocks.2", "root"], r["units"]
+        assert r["units"] == ["blocks.0", "blocks.1, blocks.2", "blocks.1, blocks.2", "root"], r[
+            "units"
+        ]
         assert max(r["loss_diffs"]) <= 1e-5, r["loss_diffs"]
         assert r["param_diff"] <= 1e-4, r["param_diff"]
         assert r["depth"] == 2
@@ -253,7 +271,9 @@ def test_planned_run_fits_its_budget() -> None:
     budget = (smallest + largest) // 2
     result = plan_to_budget(model, budget, batch=4, seq=128, world_size=2, policy=["Block"])
     assert result.fits and result.estimate.peak_bytes_per_rank <= budget
-    measured = max(r["measured"] for r in run_distributed(_measure_job, 2, case, result.plan, timeout=240))
+    measured = max(
+        r["measured"] for r in run_distributed(_measure_job, 2, case, result.plan, timeout=240)
+    )
     assert measured <= budget, (measured / 2**20, budget / 2**20, result.table())
 
 
@@ -264,8 +284,13 @@ def test_planned_run_fits_its_budget() -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "fsdp_compose.plan", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(  # noqa: PLW1510 - the tests read returncode
+        [sys.executable, "-m", "fsdp_compose.plan", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def test_cli_llama3_70b_at_1024_ranks() -> None:
@@ -275,8 +300,14 @@ def test_cli_llama3_70b_at_1024_ranks() -> None:
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert set(out["breakdown"]) == {"params", "grads", "optimizer_state", "unsharded", "activations",
-                                     "comm_buffers"}
+    assert set(out["breakdown"]) == {
+        "params",
+        "grads",
+        "optimizer_state",
+        "unsharded",
+        "activations",
+        "comm_buffers",
+    }
     p = out["model"]["parameters"]
     assert 70e9 < p < 71e9
     sharded = sum(out["breakdown"][k] for k in ("params", "grads", "optimizer_state"))
@@ -301,19 +332,35 @@ def test_estimate_70b_closed_form_at_8_and_64() -> None:
         assert abs((b["params"] + b["grads"] + b["optimizer_state"]) / (16 * p / w) - 1) < 0.01
 
 
-def test_cli_bad_input(tmp_path: "os.PathLike[str]") -> None:
+def test_cli_bad_input(tmp_path: os.PathLike[str]) -> None:
     not_model = os.path.join(tmp_path, "tokenizer.json")
     with open(not_model, "w") as f:
         json.dump({"vocab": {}}, f)
     proc = _cli(not_model, "--world-size", "8", "--batch", "1", "--seq", "8")
-    assert proc.returncode == 2 and "is not a model config" in proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "is not a model config" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
     proc = _cli(LLAMA_70B, "--world-size", "6", "--mesh-shape", "2,4", "--batch", "1", "--seq", "8")
     assert proc.returncode == 2 and "holds 8 ranks, not world size 6" in proc.stderr, proc.stderr
     proc = _cli(LLAMA_70B, "--world-size", "8", "--batch", "1", "--seq", "8", "--budget", "lots")
     assert proc.returncode == 2 and "cannot read 'lots' as a memory size" in proc.stderr
     small = os.path.join(tmp_path, "config.json")
     with open(small, "w") as f:
-        json.dump({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                   "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}, f)
-    proc = _cli(str(tmp_path), "--world-size", "8", "--batch", "1", "--seq", "8", "--policy", "Blok")
+        json.dump(
+            {
+                "model_type": "llama",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "vocab_size": 64,
+            },
+            f,
+        )
+    proc = _cli(
+        str(tmp_path), "--world-size", "8", "--batch", "1", "--seq", "8", "--policy", "Blok"
+    )
     assert proc.returncode == 2 and "does not contain: ['Blok']" in proc.stderr, proc.stderr

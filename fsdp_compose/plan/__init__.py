@@ -18,6 +18,16 @@ from ._planner import CostModel, PlanResult, plan_to_budget
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 
 __all__ = [
-    "CostModel", "MemoryEstimate", "PlanResult", "ShardingPlan", "UnitPlan", "WrapPolicy", "auto_wrap", "estimate",
-    "format_bytes", "parse_bytes", "plan_to_budget", "resolve_plan",
+    "CostModel",
+    "MemoryEstimate",
+    "PlanResult",
+    "ShardingPlan",
+    "UnitPlan",
+    "WrapPolicy",
+    "auto_wrap",
+    "estimate",
+    "format_bytes",
+    "parse_bytes",
+    "plan_to_budget",
+    "resolve_plan",
 ]

@@ -17,14 +17,20 @@ import sys
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from .._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._estimate import OPTIMIZERS, _check_mesh, estimate, format_bytes, parse_bytes
 from ._planner import CostModel, plan_to_budget
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 class UsageError(Exception):
@@ -54,7 +60,7 @@ def load_model(config: str, dtype: torch.dtype) -> nn.Module:
         raise UsageError(f"{path} is not JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise UsageError(
-            f"{path} is not a model config: no \"model_type\" key (expected a Hugging Face config.json, "
+            f'{path} is not a model config: no "model_type" key (expected a Hugging Face config.json, '
             "or a factory written module:function)"
         )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,7 +68,9 @@ def load_model(config: str, dtype: torch.dtype) -> nn.Module:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        raise UsageError("reading a config.json needs transformers (pip install transformers)") from None
+        raise UsageError(
+            "reading a config.json needs transformers (pip install transformers)"
+        ) from None
     try:
         cfg = AutoConfig.for_model(**data)
     except (ValueError, KeyError) as exc:
@@ -71,7 +79,9 @@ def load_model(config: str, dtype: torch.dtype) -> nn.Module:
         try:
             return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         except ValueError as exc:
-            raise UsageError(f"{path}: no causal-LM class for model_type {data['model_type']!r}: {exc}") from None
+            raise UsageError(
+                f"{path}: no causal-LM class for model_type {data['model_type']!r}: {exc}"
+            ) from None
 
 
 def _reshard(text: str) -> bool | int:
@@ -93,9 +103,13 @@ def _mesh(text: str) -> tuple[int, ...]:
     try:
         dims = tuple(int(x) for x in text.replace("x", ",").split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected SHARD or REPLICATE,SHARD, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected SHARD or REPLICATE,SHARD, got {text!r}"
+        ) from None
     if not 1 <= len(dims) <= 2 or min(dims) < 1:
-        raise argparse.ArgumentTypeError(f"expected SHARD or REPLICATE,SHARD of positive ints, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected SHARD or REPLICATE,SHARD of positive ints, got {text!r}"
+        )
     return dims
 
 
@@ -124,21 +138,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh-shape", type=_mesh, default=None, help="SHARD or REPLICATE,SHARD (HSDP)")
     p.add_argument("--batch", type=int, required=True, help="micro-batch per rank (sequences)")
     p.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
-    p.add_argument("--budget", type=_size, default=None, help="memory per rank, e.g. 80GiB: plan to fit it")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="parameter (master) dtype")
-    p.add_argument("--param-dtype", choices=sorted(_DTYPES), default=None, help="mixed-precision compute dtype")
-    p.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default=None, help="gradient reduction dtype")
-    p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy (shards, grads, optimizer on host)")
+    p.add_argument(
+        "--budget", type=_size, default=None, help="memory per rank, e.g. 80GiB: plan to fit it"
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default="fp32", help="parameter (master) dtype"
+    )
+    p.add_argument(
+        "--param-dtype", choices=sorted(_DTYPES), default=None, help="mixed-precision compute dtype"
+    )
+    p.add_argument(
+        "--reduce-dtype", choices=sorted(_DTYPES), default=None, help="gradient reduction dtype"
+    )
+    p.add_argument(
+        "--offload", action="store_true", help="CPUOffloadPolicy (shards, grads, optimizer on host)"
+    )
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
-    p.add_argument("--reshard", type=_reshard, default=None, help="reshard_after_forward of non-root units")
+    p.add_argument(
+        "--reshard", type=_reshard, default=None, help="reshard_after_forward of non-root units"
+    )
     p.add_argument("--prefetch", type=int, default=None, help="prefetch depth (default 1)")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every unit")
-    p.add_argument("--no-checkpointing-in-plan", action="store_true", help="the planner may not use it")
+    p.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing of every unit"
+    )
+    p.add_argument(
+        "--no-checkpointing-in-plan", action="store_true", help="the planner may not use it"
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where training runs")
-    p.add_argument("--policy", default=None,
-                   help="module class names (comma separated) or a parameter count (default: _no_split_modules)")
-    p.add_argument("--flop-rate", type=_rate, default=CostModel.flop_rate, help="FLOP/s per rank (planner)")
-    p.add_argument("--bandwidth", type=_rate, default=CostModel.bandwidth, help="bytes/s per rank (planner)")
+    p.add_argument(
+        "--policy",
+        default=None,
+        help="module class names (comma separated) or a parameter count (default: _no_split_modules)",
+    )
+    p.add_argument(
+        "--flop-rate", type=_rate, default=CostModel.flop_rate, help="FLOP/s per rank (planner)"
+    )
+    p.add_argument(
+        "--bandwidth", type=_rate, default=CostModel.bandwidth, help="bytes/s per rank (planner)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -174,19 +211,31 @@ def _run(args: argparse.Namespace) -> int:
     )
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=False) if args.offload else OffloadPolicy()
     common: dict[str, Any] = {
-        "batch": args.batch, "seq": args.seq, "world_size": args.world_size, "mesh_shape": args.mesh_shape,
-        "policy": _policy(args.policy), "mp_policy": mp, "offload_policy": offload,
-        "optimizer": args.optimizer, "device": args.device,
+        "batch": args.batch,
+        "seq": args.seq,
+        "world_size": args.world_size,
+        "mesh_shape": args.mesh_shape,
+        "policy": _policy(args.policy),
+        "mp_policy": mp,
+        "offload_policy": offload,
+        "optimizer": args.optimizer,
+        "device": args.device,
     }
     est = estimate(
-        model, reshard_after_forward=args.reshard, prefetch_depth=args.prefetch,
-        activation_checkpointing=True if args.checkpointing else None, **common,
+        model,
+        reshard_after_forward=args.reshard,
+        prefetch_depth=args.prefetch,
+        activation_checkpointing=True if args.checkpointing else None,
+        **common,
     )
     result = None
     if args.budget is not None:
         result = plan_to_budget(
-            model, args.budget, activation_checkpointing=not args.no_checkpointing_in_plan,
-            cost=CostModel(flop_rate=args.flop_rate, bandwidth=args.bandwidth), **common,
+            model,
+            args.budget,
+            activation_checkpointing=not args.no_checkpointing_in_plan,
+            cost=CostModel(flop_rate=args.flop_rate, bandwidth=args.bandwidth),
+            **common,
         )
     params = sum(p.numel() for p in model.parameters())
     if args.json:
@@ -199,8 +248,10 @@ def _run(args: argparse.Namespace) -> int:
             out["plan"] = plan
         print(json.dumps(out))
         return 0 if result is None or result.fits else 1
-    print(f"{type(model).__name__}: {params / 1e9:.2f}B parameters ({args.dtype}), "
-          f"W={args.world_size}, micro-batch {args.batch} x {args.seq} tokens per rank")
+    print(
+        f"{type(model).__name__}: {params / 1e9:.2f}B parameters ({args.dtype}), "
+        f"W={args.world_size}, micro-batch {args.batch} x {args.seq} tokens per rank"
+    )
     print(est.table())
     if result is not None:
         print()

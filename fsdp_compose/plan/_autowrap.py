@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch.nn as nn
+from torch import nn
 from torch.distributed.tensor import DeviceMesh, Shard
 
 from .._fully_shard import FSDPModule, fully_shard
@@ -72,7 +72,9 @@ def auto_wrap(
         raise ValueError("auto_wrap: the model is already annotated with fully_shard")
     if plan is None:
         plan = resolve_plan(
-            model, policy, reshard_after_forward=reshard_after_forward,
+            model,
+            policy,
+            reshard_after_forward=reshard_after_forward,
             checkpoint=activation_checkpointing,
         )
     elif not isinstance(plan, ShardingPlan):
@@ -82,7 +84,9 @@ def auto_wrap(
     if already:
         raise ValueError(f"auto_wrap: modules {already[:5]} are already annotated with fully_shard")
     common: dict[str, Any] = {
-        "mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload_policy,
+        "mesh": mesh,
+        "mp_policy": mp_policy,
+        "offload_policy": offload_policy,
         "shard_placement_fn": shard_placement_fn,
     }
     units: list[FSDPModule] = []

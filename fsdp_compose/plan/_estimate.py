@@ -49,8 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.nn as nn
+from torch import nn
 
 from .._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
@@ -145,12 +144,25 @@ def parse_bytes(text: str | int) -> int:
         if text <= 0:
             raise ValueError(f"a memory size must be positive, got {text}")
         return text
-    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-             "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
-             "tb": 1000**4, "tib": 1024**4}
+    units = {
+        "": 1,
+        "b": 1,
+        "k": 1000,
+        "kb": 1000,
+        "kib": 1024,
+        "m": 1000**2,
+        "mb": 1000**2,
+        "mib": 1024**2,
+        "g": 1000**3,
+        "gb": 1000**3,
+        "gib": 1024**3,
+        "t": 1000**4,
+        "tb": 1000**4,
+        "tib": 1024**4,
+    }
     s = str(text).strip().lower().replace(" ", "")
     number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(number):]
+    unit = s[len(number) :]
     try:
         value = float(number)
     except ValueError:
@@ -199,7 +211,9 @@ def _check_mesh(world_size: int | None, mesh_shape: Sequence[int] | None) -> tup
         mesh_shape = (world_size,)
     shape = tuple(mesh_shape)
     if not 1 <= len(shape) <= 2 or not all(isinstance(s, int) and s > 0 for s in shape):
-        raise ValueError(f"mesh_shape must be (shard,) or (replicate, shard) positive ints, got {mesh_shape!r}")
+        raise ValueError(
+            f"mesh_shape must be (shard,) or (replicate, shard) positive ints, got {mesh_shape!r}"
+        )
     total = 1
     for s in shape:
         total *= s
@@ -284,7 +298,12 @@ def estimate(
     unit_modules = [m for u in plan.units[:-1] for m in u.modules]
     if profile is None:
         profile = profile_model(
-            model, unit_modules, batch=batch, seq=seq, compute_dtype=mp_policy.param_dtype, step_fn=step_fn
+            model,
+            unit_modules,
+            batch=batch,
+            seq=seq,
+            compute_dtype=mp_policy.param_dtype,
+            step_fn=step_fn,
         )
     offload = type(offload_policy).__name__ == "CPUOffloadPolicy"
     units = _build_units(plan, profile, shard, replicate, mp_policy, offload, optimizer)
@@ -300,10 +319,16 @@ def estimate(
     peak, at, terms = _simulate(units, profile, plan.prefetch_depth)
     breakdown = {**per_unit_states, **terms}
     config = {
-        "world_size": replicate * shard, "mesh_shape": [replicate, shard] if replicate > 1 else [shard],
-        "batch": batch, "seq": seq, "param_dtype": str(mp_policy.param_dtype),
-        "reduce_dtype": str(mp_policy.reduce_dtype), "offload": offload, "optimizer": optimizer,
-        "device": device, "prefetch_depth": plan.prefetch_depth,
+        "world_size": replicate * shard,
+        "mesh_shape": [replicate, shard] if replicate > 1 else [shard],
+        "batch": batch,
+        "seq": seq,
+        "param_dtype": str(mp_policy.param_dtype),
+        "reduce_dtype": str(mp_policy.reduce_dtype),
+        "offload": offload,
+        "optimizer": optimizer,
+        "device": device,
+        "prefetch_depth": plan.prefetch_depth,
         "units": len(plan.units),
     }
     return MemoryEstimate(
@@ -314,8 +339,17 @@ def estimate(
         host_bytes_per_rank=host,
         units=tuple(
             UnitEstimate(
-                u.name, u.numel, u.sharded, u.unsharded, u.reshard, u.checkpoint, u.saved,
-                u.profile.flops, u.ag_send, u.ag_backward, u.reduce_send,
+                u.name,
+                u.numel,
+                u.sharded,
+                u.unsharded,
+                u.reshard,
+                u.checkpoint,
+                u.saved,
+                u.profile.flops,
+                u.ag_send,
+                u.ag_backward,
+                u.reduce_send,
             )
             for u in units
         ),
@@ -361,7 +395,9 @@ def _build_units(
         if up in seen_units:
             _merge(seen_units[up], profile.modules[fqn])
             continue
-        reshard: bool | int = up.reshard_after_forward if up.reshard_after_forward is not None else fqn != ROOT
+        reshard: bool | int = (
+            up.reshard_after_forward if up.reshard_after_forward is not None else fqn != ROOT
+        )
         if not isinstance(reshard, bool) and (reshard <= 1 or shard % reshard or reshard >= shard):
             # fsdp_compose reshards to a group of this size only when it divides
             # the shard group; 1 or the whole group behave as True / False.
@@ -385,7 +421,13 @@ def _merge(unit: _Unit, prof: ModuleProfile) -> None:
 
 
 def _size(
-    u: _Unit, shard: int, replicate: int, mp: MixedPrecisionPolicy, offload: bool, optimizer: str, frac: float
+    u: _Unit,
+    shard: int,
+    replicate: int,
+    mp: MixedPrecisionPolicy,
+    offload: bool,
+    optimizer: str,
+    frac: float,
 ) -> None:
     per_state = OPTIMIZERS[optimizer]
     row_bytes = 0  # compute dtype
@@ -395,7 +437,9 @@ def _size(
         n = p.shard_numel(shard)
         u.numel += p.numel
         u.sharded += n * p.dtype.itemsize
-        compute = mp.param_dtype if mp.param_dtype is not None and p.dtype.is_floating_point else p.dtype
+        compute = (
+            mp.param_dtype if mp.param_dtype is not None and p.dtype.is_floating_point else p.dtype
+        )
         if compute != p.dtype:
             alias = False
         row_bytes += n * compute.itemsize
@@ -427,7 +471,9 @@ def _size(
         u.reduce_send += round(2 * (replicate - 1) / replicate * reduce_row)
 
 
-def _simulate(units: list[_Unit], profile: ModelProfile, depth: int) -> tuple[int, str, dict[str, int]]:
+def _simulate(
+    units: list[_Unit], profile: ModelProfile, depth: int
+) -> tuple[int, str, dict[str, int]]:
     """Walks one step; returns (peak of the transient terms, where, terms at the peak)."""
     root, blocks = units[0], units[1:]
     best = (-1, "", {})
@@ -481,8 +527,12 @@ def _simulate(units: list[_Unit], profile: ModelProfile, depth: int) -> tuple[in
                 gather(prev)
         recompute = u.profile.saved_bytes if u.checkpoint else 0
         working = u.profile.largest_saved * 2  # incoming and outgoing activation gradients
-        mark(f"backward {u.name}", extra_act=recompute + working, extra_unsh=u.unsharded_grads,
-             extra_comm=pending)
+        mark(
+            f"backward {u.name}",
+            extra_act=recompute + working,
+            extra_unsh=u.unsharded_grads,
+            extra_comm=pending,
+        )
         state["activations"] -= u.saved
         held[u.name] = 0  # reshard after backward: before the reduction allocates
         # pack this unit's gradients while the previous reduction completes

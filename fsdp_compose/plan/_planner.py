@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.nn as nn
+from torch import nn
 
 from .._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._estimate import MemoryEstimate, _check_mesh, estimate, format_bytes, parse_bytes
@@ -118,11 +118,20 @@ class PlanResult:
             f"{format_bytes(self.budget_bytes)}; step {self.step_time_s * 1e3:.1f} ms, "
             f"exposed communication {self.exposed_comm_s * 1e3:.1f} ms"
         )
-        rows = [("unit", "reshard_after_forward", "checkpoint", "params/rank", "unsharded", "sent/step")]
+        rows = [
+            ("unit", "reshard_after_forward", "checkpoint", "params/rank", "unsharded", "sent/step")
+        ]
         for u in self.estimate.units:
-            rows.append((u.name, str(u.reshard_after_forward), "yes" if u.checkpoint else "no",
-                         format_bytes(u.sharded_bytes), format_bytes(u.unsharded_bytes),
-                         format_bytes(u.all_gather_bytes + u.reduce_bytes)))
+            rows.append(
+                (
+                    u.name,
+                    str(u.reshard_after_forward),
+                    "yes" if u.checkpoint else "no",
+                    format_bytes(u.sharded_bytes),
+                    format_bytes(u.unsharded_bytes),
+                    format_bytes(u.all_gather_bytes + u.reduce_bytes),
+                )
+            )
         rows = _elide(rows)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
@@ -139,11 +148,16 @@ class PlanResult:
             "shortfall_bytes": self.shortfall_bytes,
             "suggestions": list(self.suggestions),
             "choice": self.choice,
-            "plan": None if self.plan is None else {
+            "plan": None
+            if self.plan is None
+            else {
                 "prefetch_depth": self.plan.prefetch_depth,
                 "units": [
-                    {"modules": list(u.modules), "reshard_after_forward": u.reshard_after_forward,
-                     "checkpoint": u.checkpoint}
+                    {
+                        "modules": list(u.modules),
+                        "reshard_after_forward": u.reshard_after_forward,
+                        "checkpoint": u.checkpoint,
+                    }
                     for u in self.plan.units
                 ],
             },
@@ -178,12 +192,14 @@ def candidate_plans(
             continue
         grouped = _group(leaves, g)
         n = len(grouped)
-        ms = sorted(set(keeps if keeps is not None else [0, n, *[2**i for i in range(n.bit_length())]]))
+        ms = sorted(
+            set(keeps if keeps is not None else [0, n, *[2**i for i in range(n.bit_length())]])
+        )
         for ac in checkpointing:
             for m in (k for k in ms if 0 <= k <= n):
-                units = tuple(
-                    UnitPlan(mods, i < n - m, ac) for i, mods in enumerate(grouped)
-                ) + (UnitPlan((ROOT,)),)
+                units = tuple(UnitPlan(mods, i < n - m, ac) for i, mods in enumerate(grouped)) + (
+                    UnitPlan((ROOT,)),
+                )
                 for d in depths:
                     choice = {"group": g, "keep": m, "checkpoint": ac, "prefetch_depth": d}
                     out.append((choice, ShardingPlan(units, d, base.skipped)))
@@ -214,15 +230,22 @@ def step_time(est: MemoryEstimate, cost: CostModel, depth: int) -> tuple[float, 
         return cost.latency + nbytes / cost.bandwidth
 
     fwd = {u.name: u.flops / 3 / cost.flop_rate for u in est.units}
-    bwd = {u.name: u.flops * (2 / 3 + (1 / 3 if u.checkpoint else 0)) / cost.flop_rate for u in est.units}
+    bwd = {
+        u.name: u.flops * (2 / 3 + (1 / 3 if u.checkpoint else 0)) / cost.flop_rate
+        for u in est.units
+    }
     gather_fwd = {u.name: comm(u.all_gather_bytes - u.backward_gather_bytes) for u in est.units}
-    gather_bwd = {u.name: comm(u.backward_gather_bytes) if u.backward_gather_bytes else 0.0 for u in est.units}
+    gather_bwd = {
+        u.name: comm(u.backward_gather_bytes) if u.backward_gather_bytes else 0.0 for u in est.units
+    }
     reduce = {u.name: comm(u.reduce_bytes) for u in est.units}
     channel = 0.0  # when the (single) communication channel is next free
     t = 0.0
     compute_total = 0.0
 
-    def run_phase(order: list[Any], gathers: dict[str, float], times: dict[str, float], backward: bool) -> None:
+    def run_phase(
+        order: list[Any], gathers: dict[str, float], times: dict[str, float], backward: bool
+    ) -> None:
         nonlocal channel, t, compute_total
         arrive: dict[str, float] = {}
         issue_at: dict[str, float | None] = {u.name: None for u in order}
@@ -296,15 +319,26 @@ def plan_to_budget(
         model, leaves, batch=batch, seq=seq, compute_dtype=mp_policy.param_dtype, step_fn=step_fn
     )
     common: dict[str, Any] = {
-        "batch": batch, "seq": seq, "mp_policy": mp_policy, "optimizer": optimizer, "device": device,
-        "step_fn": step_fn, "profile": profile,
+        "batch": batch,
+        "seq": seq,
+        "mp_policy": mp_policy,
+        "optimizer": optimizer,
+        "device": device,
+        "step_fn": step_fn,
+        "profile": profile,
     }
     shape = (replicate, shard) if replicate > 1 else (shard,)
     candidates = candidate_plans(
-        base, groups=groups, depths=depths, keeps=keeps,
+        base,
+        groups=groups,
+        depths=depths,
+        keeps=keeps,
         checkpointing=(False, True) if activation_checkpointing else (False,),
     )
-    best: tuple[tuple[float, int, int], dict[str, Any], ShardingPlan, MemoryEstimate, float, float] | None = None
+    best: (
+        tuple[tuple[float, int, int], dict[str, Any], ShardingPlan, MemoryEstimate, float, float]
+        | None
+    ) = None
     smallest: tuple[int, MemoryEstimate] | None = None
     for choice, plan in candidates:
         est = estimate(model, plan=plan, mesh_shape=shape, offload_policy=offload_policy, **common)
@@ -319,28 +353,69 @@ def plan_to_budget(
     assert smallest is not None
     if best is not None:
         _, choice, plan, est, total, exposed = best
-        return PlanResult(True, plan, est, budget_bytes, total, exposed, len(candidates), choice=choice)
+        return PlanResult(
+            True, plan, est, budget_bytes, total, exposed, len(candidates), choice=choice
+        )
     shortfall = smallest[0] - budget_bytes
-    suggestions = _suggest(model, base, budget_bytes, replicate, shard, offload_policy, device, common,
-                           activation_checkpointing)
+    suggestions = _suggest(
+        model,
+        base,
+        budget_bytes,
+        replicate,
+        shard,
+        offload_policy,
+        device,
+        common,
+        activation_checkpointing,
+    )
     return PlanResult(
-        False, None, smallest[1], budget_bytes, math.nan, math.nan, len(candidates),
-        shortfall_bytes=shortfall, suggestions=tuple(suggestions),
+        False,
+        None,
+        smallest[1],
+        budget_bytes,
+        math.nan,
+        math.nan,
+        len(candidates),
+        shortfall_bytes=shortfall,
+        suggestions=tuple(suggestions),
     )
 
 
-def _min_peak(model: nn.Module, base: ShardingPlan, shape: tuple[int, ...], offload: OffloadPolicy,
-              common: dict[str, Any]) -> int:
+def _min_peak(
+    model: nn.Module,
+    base: ShardingPlan,
+    shape: tuple[int, ...],
+    offload: OffloadPolicy,
+    common: dict[str, Any],
+) -> int:
     """The smallest peak of the search space (every unit resharded, AC on, no prefetch)."""
     units = tuple(UnitPlan(u.modules, True, True) for u in base.units[:-1]) + (UnitPlan((ROOT,)),)
-    plans = [ShardingPlan(units, 0), ShardingPlan(tuple(UnitPlan(u.modules, True, False)
-                                                        for u in base.units[:-1]) + (UnitPlan((ROOT,)),), 0)]
-    return min(estimate(model, plan=p, mesh_shape=shape, offload_policy=offload, **common).peak_bytes_per_rank
-               for p in plans)
+    plans = [
+        ShardingPlan(units, 0),
+        ShardingPlan(
+            tuple(UnitPlan(u.modules, True, False) for u in base.units[:-1]) + (UnitPlan((ROOT,)),),
+            0,
+        ),
+    ]
+    return min(
+        estimate(
+            model, plan=p, mesh_shape=shape, offload_policy=offload, **common
+        ).peak_bytes_per_rank
+        for p in plans
+    )
 
 
-def _suggest(model: nn.Module, base: ShardingPlan, budget: int, replicate: int, shard: int,
-             offload: OffloadPolicy, device: str, common: dict[str, Any], ac_allowed: bool) -> list[str]:
+def _suggest(
+    model: nn.Module,
+    base: ShardingPlan,
+    budget: int,
+    replicate: int,
+    shard: int,
+    offload: OffloadPolicy,
+    device: str,
+    common: dict[str, Any],
+    ac_allowed: bool,
+) -> list[str]:
     out = []
     for factor in (2, 4, 8, 16, 32, 64, 128):
         w = shard * factor
@@ -353,8 +428,10 @@ def _suggest(model: nn.Module, base: ShardingPlan, budget: int, replicate: int, 
             out.append(f"{what} would fit (smallest plan: {format_bytes(peak)} per rank)")
             break
     else:
-        out.append(f"no world size up to {shard * 128} fits: the activations alone are too large; "
-                   "reduce the micro-batch or sequence length")
+        out.append(
+            f"no world size up to {shard * 128} fits: the activations alone are too large; "
+            "reduce the micro-batch or sequence length"
+        )
     if device == "cuda" and type(offload).__name__ != "CPUOffloadPolicy":
         from .._policies import CPUOffloadPolicy
 
@@ -367,5 +444,3 @@ def _suggest(model: nn.Module, base: ShardingPlan, budget: int, replicate: int, 
     if common["batch"] > 1:
         out.append(f"a smaller micro-batch than {common['batch']} reduces the activations")
     return out
-
-

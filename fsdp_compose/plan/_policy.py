@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import torch.nn as nn
+from torch import nn
 
 __all__ = ["ShardingPlan", "UnitPlan", "WrapPolicy", "resolve_plan"]
 
@@ -48,7 +48,9 @@ class UnitPlan:
 
     def __post_init__(self) -> None:
         if not self.modules or not all(isinstance(m, str) for m in self.modules):
-            raise ValueError(f"UnitPlan.modules must be a non-empty tuple of module names, got {self.modules!r}")
+            raise ValueError(
+                f"UnitPlan.modules must be a non-empty tuple of module names, got {self.modules!r}"
+            )
         r = self.reshard_after_forward
         if r is not None and not isinstance(r, (bool, int)):
             raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {r!r}")
@@ -80,7 +82,9 @@ class ShardingPlan:
         if not self.units or self.units[-1].modules != ("",):
             raise ValueError("a ShardingPlan's last unit must be the root, UnitPlan(modules=('',))")
         if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth must be a non-negative int, got {self.prefetch_depth!r}")
+            raise ValueError(
+                f"prefetch_depth must be a non-negative int, got {self.prefetch_depth!r}"
+            )
         seen: set[str] = set()
         for unit in self.units:
             for m in unit.modules:
@@ -137,7 +141,9 @@ def resolve_plan(
             continue
         outside = _shared_outside(module, fqn, owners)
         if outside:
-            skipped.append((fqn, f"shares a parameter with {outside} (tied): left to the enclosing unit"))
+            skipped.append(
+                (fqn, f"shares a parameter with {outside} (tied): left to the enclosing unit")
+            )
             continue
         params = [p for p in module.parameters() if id(p) not in owned]
         if not params:
@@ -190,7 +196,9 @@ def _selector(model: nn.Module, policy: WrapPolicy) -> Callable[[nn.Module, str,
             )
         policy = list(names)
     if isinstance(policy, bool):
-        raise TypeError("policy must be module classes, class names, an int or a callable, not a bool")
+        raise TypeError(
+            "policy must be module classes, class names, an int or a callable, not a bool"
+        )
     if isinstance(policy, int):
         if policy <= 0:
             raise ValueError(f"a parameter-count policy must be positive, got {policy}")
@@ -221,7 +229,9 @@ def _selector(model: nn.Module, policy: WrapPolicy) -> Callable[[nn.Module, str,
         elif isinstance(entry, str):
             wanted_names.add(entry)
         else:
-            raise TypeError(f"policy entries must be nn.Module subclasses or class names, got {entry!r}")
+            raise TypeError(
+                f"policy entries must be nn.Module subclasses or class names, got {entry!r}"
+            )
     unknown = sorted(wanted_names - class_names) + sorted(
         t.__name__ for t in wanted_types if not any(issubclass(c, t) for c in classes)
     )

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = ""
@@ -136,8 +136,12 @@ def profile_model(
     # backward then fills *their* .grad, and the model stays untouched.
     substitutes: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():  # tied weights: one entry, functional_call re-ties
-        dtype = compute_dtype if compute_dtype is not None and p.dtype.is_floating_point else p.dtype
-        substitutes[name] = torch.empty(p.shape, dtype=dtype, device="meta").requires_grad_(p.requires_grad)
+        dtype = (
+            compute_dtype if compute_dtype is not None and p.dtype.is_floating_point else p.dtype
+        )
+        substitutes[name] = torch.empty(p.shape, dtype=dtype, device="meta").requires_grad_(
+            p.requires_grad
+        )
     param_storages = {t.untyped_storage()._cdata for t in substitutes.values()}
 
     stack: list[str] = [ROOT]
@@ -177,7 +181,9 @@ def profile_model(
     handles = []
     for fqn in unit_modules:
         handles.append(named[fqn].register_forward_pre_hook(pre_hook(fqn), with_kwargs=True))
-        handles.append(named[fqn].register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+        handles.append(
+            named[fqn].register_forward_hook(post_hook, with_kwargs=True, always_call=True)
+        )
     flops = FlopCounterMode(display=False)
     try:
         with flops, torch.device("meta"), _FusedAttention():
@@ -215,9 +221,8 @@ def profile_model(
         modules=profiles,
         forward_order=[f for i, f in enumerate(order) if f not in order[:i]],
         root_before=root_before,
-        root_after=root_after + sum(
-            b for i, (owner, b) in enumerate(segments) if owner == ROOT and first <= i <= last
-        ),
+        root_after=root_after
+        + sum(b for i, (owner, b) in enumerate(segments) if owner == ROOT and first <= i <= last),
         loss_grad_bytes=profiles[ROOT].largest_saved,
     )
 
