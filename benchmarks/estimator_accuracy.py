@@ -83,26 +83,18 @@ def _gpt(tied: bool, scale: str) -> nn.Module:
 def _llama(scale: str) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if scale == "test":
-        cfg = LlamaConfig(
-            hidden_size=256,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=688,
-            vocab_size=4096,
-            max_position_embeddings=128,
-        )
-    else:
-        cfg = LlamaConfig(
-            hidden_size=384,
-            num_hidden_layers=4,
-            num_attention_heads=6,
-            num_key_value_heads=2,
-            intermediate_size=1024,
-            vocab_size=8192,
-            max_position_embeddings=256,
-        )
+    # (hidden, layers, heads, kv heads, MLP, vocab, positions)
+    sizes = (256, 3, 4, 2, 688, 4096, 128) if scale == "test" else (384, 4, 6, 2, 1024, 8192, 256)
+    hidden, layers, heads, kv_heads, mlp, vocab, positions = sizes
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=mlp,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+    )
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
         return LlamaForCausalLM(cfg)

@@ -29,6 +29,7 @@ from gpt import GPT, Block, GPTConfig, loss_fn, make_batch
 from helpers import full, local_slice, mean_across_ranks, rank_world
 from torch import nn
 
+from fsdp_compose import MixedPrecisionPolicy
 from fsdp_compose.plan import (
     ShardingPlan,
     UnitPlan,
@@ -115,11 +116,45 @@ def test_bad_policies_and_plans_fail_clearly() -> None:
         auto_wrap(_meta_gpt(), plan=bad)
     with pytest.raises(ValueError, match="holds 8 ranks, not world size 6"):
         estimate(model, batch=1, seq=8, world_size=6, mesh_shape=(2, 4), policy={Block})
+    with pytest.raises(ValueError, match="reshard_after_forward=3 is invalid"):
+        estimate(model, batch=1, seq=8, world_size=4, policy={Block}, reshard_after_forward=3)
     with pytest.raises(ValueError, match="unknown optimizer"):
         estimate(model, batch=1, seq=8, world_size=2, policy={Block}, optimizer="lion")
     with pytest.raises(ValueError, match="cannot read '80 parsecs'"):
         parse_bytes("80 parsecs")
     assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("80GB") == 80 * 10**9
+
+
+def test_comm_bytes_and_sharded_state_closed_form() -> None:
+    """fp32, W=4: every block is gathered twice and reduced once, the root
+    (kept after forward) gathered once; each sends (W-1)/W of the full bytes."""
+    model = _meta_gpt()
+    w = 4
+    est = estimate(model, batch=2, seq=16, world_size=w, policy={Block})
+    root, blocks = est.units[0], est.units[1:]
+    frac = (w - 1) / w
+    assert all(b.all_gather_bytes == round(frac * b.unsharded_bytes) * 2 for b in blocks)
+    assert root.all_gather_bytes == round(frac * root.unsharded_bytes)
+    expected = sum(u.all_gather_bytes + round(frac * u.unsharded_bytes) for u in est.units)
+    assert est.comm_bytes_per_rank_per_step == expected
+    p = sum(x.numel() for x in model.parameters())
+    # padded shards: ceil(rows / W) rows per parameter, so slightly above 16 P / W
+    state = sum(est.breakdown[k] for k in ("params", "grads", "optimizer_state"))
+    assert 16 * p / w <= state <= 16 * p / w * 1.02
+    assert est.peak_bytes_per_rank == sum(est.breakdown.values())
+    # HSDP (2 replicas x 2 shards): half the shard traffic, plus the replica all-reduce
+    hsdp = estimate(model, batch=2, seq=16, mesh_shape=(2, 2), policy={Block})
+    assert hsdp.breakdown["params"] > est.breakdown["params"]
+    # bf16 compute halves the gathered bytes
+    bf16 = estimate(
+        model,
+        batch=2,
+        seq=16,
+        world_size=w,
+        policy={Block},
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+    )
+    assert bf16.units[1].unsharded_bytes * 2 == blocks[0].unsharded_bytes
 
 
 # ---------------------------------------------------------------------------

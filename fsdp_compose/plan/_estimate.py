@@ -51,6 +51,7 @@ from typing import Any
 
 from torch import nn
 
+from .._mesh import validate_reshard_after_forward
 from .._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 from ._profile import ROOT, ModelProfile, ModuleProfile, StepFn, default_step, profile_model
@@ -398,10 +399,9 @@ def _build_units(
         reshard: bool | int = (
             up.reshard_after_forward if up.reshard_after_forward is not None else fqn != ROOT
         )
-        if not isinstance(reshard, bool) and (reshard <= 1 or shard % reshard or reshard >= shard):
-            # fsdp_compose reshards to a group of this size only when it divides
-            # the shard group; 1 or the whole group behave as True / False.
-            reshard = reshard < shard if reshard >= shard or reshard <= 1 else reshard
+        # fsdp_compose's own normalisation: 1 -> False, the shard size -> True,
+        # an int that does not divide the shard group is an error.
+        reshard = validate_reshard_after_forward(reshard, shard)
         unit = _Unit(up.name, ModuleProfile(fqn), reshard, up.checkpoint)
         _merge(unit, profile.modules[fqn])
         seen_units[up] = unit
