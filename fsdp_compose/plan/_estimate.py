@@ -460,10 +460,11 @@ def _size(
         u.unsharded = shard * row_bytes
         u.rs_buffers = shard * reduce_row + (reduce_row if shard > 1 else 0)
     if shard > 1:
-        regather = {True: 1.0, False: 0.0}.get(u.reshard, None)  # type: ignore[call-overload]
-        if regather is None:
-            k = int(u.reshard)
-            regather = (k - 1) / k * shard / (shard - 1)  # within the post-forward group
+        if isinstance(u.reshard, bool):
+            regather = 1.0 if u.reshard else 0.0
+        else:  # within the post-forward group of k ranks
+            k = u.reshard
+            regather = (k - 1) / k * shard / (shard - 1)
         u.ag_backward = round(frac * u.unsharded * regather)
         u.ag_send = round(frac * u.unsharded) + u.ag_backward
         u.reduce_send = round(frac * shard * reduce_row)
@@ -476,7 +477,7 @@ def _simulate(
 ) -> tuple[int, str, dict[str, int]]:
     """Walks one step; returns (peak of the transient terms, where, terms at the peak)."""
     root, blocks = units[0], units[1:]
-    best = (-1, "", {})
+    best: tuple[int, str, dict[str, int]] = (-1, "", {})
     held: dict[str, int] = {}  # unit name -> unsharded param bytes it holds
     state = {"unsharded": 0, "activations": 0, "comm_buffers": 0}
 

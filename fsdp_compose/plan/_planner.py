@@ -118,7 +118,7 @@ class PlanResult:
             f"{format_bytes(self.budget_bytes)}; step {self.step_time_s * 1e3:.1f} ms, "
             f"exposed communication {self.exposed_comm_s * 1e3:.1f} ms"
         )
-        rows = [
+        rows: list[tuple[str, ...]] = [
             ("unit", "reshard_after_forward", "checkpoint", "params/rank", "unsharded", "sent/step")
         ]
         for u in self.estimate.units:
