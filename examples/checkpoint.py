@@ -23,9 +23,11 @@ intact and :func:`resume` never picks a partial one. All ranks must see the same
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -40,8 +42,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.utils._pytree import tree_map
 
 __all__ = [
+    "CheckpointCorruptError",
     "CheckpointMismatchError",
     "StrictLoadPlanner",
     "checkpoint_path",
@@ -49,9 +53,17 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "resume",
+    "verify_checkpoint",
 ]
 
 _NAME = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint file is missing, truncated or altered since it was saved.
+
+    Raised before any tensor is read, so the model and optimizer are unchanged.
+    """
 
 
 class CheckpointMismatchError(ValueError):
@@ -172,6 +184,92 @@ def _fsync_dir(path: str) -> None:
 
 
 # ---------------------------------------------------------------------------
+# per-file checksums: written with the checkpoint, verified before a load
+# ---------------------------------------------------------------------------
+
+CHECKSUMS = "checksums.json"  # {file name: [size in bytes, crc32]}, written by rank 0
+
+
+def _file_checksum(path: str) -> list[int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return [size, crc]
+
+
+def _my_share(names: list[str]) -> list[str]:
+    # Each rank hashes a share of the files, so saving and verifying read every
+    # byte once in all, in parallel.
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return [n for i, n in enumerate(sorted(names)) if i % world == rank]
+
+
+def _write_checksums(path: str) -> None:
+    """Records the size and CRC-32 of every file of a finished DCP save (collective)."""
+    names = sorted(os.listdir(path)) if dist.get_rank() == 0 else []
+    listing = [names]
+    dist.broadcast_object_list(listing, src=0)
+    mine = {n: _file_checksum(os.path.join(path, n)) for n in _my_share(listing[0])}
+    shares: list[dict[str, list[int]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, mine)
+    if dist.get_rank() == 0:
+        merged = {k: v for share in shares if share for k, v in share.items()}
+        with open(os.path.join(path, CHECKSUMS), "w") as f:
+            json.dump(merged, f, indent=0, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def verify_checkpoint(path: str) -> bool:
+    """Checks every file of a checkpoint against the checksums recorded when it was
+    saved (collective). Raises :class:`CheckpointCorruptError` on every rank,
+    naming the first file that is missing or differs.
+
+    Returns:
+        ``False`` if the checkpoint has no checksums (saved by an older version,
+        or by ``dcp.save`` directly), ``True`` once every file has been verified.
+    """
+    recorded_path = os.path.join(path, CHECKSUMS)
+    found = [os.path.isfile(recorded_path)]
+    dist.broadcast_object_list(found, src=0)  # rank 0 decides, so all ranks agree
+    if not found[0]:
+        return False
+    with open(recorded_path) as f:
+        recorded: dict[str, list[int]] = json.load(f)
+    problems = {}
+    for name in _my_share(list(recorded)):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            problems[name] = "is missing"
+            continue
+        size, crc = _file_checksum(file)
+        want_size, want_crc = recorded[name]
+        if size != want_size:
+            problems[name] = f"has {size} bytes, {want_size} were saved (truncated or appended to)"
+        elif crc != want_crc:
+            problems[name] = "does not match its checksum (its content changed since it was saved)"
+    everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    merged = {k: v for share in everyone if share for k, v in share.items()}
+    if merged:
+        name = min(merged)
+        more = f" (and {len(merged) - 1} more file(s): {sorted(merged)[1:]})" if len(merged) > 1 else ""
+        raise CheckpointCorruptError(
+            f"{path}: checkpoint file {name!r} {merged[name]}{more}. Nothing was loaded; "
+            "load an older checkpoint (see latest_checkpoint) or restore the file."
+        )
+    return True
+
+
+def _staging_copy(state: Any) -> Any:
+    """Tensors of the same type, shape and layout (DTensors stay DTensors) that a
+    load fills instead of the live model and optimizer state."""
+    return tree_map(lambda v: torch.empty_like(v) if isinstance(v, torch.Tensor) else v, state)
+
+
+# ---------------------------------------------------------------------------
 # save / load / resume
 # ---------------------------------------------------------------------------
 
@@ -201,7 +299,8 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optim)
     dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=tmp)
     # dcp.save returns once every rank's files are written and synced and rank 0
-    # has written .metadata: the checkpoint is complete, so publish it.
+    # has written .metadata: record their checksums, then publish the checkpoint.
+    _write_checksums(tmp)
     if rank == 0:
         if os.path.exists(final):  # re-saving a step after resuming from an older one
             stale = final + ".old"
@@ -232,19 +331,31 @@ def load_checkpoint(
     ``to_empty`` after ``fully_shard``: each rank reads only the saved shards that
     overlap its own, and the full model never exists anywhere. Collective: call on every rank.
 
+    The load is all or nothing: the files are first verified against the
+    checksums recorded at save time, then read into staging tensors (one extra
+    copy of this rank's shards while loading), and the model and optimizer are
+    updated only once everything was read.
+
     Raises:
         CheckpointMismatchError: the checkpoint's keys or shapes differ from the
-            model's (or optimizer's); names the first mismatching key. Nothing is
-            loaded in that case.
+            model's (or optimizer's); names the first mismatching key.
+        CheckpointCorruptError: a checkpoint file is missing, truncated or
+            altered; names the file.
+        Any error DCP raises while reading. In every case nothing was loaded:
+        the model and optimizer are as they were.
 
     Returns:
         The step count stored in the checkpoint.
     """
+    verify_checkpoint(path)
     if optim is None:
         state: dict[str, Any] = {"model": get_model_state_dict(model), "step": -1}
     else:
         model_sd, optim_sd = get_state_dict(model, optim)
         state = {"model": model_sd, "optim": optim_sd, "step": -1}
+    # DCP writes into the tensors it is given, the live parameters included: a
+    # read that fails half-way must not leave the model half overwritten.
+    state = _staging_copy(state)
     try:
         dcp.load(state, checkpoint_id=path, planner=StrictLoadPlanner())
     except dcp.CheckpointException as exc:
@@ -254,8 +365,8 @@ def load_checkpoint(
             if isinstance(error, CheckpointMismatchError):
                 raise CheckpointMismatchError(f"{path}: {error}") from None
         raise
-    # dcp.load filled the tensors in place; set_state_dict hands the optimizer its
-    # state (keyed by parameter name) and loads the model's sharded tensors.
+    # dcp.load filled the staging tensors; set_state_dict copies them into the
+    # model's sharded parameters and hands the optimizer its state.
     if optim is None:
         set_model_state_dict(model, state["model"])
     else:
@@ -302,14 +413,10 @@ def _parse_args() -> argparse.Namespace:
 def main() -> None:
     from gpt import GPT, PRESETS, loss_fn, make_batch
     from parallelize import apply_fsdp
+    from launch import init_distributed
 
     args = _parse_args()
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the world size {world}")
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import warnings
 import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import _compat, _optim
+from . import _compat, _missing_root, _optim
 from ._unit import Unit
 
 REPLACED_BY = "_fsdp_compose_replaced_by"  # set on original parameters by fully_shard
@@ -36,7 +37,18 @@ _hook_installed = False
 # ---------------------------------------------------------------------------
 
 
-def _describe(units: list[Unit]) -> list[tuple[str, list[tuple[str, tuple[int, ...], str, bool]]]]:
+def _settings(u: Unit) -> tuple[tuple[str, str], ...]:
+    """The unit settings that change its collectives' sizes or dtypes."""
+    mp = u.mp_policy
+    return (
+        ("mp_policy.param_dtype", str(mp.param_dtype)),
+        ("mp_policy.reduce_dtype", str(mp.reduce_dtype)),
+        ("reshard_after_forward", str(u.reshard_after_forward)),
+        ("offload_policy", "CPUOffloadPolicy" if u.offload else "none"),
+    )
+
+
+def _describe(units: list[Unit]) -> list[tuple[str, list[tuple[str, tuple[int, ...], str, bool]], Any]]:
     return [
         (
             u.name,
@@ -44,6 +56,7 @@ def _describe(units: list[Unit]) -> list[tuple[str, list[tuple[str, tuple[int, .
                 (p.fqn, tuple(p.orig_size), str(p.orig_dtype), bool(p.sharded_param.requires_grad))
                 for p in u.params
             ],
+            _settings(u),
         )
         for u in units
     ]
@@ -52,9 +65,12 @@ def _describe(units: list[Unit]) -> list[tuple[str, list[tuple[str, tuple[int, .
 def _first_difference(mine: list[Any], theirs: list[Any]) -> str:
     if len(mine) != len(theirs):
         return f"{len(mine)} units here vs {len(theirs)} there"
-    for (name_a, params_a), (name_b, params_b) in zip(mine, theirs):
+    for (name_a, params_a, settings_a), (name_b, params_b, settings_b) in zip(mine, theirs):
         if name_a != name_b:
             return f"unit {name_a!r} here vs {name_b!r} there"
+        for (key, a), (_, b) in zip(settings_a, settings_b):
+            if a != b:
+                return f"unit {name_a!r}: {key}={a} here vs {b} there"
         if len(params_a) != len(params_b):
             return f"unit {name_a!r} has {len(params_a)} parameters here vs {len(params_b)} there"
         for a, b in zip(params_a, params_b):
@@ -94,8 +110,45 @@ def verify_same_structure(units: list[Unit]) -> None:
         raise RuntimeError(
             f"fsdp_compose: the ranks of data-parallel group {ranks} built different models, so "
             f"their collectives would not match. Rank {me} vs rank {ranks[other]}: {detail}. "
-            "Build the same model (same config, same fully_shard calls) on every rank."
+            "Build the same model (same config, same fully_shard calls and arguments) on every "
+            "rank."
         )
+    verify_same_replicas(units)
+
+
+def verify_same_replicas(units: list[Unit]) -> None:
+    """HSDP: raises on every rank if the replicas of a shard hold different values
+    at the first forward (e.g. ranks seeded differently), which would otherwise
+    train silently apart. One float64 checksum per unit, all-gathered across the
+    replicate group."""
+    hsdp = [u for u in units if u.mesh_info.replicate_group is not None and u.mesh_info.replicate_size > 1]
+    groups: dict[int, list[Unit]] = {}
+    for u in hsdp:
+        groups.setdefault(id(u.mesh_info.replicate_group), []).append(u)
+    for members in groups.values():
+        group = members[0].mesh_info.replicate_group
+        assert group is not None
+        device = members[0].mesh_info.device
+        with torch.no_grad():
+            sums = torch.stack(
+                [
+                    torch.stack([p.local_shard.detach().double().abs().sum() for p in u.params]).sum()
+                    + torch.stack([p.local_shard.detach().double().sum() for p in u.params]).sum()
+                    for u in members
+                ]
+            ).to(device)
+        gathered = torch.empty(group.size() * len(members), dtype=torch.float64, device=device)
+        _compat.all_gather_into_tensor(gathered, sums, group, async_op=False)
+        rows = gathered.view(group.size(), len(members)).cpu()
+        differ = [u.name for i, u in enumerate(members) if not bool((rows[:, i] == rows[0, i]).all())]
+        if differ:
+            ranks = dist.get_process_group_ranks(group)
+            raise RuntimeError(
+                f"fsdp_compose: the HSDP replicas {ranks} hold different parameter values at the "
+                f"first forward in units {differ}, so they would train apart. Initialize the "
+                "model identically on every rank (same seed before building it, or load the "
+                "same checkpoint) before the first forward."
+            )
 
 
 def _all_gather_bytes(payload: bytes, group: dist.ProcessGroup, device: torch.device) -> list[bytes]:
@@ -139,6 +192,8 @@ def _install_optimizer_hook() -> None:
 
 def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _check_optimizer(optimizer, args, kwargs)
+    _missing_root.check_no_plain_params_with_sharded(optimizer, list(_live_units))
+    warn_if_gradient_sync_left_off(optimizer)
     # Checked: later steps may run on the local shards (this one keeps the DTensor
     # path, which also creates the states as DTensors).
     _optim.accelerate(optimizer)
@@ -176,3 +231,44 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     "model.parameters() returns the sharded parameters."
                 )
     _checked_optimizers[optimizer] = count
+
+
+# ---------------------------------------------------------------------------
+# gradient sync left off
+# ---------------------------------------------------------------------------
+
+_warned_sync_off = False
+
+
+def warn_if_gradient_sync_left_off(optimizer: torch.optim.Optimizer) -> None:
+    """Warns once if ``optimizer.step()`` finds no gradient on any parameter
+    sharded by fsdp_compose while some unit has gradient sync turned off: the
+    usual cause is ``set_requires_gradient_sync(False)`` (gradient accumulation)
+    never turned back on, so the step silently updates nothing."""
+    global _warned_sync_off
+    if _warned_sync_off:
+        return
+    off = [u for u in list(_live_units) if not u.requires_gradient_sync]
+    if not off:
+        return
+    # The optimizer may hold the DTensors or, during a local step, their local
+    # tensors (see [Note: local optimizer steps]); the DTensors keep the .grad.
+    held_ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    held = [
+        p.sharded_param
+        for u in list(_live_units)
+        for p in u.params
+        if id(p.sharded_param) in held_ids or id(p.local_shard) in held_ids
+    ]
+    if not held or any(p.grad is not None for p in held):
+        return
+    _warned_sync_off = True
+    names = ", ".join(repr(u.name) for u in off[:3]) + (" ..." if len(off) > 3 else "")
+    warnings.warn(
+        f"fsdp_compose: {type(optimizer).__name__}.step() found no gradient on any sharded "
+        f"parameter while gradient sync is off for units {names}: their gradients stay "
+        "unsharded and unreduced, so this step updates nothing. Call "
+        "model.set_requires_gradient_sync(True) before the last backward of each step "
+        "(warned once).",
+        stacklevel=3,
+    )

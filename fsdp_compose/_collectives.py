@@ -35,7 +35,6 @@ from __future__ import annotations
 import atexit
 import gc
 import itertools
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from . import _compat, debug
+from . import _compat, _env, _guard, debug
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 CollectiveEvent = Literal["issue", "complete", "wait_begin", "wait_end"]
@@ -272,6 +271,19 @@ def _on_complete(work: dist.Work, info: CollectiveInfo) -> None:
         _notify("complete", info)
 
 
+def _guarded(
+    kind: CollectiveKind, label: str, group: dist.ProcessGroup, inp: torch.Tensor, step: int
+) -> None:
+    """See [Note: collective guard]; a guard that cannot complete (a peer gone or
+    timed out) fails like the collective it protects."""
+    try:
+        _guard.check(kind, label, group, inp.numel(), inp.dtype, step)
+    except debug.CollectiveMismatchError:
+        raise
+    except RuntimeError as exc:
+        raise _failure(f"{kind} for {label} (step {step})", exc) from exc
+
+
 def _launch(
     kind: CollectiveKind,
     label: str,
@@ -284,6 +296,8 @@ def _launch(
 ) -> PendingCollective:
     if debug._checker is not None:
         debug._check(kind, label, group, inp.numel(), inp.dtype, current_step)
+    elif _guard.enabled and out.device.type == "cpu":
+        _guarded(kind, label, group, inp, current_step)
     info = _info(kind, label, group.size(), inp, out)
     if info is not None:
         _notify("issue", info)
@@ -327,7 +341,9 @@ def _launch(
 # Rows smaller than this gather with gloo's own all-gather: for tiny units one
 # collective costs less to issue than W broadcasts.
 _BROADCAST_ALL_GATHER_MIN_ROW_BYTES = 64 * 1024
-_broadcast_all_gather_enabled = os.environ.get("FSDP_COMPOSE_GLOO_ALL_GATHER", "broadcast") != "native"
+_broadcast_all_gather_enabled = (
+    _env.choice("FSDP_COMPOSE_GLOO_ALL_GATHER", ("broadcast", "native"), "broadcast") != "native"
+)
 
 
 def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.device) -> bool:
@@ -343,6 +359,12 @@ def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.dev
     )
 
 
+def _real_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as the flat real tensor of its (re, im) pairs: gloo has no
+    complex types, and a sum or gather of the pairs is that of the numbers."""
+    return torch.view_as_real(tensor).view(-1) if tensor.is_complex() else tensor
+
+
 def all_gather(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -356,6 +378,8 @@ def all_gather(
     with ``comm`` if given. ``in_place``: ``input`` is this rank's row of
     ``output``, as :func:`gathers_in_place` asked for (gloo then gathers by
     broadcasts)."""
+    if comm is None:
+        output, input = _real_view(output), _real_view(input)
     if comm is not None:
         issue = lambda async_op: comm(  # noqa: E731
             output_tensor=output, input_tensor=input, group=group, async_op=async_op
@@ -371,7 +395,7 @@ def all_gather(
 
 
 def _use_all_to_all_reduce_scatter(group: dist.ProcessGroup) -> bool:
-    mode = os.environ.get("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", "all_to_all")
+    mode = _env.choice("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", ("all_to_all", "native"), "all_to_all")
     return mode != "native" and _compat.process_group_backend(group) == "gloo"
 
 
@@ -387,6 +411,8 @@ def reduce_scatter(
     the sum of chunk r in ``output``. With ``comm`` if given, else see [Note:
     reduce-scatter on gloo]."""
     world = group.size()
+    if comm is None:
+        output, input = _real_view(output), _real_view(input)
     if comm is not None:
         issue = lambda async_op: comm(  # noqa: E731
             output_tensor=output,
@@ -428,6 +454,7 @@ def reduce_scatter(
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> PendingCollective:
     """Sums ``tensor`` in place over ``group``."""
+    tensor = _real_view(tensor)
     return _launch(
         "all_reduce",
         label,

@@ -25,7 +25,8 @@ from ._mesh import (
     validate_reshard_after_forward,
 )
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._sharded_param import SHARDED_BY, ShardedParam
+from ._shared import borrow, collect_borrowed, link_shared, shared_link
+from ._sharded_param import IGNORED_BY, SHARDED_BY, ShardedParam
 from ._state import UnitState, state_of
 from ._unit import Unit
 
@@ -34,6 +35,7 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_
 # Marks on parameter objects, so misuse is caught where it happens (and
 # SHARDED_BY, from _sharded_param, on the sharded DTensor parameters):
 _REPLACED_BY = "_fsdp_compose_replaced_by"  # on an original parameter that was sharded
+_SHARDED_MODULES = "_fsdp_compose_sharded_modules"  # on a sharded parameter: its unit's modules
 
 _fsdp_classes: dict[type, type] = {}
 
@@ -103,10 +105,11 @@ def fully_shard(
             1-D mesh over the default process group on its backend's device.
         reshard_after_forward (Optional[Union[bool, int]]): ``True`` frees the
             unsharded parameters after forward and gathers again in backward;
-            ``False`` keeps them until after backward; an ``int`` N (with
-            ``1 < N < shard world size``, dividing it) keeps 1/N of them after
-            forward so backward gathers within groups of N ranks; ``None`` means
-            ``True`` except for the root, which keeps its parameters.
+            ``False`` keeps them until after backward; an ``int`` N that divides
+            the shard world size keeps 1/N of them after forward so backward
+            gathers within groups of N ranks (N equal to the shard world size
+            means ``True``, and N = 1 means ``False``, with a warning); ``None``
+            means ``True`` except for the root, which keeps its parameters.
         shard_placement_fn (Optional[Callable[[nn.Parameter], Optional[Shard]]]):
             chooses the sharded dim per parameter (``None`` means ``Shard(0)``); a
             dim other than 0 must divide evenly.
@@ -140,16 +143,29 @@ def fully_shard(
         )
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError("shard_placement_fn must be callable (param -> Shard | None)")
-    ignored = _validate_ignored_params(ignored_params)
+    ignored = _validate_ignored_params(ignored_params, modules)
     mesh = default_mesh() if mesh is None else mesh
     mesh_info = resolve_mesh_info(mesh)
+    if mesh_info.device.type == "meta":
+        raise ValueError(
+            f"fully_shard got a mesh on the meta device ({mesh}): the sharded parameters would "
+            "move to meta and lose their values. Build the mesh on the device training runs "
+            "on, e.g. init_device_mesh('cpu', ...) or init_device_mesh('cuda', ...); to defer "
+            "initialization, build the *model* under torch.device('meta') instead."
+        )
     reshard = validate_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
 
+    # [Note: atomic fully_shard] Everything that can fail runs before the module is
+    # changed: shards are built aside and installed only once every parameter and
+    # the unit are valid, so a failed call leaves the module as it was and a
+    # retry (with the fix the error names) starts from a clean module.
     managed_modules = _managed_modules(modules)
-    owners = _managed_params(managed_modules, ignored)
+    owners = _managed_params(managed_modules, ignored, modules)
+    # Parameters another unit already sharded: borrowed, see [Note: shared parameters].
+    borrowed = collect_borrowed(managed_modules, ignored, mesh_info, mp_policy, offload_policy)
     device = mesh_info.device
     offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
-    _check_and_move_devices(owners, managed_modules, device, offload)
+    _check_devices(owners, device)
 
     unit_label = _describe(modules)
     sharded: list[ShardedParam] = []
@@ -164,15 +180,27 @@ def fully_shard(
             offload_device=torch.device("cpu") if offload else None,
             pin_memory=offload and getattr(offload_policy, "pin_memory", False),
         )
-        sharded_param.mark_owned(unit_label)
-        setattr(param, _REPLACED_BY, unit_label)
         sharded.append(sharded_param)
     unit = (
         Unit(sharded, modules, mesh_info, reshard, mp_policy, offload_policy) if sharded else None
     )
+    # Validated: from here on the module changes.
+    _move_buffers(managed_modules, device)
+    for param in ignored:  # left plain on purpose: not a forgotten root (_missing_root)
+        setattr(param, IGNORED_BY, unit_label)
+    for param, sharded_param in zip(owners, sharded):
+        sharded_param.register(sharded_param.sharded_param)
+        sharded_param.mark_owned(unit_label)
+        setattr(sharded_param.sharded_param, _SHARDED_MODULES, modules)
+        setattr(param, _REPLACED_BY, unit_label)
     state = UnitState(modules, unit, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
     if unit is not None:
         _register_state_dict_hooks(unit, state)
+        for (param, _), sharded_param in zip(owners.items(), sharded):
+            link_shared(param, sharded_param, unit, state)
+    borrow(state, borrowed)
+    for link, pairs in borrowed.items():
+        _register_state_dict_hooks(link.unit, link.state, [(m, n, link.param) for m, n in pairs])
     for m in modules:
         cls = type(m)
         fsdp_cls = _fsdp_classes.get(cls)
@@ -233,7 +261,7 @@ def _is_torch_fsdp_module(module: nn.Module) -> bool:
     return isinstance(module, TorchFSDPModule)
 
 
-def _validate_ignored_params(ignored: object) -> set[nn.Parameter]:
+def _validate_ignored_params(ignored: object, modules: tuple[nn.Module, ...]) -> set[nn.Parameter]:
     if ignored is None:
         return set()
     if not isinstance(ignored, Iterable) or isinstance(ignored, torch.Tensor):
@@ -242,6 +270,19 @@ def _validate_ignored_params(ignored: object) -> set[nn.Parameter]:
     for p in result:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"ignored_params must contain parameters, got {type(p).__name__}")
+    if not result:
+        return result
+    # Originals of parameters that a nested unit already replaced count as the module's.
+    known = {p for m in modules for p in m.parameters()}
+    for p in result:
+        if p not in known and getattr(p, _REPLACED_BY, None) is None:
+            where = ", ".join(type(m).__name__ for m in modules)
+            raise ValueError(
+                f"ignored_params contains a parameter of shape {tuple(p.shape)} ({p.dtype}) that "
+                f"is not a parameter of {where} or its submodules, so ignoring it would have no "
+                "effect. Pass only the parameters of the module being sharded, e.g. "
+                "ignored_params={module.some_layer.weight}."
+            )
     return result
 
 
@@ -267,37 +308,49 @@ def _managed_modules(modules: tuple[nn.Module, ...]) -> list[nn.Module]:
 
 
 def _managed_params(
-    modules: list[nn.Module], ignored: set[nn.Parameter]
+    modules: list[nn.Module], ignored: set[nn.Parameter], targets: tuple[nn.Module, ...] = ()
 ) -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     for m in modules:
         for name, p in m._parameters.items():
-            if p is None or p in ignored:
-                continue
+            if p is None or p in ignored or shared_link(p, m, name) is not None:
+                continue  # shared with an earlier unit: collect_borrowed handles it
             if getattr(p, SHARDED_BY, None) is not None:
+                _reject_module_shared_by_sibling_units(p, name, m, targets)
                 raise ValueError(
                     f"parameter {name!r} of {type(m).__name__} is already sharded by "
                     f"fully_shard({getattr(p, SHARDED_BY)}): fully_shard must be applied "
                     "bottom-up, i.e. to submodules (e.g. each block) before their parents."
-                )
-            if getattr(p, _REPLACED_BY, None) is not None:
-                raise ValueError(
-                    f"parameter {name!r} of {type(m).__name__} is the same tensor as a parameter "
-                    f"already sharded by fully_shard({getattr(p, _REPLACED_BY)}) (a weight tied "
-                    "across units, e.g. an LM head sharing the embedding). Put the modules that "
-                    "share it in one unit, e.g. fully_shard([model.embed, model.lm_head]), or "
-                    "leave both in the parent's unit."
                 )
             # DTensor parameters (tensor parallel) are validated by ShardedParam.
             owners.setdefault(p, []).append((m, name))
     return owners
 
 
-def _check_and_move_devices(
+def _reject_module_shared_by_sibling_units(
+    p: nn.Parameter, name: str, module: nn.Module, targets: tuple[nn.Module, ...]
+) -> None:
+    """Raises if ``module`` (reached from this call's ``targets``) belongs to an
+    earlier unit that is not an ancestor of the targets: the calls were bottom-up,
+    but the same submodule hangs under two sibling units."""
+    earlier = getattr(p, _SHARDED_MODULES, None)
+    if not earlier or not targets:
+        return
+    if any(t is e or any(t is sub for sub in e.modules()) for e in earlier for t in targets):
+        return  # a target sits inside the earlier unit: a parent annotated first
+    raise ValueError(
+        f"parameter {name!r} of {type(module).__name__} is already sharded by "
+        f"fully_shard({getattr(p, SHARDED_BY)}), a sibling of {_describe(targets)}: the same "
+        f"{type(module).__name__} module is a submodule of both units (a module shared by two "
+        "fully_shard units is not supported). Annotate the shared module on its own first, "
+        "e.g. fully_shard(shared_module), or put the modules that share it in one unit, e.g. "
+        "fully_shard([module_a, module_b])."
+    )
+
+
+def _check_devices(
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]],
-    modules: list[nn.Module],
     device: torch.device,
-    offload: bool,
 ) -> None:
     devices = {p.device for p in owners}
     if len(devices) > 1:
@@ -314,6 +367,9 @@ def _check_and_move_devices(
             f"fully_shard found parameters on different devices {sorted(map(str, devices))}: "
             f"{where}.{hint}"
         )
+
+
+def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
     # Buffers are not sharded; like parameters they follow the mesh's device (also
     # with CPU offload, which only concerns parameters, gradients and optimizer state).
     for m in modules:
@@ -344,13 +400,19 @@ def _describe(modules: tuple[nn.Module, ...]) -> str:
     return ", ".join(type(m).__name__ for m in modules)
 
 
-def _register_state_dict_hooks(unit: Unit, state: UnitState) -> None:
+def _register_state_dict_hooks(
+    unit: Unit, state: UnitState, owners: list[tuple[nn.Module, str, ShardedParam]] | None = None
+) -> None:
     """``state_dict()`` and ``load_state_dict()`` always see the sharded parameters,
-    and a full (plain tensor) state dict is sharded on the fly when loaded."""
+    and a full (plain tensor) state dict is sharded on the fly when loaded.
+
+    ``owners`` limits the hooks to these registrations of ``unit``'s parameters
+    (a borrower's, see [Note: shared parameters]); default: all of them."""
+    if owners is None:
+        owners = [(module, name, p) for p in unit.params for module, name in p.owners]
     owner_params: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
-    for p in unit.params:
-        for module, name in p.owners:
-            owner_params.setdefault(module, []).append((name, p))
+    for module, name, p in owners:
+        owner_params.setdefault(module, []).append((name, p))
 
     def reshard(*_: Any) -> None:
         _reshard_unit(unit, state)
@@ -361,15 +423,17 @@ def _register_state_dict_hooks(unit: Unit, state: UnitState) -> None:
             _module: nn.Module,
             state_dict: dict[str, Any],
             prefix: str,
+            local_metadata: dict[str, Any] | None = None,
             *_: Any,
             _params: list[tuple[str, ShardedParam]] = params,
         ) -> None:
             reshard()
+            assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
             for name, p in _params:
                 key = prefix + name
                 value = state_dict.get(key)
                 if isinstance(value, torch.Tensor):
-                    sharded = p.sharded_from_state(value)  # full or TP-only values
+                    sharded = p.sharded_from_state(value, own=assign)  # full or TP-only values
                     if sharded is not None:
                         state_dict[key] = sharded
 
@@ -700,11 +764,12 @@ class FSDPModule:
         # Conversions (.to(), to_empty(), .half()) must see the sharded parameters;
         # afterwards the unit re-derives dtypes and buffers from them.
         state = self._fsdp_state()
-        if state.unit is not None:
-            _reshard_unit(state.unit, state)
+        units = ([state.unit] if state.unit is not None else []) + state.borrowed
+        for unit in units:
+            _reshard_unit(unit, state)
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        if state.unit is not None:
-            state.unit.invalidate()
+        for unit in units:
+            unit.invalidate()
         return result
 
 
@@ -751,9 +816,11 @@ def _units_of(modules: list[FSDPModule]) -> list[Unit]:
     for m in modules:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"expected FSDPModules (modules annotated by fully_shard), got {type(m).__name__}")
-        unit = m._fsdp_state().unit
-        if unit is not None:
-            units.append(unit)
+        state = m._fsdp_state()
+        # A module that borrows a shared parameter needs its owner unit too.
+        for unit in [state.unit, *state.borrowed]:
+            if unit is not None and unit not in units:
+                units.append(unit)
     return units
 
 

@@ -25,7 +25,6 @@ DTensor path. ``FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP=0`` turns it off.
 
 from __future__ import annotations
 
-import os
 import types
 import weakref
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _compat
+from . import _compat, _env
 from ._sharded_param import SHARDED_BY
 
 _ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -53,7 +52,7 @@ _accelerated: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 def enabled() -> bool:
-    return os.environ.get("FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP", "1") not in ("0", "false", "False")
+    return _env.flag("FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP", True)
 
 
 def accelerate(optimizer: torch.optim.Optimizer) -> None:

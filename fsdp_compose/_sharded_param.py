@@ -47,6 +47,7 @@ from ._mesh import MeshInfo
 
 
 SHARDED_BY = "_fsdp_compose_sharded_by"  # marks the sharded DTensor parameters we own
+IGNORED_BY = "_fsdp_compose_ignored_by"  # on ignored_params: plain, reduced by the user
 
 class ShardedParam:
     """Owns one parameter's sharded DTensor and describes its unsharded form.
@@ -136,10 +137,11 @@ class ShardedParam:
                 local = local.to(target, copy=True).contiguous()
                 if pin_memory and offload_device is not None and not local.is_pinned():
                     local = local.pin_memory()
+        # Registered on the owning modules by fully_shard once the whole unit is
+        # valid (see [Note: atomic fully_shard]).
         self.sharded_param = nn.Parameter(
             _compat.dtensor_from_local(local, self.spec), requires_grad=requires_grad
         )
-        self.register(self.sharded_param)
 
         # Set by the unit at lazy init (its flat buffer decides where the data lives).
         self.unsharded_param: nn.Parameter | None = None
@@ -242,13 +244,17 @@ class ShardedParam:
         start = min(self.mesh_info.shard_rank * self.chunk_rows, rows)
         return unsharded.narrow(self.shard_dim, start, self.local_shape[self.shard_dim])
 
-    def sharded_from_state(self, value: torch.Tensor) -> DTensor | None:
+    def sharded_from_state(self, value: torch.Tensor, *, own: bool = False) -> DTensor | None:
         """A state-dict value as this parameter's sharded DTensor (the conversion
         ``load_state_dict`` applies), or None to leave the value as it is.
 
         Converts a full plain tensor of the parameter's global shape and, with
         tensor parallel, a DTensor laid out by TP alone (a state dict saved
-        before ``fully_shard``); both without communication.
+        before ``fully_shard``); both without communication. The shard lands on
+        the parameter's storage device (also when the module is still on the
+        meta device). With ``own`` (``assign=True``: the result becomes the
+        parameter) it is a copy that owns its memory, not a view that would keep
+        the caller's whole tensor alive.
         """
         if value.shape != self.global_size:
             return None
@@ -262,7 +268,10 @@ class ShardedParam:
             local = self._dp_shard_of(_compat.local_tensor(value))
         else:
             return None
-        return self.make_sharded_grad(local.to(self.local_shard.device))
+        device = self.offload_device or self.device
+        if own or local.device != device:
+            local = local.to(device, copy=True).contiguous()
+        return self.make_sharded_grad(local)
 
     def make_sharded_grad(self, local_grad: torch.Tensor) -> DTensor:
         spec = _compat.dtensor_spec_with_dtype(self.spec, local_grad.dtype)

@@ -193,6 +193,13 @@ class Unit:
     def lazy_init(self) -> None:
         if self._initialized:
             return
+        # The buffers and views made here outlive this call: made inside
+        # torch.inference_mode() (an evaluation first), they would be inference
+        # tensors, unusable for training ever after.
+        with torch.inference_mode(False):
+            self._lazy_init()
+
+    def _lazy_init(self) -> None:
         for p in self.params:
             p.resync_sharded_param()
         on_meta = [p.fqn for p in self.params if p.sharded_param.is_meta]
@@ -682,6 +689,9 @@ class Unit:
             packed = torch.empty(world * row, dtype=reduce_dtype, device=info.device)
         # Gradients from autograd do not require grad: no no_grad context needed.
         chunks = [g if p.shard_dim == 0 else p.rank_chunks(g, world) for p, g in zip(params, grads)]
+        if len({c.dtype for c in chunks}) > 1:
+            # Mixed compute dtypes (reduce_dtype set): the fused pack takes one input dtype.
+            chunks = [c.to(reduce_dtype) for c in chunks]
         _compat.chunk_cat(chunks, world, packed.view(world, row))
         if pre != 1:
             packed.div_(pre)

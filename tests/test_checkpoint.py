@@ -234,12 +234,17 @@ def test_full_state_dict_round_trip(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _mismatch_job(root: str) -> dict:
+def _saved_after_one_step(root: str) -> tuple[GPTConfig, GPT, torch.optim.Optimizer, str]:
+    """A sharded GPT trained one step and checkpointed under ``root``."""
     cfg = GPTConfig(**TINY)
     model = _build(cfg)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
     _train_step(model, optim, cfg, 0)
-    path = save_checkpoint(root, 1, model, optim)
+    return cfg, model, optim, save_checkpoint(root, 1, model, optim)
+
+
+def _mismatch_job(root: str) -> dict:
+    cfg, model, optim, path = _saved_after_one_step(root)
 
     out = {}
     variants = {"more_layers": {"n_layer": 3}, "fewer_layers": {"n_layer": 1}, "wider": {"n_embd": 48}}
@@ -369,3 +374,77 @@ def test_kill_during_save_then_resume(tmp_path: Path) -> None:
     assert list(got) == list(want)
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+# ---------------------------------------------------------------------------
+# a failed load leaves the model and optimizer as they were
+# ---------------------------------------------------------------------------
+
+
+def _local_state(model: GPT, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = [p.to_local().clone() for p in model.parameters()]
+    for state in optim.state.values():
+        tensors += [v.to_local().clone() if isinstance(v, DTensor) else v.clone() for v in state.values()]
+    return tensors
+
+
+def _damaged_load_job(root: str, damage: str) -> dict:
+    """Saves after step 1, trains a step more, damages a file, loads: the load must
+    fail and leave everything as it was after step 2."""
+    rank, _ = rank_world()
+    cfg, model, optim, path = _saved_after_one_step(root)
+    _train_step(model, optim, cfg, 1)
+    before = _local_state(model, optim)
+    if rank == 0:
+        data_files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+        target = os.path.join(path, data_files[-1])
+        if damage in ("truncate", "truncate_unverified"):
+            with open(target, "r+b") as f:
+                f.truncate(os.path.getsize(target) // 2)
+            if damage == "truncate_unverified":  # DCP itself must fail, mid-read
+                os.remove(os.path.join(path, "checksums.json"))
+        elif damage == "missing":
+            os.remove(target)
+        elif damage == "corrupt":  # same size, a byte range changed
+            with open(target, "r+b") as f:
+                f.seek(os.path.getsize(target) // 2)
+                chunk = bytearray(f.read(64))
+                f.seek(os.path.getsize(target) // 2)
+                f.write(bytes(b ^ 0xFF for b in chunk))
+    dist.barrier()
+    try:
+        load_checkpoint(path, model, optim)
+        error = "no error"
+    except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException(BaseException)
+        error = f"{type(exc).__name__}: {exc}"
+    after = _local_state(model, optim)
+    unchanged = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+    # and the model still trains
+    _train_step(model, optim, cfg, 2)
+    return {"error": error, "unchanged": unchanged}
+
+
+@pytest.mark.parametrize("damage", ["truncate", "missing", "corrupt", "truncate_unverified"])
+def test_failed_load_leaves_model_and_optimizer_unchanged(tmp_path: Path, damage: str) -> None:
+    results = run_distributed(_damaged_load_job, 2, str(tmp_path), damage)
+    for r in results:
+        assert r["unchanged"], r
+        assert r["error"] != "no error", r
+        if damage == "truncate_unverified":
+            continue  # DCP's own error; what matters is that nothing changed
+        assert r["error"].startswith("CheckpointCorruptError:"), r
+        assert "__1_0.distcp" in r["error"], r
+    expected = {"truncate": "were saved (truncated", "missing": "is missing", "corrupt": "does not match its checksum"}
+    if damage in expected:
+        assert expected[damage] in results[0]["error"], results[0]
+
+
+def _checksums_job(root: str) -> bool:
+    from checkpoint import verify_checkpoint
+
+    path = _saved_after_one_step(root)[3]
+    return verify_checkpoint(path) and os.path.isfile(os.path.join(path, "checksums.json"))
+
+
+def test_checkpoint_records_and_verifies_checksums(tmp_path: Path) -> None:
+    assert run_distributed(_checksums_job, 2, str(tmp_path)) == [True, True]

@@ -109,14 +109,18 @@ def test_debug_mode_waits_the_process_group_timeout_by_default() -> None:
     assert elapsed < 4.0 + 20, elapsed
 
 
-def test_desync_without_debug_fails_instead_of_hanging() -> None:
-    """Without debug mode the ranks first exchange two same-sized units' data (the
-    silent failure debug mode exists for), then one waits for a collective the other
-    never issues: the job fails within about one process-group timeout."""
+def test_desync_without_debug_is_caught_by_the_guard() -> None:
+    """Without debug mode the always-on guard compares the ranks' fingerprints
+    before the first mismatched collective: no two units' data is exchanged, and
+    every rank raises naming both sides (see [Note: collective guard])."""
     message, elapsed = _run_expecting_failure(_desync_job, False, False, pg_timeout=5.0)
-    assert "fsdp_compose: " in message and "failed on rank" in message, message
-    assert "FSDP_COMPOSE_DEBUG_COLLECTIVES=1" in message, message  # tells how to diagnose
-    assert elapsed < 2 * 5.0 + 20, elapsed
+    assert "failed on ranks [0, 1]" in message, message
+    for rank in (0, 1):
+        section = message.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
+        assert "CollectiveMismatchError: fsdp_compose collective mismatch" in section, message
+    assert "rank 0 issued all_gather for gpt.blocks.0" in message, message
+    assert "rank 1 issued all_gather for gpt.blocks.1" in message, message
+    assert elapsed < 5.0 + 20, elapsed
 
 
 def test_uneven_batches_without_debug_fails_within_pg_timeout() -> None:

@@ -1,0 +1,149 @@
+"""What the always-on collective guard costs (see [Note: collective guard]).
+
+    python benchmarks/guard_cost.py --preset small --world-size 2 --steps 10
+
+Two measurements, each with the guard on and off *in the same processes*,
+alternating step by step (so load from other processes on a shared machine hits
+both sides alike):
+
+* per collective: the guard's own fingerprint exchange on the default group,
+  timed over ``--calls`` calls on loopback (microseconds);
+* per step: the benchmark's training step (``workloads.py``: the examples' GPT,
+  one unit per block plus the root, AdamW), median wall and on-CPU time of the
+  steps with the guard on and with it off, how many collectives a step issues,
+  and the share of the guarded steps' time spent inside the guard (waiting for
+  the other rank included, which on an overloaded machine is mostly scheduling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, queue: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
+    import workloads
+
+    from fsdp_compose import _collectives, _guard
+
+    group = dist.group.WORLD
+    for _ in range(20):
+        _guard.check("all_gather", "blocks.3", group, 4160, torch.float32, 1)
+    per_call: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(args.calls):
+        dist.barrier()
+        start = time.perf_counter()
+        _guard.check("all_gather", "blocks.3", group, 4160, torch.float32, 1)
+        per_call[True].append(time.perf_counter() - start)
+
+    # Time spent inside the guard during the guarded steps (wall and on-CPU).
+    inside = {"wall": 0.0, "cpu": 0.0}
+    check = _guard.check
+
+    def timed_check(*a: object) -> None:
+        start, start_cpu = time.perf_counter(), time.process_time()
+        try:
+            check(*a)  # type: ignore[arg-type]
+        finally:
+            inside["wall"] += time.perf_counter() - start
+            inside["cpu"] += time.process_time() - start_cpu
+
+    _guard.check = timed_check  # type: ignore[assignment]
+    model = workloads.build_gpt(args.preset, "fsdp_compose")
+    optim = workloads.make_optimizer(model)
+    batches = workloads.Batches(workloads.PRESETS[args.preset], args.global_batch, rank, world)
+    count = [0]
+
+    def listener(event: str, info: object) -> None:
+        count[0] += event == "issue"
+
+    wall: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
+    for step in range(args.warmup + 2 * args.steps):
+        on = step % 2 == 0
+        _guard.enabled = on
+        if step == args.warmup:
+            _collectives.add_listener(listener)
+            inside["wall"] = inside["cpu"] = 0.0
+        dist.barrier()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        workloads.train_step(model, optim, batches.get(step))
+        if step >= args.warmup:
+            wall[on].append(time.perf_counter() - start)
+            cpu[on].append(time.process_time() - start_cpu)
+    _collectives.remove_listener(listener)
+    if rank == 0:
+        queue.put(
+            {
+                "guard_us_per_call": 1e6 * statistics.median(per_call[True]),
+                "collectives_per_step": count[0] / (2 * args.steps),
+                "step_wall_s": {k: statistics.median(v) for k, v in wall.items()},
+                "step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
+                "inside_guard_share": {
+                    "wall": inside["wall"] / sum(wall[True]),
+                    "cpu": inside["cpu"] / sum(cpu[True]),
+                },
+                "raw_wall_s": wall,
+            }
+        )
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per side (on and off)")
+    p.add_argument("--calls", type=int, default=500, help="guard calls timed on their own")
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    fd, init_file = tempfile.mkstemp(prefix="fsdp_compose_guard_")
+    os.close(fd)
+    os.unlink(init_file)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, args.world_size, init_file, args, queue))
+        for r in range(args.world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    result = queue.get(timeout=1800)
+    for proc in procs:
+        proc.join()
+    on, off = result["step_wall_s"][True], result["step_wall_s"][False]
+    cpu_on, cpu_off = result["step_cpu_s"][True], result["step_cpu_s"][False]
+    n = result["collectives_per_step"]
+    us = result["guard_us_per_call"]
+    print(f"guard per collective (loopback, W={args.world_size}): {us:.0f} us")
+    print(f"collectives per step: {n:.0f} -> {n * us / 1e3:.1f} ms of guard per step")
+    print(f"step wall time, median of {args.steps}: guard on {on:.3f} s, off {off:.3f} s, ratio {on / off:.3f}")
+    print(f"step on-CPU time (rank 0): guard on {cpu_on:.3f} s, off {cpu_off:.3f} s, ratio {cpu_on / cpu_off:.3f}")
+    share = result["inside_guard_share"]
+    print(
+        f"time inside the guard during guarded steps: {share['wall']:.2%} of their wall time, "
+        f"{share['cpu']:.2%} of their on-CPU time (rank 0)"
+    )
+    print(f"raw step wall times (s), on: {[round(t, 3) for t in result['raw_wall_s'][True]]}")
+    print(f"raw step wall times (s), off: {[round(t, 3) for t in result['raw_wall_s'][False]]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Desyncs end as Python exceptions on every rank, in default mode (the
+always-on collective guard, and the structure check at the first forward): no
+rank is aborted inside gloo, and no rank consumes another unit's data.
+
+Each case catches the error inside the job and returns it, then both ranks call
+``reset_iter_state()``: the guard raises before the mismatched collective is
+issued, so the process group stays usable and the next case reuses it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from dist_utils import run_distributed
+from gpt import GPT, GPTConfig, loss_fn, make_batch
+from helpers import rank_world
+
+from fsdp_compose import MixedPrecisionPolicy, fully_shard
+from fsdp_compose.debug import CollectiveMismatchError
+
+TINY = dict(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32)
+
+
+class _Net(nn.Module):
+    """GPT whose forward may skip a block or run the blocks in another order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = GPT(GPTConfig(**TINY))
+
+    def forward(self, x: torch.Tensor, order: tuple[int, ...] = (0, 1, 2)) -> torch.Tensor:
+        g = self.gpt
+        h = g.tok_emb(x) + g.pos_emb(torch.arange(x.size(1)))
+        for i in order:
+            h = g.blocks[i](h)
+        return g.lm_head(g.ln_f(h))
+
+
+def _net(block_policy_on_rank1: MixedPrecisionPolicy | None = None, **kwargs) -> _Net:
+    rank, _ = rank_world()
+    torch.manual_seed(0)
+    model = _Net()
+    for i, block in enumerate(model.gpt.blocks):
+        mp = block_policy_on_rank1 if (rank == 1 and i == 0 and block_policy_on_rank1) else MixedPrecisionPolicy()
+        fully_shard(block, mp_policy=mp, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _bad_batch(*_: object) -> None:
+    raise ValueError("bad batch")
+
+
+def _desync_case(case: str) -> str:
+    """Runs 3 steps with a desync on rank 1 (or 0) at step 1; returns the error."""
+    rank, _ = rank_world()
+    cfg = GPTConfig(**TINY)
+    model = _net(MixedPrecisionPolicy(param_dtype=torch.bfloat16) if case == "mp_policy" else None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if case == "same_size_reduce_scatter":
+        # No all-gather after the first step: only the reduce-scatters (all of
+        # blocks' the same size) can go out of order.
+        model.set_reshard_after_forward(False)
+        model.set_reshard_after_backward(False)
+    try:
+        for step in range(3):
+            x, y = make_batch(cfg, 2, step)
+            odd = step == 1 and rank == 1
+            if case == "requires_grad" and odd:
+                model.gpt.blocks[1].attn.q.bias.requires_grad_(False)
+            if case == "unshard_one_rank" and odd:
+                model.gpt.blocks[2].unshard()
+            if case == "skip_batch" and step == 1 and rank == 0:
+                # A batch that fails inside forward on one rank, recovered and
+                # skipped there only.
+                handle = model.gpt.blocks[1].register_forward_pre_hook(_bad_batch)
+                try:
+                    model(x)
+                except ValueError:
+                    model.reset_iter_state()
+                    continue
+                finally:
+                    handle.remove()
+            order = (0, 1, 2)
+            if case == "skip_block" and odd:
+                order = (0, 2)
+            elif case == "same_size_reduce_scatter" and odd:
+                order = (0, 2, 1)  # the same units, another order
+            logits = model(x, order)
+            loss_fn(logits, y).backward()
+            if case != "same_size_reduce_scatter":
+                opt.step()
+            opt.zero_grad()
+    except (CollectiveMismatchError, RuntimeError) as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        model.reset_iter_state()
+        dist.barrier()
+        return message
+    return "no error"
+
+
+CASES = ["skip_block", "requires_grad", "skip_batch", "unshard_one_rank", "mp_policy", "same_size_reduce_scatter"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_desync_raises_on_every_rank(case: str) -> None:
+    messages = run_distributed(_desync_case, 2, case, timeout=90)
+    for rank, message in enumerate(messages):
+        if case == "mp_policy":  # caught at the first forward, naming the unit's setting
+            assert "built different models" in message, message
+            assert "unit 'gpt.blocks.0': mp_policy.param_dtype=" in message, message
+        else:
+            assert message.startswith("CollectiveMismatchError: fsdp_compose collective mismatch"), (
+                rank,
+                message,
+            )
+            assert "caught before any data moved" in message, message
+    if case == "same_size_reduce_scatter":
+        assert "reduce_scatter for gpt.blocks." in messages[0], messages[0]
+
+
+def _reshard_setting_job() -> str:
+    rank, _ = rank_world()
+    try:
+        model = _net(reshard_after_forward=rank == 0)
+        x, _ = make_batch(GPTConfig(**TINY), 2, 0)
+        model(x)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_reshard_setting_differing_between_ranks_is_caught_at_first_forward() -> None:
+    for message in run_distributed(_reshard_setting_job, 2):
+        assert "built different models" in message and "reshard_after_forward=" in message, message
+
+
+def _replicas_job(same_seed: bool) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, _ = rank_world()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0 if same_seed else rank)
+    model = GPT(GPTConfig(**TINY))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x, _ = make_batch(GPTConfig(**TINY), 2, 0)
+    try:
+        model(x)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_hsdp_replicas_with_different_values_are_reported() -> None:
+    for message in run_distributed(_replicas_job, 4, False):
+        assert "HSDP replicas" in message and "hold different parameter values" in message, message
+        assert "'blocks.0'" in message, message  # GPT is the root here
+    assert run_distributed(_replicas_job, 4, True) == ["no error"] * 4
