@@ -367,20 +367,37 @@ def test_estimate_70b_closed_form_at_8_and_64() -> None:
         assert abs((b["params"] + b["grads"] + b["optimizer_state"]) / (16 * p / w) - 1) < 0.01
 
 
-def test_cli_bad_input(tmp_path: os.PathLike[str]) -> None:
+def _cli_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    from fsdp_compose.plan.__main__ import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse rejects bad option values itself
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out
+
+
+def test_cli_bad_input(tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]) -> None:
     not_model = os.path.join(tmp_path, "tokenizer.json")
     with open(not_model, "w") as f:
         json.dump({"vocab": {}}, f)
-    proc = _cli(not_model, "--world-size", "8", "--batch", "1", "--seq", "8")
-    assert (
-        proc.returncode == 2
-        and "is not a model config" in proc.stderr
-        and "Traceback" not in proc.stderr
+    code, err = _cli_in_process(
+        capsys, not_model, "--world-size", "8", "--batch", "1", "--seq", "8"
     )
-    proc = _cli(LLAMA_70B, "--world-size", "6", "--mesh-shape", "2,4", "--batch", "1", "--seq", "8")
-    assert proc.returncode == 2 and "holds 8 ranks, not world size 6" in proc.stderr, proc.stderr
-    proc = _cli(LLAMA_70B, "--world-size", "8", "--batch", "1", "--seq", "8", "--budget", "lots")
-    assert proc.returncode == 2 and "cannot read 'lots' as a memory size" in proc.stderr
+    assert code == 2 and "is not a model config" in err and "Traceback" not in err, err
+    code, err = _cli_in_process(
+        capsys, LLAMA_70B, "--world-size", "6", "--mesh-shape", "2,4", "--batch", "1", "--seq", "8"
+    )
+    assert code == 2 and "holds 8 ranks, not world size 6" in err, err
+    code, err = _cli_in_process(
+        capsys, LLAMA_70B, "--world-size", "8", "--batch", "1", "--seq", "8", "--budget", "lots"
+    )
+    assert code == 2 and "cannot read 'lots' as a memory size" in err, err
+    code, err = _cli_in_process(
+        capsys, "no.such.module:build", "--world-size", "8", "--batch", "1", "--seq", "8"
+    )
+    assert code == 2 and "cannot import the factory" in err, err
     small = os.path.join(tmp_path, "config.json")
     with open(small, "w") as f:
         json.dump(
@@ -395,7 +412,12 @@ def test_cli_bad_input(tmp_path: os.PathLike[str]) -> None:
             },
             f,
         )
-    proc = _cli(
-        str(tmp_path), "--world-size", "8", "--batch", "1", "--seq", "8", "--policy", "Blok"
+    code, err = _cli_in_process(
+        capsys, str(tmp_path), "--world-size", "8", "--batch", "1", "--seq", "8", "--policy", "Blok"
     )
-    assert proc.returncode == 2 and "does not contain: ['Blok']" in proc.stderr, proc.stderr
+    assert code == 2 and "does not contain: ['Blok']" in err, err
+    # a budget nothing fits: exit 1 and the report, not an error
+    code, out = _cli_in_process(
+        capsys, str(tmp_path), "--world-size", "2", "--batch", "1", "--seq", "8", "--budget", "1KiB"
+    )
+    assert code == 1 and "DOES NOT FIT" in out and "more than the budget" in out, out
