@@ -144,6 +144,7 @@ def predict(case: Case, scale: str = "bench") -> Any:
         mp_policy=mp,
         offload_policy=offload,
         optimizer=case.optimizer,
+        device="cpu",
     )
 
 

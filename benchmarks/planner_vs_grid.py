@@ -62,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     case = ea.Case("gpt", args.world_size)
     model = ea.build_meta(case.model)
-    common = {"batch": case.batch, "seq": case.seq, "world_size": case.world_size}
+    common = {"batch": case.batch, "seq": case.seq, "world_size": case.world_size, "device": "cpu"}
     base = resolve_plan(model, ["Block"])
     grid = candidate_plans(
         base, groups=(1, 2), depths=(0, 1), checkpointing=(False, True), keeps=None

@@ -244,7 +244,7 @@ def estimate(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     optimizer: str = "adamw",
-    device: str = "cpu",
+    device: str = "cuda",
     step_fn: StepFn = default_step,
     profile: ModelProfile | None = None,
 ) -> MemoryEstimate:
@@ -271,7 +271,8 @@ def estimate(
             device peak and are reported as ``host_bytes_per_rank``.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"`` or
             ``"muon"``.
-        device: ``"cpu"`` or ``"cuda"``: where the training runs.
+        device: ``"cuda"`` (default) or ``"cpu"``: where the training runs; it only
+            matters with offload (on ``"cpu"`` the offloaded state stays in the peak).
         step_fn: ``fn(model, batch, seq) -> loss`` for one step (default: token
             ids in, cross-entropy on the logits).
         profile: a profile from an earlier call with the same model, units,

@@ -283,7 +283,7 @@ def plan_to_budget(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     optimizer: str = "adamw",
-    device: str = "cpu",
+    device: str = "cuda",
     activation_checkpointing: bool = True,
     cost: CostModel = CostModel(),
     step_fn: StepFn = default_step,

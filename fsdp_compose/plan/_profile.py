@@ -143,6 +143,9 @@ def profile_model(
             p.requires_grad
         )
     param_storages = {t.untyped_storage()._cdata for t in substitutes.values()}
+    # Buffers go to the meta device as well, so a materialized model profiles too.
+    for name, b in model.named_buffers():
+        substitutes[name] = b.to("meta")
 
     stack: list[str] = [ROOT]
     order: list[str] = []
