@@ -225,7 +225,31 @@ def measure_rank(
         step()
     step_s = (time.perf_counter() - started) / steps
     hwm = measure.peak_rss_bytes()
-    return {"measured": hwm - rss_at_reset + state_bytes, "step_s": step_s}
+    sent = _ideal_bytes_sent_per_step(step)
+    return {"measured": hwm - rss_at_reset + state_bytes, "step_s": step_s, "sent": sent}
+
+
+def _ideal_bytes_sent_per_step(step: Any) -> float:
+    """Bytes this rank sent in one more step, by an ideal algorithm, from the size of
+    every collective fsdp_compose issued (``probes.ideal_bytes_sent``)."""
+    from probes import ideal_bytes_sent
+
+    from fsdp_compose import _collectives
+
+    sent = [0.0]
+
+    def listener(event: str, info: Any) -> None:
+        if event == "issue":
+            sent[0] += ideal_bytes_sent(
+                info.kind, info.group_size, info.input_bytes, info.output_bytes
+            )
+
+    _collectives.add_listener(listener)
+    try:
+        step()
+    finally:
+        _collectives.remove_listener(listener)
+    return sent[0]
 
 
 def _local_bytes(t: torch.Tensor) -> int:

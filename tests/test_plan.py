@@ -31,6 +31,7 @@ from torch import nn
 
 from fsdp_compose import MixedPrecisionPolicy
 from fsdp_compose.plan import (
+    MemoryEstimate,
     ShardingPlan,
     UnitPlan,
     auto_wrap,
@@ -264,12 +265,12 @@ def _measure_job(case: dict, plan: ShardingPlan | None = None) -> dict:
     return estimator_accuracy.measure_rank(case, "test", plan=plan)
 
 
-def _predict(case: dict) -> int:
+def _predict(case: dict) -> MemoryEstimate:
     if _BENCH not in sys.path:
         sys.path.insert(0, _BENCH)
     import estimator_accuracy
 
-    return estimator_accuracy.predict(estimator_accuracy.Case(**case), "test").peak_bytes_per_rank
+    return estimator_accuracy.predict(estimator_accuracy.Case(**case), "test")
 
 
 @pytest.mark.parametrize(
@@ -284,9 +285,17 @@ def _predict(case: dict) -> int:
 def test_estimate_within_10_percent_of_measured_peak(world: int, case: dict) -> None:
     from dist_utils import run_distributed
 
-    predicted = _predict(case)
-    measured = max(r["measured"] for r in run_distributed(_measure_job, world, case, timeout=240))
+    est = _predict(case)
+    predicted = est.peak_bytes_per_rank
+    ranks = run_distributed(_measure_job, world, case, timeout=240)
+    measured = max(r["measured"] for r in ranks)
     assert 0.9 <= measured / predicted <= 1.1, (measured / 2**20, predicted / 2**20)
+    # bytes sent per step, from the sizes of the collectives each rank issued
+    for r in ranks:
+        assert abs(r["sent"] - est.comm_bytes_per_rank_per_step) <= 0.01 * max(1, r["sent"]), (
+            r["sent"],
+            est.comm_bytes_per_rank_per_step,
+        )
 
 
 def test_planned_run_fits_its_budget() -> None:
@@ -306,10 +315,13 @@ def test_planned_run_fits_its_budget() -> None:
     budget = (smallest + largest) // 2
     result = plan_to_budget(model, budget, batch=4, seq=128, world_size=2, policy=["Block"])
     assert result.fits and result.estimate.peak_bytes_per_rank <= budget
-    measured = max(
-        r["measured"] for r in run_distributed(_measure_job, 2, case, result.plan, timeout=240)
-    )
+    ranks = run_distributed(_measure_job, 2, case, result.plan, timeout=240)
+    measured = max(r["measured"] for r in ranks)
     assert measured <= budget, (measured / 2**20, budget / 2**20, result.table())
+    # the bytes each rank sent, from the sizes of the collectives it issued
+    predicted_sent = result.estimate.comm_bytes_per_rank_per_step
+    for r in ranks:
+        assert abs(r["sent"] / predicted_sent - 1) < 0.01, (r["sent"], predicted_sent)
 
 
 # ---------------------------------------------------------------------------
