@@ -109,7 +109,7 @@ class PlanResult:
         assert self.plan is not None
         c = self.choice
         lines.append(
-            f"plan: {len(self.plan.units)} units ({c['group']} policy unit(s) each), prefetch depth "
+            f"plan: {len(self.plan.units)} units (up to {c['group']} policy unit(s) each), prefetch depth "
             f"{self.plan.prefetch_depth}, activation checkpointing {'on' if c['checkpoint'] else 'off'}, "
             f"reshard_after_forward=False on {c['keep']} unit(s); {self.candidates} candidates"
         )
