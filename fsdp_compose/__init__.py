@@ -5,7 +5,7 @@ Annotate modules bottom-up with :func:`fully_shard`; parameters become sharded
 prefetch) and reduce-scatters gradients per unit. See the README for usage.
 """
 
-from . import debug, trace, whole_matrix
+from . import debug, safetensors_io, trace, whole_matrix
 from ._fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -17,6 +17,7 @@ from ._grad_scaler import ShardedGradScaler
 from ._mesh import DataParallelMeshDims
 from ._pipelining import PipelineStage
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .plan import auto_wrap
 
 __version__ = "0.1.0"
 
@@ -29,9 +30,11 @@ __all__ = [
     "PipelineStage",
     "ShardedGradScaler",
     "UnshardHandle",
+    "auto_wrap",
     "debug",
     "fully_shard",
     "register_fsdp_forward_method",
+    "safetensors_io",
     "share_comm_ctx",
     "trace",
     "whole_matrix",

@@ -89,7 +89,8 @@ def verify_same_structure(units: list[Unit]) -> None:
     groups: dict[int, tuple[dist.ProcessGroup, torch.device]] = {}
     for u in units:
         for group in (u.mesh_info.shard_group, u.mesh_info.replicate_group):
-            if group is not None and group.size() > 1:
+            # The fake backend (dry runs) has no peers to compare with.
+            if group is not None and group.size() > 1 and not _compat.is_fake_backend(group):
                 groups.setdefault(id(group), (group, u.mesh_info.device))
     for group, device in groups.values():
         mine = torch.tensor([digest], dtype=torch.int64, device=device)
@@ -121,7 +122,13 @@ def verify_same_replicas(units: list[Unit]) -> None:
     at the first forward (e.g. ranks seeded differently), which would otherwise
     train silently apart. One float64 checksum per unit, all-gathered across the
     replicate group."""
-    hsdp = [u for u in units if u.mesh_info.replicate_group is not None and u.mesh_info.replicate_size > 1]
+    hsdp = [
+        u
+        for u in units
+        if u.mesh_info.replicate_group is not None
+        and u.mesh_info.replicate_size > 1
+        and not _compat.is_fake_backend(u.mesh_info.replicate_group)  # dry run: no replicas
+    ]
     groups: dict[int, list[Unit]] = {}
     for u in hsdp:
         groups.setdefault(id(u.mesh_info.replicate_group), []).append(u)

@@ -11,7 +11,7 @@ import fsdp_compose
 PUBLIC = {
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx",
     "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardedGradScaler", "trace", "debug",
-    "PipelineStage", "whole_matrix", "DataParallelMeshDims",
+    "PipelineStage", "whole_matrix", "safetensors_io", "auto_wrap", "DataParallelMeshDims",
 }
 # FSDP2 methods missing from fsdp_compose (none left)
 NOT_IMPLEMENTED: set[str] = set()
