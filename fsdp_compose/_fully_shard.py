@@ -9,6 +9,7 @@ module's class to a subclass of :class:`FSDPModule` and of its original class.
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn, overload
@@ -35,11 +36,12 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_
 # Marks on parameter objects, so misuse is caught where it happens (and
 # SHARDED_BY, from _sharded_param, on the sharded DTensor parameters):
 _REPLACED_BY = "_fsdp_compose_replaced_by"  # on an original parameter that was sharded
-# A sharded parameter -> its unit's modules (weakly: an attribute on the parameter
-# would be deep-copied and pickled with it).
-# Keyed by id (a WeakKeyDictionary would compare tensors with ==); an entry is
-# dropped when its parameter dies.
-_sharded_modules: dict[int, tuple[weakref.ref[nn.Module], ...]] = {}
+# The modules of each fully_shard call, weakly, by call number; a sharded parameter
+# carries its call's number (_UNIT_OF), not the modules, which deepcopy and pickle
+# of the parameter would follow. One small entry per call.
+_UNIT_OF = "_fsdp_compose_unit"
+_unit_modules: dict[int, tuple[weakref.ref[nn.Module], ...]] = {}
+_calls = itertools.count()
 
 _fsdp_classes: dict[type, type] = {}
 
@@ -187,12 +189,12 @@ def fully_shard(
     )
     # Validated: from here on the module changes.
     _move_buffers(managed_modules, device)
+    call = next(_calls)
+    _unit_modules[call] = tuple(weakref.ref(m) for m in modules)
     for param, sharded_param in zip(owners, sharded):
-        new = sharded_param.sharded_param
-        sharded_param.register(new)
+        sharded_param.register(sharded_param.sharded_param)
         sharded_param.mark_owned(unit_label)
-        _sharded_modules[id(new)] = tuple(weakref.ref(m) for m in modules)
-        weakref.finalize(new, _sharded_modules.pop, id(new), None)
+        setattr(sharded_param.sharded_param, _UNIT_OF, call)
         setattr(param, _REPLACED_BY, unit_label)
     state = UnitState(modules, unit, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
     if unit is not None:
@@ -337,7 +339,7 @@ def _reject_module_shared_by_sibling_units(
     """Raises if ``module`` (reached from this call's ``targets``) belongs to an
     earlier unit that is not an ancestor of the targets: the calls were bottom-up,
     but the same submodule hangs under two sibling units."""
-    refs = _sharded_modules.get(id(p), ())
+    refs = _unit_modules.get(getattr(p, _UNIT_OF, -1), ())
     earlier = [m for m in (r() for r in refs) if m is not None]
     if not earlier or not targets:
         return
