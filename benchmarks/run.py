@@ -1,9 +1,10 @@
 """The benchmark entry point: fsdp_compose vs torch FSDP2 vs DDP vs one process.
 
-    # everything in BENCHMARKS.md (about 35 minutes on 2 cores), then regenerate it:
+    # everything in BENCHMARKS.md (26 minutes on 2 cores in the run it records), then
+    # regenerate it:
     python benchmarks/run.py --suite full
 
-    # a one-minute smoke test of every code path (tiny models, few steps):
+    # a smoke test of every code path (tiny models, few steps; a few minutes):
     python benchmarks/run.py --suite quick
 
     # one comparison of your own:
@@ -14,9 +15,13 @@
     python benchmarks/run.py --overhead --world-sizes 1 2
 
 Each (implementation, world size) is one job of fresh processes (``harness.py``);
-results go to ``benchmarks/results/<name>.json`` (raw per-rank data and the
-summaries), and the tables are printed. ``--suite full`` also rewrites the
-generated section of BENCHMARKS.md (``report.py`` does that from any results file).
+results (raw per-rank data and the summaries) go to
+``benchmarks/results/full-<date>.json`` for ``--suite full``, whose file
+BENCHMARKS.md cites and which is committed with it, and otherwise to
+``<tmp>/fsdp_compose_benchmarks/<name>-<date>.json`` (outside the checkout, so a
+smoke test leaves no untracked file), or to ``--out``; the tables are printed.
+``--suite full`` also rewrites the generated section of BENCHMARKS.md
+(``report.py`` does that from any results file).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,6 +49,7 @@ from overhead import OVERHEAD_IMPLS  # noqa: E402
 from workloads import IMPLS  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SCRATCH_DIR = os.path.join(tempfile.gettempdir(), "fsdp_compose_benchmarks")
 
 
 @dataclass(frozen=True)
@@ -183,7 +190,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="timed steps")
     p.add_argument("--instrumented", type=int, default=2, help="extra steps under probes")
     p.add_argument("--units", type=int, default=200, help="--overhead: number of units")
-    p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/)")
+    p.add_argument("--out", default=None,
+                   help="results JSON (default: benchmarks/results/ for --suite full, else "
+                        f"{SCRATCH_DIR}/)")
     p.add_argument("--write-markdown", action="store_true",
                    help="rewrite BENCHMARKS.md's generated section (default with --suite full)")
     return p.parse_args(argv)
@@ -227,9 +236,9 @@ def main(argv: list[str] | None = None) -> None:
         "jobs": jobs,
     }
     name = args.suite or ("overhead" if args.overhead else f"custom-{args.preset}")
-    out = args.out or os.path.join(
-        RESULTS_DIR, f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
-    )
+    # Only the full suite's results belong in the checkout (BENCHMARKS.md cites them).
+    out_dir = RESULTS_DIR if args.suite == "full" else SCRATCH_DIR
+    out = args.out or os.path.join(out_dir, f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(results, f, indent=1)

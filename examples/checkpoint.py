@@ -413,14 +413,10 @@ def _parse_args() -> argparse.Namespace:
 def main() -> None:
     from gpt import GPT, PRESETS, loss_fn, make_batch
     from parallelize import apply_fsdp
+    from launch import init_distributed
 
     args = _parse_args()
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the world size {world}")
 

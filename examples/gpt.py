@@ -1,6 +1,8 @@
 """A small GPT-style decoder (nanoGPT-like), used by the examples, tests and benchmarks.
 
     tokens (B, T) -> tok_emb + pos_emb -> n_layer x Block -> ln_f -> lm_head -> logits (B, T, V)
+
+From the repository root: ``from examples.gpt import GPT, PRESETS``.
 """
 
 from __future__ import annotations

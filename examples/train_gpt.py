@@ -4,9 +4,11 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py --hsdp     # 2 replicas x 2 shards
     torchrun --nproc-per-node 2 examples/train_gpt.py --mp bf16 --trace trace.json
     torchrun --nproc-per-node 2 examples/train_gpt.py --mp fp16 --offload   # loss scaling
+    python examples/train_gpt.py                                  # one process, no torchrun
 
-Every rank reads the same global batch and trains on its slice of it; the printed
-loss is the average over ranks, and at the end each rank reports its memory.
+Every rank reads the same global batch and trains on its slice of it (the batch
+must divide evenly over the ranks); the printed loss is the average over ranks,
+and at the end each rank reports its memory.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compose import ShardedGradScaler, trace
 from gpt import GPT, PRESETS, loss_fn, make_batch
+from launch import init_distributed
 from parallelize import apply_fsdp
 
 
@@ -36,31 +39,36 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--mp", choices=sorted(_DTYPES), default="fp32",
                    help="compute and all-gather dtype (gradients are reduced in float32); "
-                        "fp16 adds loss scaling")
+                        "fp16 adds loss scaling; on a CPU, fp16 matmuls are several times "
+                        "slower than bf16 (about 7x for the demo), so use bf16 there")
     p.add_argument("--hsdp", action="store_true", help="2-D mesh: replicate x shard")
     p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy (a no-op on a CPU mesh)")
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
     p.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
     p.add_argument("--meta-init", action="store_true", help="build on the meta device, then materialize")
-    p.add_argument("--trace", default=None, help="write a Chrome-trace timeline per rank to this path")
+    p.add_argument("--trace", default=None, metavar="PATH.json",
+                   help="write each rank's Chrome-trace timeline to PATH.rankN.json and all of "
+                        "them merged (one track group per rank) to PATH.json")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    use_cuda = torch.cuda.is_available()
     # With CUDA, gloo serves CPU tensors (offloaded gradients' norm for clipping).
-    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    if args.batch_size % world:
+        raise SystemExit(  # said once, by rank 0; every rank exits with status 1
+            f"--batch-size {args.batch_size} does not divide over {world} ranks (each rank trains "
+            f"on an equal slice); pass a multiple of {world}, e.g. --batch-size "
+            f"{world * max(1, round(args.batch_size / world))}" if rank == 0 else 1
+        )
     torch.manual_seed(0)
 
     # --- model and sharding ---------------------------------------------------
     cfg = PRESETS[args.preset]
     if args.hsdp:
-        assert world % 2 == 0, "--hsdp needs an even number of ranks"
+        if world % 2:
+            raise SystemExit(f"--hsdp needs an even number of ranks (2 replicas x shards), got {world}")
         mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
@@ -114,7 +122,12 @@ def main() -> None:
     if args.trace:
         trace.disable()
         root, ext = os.path.splitext(args.trace)
-        trace.export_chrome_trace(f"{root}.rank{rank}{ext or '.json'}")
+        paths = [f"{root}.rank{r}{ext or '.json'}" for r in range(world)]
+        trace.export_chrome_trace(paths[rank])
+        dist.barrier()  # every rank's file is written before rank 0 merges them
+        if rank == 0:
+            trace.merge_chrome_traces(paths, args.trace)
+            print(f"timeline: {args.trace} (all ranks; open in ui.perfetto.dev), per rank: {', '.join(paths)}")
 
     # --- per-rank memory ----------------------------------------------------------
     def mib(tensors) -> float:

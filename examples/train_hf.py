@@ -7,11 +7,12 @@
 The model is built from a small config (no weights are downloaded; the script
 sets ``HF_HUB_OFFLINE=1``). Each decoder layer is a ``fully_shard`` unit and the
 model itself is the root unit, holding the embeddings, the final norm and the LM
-head (GPT-2 ties its LM head to the token embedding: both stay in the root unit,
-which is the one place a tied weight may live). The batch is left-padded: the
+head (GPT-2 ties its LM head to the token embedding: both stay in the root unit
+here; they could also be units of their own, sharing the weight). The batch is left-padded: the
 attention mask and the ``-100`` labels of the padding reach the layers as keyword
 arguments, exactly as in fine-tuning. With ``--check`` every rank also trains an
-unsharded copy on the global batch and prints the distance to it.
+unsharded copy on the global batch, prints the distance to it and ends with PASS
+or FAIL against the tolerances of ``examples/check.py`` (exit status 1 on FAIL).
 
 transformers is an example/test dependency only (``pip install -e ".[test]"``).
 """
@@ -31,7 +32,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from check import report
 from fsdp_compose import fully_shard
+from launch import init_distributed
 
 VOCAB, SEQ, PAD = 128, 32, 4  # PAD: left-padding tokens per sequence
 
@@ -54,7 +57,11 @@ def build_model(name: str) -> nn.Module:
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # deterministic, for --check
             bos_token_id=0, eos_token_id=0,
         )
-        return GPT2LMHeadModel(config)
+        model = GPT2LMHeadModel(config)
+        # transformers picks the loss from the class name; "GPT2LMHeadModel" names
+        # none, so every process would warn and fall back to this same causal-LM loss.
+        model.loss_type = "ForCausalLM"
+        return model
     raise ValueError(f"unknown model {name!r}")
 
 
@@ -101,12 +108,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
     if args.batch_size % world:
         raise SystemExit(f"--batch-size must be a multiple of the number of ranks ({world})")
     mesh = init_device_mesh(device.type, (world,))
@@ -128,6 +130,7 @@ def main() -> None:
 
     local = args.batch_size // world
     start = time.perf_counter()
+    loss_diffs: list[float] = []
     for step in range(args.steps):
         batch = make_batch(args.batch_size, step)
         mine = {k: v[rank * local : (rank + 1) * local].to(device) for k, v in batch.items()}
@@ -145,22 +148,30 @@ def main() -> None:
             ref_optim.step()
             ref_optim.zero_grad(set_to_none=True)
             diff = abs(mean_loss.item() - ref_loss.item())
+            loss_diffs.append(diff)
             line += f" | one-process loss {ref_loss.item():.4f} (diff {diff:.1e})"
         if rank == 0:
             print(line)
     elapsed = time.perf_counter() - start
+    if rank == 0:
+        print(f"{args.steps} steps in {elapsed:.1f}s")
 
+    status = 0
     if reference is not None:
+        # The same numbers on every rank (all-reduced losses, gathered parameters).
         ref_params = dict(reference.named_parameters())
         worst = 0.0
         for name, p in model.named_parameters():
             full = p.full_tensor() if isinstance(p, DTensor) else p
             worst = max(worst, (full.detach() - ref_params[name].detach()).abs().max().item())
-        if rank == 0:
-            print(f"max |param - one-process param| after {args.steps} steps: {worst:.2e}")
-    if rank == 0:
-        print(f"{args.steps} steps in {elapsed:.1f}s")
+        measured = {
+            "loss at step 0": loss_diffs[0] if loss_diffs else 0.0,
+            "max loss diff over all steps": max(loss_diffs, default=0.0),
+            "max parameter diff": worst,
+        }
+        status = report(measured, show=rank == 0)
     dist.destroy_process_group()
+    raise SystemExit(status)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ projections row-wise), then sharded with ``fully_shard`` on the ``dp`` dim; the
 embeddings, final norm and head stay plain and are only dp-sharded (root unit).
 Ranks of one tp group read the same data; dp groups read different slices of the
 global batch. With ``--check`` every rank also trains the unsharded model on the
-global batch and the per-step loss difference is printed.
+global batch, prints the per-step loss difference and ends with PASS or FAIL
+against the tolerances of ``examples/check.py`` (exit status 1 on FAIL).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import os
 import time
 from collections.abc import Iterable
 
@@ -33,8 +33,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from check import report
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 from gpt import GPT, PRESETS, loss_fn, make_batch
+from launch import init_distributed
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -128,12 +130,7 @@ def main() -> None:
     # full_tensor() of FSDP's strided shards of TP shards warns that it needs two
     # all-gathers; expected here (only the parity check gathers full tensors).
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
     if world % (args.tp * args.replicate):
         raise SystemExit(f"world size {world} is not divisible by tp x replicate = {args.tp * args.replicate}")
     dp = world // (args.tp * args.replicate)
@@ -162,7 +159,7 @@ def main() -> None:
 
     per = args.batch_size // dp_size
     start = time.perf_counter()
-    worst = 0.0
+    worst = first = 0.0
     for step in range(args.steps):
         x, y = make_batch(cfg, per * dp_size, step)
         x, y = x.to(device), y.to(device)
@@ -183,21 +180,30 @@ def main() -> None:
             ref_optim.step()
             ref_optim.zero_grad(set_to_none=True)
             worst = max(worst, abs(mean - ref_loss.item()))
+            first = worst if step == 0 else first
             line += (f" || one process: loss {ref_loss.item():.5f} | grad norm {ref_norm.item():.4f}"
                      f" | loss diff {abs(mean - ref_loss.item()):.2e}")
         if rank == 0:
             print(line)
     elapsed = time.perf_counter() - start
+    status = 0
     if ref is not None:
+        # Every rank computes the same distances (losses are all-reduced, full_tensor
+        # gathers), so every rank exits with the same status.
         param_diff = max(
             (p.full_tensor() - q).abs().max().item() if isinstance(p, DTensor) else 0.0
             for p, q in zip(model.parameters(), ref.parameters())
         )
-        if rank == 0:
-            print(f"max loss diff {worst:.2e}, max parameter diff after {args.steps} steps {param_diff:.2e}")
+        measured = {
+            "loss at step 0": first,
+            "max loss diff over all steps": worst,
+            "max parameter diff": param_diff,
+        }
+        status = report(measured, dtype=args.mp, show=rank == 0)
     elif rank == 0:
         print(f"done: {args.steps} steps in {elapsed:.1f}s")
     dist.destroy_process_group()
+    raise SystemExit(status)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Annotate modules bottom-up with :func:`fully_shard`; parameters become sharded
 prefetch) and reduce-scatters gradients per unit. See the README for usage.
 """
 
-from . import debug, trace
+from . import debug, safetensors_io, trace, whole_matrix
 from ._fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -30,6 +30,8 @@ __all__ = [
     "debug",
     "fully_shard",
     "register_fsdp_forward_method",
+    "safetensors_io",
     "share_comm_ctx",
     "trace",
+    "whole_matrix",
 ]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _compat, _optim
+from . import _compat, _missing_root, _optim
 from ._unit import Unit
 
 REPLACED_BY = "_fsdp_compose_replaced_by"  # set on original parameters by fully_shard
@@ -89,7 +89,8 @@ def verify_same_structure(units: list[Unit]) -> None:
     groups: dict[int, tuple[dist.ProcessGroup, torch.device]] = {}
     for u in units:
         for group in (u.mesh_info.shard_group, u.mesh_info.replicate_group):
-            if group is not None and group.size() > 1:
+            # The fake backend (dry runs) has no peers to compare with.
+            if group is not None and group.size() > 1 and not _compat.is_fake_backend(group):
                 groups.setdefault(id(group), (group, u.mesh_info.device))
     for group, device in groups.values():
         mine = torch.tensor([digest], dtype=torch.int64, device=device)
@@ -121,7 +122,13 @@ def verify_same_replicas(units: list[Unit]) -> None:
     at the first forward (e.g. ranks seeded differently), which would otherwise
     train silently apart. One float64 checksum per unit, all-gathered across the
     replicate group."""
-    hsdp = [u for u in units if u.mesh_info.replicate_group is not None and u.mesh_info.replicate_size > 1]
+    hsdp = [
+        u
+        for u in units
+        if u.mesh_info.replicate_group is not None
+        and u.mesh_info.replicate_size > 1
+        and not _compat.is_fake_backend(u.mesh_info.replicate_group)  # dry run: no replicas
+    ]
     groups: dict[int, list[Unit]] = {}
     for u in hsdp:
         groups.setdefault(id(u.mesh_info.replicate_group), []).append(u)
@@ -192,9 +199,10 @@ def _install_optimizer_hook() -> None:
 
 def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _check_optimizer(optimizer, args, kwargs)
+    _missing_root.check_no_plain_params_with_sharded(optimizer, list(_live_units))
     warn_if_gradient_sync_left_off(optimizer)
-    # Checked: later steps may run on the local shards (this one keeps the DTensor
-    # path, which also creates the states as DTensors).
+    # Checked: this step and later ones may run the sharded update (fsdp_compose's
+    # own step hooks, see [Note: sharded steps run inside step hooks] in _optim).
     _optim.accelerate(optimizer)
 
 

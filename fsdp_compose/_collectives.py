@@ -26,6 +26,17 @@ straight into that row of the output; this rank's row is written in place before
 rank), about half the CPU and wall time (measured at 2 and 4 ranks, 1.7-12 MiB
 rows, torch 2.13). ``FSDP_COMPOSE_GLOO_ALL_GATHER=native`` turns it off.
 
+[Note: collectives per backend]
+fsdp_compose runs on any c10d backend. The paths above (and issuing on the
+ProcessGroup object, [Note: issuing gloo collectives] in ``_compat.py``) are tuned
+for gloo and used only where a group's CPU backend really is ``ProcessGroupGloo``;
+every other backend -- torch's threaded test group, the ``fake`` backend of dry
+runs, MPI, UCC, vendor backends, NCCL -- gets torch.distributed's public
+collectives (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ...). Which
+applies is a :class:`Route`, decided once per group (:func:`route_of`, at the lazy
+init of the first unit on it) and kept by the unit, so issuing a collective costs
+no backend lookup.
+
 Listeners (the trace, tests counting collectives) subscribe with
 :func:`add_listener`; with none subscribed, issuing costs nothing extra.
 """
@@ -35,8 +46,9 @@ from __future__ import annotations
 import atexit
 import gc
 import itertools
-import os
+import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -44,7 +56,9 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from . import _compat, _guard, debug
+from . import _compat, _env, _guard, debug
+
+logger = logging.getLogger("fsdp_compose")
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 CollectiveEvent = Literal["issue", "complete", "wait_begin", "wait_end"]
@@ -200,7 +214,7 @@ class PendingCollective:
     cannot be reused while the communication may still touch it.
     """
 
-    __slots__ = ("_work", "_stream_wait", "_finish", "_info", "_tensors", "_done", "_what")
+    __slots__ = ("_done", "_finish", "_group", "_info", "_stream_wait", "_tensors", "_what", "_work")
 
     def __init__(
         self,
@@ -210,8 +224,10 @@ class PendingCollective:
         finish: Callable[[], None] | None = None,
         tensors: tuple[torch.Tensor, ...] = (),
         what: str = "",
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self._what = what
+        self._group = group  # names the backend if the collective fails
         self._work = work
         self._stream_wait = stream_wait
         self._finish = finish
@@ -233,7 +249,8 @@ class PendingCollective:
             try:
                 self._work.wait()
             except RuntimeError as exc:
-                raise _failure(self._what, exc) from exc
+                tensor = self._tensors[1] if self._tensors else None
+                raise _failure(self._what, exc, tensor, self._group) from exc
         if self._stream_wait is not None:
             self._stream_wait()
         if self._finish is not None:
@@ -243,16 +260,100 @@ class PendingCollective:
                 _notify("complete", info)
             _notify("wait_end", info)
         self._done = True
-        self._work = self._stream_wait = self._finish = None
+        self._work = self._stream_wait = self._finish = self._group = None
         self._tensors = ()
 
 
-def _failure(what: str, exc: BaseException) -> RuntimeError:
+# [Note: why a collective failed]
+# A collective fails either because of the other ranks -- one crashed (its
+# connections close or reset), or stopped issuing or issued something else (this
+# rank times out waiting, or a checking backend reports the mismatch) -- or
+# because of this rank's own call: a dtype the backend does not support, no
+# backend for the tensors' device. Only the first kind gets the hint about peers
+# and mismatched collectives; the second says what the backend refused, so that
+# nobody hunts for a crashed peer that does not exist.
+# Backends word these differently (gloo: "Connection closed by peer", "Timed out
+# waiting ... for recv"; NCCL: "ncclRemoteError", "Watchdog caught collective
+# operation timeout", "communicator was aborted"); the signs below cover them.
+_PEER_SIGNS = (
+    "closed by peer",
+    "reset by peer",
+    "connection closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "remote process",
+    "remote worker",
+    "remoteerror",
+    "network error",
+    "communicator was aborted",
+    # the ranks issued different collectives (TORCH_DISTRIBUTED_DEBUG=DETAIL, gloo)
+    "mismatch",
+    "doesn't match expected size",
+)
+
+
+def peer_may_have_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised by a collective) can come from another rank: a lost
+    connection or a timeout, see [Note: why a collective failed]."""
+    text = str(exc).lower()
+    return any(sign in text for sign in _PEER_SIGNS)
+
+
+def _failure(
+    what: str,
+    exc: BaseException,
+    tensor: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> RuntimeError:
+    """The error to raise for a failed collective ``what``; ``tensor`` and ``group``
+    (where known) name the dtype, device and backend involved."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return RuntimeError(
-        f"fsdp_compose: {what} failed on rank {rank}: {exc}\nA peer rank may have crashed or "
-        "timed out, or the ranks issued different collectives; run with "
-        "FSDP_COMPOSE_DEBUG_COLLECTIVES=1 to compare the ranks' collectives."
+    head = f"fsdp_compose: {what} failed on rank {rank}: {exc}\n"
+    if peer_may_have_failed(exc):
+        return RuntimeError(
+            head + "A peer rank may have crashed or timed out, or the ranks issued different "
+            "collectives; run with FSDP_COMPOSE_DEBUG_COLLECTIVES=1 to compare the ranks' "
+            "collectives."
+        )
+    return RuntimeError(head + _local_cause(exc, tensor, group))
+
+
+def _local_cause(
+    exc: BaseException, tensor: torch.Tensor | None, group: dist.ProcessGroup | None
+) -> str:
+    text = str(exc).lower()
+    backend = "process group's backend"
+    if group is not None:
+        backend += f" ({_backend_name(group)})"
+    device = tensor.device.type if tensor is not None else "these"
+    dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "this dtype"
+    if "no backend type associated with device type" in text:
+        return (
+            f"This rank's call was refused, not a peer's: the {backend} has no backend for "
+            f"{device} tensors. Create the process group with a backend for that device (e.g. "
+            'init_process_group("gloo") for CPU, "cpu:gloo,cuda:nccl" for both) or build the '
+            "mesh on a device its backend serves."
+        )
+    if "scalar type" in text or "dtype" in text or "data type" in text:
+        return (
+            f"This rank's call was refused, not a peer's: the {backend} does not support this "
+            f"collective on {dtype} tensors. Use a dtype it supports for communication, e.g. "
+            "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...), or a backend that supports "
+            f"{dtype}."
+        )
+    if any(sign in text for sign in ("support", "not implemented", "unimplemented")):
+        return (
+            f"This rank's call was refused, not a peer's: the {backend} does not implement this "
+            f"collective ({dtype} tensors on {device}). fsdp_compose needs all-gather into one "
+            "tensor, reduce-scatter of one tensor and all-reduce (gloo, NCCL and UCC have them); "
+            "or supply your own with set_custom_all_gather / set_custom_reduce_scatter."
+        )
+    return (
+        f"The {backend} raised this on this rank ({dtype} tensors on {device}); it does not "
+        "look like a lost connection or a timeout, so a failed peer is an unlikely cause."
     )
 
 
@@ -282,7 +383,7 @@ def _guarded(
     except debug.CollectiveMismatchError:
         raise
     except RuntimeError as exc:
-        raise _failure(f"{kind} for {label} (step {step})", exc) from exc
+        raise _failure(f"{kind} for {label} (step {step})", exc, inp, group) from exc
 
 
 def _launch(
@@ -309,18 +410,21 @@ def _launch(
         try:
             work = issue(True)
         except RuntimeError as exc:
-            raise _failure(what, exc) from exc
+            raise _failure(what, exc, out, group) from exc
         if info is not None and work is not None:
             _on_complete(work, info)
         return PendingCollective(
-            info, work=work, finish=finish, tensors=(inp, out, *keepalive), what=what
+            info, work=work, finish=finish, tensors=(inp, out, *keepalive), what=what, group=group
         )
     streams = _device_streams(out.device)
     stream = streams.reduce_scatter if kind != "all_gather" else streams.all_gather
     current = streams.module.current_stream(out.device)
     stream.wait_stream(current)
     with streams.module.stream(stream):
-        issue(False)
+        try:
+            issue(False)
+        except RuntimeError as exc:
+            raise _failure(what, exc, out, group) from exc
         if finish is not None:
             finish()
         event = stream.record_event()
@@ -330,8 +434,72 @@ def _launch(
         streams.module.current_stream(device).wait_event(event)
 
     return PendingCollective(
-        info, stream_wait=stream_wait, tensors=(inp, out, *keepalive), what=what
+        info, stream_wait=stream_wait, tensors=(inp, out, *keepalive), what=what, group=group
     )
+
+
+# ---------------------------------------------------------------------------
+# Routes: which path each group's collectives take
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Route:
+    """How this process issues collectives of CPU tensors on one process group
+    (see [Note: collectives per backend]); the default is the public collectives.
+
+    Attributes:
+        gloo: the group's CPU backend is ``ProcessGroupGloo``: collectives are
+            issued on the group object directly.
+        all_to_all_reduce_scatter: reduce-scatter as one all-to-all and a local sum
+            ([Note: reduce-scatter on gloo]).
+        broadcast_all_gather: large all-gathers as one broadcast per rank
+            ([Note: all-gather on gloo]).
+    """
+
+    gloo: bool = False
+    all_to_all_reduce_scatter: bool = False
+    broadcast_all_gather: bool = False
+
+
+PUBLIC_ROUTE = Route()
+_routes: weakref.WeakKeyDictionary[dist.ProcessGroup, Route] = weakref.WeakKeyDictionary()
+
+
+def route_of(group: dist.ProcessGroup) -> Route:
+    """The :class:`Route` of ``group``, decided on the first call for the group
+    (backend and ``FSDP_COMPOSE_GLOO_*`` settings) and remembered after."""
+    route = _routes.get(group)
+    if route is None:
+        gloo = _compat.serves_cpu_with_gloo(group)
+        route = Route(
+            gloo=gloo,
+            all_to_all_reduce_scatter=gloo and _use_all_to_all_reduce_scatter(group),
+            broadcast_all_gather=gloo and _broadcast_all_gather_enabled,
+        )
+        _routes[group] = route
+        if not gloo:
+            logger.debug(
+                "fsdp_compose: group of size %d (backend %s) uses the public collectives",
+                group.size(),
+                _backend_name(group),
+            )
+    return route
+
+
+def _use_all_to_all_reduce_scatter(group: dist.ProcessGroup) -> bool:
+    """Whether reduce-scatters on ``group`` go by all-to-all ([Note: reduce-scatter
+    on gloo]): a real gloo group, unless ``FSDP_COMPOSE_GLOO_REDUCE_SCATTER=native``.
+    Read by :func:`route_of`, once per group."""
+    mode = _env.choice("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", ("all_to_all", "native"), "all_to_all")
+    return mode != "native" and _compat.serves_cpu_with_gloo(group)
+
+
+def _backend_name(group: dist.ProcessGroup) -> str:
+    try:
+        return _compat.process_group_backend(group)
+    except (RuntimeError, ValueError, KeyError):  # a group torch does not know
+        return "unknown"
 
 
 # ---------------------------------------------------------------------------
@@ -342,20 +510,19 @@ def _launch(
 # Rows smaller than this gather with gloo's own all-gather: for tiny units one
 # collective costs less to issue than W broadcasts.
 _BROADCAST_ALL_GATHER_MIN_ROW_BYTES = 64 * 1024
-_broadcast_all_gather_enabled = os.environ.get("FSDP_COMPOSE_GLOO_ALL_GATHER", "broadcast") != "native"
+_broadcast_all_gather_enabled = (
+    _env.choice("FSDP_COMPOSE_GLOO_ALL_GATHER", ("broadcast", "native"), "broadcast") != "native"
+)
 
 
 def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.device) -> bool:
     """Whether :func:`all_gather` wants its input to be this rank's row of the
-    output (else a separate buffer serves gloo's own all-gather better). Fixed for
-    a unit: decide once and pass it as ``in_place``."""
+    output (else a separate buffer serves gloo's own all-gather, and CPU backends
+    that may not accept an aliased input, better). Fixed for a unit: decide once
+    and pass it as ``in_place``."""
     if device.type != "cpu":
         return True  # NCCL gathers in place
-    return (
-        _broadcast_all_gather_enabled
-        and row_bytes >= _BROADCAST_ALL_GATHER_MIN_ROW_BYTES
-        and _compat.process_group_backend(group) == "gloo"
-    )
+    return route_of(group).broadcast_all_gather and row_bytes >= _BROADCAST_ALL_GATHER_MIN_ROW_BYTES
 
 
 def _real_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -372,11 +539,12 @@ def all_gather(
     *,
     comm: AllGatherComm | None = None,
     in_place: bool = False,
+    route: Route | None = None,
 ) -> PendingCollective:
     """Gathers ``input`` from every rank of ``group`` into ``output`` (rank-major),
     with ``comm`` if given. ``in_place``: ``input`` is this rank's row of
     ``output``, as :func:`gathers_in_place` asked for (gloo then gathers by
-    broadcasts)."""
+    broadcasts). ``route``: ``route_of(group)``, kept by the caller."""
     if comm is None:
         output, input = _real_view(output), _real_view(input)
     if comm is not None:
@@ -384,18 +552,17 @@ def all_gather(
             output_tensor=output, input_tensor=input, group=group, async_op=async_op
         )
     elif output.device.type == "cpu":
-        if in_place:
+        if route is None:
+            route = route_of(group)
+        if not route.gloo:
+            issue = lambda async_op: _compat.all_gather_into_tensor(output, input, group, True)  # noqa: E731
+        elif in_place and route.broadcast_all_gather:
             issue = lambda async_op: _compat.gloo_all_gather_by_broadcast(output, group)  # noqa: E731
         else:
             issue = lambda async_op: _compat.gloo_all_gather_into_tensor(output, input, group)  # noqa: E731
     else:
         issue = lambda async_op: _compat.all_gather_into_tensor(output, input, group, async_op)  # noqa: E731
     return _launch("all_gather", label, group, input, output, issue)
-
-
-def _use_all_to_all_reduce_scatter(group: dist.ProcessGroup) -> bool:
-    mode = os.environ.get("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", "all_to_all")
-    return mode != "native" and _compat.process_group_backend(group) == "gloo"
 
 
 def reduce_scatter(
@@ -405,10 +572,11 @@ def reduce_scatter(
     label: str,
     *,
     comm: ReduceScatterComm | None = None,
+    route: Route | None = None,
 ) -> PendingCollective:
     """Sums ``input`` (``group.size()`` equal chunks) over ``group``; rank r receives
     the sum of chunk r in ``output``. With ``comm`` if given, else see [Note:
-    reduce-scatter on gloo]."""
+    reduce-scatter on gloo]. ``route``: ``route_of(group)``, kept by the caller."""
     world = group.size()
     if comm is None:
         output, input = _real_view(output), _real_view(input)
@@ -421,7 +589,7 @@ def reduce_scatter(
             async_op=async_op,
         )
         return _launch("reduce_scatter", label, group, input, output, issue)
-    if output.device.type == "cpu" and _use_all_to_all_reduce_scatter(group):
+    if output.device.type == "cpu" and (route or route_of(group)).all_to_all_reduce_scatter:
         received = torch.empty_like(input)
 
         def finish() -> None:

@@ -8,6 +8,7 @@ a fallback or a clear error.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -163,6 +164,16 @@ def set_local_tensor(dtensor: DTensor, tensor: torch.Tensor) -> None:
     dtensor._local_tensor = tensor  # noqa: SLF001
 
 
+def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
+    """Suspends an active ``FakeTensorMode`` (a dry run) for code that must read
+    tensor values back, such as a ``DeviceMesh``'s rank table."""
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # pragma: no cover - releases without it
+        return contextlib.nullcontext()
+    return unset_fake_temporarily()
+
+
 # ---------------------------------------------------------------------------
 # torch.compile
 # ---------------------------------------------------------------------------
@@ -239,6 +250,9 @@ def all_gather_into_tensor(
 # With hundreds of small units per step that is most of the per-unit overhead, so
 # gloo collectives are issued on the ProcessGroup object directly. Accelerator
 # backends keep the wrappers: they decide which stream the collective runs on.
+# Only for groups whose CPU backend is a ProcessGroupGloo (serves_cpu_with_gloo):
+# a group without one (torch's threaded test group, a CUDA-only group) has nothing
+# to issue on, see [Note: collectives per backend] in _collectives.py.
 _direct_gloo_ok = True
 
 
@@ -373,6 +387,33 @@ def default_store() -> dist.Store:
 def process_group_backend(group: dist.ProcessGroup) -> str:
     """Lower-case backend name of ``group`` (``"gloo"``, ``"nccl"``, ...)."""
     return str(dist.get_backend(group)).lower()
+
+
+def serves_cpu_with_gloo(group: dist.ProcessGroup) -> bool:
+    """Whether CPU tensors on ``group`` go to a real ``ProcessGroupGloo`` (possibly
+    inside torch's debug wrapper), so that the gloo-only paths apply.
+
+    Asks the group for its CPU backend object rather than comparing names: the
+    threaded test group, the ``fake`` backend, MPI, UCC and vendor backends
+    register other classes (or no CPU backend at all), and a group created with
+    ``"cpu:gloo,cuda:nccl"`` is gloo for its CPU tensors.
+    """
+    gloo_class = getattr(dist, "ProcessGroupGloo", None)
+    if gloo_class is None:  # torch built without gloo
+        return False
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return False  # no backend object for the CPU (e.g. a Python-level ProcessGroup)
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the backend to check collectives first
+    backend = getattr(backend, "wrapped_pg", backend)
+    return isinstance(backend, gloo_class)
+
+
+def is_fake_backend(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is torch's ``fake`` backend, whose collectives return
+    at once without communicating (dry runs of a large world in one process)."""
+    return process_group_backend(group) == "fake"
 
 
 def process_group_timeout(group: dist.ProcessGroup) -> float | None:

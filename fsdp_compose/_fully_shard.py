@@ -27,7 +27,8 @@ from ._mesh import (
     validate_reshard_after_forward,
 )
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._sharded_param import SHARDED_BY, ShardedParam
+from ._shared import borrow, collect_borrowed, link_shared, shared_link
+from ._sharded_param import IGNORED_BY, SHARDED_BY, ShardedParam
 from ._state import UnitState, state_of
 from ._unit import Unit
 
@@ -111,10 +112,11 @@ def fully_shard(
             1-D mesh over the default process group on its backend's device.
         reshard_after_forward (Optional[Union[bool, int]]): ``True`` frees the
             unsharded parameters after forward and gathers again in backward;
-            ``False`` keeps them until after backward; an ``int`` N (with
-            ``1 < N < shard world size``, dividing it) keeps 1/N of them after
-            forward so backward gathers within groups of N ranks; ``None`` means
-            ``True`` except for the root, which keeps its parameters.
+            ``False`` keeps them until after backward; an ``int`` N that divides
+            the shard world size keeps 1/N of them after forward so backward
+            gathers within groups of N ranks (N equal to the shard world size
+            means ``True``, and N = 1 means ``False``, with a warning); ``None``
+            means ``True`` except for the root, which keeps its parameters.
         shard_placement_fn (Optional[Callable[[nn.Parameter], Optional[Shard]]]):
             chooses the sharded dim per parameter (``None`` means ``Shard(0)``); a
             dim other than 0 must divide evenly.
@@ -166,6 +168,8 @@ def fully_shard(
     # retry (with the fix the error names) starts from a clean module.
     managed_modules = _managed_modules(modules)
     owners = _managed_params(managed_modules, ignored, modules)
+    # Parameters another unit already sharded: borrowed, see [Note: shared parameters].
+    borrowed = collect_borrowed(managed_modules, ignored, mesh_info, mp_policy, offload_policy)
     device = mesh_info.device
     offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
     _check_devices(owners, device)
@@ -191,6 +195,8 @@ def fully_shard(
     _move_buffers(managed_modules, device)
     call = next(_calls)
     _unit_modules[call] = tuple(weakref.ref(m) for m in modules)
+    for param in ignored:  # left plain on purpose: not a forgotten root (_missing_root)
+        setattr(param, IGNORED_BY, unit_label)
     for param, sharded_param in zip(owners, sharded):
         sharded_param.register(sharded_param.sharded_param)
         sharded_param.mark_owned(unit_label)
@@ -199,6 +205,11 @@ def fully_shard(
     state = UnitState(modules, unit, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
     if unit is not None:
         _register_state_dict_hooks(unit, state)
+        for (param, _), sharded_param in zip(owners.items(), sharded):
+            link_shared(param, sharded_param, unit, state)
+    borrow(state, borrowed)
+    for link, pairs in borrowed.items():
+        _register_state_dict_hooks(link.unit, link.state, [(m, n, link.param) for m, n in pairs])
     for m in modules:
         cls = type(m)
         fsdp_cls = _fsdp_classes.get(cls)
@@ -311,22 +322,14 @@ def _managed_params(
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     for m in modules:
         for name, p in m._parameters.items():
-            if p is None or p in ignored:
-                continue
+            if p is None or p in ignored or shared_link(p, m, name) is not None:
+                continue  # shared with an earlier unit: collect_borrowed handles it
             if getattr(p, SHARDED_BY, None) is not None:
                 _reject_module_shared_by_sibling_units(p, name, m, targets)
                 raise ValueError(
                     f"parameter {name!r} of {type(m).__name__} is already sharded by "
                     f"fully_shard({getattr(p, SHARDED_BY)}): fully_shard must be applied "
                     "bottom-up, i.e. to submodules (e.g. each block) before their parents."
-                )
-            if getattr(p, _REPLACED_BY, None) is not None:
-                raise ValueError(
-                    f"parameter {name!r} of {type(m).__name__} is the same tensor as a parameter "
-                    f"already sharded by fully_shard({getattr(p, _REPLACED_BY)}) (a weight tied "
-                    "across units, e.g. an LM head sharing the embedding). Put the modules that "
-                    "share it in one unit, e.g. fully_shard([model.embed, model.lm_head]), or "
-                    "leave both in the parent's unit."
                 )
             # DTensor parameters (tensor parallel) are validated by ShardedParam.
             owners.setdefault(p, []).append((m, name))
@@ -407,13 +410,19 @@ def _describe(modules: tuple[nn.Module, ...]) -> str:
     return ", ".join(type(m).__name__ for m in modules)
 
 
-def _register_state_dict_hooks(unit: Unit, state: UnitState) -> None:
+def _register_state_dict_hooks(
+    unit: Unit, state: UnitState, owners: list[tuple[nn.Module, str, ShardedParam]] | None = None
+) -> None:
     """``state_dict()`` and ``load_state_dict()`` always see the sharded parameters,
-    and a full (plain tensor) state dict is sharded on the fly when loaded."""
+    and a full (plain tensor) state dict is sharded on the fly when loaded.
+
+    ``owners`` limits the hooks to these registrations of ``unit``'s parameters
+    (a borrower's, see [Note: shared parameters]); default: all of them."""
+    if owners is None:
+        owners = [(module, name, p) for p in unit.params for module, name in p.owners]
     owner_params: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
-    for p in unit.params:
-        for module, name in p.owners:
-            owner_params.setdefault(module, []).append((name, p))
+    for module, name, p in owners:
+        owner_params.setdefault(module, []).append((name, p))
 
     def reshard(*_: Any) -> None:
         _reshard_unit(unit, state)
@@ -765,11 +774,12 @@ class FSDPModule:
         # Conversions (.to(), to_empty(), .half()) must see the sharded parameters;
         # afterwards the unit re-derives dtypes and buffers from them.
         state = self._fsdp_state()
-        if state.unit is not None:
-            _reshard_unit(state.unit, state)
+        units = ([state.unit] if state.unit is not None else []) + state.borrowed
+        for unit in units:
+            _reshard_unit(unit, state)
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        if state.unit is not None:
-            state.unit.invalidate()
+        for unit in units:
+            unit.invalidate()
         return result
 
 
@@ -816,9 +826,11 @@ def _units_of(modules: list[FSDPModule]) -> list[Unit]:
     for m in modules:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"expected FSDPModules (modules annotated by fully_shard), got {type(m).__name__}")
-        unit = m._fsdp_state().unit
-        if unit is not None:
-            units.append(unit)
+        state = m._fsdp_state()
+        # A module that borrows a shared parameter needs its owner unit too.
+        for unit in [state.unit, *state.borrowed]:
+            if unit is not None and unit not in units:
+                units.append(unit)
     return units
 
 

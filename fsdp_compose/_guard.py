@@ -32,18 +32,17 @@ also names a rank that stopped issuing collectives.
 from __future__ import annotations
 
 import functools
-import os
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from . import _compat, debug
+from . import _compat, _env, debug
 
 _FIELDS = 6  # label hash, kind, numel, dtype, step, per-group counter
 _KINDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
 
-enabled = os.environ.get("FSDP_COMPOSE_COLLECTIVE_GUARD", "1") not in ("0", "false", "False")
+enabled = _env.flag("FSDP_COMPOSE_COLLECTIVE_GUARD", True)
 _counters: dict[int, int] = {}  # id(group) -> collectives issued on it
 _unguarded: dict[int, bool] = {}  # id(group) -> backend without the guard
 

@@ -9,6 +9,7 @@ from here instead of re-deriving them from the mesh.
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -16,9 +17,23 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DeviceMesh
 
-_default_mesh_cache: dict[tuple[str, int], DeviceMesh] = {}
-_subgroup_cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
-_reduce_scatter_group_cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+from . import _compat
+
+# Meshes and groups made on top of the default process group, cached per default
+# group: a re-initialised process group, and each rank-thread of torch's threaded
+# test process group, has its own (a group of another one must never be reused).
+_caches: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[object, ...], object]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _cache() -> dict[tuple[object, ...], object]:
+    world = dist.group.WORLD
+    assert world is not None
+    cache = _caches.get(world)
+    if cache is None:
+        cache = _caches[world] = {}
+    return cache
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,12 +74,14 @@ def default_mesh() -> DeviceMesh:
     backend = str(dist.get_backend()).lower()
     # "nccl" or a mixed "cpu:gloo,cuda:nccl" backend means the user trains on GPUs.
     device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
-    key = (device_type, id(dist.group.WORLD))
-    mesh = _default_mesh_cache.get(key)
+    cache, key = _cache(), ("mesh", device_type)
+    mesh = cache.get(key)
     if mesh is None:
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-        _default_mesh_cache.clear()  # a re-initialised process group invalidates old meshes
-        _default_mesh_cache[key] = mesh
+        # A dry run may build the model under FakeTensorMode; the mesh's rank table
+        # must stay a real tensor (DeviceMesh reads it back).
+        with _compat.outside_fake_mode():
+            mesh = cache[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+    assert isinstance(mesh, DeviceMesh)
     return mesh
 
 
@@ -185,10 +202,11 @@ def post_forward_subgroup(info: MeshInfo, group_size: int) -> tuple[dist.Process
     shard_ranks = dist.get_process_group_ranks(info.shard_group)
     start = (info.shard_rank // group_size) * group_size
     members = tuple(shard_ranks[start : start + group_size])
-    group = _subgroup_cache.get(members)
+    cache, key = _cache(), ("post_forward", *members)
+    group = cache.get(key)
     if group is None:
-        group = dist.new_group(list(members), use_local_synchronization=True)
-        _subgroup_cache[members] = group
+        group = cache[key] = dist.new_group(list(members), use_local_synchronization=True)
+    assert isinstance(group, dist.ProcessGroup)
     return group, info.shard_rank - start
 
 
@@ -197,8 +215,9 @@ def separate_reduce_scatter_group(info: MeshInfo) -> dist.ProcessGroup:
     only (``set_separate_reduce_scatter_group``), shared by every unit with the
     same shard ranks. Created with local synchronization: only member ranks call."""
     members = tuple(dist.get_process_group_ranks(info.shard_group))
-    group = _reduce_scatter_group_cache.get(members)
+    cache, key = _cache(), ("reduce_scatter", *members)
+    group = cache.get(key)
     if group is None:
-        group = dist.new_group(list(members), use_local_synchronization=True)
-        _reduce_scatter_group_cache[members] = group
+        group = cache[key] = dist.new_group(list(members), use_local_synchronization=True)
+    assert isinstance(group, dist.ProcessGroup)
     return group

@@ -21,20 +21,51 @@ one of torch's elementwise optimizers (a subclass may add non-elementwise logic,
 such as a norm), ``differentiable`` is off, it is not being compiled, and every
 DTensor it holds is a parameter sharded by fsdp_compose. Anything else keeps the
 DTensor path. ``FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP=0`` turns it off.
+
+[Note: sharded steps run inside step hooks]
+``optimizer.step`` itself is never replaced: LR schedulers mark it
+(``_wrapped_by_lr_sched``) and warn when the mark is gone, and users and
+libraries introspect or wrap it. Instead, an accelerated optimizer gets one
+step pre-hook and one step post-hook of its own. The pre-hook is kept the last
+of the optimizer's pre-hooks (every global and user hook has run, and may have
+changed gradients or learning rates, exactly as before torch's own update). It
+runs the sharded update (the elementwise swap above, or a handler registered
+for the optimizer's class, such as the whole-matrix Muon step in
+``fsdp_compose.whole_matrix``) and then hides the gradients of the parameters
+it updated (``p.grad = None``), so the body of torch's ``step`` skips them: every
+optimizer handled here skips parameters without a gradient, state counters
+included. The post-hook, kept the first of the post-hooks, gives the gradients
+back before any user post-hook sees them. A ``closure`` is evaluated by the
+pre-hook (under ``enable_grad``, before the update, as torch does) and replaced
+by one returning its loss, so ``step(closure)`` returns the same value.
 """
 
 from __future__ import annotations
 
-import os
-import types
 import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _compat
+from . import _compat, _env
 from ._sharded_param import SHARDED_BY
+
+#: A sharded update for one optimizer class: it updates the parameters it can
+#: (their states included) and returns them; torch's own ``step`` then skips them.
+StepHandler = Callable[[torch.optim.Optimizer], "list[torch.Tensor]"]
+
+
+@dataclass(frozen=True)
+class _Registration:
+    handler: StepHandler
+    optional: bool  # a speed-up only: FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP=0 turns it off
+
+
+_handlers: dict[type[torch.optim.Optimizer], _Registration] = {}
 
 _ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -52,30 +83,121 @@ _ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
 _accelerated: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
+@dataclass
+class _Record:
+    """An accelerated optimizer's hook handles and the gradients its pre-hook hid."""
+
+    pre_id: int
+    post_id: int
+    hidden: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+_records: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Record] = weakref.WeakKeyDictionary()
+
+
 def enabled() -> bool:
-    return os.environ.get("FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP", "1") not in ("0", "false", "False")
+    return _env.flag("FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP", True)
+
+
+def register_step_handler(
+    cls: type[torch.optim.Optimizer], handler: StepHandler, *, optional: bool = False
+) -> None:
+    """Runs ``handler`` for optimizers whose class is exactly ``cls`` (see
+    [Note: sharded steps run inside step hooks]). Extensions call this at import;
+    ``optional`` marks a pure speed-up that ``FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP=0``
+    turns off (a handler needed for a correct result is never turned off)."""
+    _handlers[cls] = _Registration(handler, optional)
+
+
+def _registration(optimizer: torch.optim.Optimizer) -> _Registration | None:
+    reg = _handlers.get(type(optimizer))
+    if reg is None or (reg.optional and not enabled()):
+        return None
+    return reg
 
 
 def accelerate(optimizer: torch.optim.Optimizer) -> None:
-    """Makes later ``optimizer.step()`` calls run on local shards where that is
-    exactly equivalent (see [Note: local optimizer steps]). Idempotent."""
-    if optimizer in _accelerated or type(optimizer) not in _ELEMENTWISE or not enabled():
+    """Makes ``optimizer.step()`` run the sharded update registered for its class,
+    this step included (see [Note: sharded steps run inside step hooks]).
+
+    Called from fsdp_compose's global step pre-hook, which runs before any
+    per-optimizer hook, at every step: it keeps this module's pre-hook the last
+    and its post-hook the first of the optimizer's hooks."""
+    if _registration(optimizer) is None:
         return
-    _accelerated.add(optimizer)
-    original = optimizer.step  # bound; possibly already wrapped by an LR scheduler
+    record = _records.get(optimizer)
+    if record is None:
+        pre = optimizer.register_step_pre_hook(_sharded_step_hook)
+        post = optimizer.register_step_post_hook(_give_grads_back_hook)
+        record = _records[optimizer] = _Record(pre.id, post.id)
+        _accelerated.add(optimizer)
+    _give_grads_back(record)  # a step that raised after the pre-hook never reached the post-hook
+    _move(optimizer, "_optimizer_step_pre_hooks", record.pre_id, last=True)
+    _move(optimizer, "_optimizer_step_post_hooks", record.post_id, last=False)
 
-    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        if not _eligible(self):
-            return original(*args, **kwargs)
-        swap = _LocalSwap(self)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            swap.restore()
 
-    # A bound method, like the attribute it replaces: LR schedulers wrap
-    # ``optimizer.step`` through its ``__func__``.
-    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+def _move(optimizer: torch.optim.Optimizer, attr: str, key: int, *, last: bool) -> None:
+    # torch keeps per-optimizer hooks in OrderedDicts keyed by handle id and runs
+    # them in order (private attributes, unchanged since torch 2.0).
+    hooks = getattr(optimizer, attr, None)
+    if isinstance(hooks, OrderedDict) and key in hooks:
+        hooks.move_to_end(key, last=last)
+
+
+def _sharded_step_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    reg = _registration(optimizer)
+    record = _records.get(optimizer)
+    if reg is None or record is None or _compat.is_compiling():
+        return None
+    replaced = None
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is not None:
+        # torch's step would call the closure before updating; so do we.
+        with torch.enable_grad():
+            loss = closure()
+        args = args[:1] if len(args) > 1 else args
+        replaced = (args, {**kwargs, "closure": lambda: loss})
+    updated = reg.handler(optimizer)
+    for p in updated:
+        if p.grad is not None:
+            record.hidden.append((p, p.grad))
+            p.grad = None
+    return replaced
+
+
+def _give_grads_back_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    record = _records.get(optimizer)
+    if record is not None:
+        _give_grads_back(record)
+
+
+def _give_grads_back(record: _Record) -> None:
+    for p, grad in record.hidden:
+        if p.grad is None:
+            p.grad = grad
+    record.hidden.clear()
+
+
+# ---------------------------------------------------------------------------
+# torch's elementwise optimizers on local shards
+# ---------------------------------------------------------------------------
+
+
+def _elementwise_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    # The body of torch's step without its hook wrapper (the hooks are running).
+    body = getattr(type(optimizer).step, "__wrapped__", None)
+    if body is None or not _eligible(optimizer):
+        return []
+    swap = _LocalSwap(optimizer)
+    try:
+        body(optimizer)
+    finally:
+        swap.restore()
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+for _cls in _ELEMENTWISE:
+    register_step_handler(_cls, _elementwise_step, optional=True)
 
 
 def _eligible(optimizer: torch.optim.Optimizer) -> bool:

@@ -36,6 +36,7 @@ import torch
 
 from . import _collectives
 from . import trace as _trace
+from ._shared import SharedUses
 from ._unit import PendingReduction, Phase, ShardState, Unit
 
 logger = logging.getLogger("fsdp_compose")
@@ -77,6 +78,9 @@ class Scheduler:
         # Versions of each unit's shards when its forward ran: backward must see the
         # same parameters as the forward that built the autograd graph.
         self._forward_versions: dict[Unit, list[int]] = {}
+        # Units whose parameters other units share: freed and reduced after their
+        # last use, see [Note: shared parameters].
+        self.shared = SharedUses()
 
     # ------------------------------------------------------------------
     # memory accounting (rate limiter) and issuing
@@ -188,6 +192,7 @@ class Scheduler:
         self._forward_cursor = 0
         self._post_forward_order = []
         self._deferred.clear()
+        self.shared.begin_forward_pass()
         for unit in self.units:
             if unit.state is ShardState.UNSHARDED and unit.params_changed_since_unshard():
                 # The sharded parameters were updated (optimizer step) while this unit
@@ -201,6 +206,7 @@ class Scheduler:
         # before recording the versions backward compares against.
         unit.lazy_init()
         self._forward_versions[unit] = [p.data_version() for p in unit.params]
+        self.shared.forward_use_begin(unit)
         self._issue(unit)
         for target in self._forward_prefetch_targets(unit):
             self._prefetch(target)
@@ -230,16 +236,37 @@ class Scheduler:
         if _trace.ENABLED:
             _trace.end_span("forward", unit.name)
         self._post_forward_order.append(unit)
+        if self.shared.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
+            self._reshard_after_forward(unit)
+        unit.phase = Phase.IDLE
+
+    def _reshard_after_forward(self, unit: Unit) -> None:
         reshard = unit.reshard_after_forward
         if reshard is not False:
             self._reshard(unit, to_post_forward_group=reshard is not True)
-        unit.phase = Phase.IDLE
+
+    def borrow_forward(self, units: list[Unit]) -> None:
+        """A module sharing the parameters of ``units`` (their owner units) starts
+        its forward: they must be unsharded (see [Note: shared parameters])."""
+        for unit in units:
+            self._forward_order.append(unit)
+            self.shared.forward_use_begin(unit)
+            self._require(unit)
+
+    def return_forward(self, units: list[Unit]) -> None:
+        """The forward that :meth:`borrow_forward` began is done."""
+        for unit in units:
+            self._post_forward_order.append(unit)
+            if self.shared.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
+                self._reshard_after_forward(unit)
 
     def end_forward(self) -> None:
         """Called by the state that began the forward, after its post-forward."""
         self.forward_active = False
         self._deferred.clear()
         no_backward = not torch.is_grad_enabled()
+        for unit in self.shared.end_forward_pass(record=not no_backward):
+            self._reshard_after_forward(unit)  # shared units held for a later use
         if self._post_forward_order and not no_backward:
             self._backward_order = self._post_forward_order
         ran = set(self._forward_order)
@@ -262,9 +289,7 @@ class Scheduler:
         """Called when the gradient of one of ``unit``'s forward outputs is ready."""
         if unit.phase is Phase.PRE_BACKWARD:
             return
-        if not self.backward_active:
-            self.backward_active = True
-            self._backward_cursor = len(self._backward_order)
+        self._note_backward()
         unit.phase = Phase.PRE_BACKWARD
         versions = self._forward_versions.get(unit)
         if versions is not None and any(
@@ -283,6 +308,25 @@ class Scheduler:
             self._require(unit)
         if _trace.ENABLED:
             _trace.begin_span("backward", unit.name)
+
+    def _note_backward(self) -> None:
+        if not self.backward_active:
+            self.backward_active = True
+            self._backward_cursor = len(self._backward_order)
+
+    def borrow_backward(self, units: list[Unit]) -> None:
+        """The backward of a module sharing the parameters of ``units`` is about to
+        run: they must be unsharded, whatever their ``unshard_in_backward``."""
+        self._note_backward()
+        for unit in units:
+            self._require(unit)
+
+    def return_backward(self, units: list[Unit]) -> None:
+        """The backward that :meth:`borrow_backward` began is done: reduce the owner
+        units whose last use this was."""
+        for unit in units:
+            if self.shared.backward_use_end(unit):
+                self._post_backward(unit, at_end=False)
 
     def _backward_prefetch_targets(self, unit: Unit) -> list[Unit]:
         if unit.backward_prefetch is not None:  # explicit, [] included
@@ -310,6 +354,12 @@ class Scheduler:
     def post_backward(self, unit: Unit, *, at_end: bool = False) -> None:
         """Called when backward through ``unit`` is done (or at finalisation for
         units whose forward inputs did not require grad, with ``at_end``)."""
+        if at_end or self.shared.backward_use_end(unit):
+            self._post_backward(unit, at_end=at_end)
+        # else: a unit shared with modules whose backward is still to come keeps
+        # its parameters and gradients (see [Note: shared parameters]).
+
+    def _post_backward(self, unit: Unit, *, at_end: bool) -> None:
         if unit.phase is Phase.PRE_BACKWARD and _trace.ENABLED:
             _trace.end_span("backward", unit.name)
         unit.phase = Phase.POST_BACKWARD
@@ -343,7 +393,8 @@ class Scheduler:
                 if unit.phase is not Phase.POST_BACKWARD and (
                     unit.phase is Phase.PRE_BACKWARD or unit.state is not ShardState.SHARDED
                     or unit.has_unsharded_grads()
-                ):
+                ) or (unit in self.shared and unit.has_unsharded_grads()):
+                    # (a shared unit may get gradients after an early reduction)
                     self.post_backward(unit, at_end=True)
             if self.is_last_backward:
                 self._complete_reductions()
@@ -351,6 +402,7 @@ class Scheduler:
             for unit in self.units:
                 unit.phase = Phase.IDLE
             self._deferred.clear()
+            self.shared.end_backward_pass()
             self.backward_active = False
 
     def _complete_reductions(self) -> None:
@@ -387,6 +439,7 @@ class Scheduler:
                 self._reshard(unit)
             unit.phase = Phase.IDLE
         self._forward_versions.clear()
+        self.shared.reset()
         if failures:
             logger.warning(
                 "fsdp_compose: reset_iter_state discarded %d collectives that had failed: %s",

@@ -47,6 +47,7 @@ from ._mesh import MeshInfo
 
 
 SHARDED_BY = "_fsdp_compose_sharded_by"  # marks the sharded DTensor parameters we own
+IGNORED_BY = "_fsdp_compose_ignored_by"  # on ignored_params: plain, reduced by the user
 
 class ShardedParam:
     """Owns one parameter's sharded DTensor and describes its unsharded form.

@@ -96,6 +96,9 @@ class UnitState:
         # lists live on the unit); None: nothing to prefetch.
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
+        # Units owning parameters that this call's modules share (tied weights): used
+        # by this state's forward and backward too, see [Note: shared parameters].
+        self.borrowed: list[Unit] = []
         self._began_forward = False
         self._finalize_queued = False
         self._pending_modules: set[nn.Module] = set()  # grouped units: not yet run this pass
@@ -163,6 +166,7 @@ class UnitState:
         if self.unit is not None and self.auto_reshard_after_forward:
             self.unit.set_reshard_after_forward(False)
         scheduler = Scheduler(units)
+        _register_borrowers(scheduler, states, units, root_module)
         # Settings made on any module of the tree before this first forward; the
         # root's own are applied last, so they win.
         for state in [*(s for s in states if s is not self), self]:
@@ -197,6 +201,8 @@ class UnitState:
             # parameters must be present, but this is not a new forward pass.
             if unit is not None:
                 scheduler.recompute_forward(unit)
+            for used in self.borrowed:
+                scheduler.recompute_forward(used)
             return self._cast_inputs(args, kwargs)
         if self._began_forward:
             raise RuntimeError(
@@ -209,7 +215,7 @@ class UnitState:
             scheduler.begin_forward()
             args, kwargs = self._inputs_to_device(args, kwargs)
         args, kwargs = self._cast_inputs(args, kwargs)
-        if unit is None:
+        if unit is None and not self.borrowed:
             if self.forward_prefetch:
                 scheduler.prefetch(self.forward_prefetch)
             return args, kwargs
@@ -217,7 +223,12 @@ class UnitState:
             if self._pending_modules:  # another module of the group already gathered
                 return args, kwargs
             self._pending_modules = set(self.modules)
-        scheduler.pre_forward(unit)
+        if self.borrowed:
+            scheduler.borrow_forward(self.borrowed)
+        if unit is not None:
+            scheduler.pre_forward(unit)
+        elif self.forward_prefetch:
+            scheduler.prefetch(self.forward_prefetch)
         if torch.is_grad_enabled():
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
@@ -232,15 +243,18 @@ class UnitState:
         if _compat.inside_backward():
             return self._cast_output(output)
         unit = self.unit
-        if unit is not None or self.backward_prefetch:
+        if unit is not None or self.backward_prefetch or self.borrowed:
             output = self._register_pre_backward(output)
-        if unit is not None:
-            if len(self.modules) > 1:
-                self._pending_modules.discard(module)
-                if not self._pending_modules:
-                    scheduler.post_forward(unit)
-            else:
+        if len(self.modules) > 1:
+            self._pending_modules.discard(module)
+            group_done = not self._pending_modules
+        else:
+            group_done = True
+        if group_done:
+            if unit is not None:
                 scheduler.post_forward(unit)
+            if self.borrowed:
+                scheduler.return_forward(self.borrowed)
         if self._began_forward:
             self._began_forward = False
             self._complete_partial_groups()
@@ -343,11 +357,16 @@ class UnitState:
             self.scheduler.pre_backward(self.unit)
         elif self.backward_prefetch:
             self.scheduler.prefetch(self.backward_prefetch)
+        if self.borrowed:
+            self.scheduler.borrow_backward(self.borrowed)
 
     @_compat.dynamo_disable
     def post_backward(self) -> None:
-        assert self.scheduler is not None and self.unit is not None
-        self.scheduler.post_backward(self.unit)
+        assert self.scheduler is not None
+        if self.unit is not None:
+            self.scheduler.post_backward(self.unit)
+        if self.borrowed:
+            self.scheduler.return_backward(self.borrowed)
 
     @_compat.dynamo_disable
     def _finalize_backward(self) -> None:
@@ -390,3 +409,21 @@ class UnitState:
                     units.append(state.unit)
         return units
 
+
+def _register_borrowers(
+    scheduler: Scheduler, states: list[UnitState], units: list[Unit], root: nn.Module
+) -> None:
+    """Tells the scheduler which units other states borrow (shared parameters);
+    an owner outside this root's tree could never be coordinated: raise."""
+    names = {id(m): name for name, m in root.named_modules()}
+    for state in states:
+        for unit in state.borrowed:
+            borrower = ", ".join(names.get(id(m)) or type(m).__name__ for m in state.modules)
+            if unit not in units:
+                raise RuntimeError(
+                    f"fully_shard module {borrower!r} shares a parameter with unit "
+                    f"{unit.name!r}, which is not under the root {type(root).__name__} that ran "
+                    "forward. Modules that share a parameter must belong to one fully_shard tree: "
+                    "call fully_shard on their common parent and run forward through it."
+                )
+            scheduler.shared.add(unit, borrower)

@@ -110,7 +110,11 @@ class Unit:
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.unshard_in_backward = True
         # set_separate_reduce_scatter_group: reduce-scatters on their own group.
-        self.reduce_scatter_group: dist.ProcessGroup | None = None
+        self._reduce_scatter_group: dist.ProcessGroup | None = None
+        # How collectives on each group are issued (gloo fast paths or the public
+        # ones), decided at lazy init: see [Note: collectives per backend].
+        self._route = self._rs_route = _collectives.PUBLIC_ROUTE
+        self._post_forward_route = _collectives.PUBLIC_ROUTE
         # set_custom_all_gather / set_custom_reduce_scatter: user collectives.
         self.custom_all_gather: AllGatherComm | None = None
         self.custom_reduce_scatter: ReduceScatterComm | None = None
@@ -122,9 +126,9 @@ class Unit:
         self._post_forward_group: dist.ProcessGroup | None = None
         self._post_forward_rank = 0
         self._post_forward_size = 1
+        self._initialized = False
         self.set_reshard_after_forward(reshard_after_forward)
 
-        self._initialized = False
         self._pending_gather: PendingCollective | None = None
         self._gather_output: torch.Tensor | None = None  # (world, row) while gathering
         self._gather_world = 0
@@ -154,6 +158,8 @@ class Unit:
             group, rank = post_forward_subgroup(self.mesh_info, value)
             self._post_forward_group, self._post_forward_rank = group, rank
             self._post_forward_size = value
+            if self._initialized:
+                self._post_forward_route = _collectives.route_of(group)
             if any(p.shard_dim != 0 for p in self.params):
                 raise ValueError(
                     "reshard_after_forward as an int needs every parameter sharded on dim 0; "
@@ -177,6 +183,25 @@ class Unit:
     @property
     def shard_group(self) -> dist.ProcessGroup:
         return self.mesh_info.shard_group
+
+    @property
+    def reduce_scatter_group(self) -> dist.ProcessGroup | None:
+        """The group of gradient reduce-scatters if not the shard group."""
+        return self._reduce_scatter_group
+
+    @reduce_scatter_group.setter
+    def reduce_scatter_group(self, group: dist.ProcessGroup | None) -> None:
+        self._reduce_scatter_group = group
+        if self._initialized:
+            self._decide_routes()
+
+    def _decide_routes(self) -> None:
+        self._route = _collectives.route_of(self.shard_group)
+        self._rs_route = (
+            self._route if self._reduce_scatter_group is None else _collectives.route_of(self._reduce_scatter_group)
+        )
+        if self._post_forward_group is not None:
+            self._post_forward_route = _collectives.route_of(self._post_forward_group)
 
     # ------------------------------------------------------------------
     # lazy initialisation: dtypes and buffer layout
@@ -225,6 +250,7 @@ class Unit:
                 "mesh on the intended device instead."
             )
         self._init_dtypes()
+        self._decide_routes()
         self._init_layout()
         self._initialized = True
 
@@ -358,10 +384,12 @@ class Unit:
         if self.state is ShardState.PARTIALLY_SHARDED:
             assert self._post_forward_group is not None and self._post_forward_shard is not None
             world, group, in_place = self._post_forward_size, self._post_forward_group, False
+            route = self._post_forward_route
             send = self._post_forward_shard
             out = torch.empty(world * send.numel(), dtype=send.dtype, device=device)
         else:
             world, group, in_place = self._world, self.shard_group, self._gather_in_place
+            route = self._route
             out = torch.empty(world * self._row, dtype=self._buffer_dtype, device=device)
             if in_place:  # NCCL, and gloo by broadcasts: copy straight into this rank's row
                 send = out.view(world, self._row)[self.mesh_info.shard_rank]
@@ -375,7 +403,7 @@ class Unit:
             self._pending_gather = _DONE
         else:
             self._pending_gather = _collectives.all_gather(
-                out, send, group, self.name, in_place=in_place
+                out, send, group, self.name, in_place=in_place, route=route
             )
 
     def _unshard_with(self, comm: AllGatherComm) -> None:
@@ -703,7 +731,9 @@ class Unit:
             else:
                 output = torch.empty(row, dtype=reduce_dtype, device=info.device)
             group = self.reduce_scatter_group or self.shard_group
-            rs = _collectives.reduce_scatter(output, packed, group, self.name, comm=comm)
+            rs = _collectives.reduce_scatter(
+                output, packed, group, self.name, comm=comm, route=self._rs_route
+            )
         replicate_group = info.replicate_group if all_reduce else None
         return PendingReduction(self, params, sizes, output, rs, replicate_group, post)
 

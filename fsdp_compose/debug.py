@@ -6,7 +6,10 @@ all-gather, and every rank waits forever -- or, worse, two units of the same siz
 silently exchange each other's data. In debug mode every collective fsdp_compose
 issues first publishes a fingerprint (unit, kind, sizes, dtype, step) through the
 process group's key-value store and compares it with the fingerprints of the other
-ranks of its group *before* the payload moves. On a mismatch every rank raises::
+ranks of its group *before* the payload moves. On a mismatch every rank raises
+(as long as the store outlives the ranks, as under torchrun; a store hosted by
+rank 0, ``init_method="tcp://..."``, disappears when rank 0 exits after raising,
+and a rank still reading it then fails with ``DistNetworkError`` instead)::
 
     RuntimeError: fsdp_compose collective mismatch on group [0, 1] (collective #17):
       rank 0 issued all_gather for blocks.2 (4160 x float32, step 3)
@@ -37,14 +40,13 @@ the training thread, so overlap is lost. Use it to diagnose, not to train.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from . import _compat, _env
 
 __all__ = [
     "CollectiveMismatchError",
@@ -114,7 +116,7 @@ _FALLBACK_TIMEOUT_S = 60.0  # where torch does not expose a group's timeout
 
 
 def _env_enabled() -> bool:
-    return os.environ.get("FSDP_COMPOSE_DEBUG_COLLECTIVES", "0") not in ("", "0", "false", "False")
+    return _env.flag("FSDP_COMPOSE_DEBUG_COLLECTIVES", False)
 
 
 def enable_collective_checks(timeout: float | None = None) -> None:
@@ -127,8 +129,8 @@ def enable_collective_checks(timeout: float | None = None) -> None:
             group the collective runs on.
     """
     global _checker
-    if timeout is None and os.environ.get("FSDP_COMPOSE_DEBUG_TIMEOUT"):
-        timeout = float(os.environ["FSDP_COMPOSE_DEBUG_TIMEOUT"])
+    if timeout is None:
+        timeout = _env.seconds("FSDP_COMPOSE_DEBUG_TIMEOUT")
     _checker = _FingerprintChecker(timeout)
 
 

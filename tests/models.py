@@ -78,3 +78,32 @@ class Wrapper(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.gpt(idx)
+
+
+class SharedWeightBlocks(nn.Module):
+    """ALBERT-style sharing: blocks 0, 1 and 3 use one ``mix`` weight (tied
+    Linear weights), block 2 has its own; each block has an unshared layer too."""
+
+    def __init__(self, width: int = 16, n: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, width)
+        self.blocks = nn.ModuleList(_MixBlock(width) for _ in range(n))
+        for i in (1, 3):
+            self.blocks[i].mix.weight = self.blocks[0].mix.weight
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x).squeeze(-1)
+
+
+class _MixBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.own = nn.Linear(width, width)
+        self.mix = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.mix(torch.tanh(self.own(x))))

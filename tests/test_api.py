@@ -11,7 +11,7 @@ import fsdp_compose
 PUBLIC = {
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx",
     "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardedGradScaler", "trace", "debug",
-    "PipelineStage",
+    "PipelineStage", "whole_matrix", "safetensors_io",
 }
 # FSDP2 methods we do not implement yet (they raise NotImplementedError with a reason)
 NOT_IMPLEMENTED = {"set_symm_mem_for_comm"}
@@ -24,6 +24,12 @@ def test_public_names() -> None:
     for name in fsdp_compose.__all__:
         assert getattr(fsdp_compose, name) is not None
         assert getattr(fsdp_compose, name).__doc__, f"{name} needs a docstring"
+
+
+def test_whole_matrix_names() -> None:
+    assert set(fsdp_compose.whole_matrix.__all__) == {"map_full_matrices", "matrix_owners"}
+    for name in fsdp_compose.whole_matrix.__all__:
+        assert getattr(fsdp_compose.whole_matrix, name).__doc__, name
 
 
 def test_fully_shard_signature_matches_fsdp2() -> None:

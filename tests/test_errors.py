@@ -111,13 +111,18 @@ def _errors_job() -> dict[str, str]:
 
     results["top_down"] = _expect(top_down, ValueError, "bottom-up")
 
-    def tied_across_units() -> None:
+    def tied_across_units_other_dtype() -> None:
+        # Tied weights across units are shared ([Note: shared parameters]), but
+        # only between calls whose settings for the parameter agree.
         m = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
         m[1].weight = m[0].weight
-        fully_shard(m[0])
+        fully_shard(m[0], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         fully_shard(m)
 
-    results["tied"] = _expect(tied_across_units, ValueError, r"tied across units.*fully_shard\(\[")
+    results["tied"] = _expect(
+        tied_across_units_other_dtype, ValueError,
+        r"Linear\.weight .*Embedding\.weight .*share one parameter.*param_dtype",
+    )
 
     class Scalar(nn.Module):
         def __init__(self) -> None:

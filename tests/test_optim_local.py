@@ -154,3 +154,91 @@ def _meta_init_job() -> dict:
 def test_meta_init_parameters_take_the_local_path() -> None:
     for r in run_distributed(_meta_init_job, 2):
         assert r == {"accelerated": True, "eligible": True}, r
+
+
+def _scheduler_job(sched_name: str, optim_name: str) -> dict:
+    """LR schedulers, a user step pre-hook and post-hook, and a closure on an
+    optimizer that takes fsdp_compose's sharded step: no warning, and the same
+    result as the DTensor path (elementwise) or as one device (Muon)."""
+    import warnings
+
+    rank, world = rank_world()
+    cfg = GPTConfig(**TINY)
+
+    def run(local_steps: bool) -> tuple[list[float], list[torch.Tensor], dict]:
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        params = list(model.parameters())
+        if optim_name == "muon":
+            opt = torch.optim.Muon([p for p in params if p.ndim == 2 and p.shape[0] != cfg.vocab_size], lr=1e-2)
+        else:
+            opt = torch.optim.AdamW(params, lr=1e-2)
+        no_step_attr = "step" not in vars(opt)  # before a scheduler wraps it
+        if sched_name == "lambda":
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        else:
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)
+        seen: dict = {"pre_dtensor_grads": True, "post_grads": True}
+
+        def pre(o: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+            for g in o.param_groups:
+                for p in g["params"]:
+                    seen["pre_dtensor_grads"] &= isinstance(p, DTensor) and (
+                        p.grad is None or isinstance(p.grad, DTensor)
+                    )
+                    if p.grad is not None:
+                        p.grad.mul_(0.5)  # must take effect, as before torch's own update
+
+        def post(o: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+            seen["post_grads"] &= all(p.grad is not None for g in o.param_groups for p in g["params"])
+
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(post)
+        previous = _optim.enabled
+        _optim.enabled = lambda: local_steps  # type: ignore[assignment]
+        losses = []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for step in range(3):
+                    x, y = make_batch(cfg, 2 * world, step)
+
+                    def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                        opt.zero_grad()
+                        loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+                        loss.backward()
+                        return loss
+
+                    if step < 2:
+                        loss = closure()
+                        opt.step()
+                    else:  # the closure runs after the pre-hooks, before the update
+                        loss = opt.step(closure)
+                    losses.append(loss.item())
+                    sched.step()
+        finally:
+            _optim.enabled = previous  # type: ignore[assignment]
+        seen["warnings"] = [str(w.message) for w in caught]
+        seen["marker"] = hasattr(opt.step, "_wrapped_by_lr_sched")
+        seen["accelerated"] = opt in _optim._accelerated
+        seen["no_step_attr"] = no_step_attr
+        return losses, [p.full_tensor() for p in params], seen
+
+    fast_losses, fast_params, seen = run(True)
+    out = dict(seen)
+    if optim_name != "muon":
+        slow_losses, slow_params, _ = run(False)
+        out["same_as_dtensor_path"] = fast_losses == slow_losses and all(
+            torch.equal(a, b) for a, b in zip(fast_params, slow_params)
+        )
+    return out
+
+
+@pytest.mark.parametrize("sched_name,optim_name", [("lambda", "adamw"), ("cosine", "muon")])
+def test_lr_schedulers_hooks_and_closures(sched_name: str, optim_name: str) -> None:
+    for r in run_distributed(_scheduler_job, 2, sched_name, optim_name):
+        assert r.pop("warnings") == [], r
+        assert all(r.values()), r

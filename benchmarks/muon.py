@@ -1,0 +1,308 @@
+"""torch.optim.Muon on sharded parameters: optimizer step and training step times.
+
+For each world size W and model, one job of W fresh processes (gloo, one thread
+each) measures, in alternating order within the same job:
+
+* ``single``: one process's ``torch.optim.Muon`` step on the whole model (rank 0,
+  while the other ranks wait in a barrier);
+* ``fsdp_compose``: fsdp_compose's sharded Muon step (owner compute);
+* ``fsdp2``: torch's FSDP2 + ``torch.optim.Muon`` (DTensor dispatch);
+
+then whole training steps (forward, backward, step) with Muon + AdamW vs AdamW
+alone on fsdp_compose, and the same optimizer steps on one process to get
+single-device Muon's extra cost. The exchange's bytes come from the plan (what
+each rank sends to the others) against ``2·(W-1)/W`` of the fp32 matrix bytes.
+
+    python benchmarks/muon.py --worlds 2 4 --models square gpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _muon_params(model: Any, kind: str) -> tuple[list[Any], list[Any]]:
+    matrices, rest = [], []
+    for name, p in model.named_parameters():
+        hidden = p.ndim == 2 and not any(s in name for s in ("tok_emb", "pos_emb", "lm_head"))
+        (matrices if hidden else rest).append(p)
+    return matrices, rest
+
+
+def _build(kind: str, impl: str) -> Any:
+    import torch
+    from torch import nn
+
+    if kind == "gpt":
+        from workloads import build_gpt
+
+        return build_gpt("small", impl if impl != "single" else "single")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(8)])
+    if impl != "single":
+        if impl == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+        else:
+            from fsdp_compose import fully_shard
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+    return model
+
+
+def _forward_backward(model: Any, kind: str, rank: int, world: int) -> None:
+    import torch
+
+    if kind == "gpt":
+        from gpt import loss_fn
+        from workloads import PRESETS, Batches
+
+        x, y = Batches(PRESETS["small"], 8, rank, world).get(0)
+        loss_fn(model(x), y).backward()
+    else:
+        torch.manual_seed(rank)
+        model(torch.randn(8, 512)).square().mean().backward()
+
+
+_CPU: dict[
+    str, list[float]
+] = {}  # process CPU seconds per step, by label (all threads of the rank)
+
+
+def _timed(fn: Any, steps: int, sync: bool = True, label: str | None = None) -> float:
+    """Median wall seconds of ``fn``; also records its process CPU time under
+    ``label`` (robust to other jobs sharing the machine's cores)."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(steps):
+        if sync:
+            dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if label is not None:
+            _CPU.setdefault(label, []).append(time.process_time() - c0)
+    return statistics.median(times)
+
+
+def _max_over_ranks(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _rank_main(
+    rank: int, world: int, store: str, kind: str, steps: int, repeats: int, out: str
+) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    sys.path[:0] = [_REPO, os.path.join(_REPO, "examples"), os.path.join(_REPO, "benchmarks")]
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=1800),
+    )
+    from fsdp_compose.whole_matrix import _muon
+
+    models, opts = {}, {}
+    for impl in ("fsdp_compose", "fsdp2") + (("single",) if rank == 0 else ()):
+        model = _build(kind, impl)
+        _forward_backward(
+            model, kind, rank if impl != "single" else 0, world if impl != "single" else 1
+        )
+        matrices, _ = _muon_params(model, kind)
+        models[impl], opts[impl] = model, torch.optim.Muon(matrices, lr=1e-3)
+        opts[impl].step()  # warm-up (creates the momentum buffers)
+
+    result: dict[str, Any] = {"kind": kind, "world": world, "optimizer_step_s": {}}
+    samples: dict[str, list[float]] = {"single": [], "fsdp_compose": [], "fsdp2": []}
+    for r in range(repeats):
+        order = ["single", "fsdp_compose", "fsdp2"]
+        for impl in order if r % 2 == 0 else order[::-1]:
+            if impl == "single":
+                dist.barrier()
+                t = (
+                    _timed(opts["single"].step, steps, sync=False, label="single")
+                    if rank == 0
+                    else 0.0
+                )
+                dist.barrier()
+            else:
+                t = _timed(opts[impl].step, steps, label=impl)
+            samples[impl].append(_max_over_ranks(t))
+    result["optimizer_step_s"] = {k: statistics.median(v) for k, v in samples.items()}
+    result["optimizer_step_cpu_s"] = {
+        k: _max_over_ranks(statistics.median(_CPU[k]) if k in _CPU else 0.0) for k in samples
+    }
+
+    plan = next(iter(_muon._plans[opts["fsdp_compose"]].values()))
+    sent = torch.tensor([plan.exchanged_bytes(torch.bfloat16)], dtype=torch.float64)
+    dist.all_reduce(sent)
+    matrix_bytes = sum(4 * p.numel() for p in _muon_params(models["fsdp_compose"], kind)[0])
+    result["exchange_bytes_all_ranks"] = sent.item()
+    result["matrix_fp32_bytes"] = matrix_bytes
+    result["ideal_fp32_bytes"] = 2 * (world - 1) / world * matrix_bytes
+    result["rounds"] = len(plan.rounds)
+    del models["fsdp2"], opts["fsdp2"]
+
+    # Whole training steps on fsdp_compose: Muon for the matrices + AdamW for the rest vs AdamW alone.
+    model = models["fsdp_compose"]
+    matrices, rest = _muon_params(model, kind)
+    with_muon = (
+        [torch.optim.Muon(matrices, lr=1e-3), torch.optim.AdamW(rest, lr=1e-3)]
+        if rest
+        else [torch.optim.Muon(matrices, lr=1e-3)]
+    )
+    adamw = [torch.optim.AdamW(model.parameters(), lr=1e-3)]
+
+    def train(optims: list[Any]) -> None:
+        _forward_backward(model, kind, rank, world)
+        for o in optims:
+            o.step()
+            o.zero_grad()
+
+    train(with_muon)
+    train(adamw)
+    train_samples: dict[str, list[float]] = {"muon": [], "adamw": []}
+    for r in range(repeats):
+        for name in ["muon", "adamw"] if r % 2 == 0 else ["adamw", "muon"]:
+            train_samples[name].append(
+                _max_over_ranks(
+                    _timed(lambda name=name: train(with_muon if name == "muon" else adamw), steps)
+                )
+            )
+    result["train_step_s"] = {k: statistics.median(v) for k, v in train_samples.items()}
+
+    # Single device: Muon's extra cost over AdamW on the same matrices (rank 0).
+    if rank == 0:
+        single = models["single"]
+        sm = _muon_params(single, kind)[0]
+        s_adamw = torch.optim.AdamW(sm, lr=1e-3)
+        s_adamw.step()
+        result["single_adamw_matrices_s"] = _timed(s_adamw.step, steps, sync=False)
+    dist.barrier()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def run(kind: str, world: int, steps: int, repeats: int) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    workdir = tempfile.mkdtemp(prefix="fsdp_compose_muon_")
+    store, out = os.path.join(workdir, "store"), os.path.join(workdir, "out.json")
+    mp.start_processes(
+        _rank_main,
+        args=(world, store, kind, steps, repeats, out),
+        nprocs=world,
+        start_method="spawn",
+    )
+    with open(out) as f:
+        return json.load(f)
+
+
+def summarize(r: dict[str, Any]) -> dict[str, Any]:
+    opt = r["optimizer_step_s"]
+    cpu = r["optimizer_step_cpu_s"]
+    train = r["train_step_s"]
+    single_extra = opt["single"] - r["single_adamw_matrices_s"]
+    return {
+        "model": r["kind"],
+        "W": r["world"],
+        "single_ms": 1e3 * opt["single"],
+        "fsdp_compose_ms": 1e3 * opt["fsdp_compose"],
+        "fsdp2_ms": 1e3 * opt["fsdp2"],
+        "vs_single": opt["fsdp_compose"] / opt["single"],
+        "vs_fsdp2": opt["fsdp_compose"] / opt["fsdp2"],
+        "cpu_vs_single": cpu["fsdp_compose"] / cpu["single"],
+        "cpu_vs_fsdp2": cpu["fsdp_compose"] / cpu["fsdp2"],
+        "exchange_vs_ideal_fp32": r["exchange_bytes_all_ranks"] / r["ideal_fp32_bytes"],
+        "exchange_MiB": r["exchange_bytes_all_ranks"] / 2**20,
+        "rounds": r["rounds"],
+        "train_muon_ms": 1e3 * train["muon"],
+        "train_adamw_ms": 1e3 * train["adamw"],
+        "train_ratio": train["muon"] / train["adamw"],
+        "muon_extra_per_rank_ms": 1e3 * (train["muon"] - train["adamw"]),
+        "single_extra_over_W_ms": 1e3 * single_extra / r["world"],
+    }
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The BENCHMARKS.md tables for ``rows`` (from one run)."""
+    head = (
+        "| model | W | one process (ms) | fsdp_compose (ms) | FSDP2 + Muon (ms) | vs one process "
+        "| vs FSDP2 | on-CPU vs one process | on-CPU vs FSDP2 | exchange / ideal fp32 | rounds |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    body = "".join(
+        f"| {r['model']} | {r['W']} | {r['single_ms']:.0f} | {r['fsdp_compose_ms']:.0f} | "
+        f"{r['fsdp2_ms']:.0f} | {r['vs_single']:.2f} | {r['vs_fsdp2']:.2f} | "
+        f"{r['cpu_vs_single']:.2f} | {r['cpu_vs_fsdp2']:.2f} | "
+        f"{r['exchange_vs_ideal_fp32']:.2f} ({r['exchange_MiB']:.1f} MiB) | {r['rounds']} |\n"
+        for r in rows
+    )
+    head2 = (
+        "\n| model | W | train step, Muon (ms) | train step, AdamW (ms) | Muon / AdamW "
+        "| Muon's extra per rank (ms) | one process's Muon extra / W (ms) |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
+    body2 = "".join(
+        f"| {r['model']} | {r['W']} | {r['train_muon_ms']:.0f} | {r['train_adamw_ms']:.0f} | "
+        f"{r['train_ratio']:.2f} | {r['muon_extra_per_rank_ms']:.0f} | {r['single_extra_over_W_ms']:.0f} |\n"
+        for r in rows
+    )
+    return head + body + head2 + body2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--models", nargs="+", default=["square", "gpt"], choices=["square", "gpt"])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per sample (median)")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="alternating samples per implementation"
+    )
+    parser.add_argument("--table", help="print the markdown tables of this results file and exit")
+    parser.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results", "muon.json"))
+    args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(markdown(json.load(f)))
+        return
+    rows = []
+    for kind in args.models:
+        for world in args.worlds:
+            row = summarize(run(kind, world, args.steps, args.repeats))
+            rows.append(row)
+            print(
+                json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+                flush=True,
+            )
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The ``FSDP_COMPOSE_*`` environment variables, read and validated in one place.
+
+A value fsdp_compose does not understand raises a ``ValueError`` naming the
+variable, the value and the accepted ones, instead of being silently taken as
+the default (a typo such as ``FSDP_COMPOSE_DEBUG_COLLECTIVES=ture`` would
+otherwise leave debug mode off without a word). An unset or empty variable
+means the default.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _raw(name: str) -> str | None:
+    value = os.environ.get(name)
+    return None if value is None or value.strip() == "" else value.strip()
+
+
+def _invalid(name: str, value: str, accepted: str) -> ValueError:
+    return ValueError(
+        f"environment variable {name}={value!r} is not valid: use {accepted}, or unset it"
+    )
+
+
+def flag(name: str, default: bool) -> bool:
+    """A boolean variable: ``1/true/yes/on`` or ``0/false/no/off`` (any case)."""
+    value = _raw(name)
+    if value is None:
+        return default
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise _invalid(name, value, "1 or 0 (also true/false, yes/no, on/off)")
+
+
+def choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """A variable that takes one of ``choices`` (exactly as written)."""
+    value = _raw(name)
+    if value is None:
+        return default
+    if value not in choices:
+        raise _invalid(name, value, f"one of {', '.join(choices)} (default {default})")
+    return value
+
+
+def seconds(name: str) -> float | None:
+    """A positive, finite number of seconds, or ``None`` where unset."""
+    value = _raw(name)
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not (math.isfinite(number) and number > 0):
+        raise _invalid(name, value, "a positive number of seconds")
+    return number

@@ -1,0 +1,381 @@
+"""Writing safetensors in Hugging Face's layout, from a sharded module or a DCP checkpoint.
+
+[Note: streaming export]
+``safetensors.torch.save_file`` needs every tensor of a file in memory at once.
+The export instead lays out every file first (the header only needs names,
+dtypes and shapes, which every rank knows without communication), writes the
+headers, then appends each tensor's bytes as soon as it is gathered. Files are
+written under temporary names and renamed at the end, the index (or the single
+``model.safetensors``) last, so an interrupted export never looks complete.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import uuid
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ._format import (
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    KeyMap,
+    OutFile,
+    OutTensor,
+    check_names,
+    parse_size,
+    split_files,
+)
+from ._layout import box_at
+from ._load import targets_of
+
+logger = logging.getLogger("fsdp_compose")
+
+
+def _write_bytes(f: Any, tensor: torch.Tensor) -> None:
+    data = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if data.numel():
+        f.write(data.view(torch.uint8).numpy().data)
+
+
+class _Export:
+    """Writes planned files under temporary names, then publishes them."""
+
+    def __init__(self, out_dir: str, files: list[OutFile], metadata: dict[str, str]) -> None:
+        self.out_dir = out_dir
+        self.files = files
+        self.metadata = {"format": "pt", **metadata}
+        self.tag = uuid.uuid4().hex[:8]
+
+    def tmp(self, name: str) -> str:
+        return os.path.join(self.out_dir, f".{name}.{self.tag}.tmp")
+
+    def write_file(
+        self, file: OutFile, produce: Callable[[OutTensor], torch.Tensor | None]
+    ) -> None:
+        with open(self.tmp(file.name), "wb") as f:
+            f.write(file.header(self.metadata))
+            for t in file.tensors:
+                tensor = produce(t)
+                if tensor is not None:
+                    _write_bytes(f, tensor.to(t.dtype))
+                del tensor  # before the next gather: one full tensor at a time
+            f.flush()
+            os.fsync(f.fileno())
+
+    def publish(self) -> list[str]:
+        """Renames the temporary files into place, the completeness marker (index
+        or single file) last, and removes files of an older export."""
+        names = [f.name for f in self.files]
+        final = [os.path.join(self.out_dir, n) for n in names]
+        marker_old = [os.path.join(self.out_dir, n) for n in (INDEX_FILE, SINGLE_FILE)]
+        for old in marker_old:  # an older export stops looking complete first
+            if os.path.exists(old):
+                os.remove(old)
+        if len(self.files) == 1:
+            os.replace(self.tmp(names[0]), final[0])
+        else:
+            for name, path in zip(names, final):
+                os.replace(self.tmp(name), path)
+            index = {
+                "metadata": {"total_size": sum(t.nbytes for f in self.files for t in f.tensors)},
+                "weight_map": {t.name: f.name for f in self.files for t in f.tensors},
+            }
+            tmp = self.tmp(INDEX_FILE)
+            with open(tmp, "w") as fh:
+                json.dump(index, fh, indent=2)
+                fh.write("\n")
+            os.replace(tmp, os.path.join(self.out_dir, INDEX_FILE))
+        for stale in os.listdir(self.out_dir):  # shards of an older, differently split export
+            if stale.startswith("model-") and stale.endswith(".safetensors") and stale not in names:
+                os.remove(os.path.join(self.out_dir, stale))
+        return final
+
+    def cleanup(self) -> None:
+        for f in self.files:
+            try:
+                os.remove(self.tmp(f.name))
+            except FileNotFoundError:
+                pass
+
+
+def _gather_to_rank0(tensor: DTensor) -> torch.Tensor | None:
+    """The full tensor on global rank 0, ``None`` on the other ranks.
+
+    Every rank computes every rank's box of the tensor (:func:`box_at`); the first
+    rank holding each distinct box sends it to rank 0 (HSDP replicas send once),
+    which receives it straight into its place in one full-size buffer (through a
+    box-sized buffer when the box is not contiguous, e.g. a column block). Rank 0
+    thus holds one full tensor plus at most one box; the others send their local
+    tensor and allocate nothing.
+    """
+    grid = tensor.device_mesh.mesh  # global rank at each mesh coordinate
+    me = dist.get_rank()
+    if 0 not in grid.flatten().tolist():
+        # A mesh without rank 0, e.g. the dp mesh of another TP rank: its tensor is
+        # a replica of the one on rank 0's mesh, which rank 0 gathers from there.
+        return None
+    sizes = list(grid.shape)
+    local = tensor.to_local()
+    senders: dict[tuple[tuple[int, int], ...], int] = {}
+    for coord in itertools.product(*(range(n) for n in sizes)):
+        box = tuple(box_at(tensor.shape, sizes, tensor.placements, coord))
+        if all(b > a for a, b in box):
+            senders.setdefault(box, int(grid[coord]))
+    if list(senders.values()) == [0]:  # rank 0 holds the whole tensor (W=1, replicated)
+        return local if me == 0 else None
+    if me != 0:
+        for src in senders.values():
+            if src == me:
+                dist.send(local.contiguous(), dst=0)
+        return None
+    full = torch.empty(tensor.shape, dtype=tensor.dtype, device=local.device)
+    for box, src in senders.items():
+        region = full[tuple(slice(a, b) for a, b in box)]
+        if src == 0:
+            region.copy_(local)
+        elif region.is_contiguous():
+            dist.recv(region, src=src)
+        else:
+            buf = torch.empty(region.shape, dtype=tensor.dtype, device=local.device)
+            dist.recv(buf, src=src)
+            region.copy_(buf)
+            del buf
+    return full
+
+
+def _check_layouts(targets: list[Any]) -> None:
+    """Raises, on every rank alike and before anything is written, for a tensor
+    that :func:`_gather_to_rank0` cannot gather."""
+    for t in targets:
+        if not isinstance(t.tensor, DTensor):
+            continue
+        grid = t.tensor.device_mesh.mesh
+        try:
+            box_at(t.tensor.shape, list(grid.shape), t.tensor.placements, [0] * grid.ndim)
+        except NotImplementedError as exc:
+            raise ValueError(f"save_safetensors cannot gather {t.keys[0]!r}: {exc}") from exc
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _agree_ok(error: BaseException | None, group: Any = None) -> bool:
+    """True when no rank failed (collective when a process group exists)."""
+    if not _dist_on():
+        return error is None
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, group=group)
+    return int(flag.item()) == 0
+
+
+@torch.no_grad()
+def save_safetensors(
+    module: nn.Module,
+    out_dir: str | os.PathLike[str],
+    *,
+    key_map: KeyMap | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
+    metadata: dict[str, str] | None = None,
+) -> list[str]:
+    """Writes a (sharded) module's state dict as safetensors in Hugging Face's
+    layout: ``model.safetensors``, or ``model-0000x-of-0000y.safetensors`` files
+    of at most ``max_shard_size`` bytes each plus ``model.safetensors.index.json``.
+
+    Collective: every rank calls it with the same module structure (the whole
+    model, not a pipeline stage). Tensors are gathered one at a time in
+    state-dict order, i.e. unit by unit, point to point into one full-size buffer
+    on rank 0 (:func:`_gather_to_rank0`), which appends each to its file at once, so
+    no rank holds more than one full tensor (see [Note: streaming export]). Tied
+    parameters are
+    written once, under their first state-dict name (as ``save_pretrained`` does;
+    ``from_pretrained`` re-ties them).
+
+    Args:
+        module: the model.
+        out_dir: output directory (created; other files in it, e.g. a
+            ``config.json``, are kept; model files of an older export are replaced).
+        key_map: maps a model state-dict key to the exported name, or to ``None``
+            to leave the tensor out. Default: identity.
+        max_shard_size: bytes per file (int) or a string such as ``"5GB"`` or ``"500MiB"``.
+        dtype: cast floating-point tensors to this dtype (e.g. ``torch.bfloat16``).
+            Default: keep each tensor's dtype.
+        metadata: extra string metadata for the file headers (``format: pt`` is always set).
+
+    Returns:
+        The paths of the written files on rank 0 (the index last if any), ``[]``
+        on the other ranks.
+    """
+    key_map = key_map or (lambda k: k)
+    max_bytes = parse_size(max_shard_size)
+    out: list[OutTensor] = []
+    targets = targets_of(module)
+    _check_layouts(targets)
+    for t in targets:
+        name = key_map(t.keys[0])
+        if name is None:
+            continue
+        out_dtype = dtype if dtype is not None and t.tensor.is_floating_point() else t.tensor.dtype
+        out.append(OutTensor(name, out_dtype, tuple(t.tensor.shape), t.tensor))
+    check_names(out)
+    files = split_files(out, max_bytes)
+    rank = dist.get_rank() if _dist_on() else 0
+    out_dir = os.fspath(out_dir)
+    export = _Export(out_dir, files, metadata or {})
+
+    gathered = [0]  # tensors gathered so far, in plan order
+
+    def gather(t: OutTensor) -> torch.Tensor | None:
+        gathered[0] += 1
+        if isinstance(t.source, DTensor):
+            return _gather_to_rank0(t.source)
+        return t.source if rank == 0 else None
+
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            for file in files:
+                export.write_file(file, gather)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = exc
+    # The other ranks (and rank 0 after a failure) only take part in the gathers,
+    # so that every rank issues the same collectives.
+    for rest in out[gathered[0] :]:
+        gather(rest)
+    paths: list[str] = []
+    if rank == 0 and error is None:
+        try:
+            paths = export.publish()
+            paths += [os.path.join(out_dir, INDEX_FILE)] if len(files) > 1 else []
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    if rank == 0 and error is not None:
+        export.cleanup()
+    if not _agree_ok(error):
+        if error is not None:
+            raise error
+        raise RuntimeError(
+            "save_safetensors failed on rank 0 (see its error); nothing was published"
+        )
+    logger.info("save_safetensors: wrote %d file(s) to %s", len(files), out_dir)
+    return paths
+
+
+def export_dcp_to_safetensors(
+    checkpoint_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    prefix: str = "model.",
+    key_map: KeyMap | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
+    metadata: dict[str, str] | None = None,
+) -> list[str]:
+    """Converts a ``torch.distributed.checkpoint`` directory to safetensors in
+    Hugging Face's layout, offline (no model needed), one tensor at a time.
+
+    Runs on one process, or on every rank of a process group: then each rank
+    writes every W-th output file (reading only the tensors of its files) and
+    rank 0 publishes them. The checkpoint may have been saved at any world size.
+
+    Args:
+        checkpoint_dir: the DCP directory (with its ``.metadata`` file).
+        out_dir: output directory (see :func:`save_safetensors`).
+        prefix: only tensors whose key starts with it are exported, without it
+            (``"model."`` for ``dcp.save({"model": model_state, "optim": ...})``;
+            ``""`` for a bare model state dict).
+        key_map: maps a key (after removing ``prefix``) to the exported name, or to
+            ``None`` to leave it out. Default: identity.
+        max_shard_size, dtype, metadata: as in :func:`save_safetensors`.
+
+    Returns:
+        The paths of the written files on rank 0, ``[]`` on the other ranks.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    key_map = key_map or (lambda k: k)
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    reader = dcp.FileSystemReader(checkpoint_dir)
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+    except Exception as exc:  # DCP raises several types; name the directory
+        raise ValueError(
+            f"{checkpoint_dir} is not a readable torch.distributed.checkpoint directory: {exc}"
+        ) from exc
+    out: list[OutTensor] = []
+    for key, md in saved.items():
+        if not isinstance(md, TensorStorageMetadata) or not key.startswith(prefix):
+            continue
+        name = key_map(key[len(prefix) :])
+        if name is None:
+            continue
+        src_dtype = md.properties.dtype
+        out_dtype = dtype if dtype is not None and src_dtype.is_floating_point else src_dtype
+        out.append(OutTensor(name, out_dtype, tuple(md.size), (key, src_dtype)))
+    if not out:
+        raise ValueError(
+            f"no tensors with keys starting with {prefix!r} in the checkpoint {checkpoint_dir}"
+        )
+    check_names(out)
+    files = split_files(out, parse_size(max_shard_size))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _dist_on() else (0, 1)
+    out_dir = os.fspath(out_dir)
+    export = _Export(out_dir, files, metadata or {})
+    if _dist_on():  # every rank must use the same temporary names
+        tag = [export.tag]
+        dist.broadcast_object_list(tag, src=0)
+        export.tag = tag[0]
+
+    def read(t: OutTensor) -> torch.Tensor:
+        key, src_dtype = t.source
+        buf = {key: torch.empty(t.shape, dtype=src_dtype)}
+        with warnings.catch_warnings():  # no_dist is the intent, even without a process group
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to load in a single process"
+            )
+            dcp.load(buf, storage_reader=dcp.FileSystemReader(checkpoint_dir), no_dist=True)
+        return buf[key]
+
+    error: BaseException | None = None
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        for i, file in enumerate(files):
+            if i % world == rank:
+                export.write_file(file, read)
+    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it
+        error = exc
+    ok = _agree_ok(error)
+    paths: list[str] = []
+    if ok and rank == 0:
+        try:
+            paths = export.publish()
+            paths += [os.path.join(out_dir, INDEX_FILE)] if len(files) > 1 else []
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    if not ok or error is not None:
+        export.cleanup()
+    if _dist_on():
+        ok = _agree_ok(error) and ok
+    if error is not None:
+        raise error
+    if not ok:
+        raise RuntimeError(
+            "export_dcp_to_safetensors failed on another rank; nothing was published"
+        )
+    return paths

@@ -1,0 +1,290 @@
+"""Loading a safetensors checkpoint into a (sharded) module.
+
+[Note: memory while loading]
+``safe_open`` memory-maps the file and a slice is a view of the mapping; the
+pages it touches stay resident (and count in the process's RSS) as long as the
+file is open. Each tensor is therefore read with its own short-lived
+``safe_open``: the view is copied (and cast) into the local shard, then the file
+is closed. The peak is the local shards plus one tensor's slice in the file's
+dtype. Opening a file again costs one header parse (tens of microseconds).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ._format import DTYPES, Entry, KeyMap, names_of, read_headers, safe_open_fn
+from ._layout import box_of, local_of
+
+logger = logging.getLogger("fsdp_compose")
+
+
+@dataclass
+class LoadResult:
+    """What :func:`load_safetensors` did.
+
+    Attributes:
+        loaded: model state-dict keys that were loaded.
+        missing: model keys that the checkpoint does not have (only with ``strict=False``).
+        unexpected: checkpoint tensors no model key maps to (only with ``strict=False``).
+        bytes_read: bytes this rank read from the files (its own slices only).
+    """
+
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+
+
+@dataclass
+class Target:
+    keys: list[str]  # tied keys share one tensor
+    tensor: torch.Tensor
+    is_param: bool
+    file_key: str | None = None
+    box: list[tuple[int, int]] = field(default_factory=list)
+
+
+def targets_of(module: nn.Module) -> list[Target]:
+    """The module's state-dict tensors, tied keys grouped (by tensor identity)."""
+    # state_dict(keep_vars=True) also reshards fsdp_compose units, so the sharded
+    # parameters are the registered ones.
+    state = module.state_dict(keep_vars=True)
+    params = {id(p) for p in module.parameters()}
+    groups: dict[int, Target] = {}
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        target = groups.get(id(value))
+        if target is None:
+            groups[id(value)] = Target([key], value, id(value) in params)
+        else:
+            target.keys.append(key)
+    return list(groups.values())
+
+
+def _plan_load(
+    targets: list[Target], entries: dict[str, Entry], key_map: KeyMap, strict: bool, source: str
+) -> tuple[list[str], list[str]]:
+    """Matches model keys to checkpoint tensors and checks shapes, dtypes and the
+    local layout of every tensor; raises one error listing every problem."""
+    problems: list[str] = []
+    missing: list[str] = []
+    used: set[str] = set()
+    for t in targets:
+        mapped = [(k, key_map(k)) for k in t.keys]
+        names = [name for _, name in mapped if name is not None]
+        used.update(n for n in names if n in entries)
+        if not names:  # the key map skips this tensor
+            continue
+        t.file_key = next((n for n in names if n in entries), None)
+        if t.file_key is None:
+            missing.append(t.keys[0])
+            continue
+        entry = entries[t.file_key]
+        where = f"tensor {t.file_key!r} in {entry.file}"
+        if entry.shape != tuple(t.tensor.shape):
+            problems.append(
+                f"{where} has shape {list(entry.shape)}, but the model's {t.keys[0]!r} has shape "
+                f"{list(t.tensor.shape)}"
+            )
+            continue
+        file_dtype = DTYPES.get(entry.dtype)
+        if file_dtype is None:
+            problems.append(f"{where} has dtype {entry.dtype}, which this torch cannot represent")
+            continue
+        if file_dtype.is_floating_point != t.tensor.dtype.is_floating_point:
+            problems.append(
+                f"{where} has dtype {entry.dtype}, which cannot be converted to the model's "
+                f"{t.keys[0]!r} of dtype {t.tensor.dtype}"
+            )
+            continue
+        try:
+            t.box = box_of(t.tensor)
+        except NotImplementedError as exc:
+            problems.append(f"model tensor {t.keys[0]!r}: cannot load into its layout: {exc}")
+            continue
+        box_shape = tuple(b - a for a, b in t.box)
+        if box_shape != tuple(local_of(t.tensor).shape):
+            problems.append(
+                f"model tensor {t.keys[0]!r}: its local shard has shape {list(local_of(t.tensor).shape)}, "
+                f"but its placements {getattr(t.tensor, 'placements', None)} describe {list(box_shape)}"
+            )
+    unexpected = sorted(set(entries) - used)
+    if strict and missing:
+        problems.append(
+            f"missing from the checkpoint {source}: {names_of(missing, 10)} (pass key_map to rename keys, or "
+            "strict=False to leave them as they are)"
+        )
+    if strict and unexpected:
+        detail = ", ".join(f"{n!r} in {entries[n].file}" for n in unexpected[:10])
+        more = f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else ""
+        problems.append(
+            f"tensors in the checkpoint that no model key maps to: {detail}{more} (pass key_map to "
+            "rename or skip keys, or strict=False to ignore them)"
+        )
+    if problems:
+        raise ValueError(
+            "load_safetensors: nothing was loaded, the checkpoint does not match the model:\n  - "
+            + "\n  - ".join(problems)
+        )
+    return missing, unexpected
+
+
+def _owners(module: nn.Module, tensor: torch.Tensor, is_param: bool) -> list[tuple[nn.Module, str]]:
+    owners: list[tuple[nn.Module, str]] = []
+    for m in module.modules():
+        slots = m._parameters if is_param else m._buffers
+        owners.extend((m, name) for name, v in slots.items() if v is tensor)
+    return owners
+
+
+def _materialize(module: nn.Module, t: Target, device: torch.device) -> None:
+    """Gives a meta tensor uninitialized storage with the same layout (only the
+    local shard is allocated).
+
+    The tensor object stays the same (``torch.utils.swap_tensors``, as
+    ``nn.Module._apply`` does with swapping enabled), so an optimizer created on
+    the meta parameters and every module a tied weight is registered on see the
+    data. Where swapping is refused, the new tensor is registered wherever the
+    meta one was instead.
+    """
+    old = t.tensor
+    local = torch.empty(local_of(old).shape, dtype=old.dtype, device=device)
+    new: torch.Tensor = local
+    if isinstance(old, DTensor):
+        new = DTensor.from_local(
+            local,
+            old.device_mesh,
+            old.placements,
+            run_check=False,
+            shape=old.shape,
+            stride=old.stride(),
+        )
+    if t.is_param:
+        new = nn.Parameter(new, requires_grad=old.requires_grad)
+    attributes = dict(old.__dict__)  # e.g. fsdp_compose's ownership mark
+    try:
+        torch.utils.swap_tensors(old, new)
+    except RuntimeError as exc:  # e.g. weak references to the meta tensor
+        logger.debug(
+            "load_safetensors: cannot swap %s in place (%s); re-registering", t.keys[0], exc
+        )
+    else:
+        old.__dict__.update(attributes)
+        return
+    for owner, name in _owners(module, old, t.is_param):
+        if t.is_param:
+            owner._parameters[name] = new  # type: ignore[assignment]
+        else:
+            owner._buffers[name] = new
+    t.tensor = new
+
+
+def _default_device(targets: list[Target]) -> torch.device:
+    for t in targets:
+        if isinstance(t.tensor, DTensor):
+            mesh = t.tensor.device_mesh
+            if mesh.device_type == "cuda":
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device(mesh.device_type)
+    return torch.device("cpu")
+
+
+def _invalidate_units(module: nn.Module) -> None:
+    # fsdp_compose units re-derive their buffers from the (new) sharded parameters.
+    for m in module.modules():
+        get_state = getattr(m, "_fsdp_state", None)
+        unit = getattr(get_state(), "unit", None) if callable(get_state) else None
+        if unit is not None:
+            unit.invalidate()
+
+
+@torch.no_grad()
+def load_safetensors(
+    module: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    key_map: KeyMap | None = None,
+    strict: bool = True,
+    device: torch.device | str | None = None,
+) -> LoadResult:
+    """Loads a safetensors checkpoint into a (sharded) module, each rank reading
+    only its own part of each tensor.
+
+    ``module``'s parameters may be fsdp_compose's sharded ``DTensor``s (on a 1-D
+    mesh, an HSDP mesh, or a ``dp x tp`` mesh with tensor parallel), other
+    ``DTensor``s, or plain tensors; on the meta device (built under
+    ``torch.device("meta")`` and annotated with ``fully_shard``) or materialized.
+    Meta tensors are materialized on ``device``, in place (the same
+    ``Parameter`` objects, so an optimizer may already hold them): only the local shard
+    is allocated.
+    Values are cast to each tensor's dtype (e.g. a bfloat16 file into float32
+    parameters). Tied parameters (one tensor under several names) are loaded once,
+    from whichever of their names the checkpoint has.
+
+    No communication: every rank reads its own slices (see [Note: which part of a
+    tensor a rank reads]). Non-persistent buffers are not part of a checkpoint:
+    a module built on the meta device must initialize them itself (e.g. rotary
+    embedding frequencies).
+
+    Args:
+        module: the model (the same on every rank).
+        path: a ``.safetensors`` file, a Hugging Face ``model.safetensors.index.json``,
+            or a directory holding either.
+        key_map: maps a model state-dict key to the checkpoint's tensor name, or to
+            ``None`` to skip it. Default: identity.
+        strict: raise if a model key is missing from the checkpoint or a checkpoint
+            tensor is not used; with ``False`` they are reported in the result.
+        device: where meta tensors are materialized. Default: the mesh's device
+            (the current CUDA device for a CUDA mesh), else the CPU.
+
+    Returns:
+        A :class:`LoadResult`.
+
+    Raises:
+        ValueError, FileNotFoundError: a missing, truncated or mismatching
+            checkpoint (key, shape, dtype kind), naming the tensor and the file.
+            Every header is read and checked before any tensor is modified.
+    """
+    safe_open = safe_open_fn()
+    key_map = key_map or (lambda k: k)
+    entries = read_headers(path)
+    targets = targets_of(module)
+    missing, unexpected = _plan_load(targets, entries, key_map, strict, os.fspath(path))
+
+    dev = torch.device(device) if device is not None else _default_device(targets)
+    result = LoadResult(missing=missing, unexpected=unexpected)
+    materialized = False
+    for t in targets:
+        if t.file_key is None:
+            continue
+        if t.tensor.is_meta:
+            _materialize(module, t, dev)
+            materialized = True
+        local = local_of(t.tensor)
+        if local.numel() > 0:
+            entry = entries[t.file_key]
+            # A short-lived handle per tensor: see [Note: memory while loading].
+            with safe_open(entry.file, framework="pt") as f:
+                piece = f.get_slice(t.file_key)[tuple(slice(a, b) for a, b in t.box)]
+                local.copy_(piece)
+                result.bytes_read += piece.numel() * piece.element_size()
+                del piece
+        result.loaded.extend(t.keys)
+    if materialized:
+        _invalidate_units(module)
+    still_meta = [n for n, b in module.named_buffers() if b.is_meta]
+    if still_meta:
+        logger.warning(
+            "load_safetensors: buffers not in the checkpoint are still on the meta device: %s; "
+            "initialize them before the first forward",
+            names_of(still_meta, 10),
+        )
+    return result

@@ -1,0 +1,368 @@
+"""fsdp_compose on process-group backends other than gloo.
+
+* torch's threaded process group (ranks as threads of this process, as torch's own
+  ``FSDPTestMultiThread`` tests run FSDP2): training at parity with one process
+  on the global batch, at 2 and 4 ranks, through the public collectives.
+* torch's ``fake`` backend (collectives that return without communicating): a
+  full training step at 8 and 1,024 ranks on fake tensors, for dry runs.
+* The gloo-only paths are taken only on real gloo groups, and a collective that
+  fails for a reason of its own says so instead of blaming a peer.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from gpt import GPT, GPTConfig, loss_fn, make_batch
+from helpers import local_slice, max_param_diff, rank_world
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from fsdp_compose import _collectives, fully_shard
+
+TINY = {"vocab_size": 97, "block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 32}
+LOSS_TOL = 1e-5
+PARAM_TOL = 1e-4  # AdamW after a few steps, as in test_parity.py
+THREAD_TIMEOUT_S = 60.0
+
+
+# ---------------------------------------------------------------------------
+# torch's threaded process group
+# ---------------------------------------------------------------------------
+
+
+def run_threaded(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = THREAD_TIMEOUT_S
+) -> list[Any]:
+    """Runs ``fn(*args)`` on ``world_size`` threads of this process, each a rank of
+    torch's threaded process group (what ``MultiThreadedTestCase`` does), and
+    returns the per-rank results. A rank that raises wakes the others out of their
+    collectives; ranks not done within ``timeout`` seconds fail the test."""
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup,
+        _install_threaded_pg,
+        _uninstall_threaded_pg,
+    )
+
+    results: list[Any] = [None] * world_size
+    errors: dict[int, str] = {}
+    store = dist.HashStore()
+
+    def rank_main(rank: int) -> None:
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+            try:
+                results[rank] = fn(*args)
+            finally:
+                dist.destroy_process_group()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test below
+            errors[rank] = traceback.format_exc()
+            ProcessLocalGroup.exception_handle(exc)  # wakes ranks blocked in a collective
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _install_threaded_pg()
+    try:
+        threads = [
+            threading.Thread(target=rank_main, args=(r,), name=f"rank{r}", daemon=True)
+            for r in range(world_size)
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, t in enumerate(threads) if t.is_alive()]
+        if hung:
+            ProcessLocalGroup.exception_handle(TimeoutError())
+            for t in threads:
+                t.join(5.0)
+    finally:
+        ProcessLocalGroup.reset()
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    if hung:
+        raise AssertionError(f"ranks {hung} did not finish within {timeout:.0f}s (hang?)")
+    if errors:
+        detail = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+        raise AssertionError(f"ranks {sorted(errors)} failed:\n{detail}")
+    return results
+
+
+@contextmanager
+def _this_threads_collectives() -> Iterator[list[_collectives.CollectiveInfo]]:
+    """Collectives issued by the calling thread (listeners are process-wide)."""
+    me, issued = threading.get_ident(), []
+
+    def listener(event: str, info: _collectives.CollectiveInfo) -> None:
+        if event == "issue" and threading.get_ident() == me:
+            issued.append(info)
+
+    _collectives.add_listener(listener)
+    try:
+        yield issued
+    finally:
+        _collectives.remove_listener(listener)
+
+
+def _reference_run(cfg: GPTConfig, model: GPT, world: int, steps: int) -> tuple[list[float], GPT]:
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        x, y = make_batch(cfg, 2 * world, step)
+        loss = loss_fn(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, ref
+
+
+def _threaded_gpt_job(
+    cfg: GPTConfig, base: GPT, ref_losses: list[float], ref: GPT, options: dict[str, Any]
+) -> dict[str, Any]:
+    rank, world = rank_world()
+    model = copy.deepcopy(base)  # the global RNG is shared by the threads: copy, not build
+    mesh = None
+    if options.get("hsdp"):
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    raf = options.get("reshard_after_forward", True)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=raf)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_diffs, kinds = [], []
+    with _this_threads_collectives() as issued:
+        for step, ref_loss in enumerate(ref_losses):
+            x, y = make_batch(cfg, 2 * world, step)
+            loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            loss_diffs.append(abs(total.item() / world - ref_loss))
+    kinds = sorted({i.kind for i in issued})
+    diff, where = max_param_diff(model, ref)
+    unit = model.blocks[0]._fsdp_state().unit
+    return {
+        "loss_diffs": loss_diffs,
+        "param_diff": diff,
+        "where": where,
+        "kinds": kinds,
+        "collectives": len(issued),
+        "route": _collectives.route_of(unit.shard_group),
+    }
+
+
+@pytest.mark.parametrize(
+    "world, options",
+    [
+        (2, {}),
+        (4, {}),
+        (4, {"reshard_after_forward": 2}),
+        (4, {"hsdp": True}),
+    ],
+    ids=["W2", "W4", "W4-reshard-to-2", "W4-hsdp-2x2"],
+)
+def test_threaded_process_group_parity(world: int, options: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    cfg = GPTConfig(**TINY)
+    base = GPT(cfg)
+    ref_losses, ref = _reference_run(cfg, base, world, steps=3)
+    for r in run_threaded(world, _threaded_gpt_job, cfg, base, ref_losses, ref, options):
+        assert max(r["loss_diffs"]) < LOSS_TOL, r
+        assert r["param_diff"] < PARAM_TOL, r
+        assert r["route"] == _collectives.PUBLIC_ROUTE, r  # no gloo path on a threaded group
+        expected = {"all_gather", "reduce_scatter"} | (
+            {"all_reduce"} if options.get("hsdp") else set()
+        )
+        assert set(r["kinds"]) == expected, r
+
+
+def _rank0_waits_alone() -> None:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+
+
+def test_threaded_runner_fails_a_hang_within_its_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"ranks \[0\] did not finish within 2s"):
+        run_threaded(2, _rank0_waits_alone, timeout=2.0)
+    assert time.monotonic() - start < 15
+
+
+# ---------------------------------------------------------------------------
+# torch's fake backend: dry runs at any world size
+# ---------------------------------------------------------------------------
+
+
+@contextmanager
+def _fake_process_group(world_size: int, rank: int) -> Iterator[None]:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _user_training_code(
+    cfg: GPTConfig, steps: int, mesh: DeviceMesh | None = None
+) -> tuple[GPT, torch.optim.Optimizer, torch.Tensor]:
+    """What a user's script does (no backend-specific code): shard a GPT and train
+    it for ``steps`` steps; returns the model, optimizer and last loss."""
+    model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        x, y = make_batch(cfg, 2, step)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return model, opt, loss
+
+
+@pytest.mark.parametrize("world, replicas", [(8, 1), (1024, 1), (1024, 2)])
+def test_fake_backend_full_step_on_fake_tensors(world: int, replicas: int) -> None:
+    """Forward, backward and optimizer step of user code unchanged (no mesh given;
+    or an HSDP mesh), built under FakeTensorMode: no parameter or activation memory
+    is allocated."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    rank = world - 1  # the last rank: the shortest (often empty) shards
+    cfg = GPTConfig(**TINY)
+    with _fake_process_group(world, rank):
+        mesh = None
+        if replicas > 1:
+            shape = (replicas, world // replicas)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        with FakeTensorMode():
+            model, opt, loss = _user_training_code(cfg, steps=2, mesh=mesh)
+            route = _collectives.route_of(model.blocks[0]._fsdp_state().unit.shard_group)
+    assert isinstance(loss, FakeTensor)
+    assert route == _collectives.PUBLIC_ROUTE
+    shards, shard_rank = world // replicas, rank % (world // replicas)
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and isinstance(p.to_local(), FakeTensor), name
+        rows = p.shape[0]
+        chunk = -(-rows // shards)
+        expected_rows = max(0, min(chunk, rows - shard_rank * chunk))
+        assert p.to_local().shape[0] == expected_rows, (name, p.to_local().shape, expected_rows)
+        assert p.grad is not None and p.grad.to_local().shape == p.to_local().shape, name
+        assert opt.state[p]["step"] == 2, name
+
+
+def test_fake_backend_real_tensors() -> None:
+    """The fake backend with real (CPU) tensors also runs a step: the values are
+    meaningless (nothing is communicated) but shapes and the schedule are real."""
+    with _fake_process_group(8, 3):
+        torch.manual_seed(0)
+        model, opt, loss = _user_training_code(GPTConfig(**TINY), steps=1)
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and opt.state[p]["step"] == 1 for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------
+# gloo paths only on gloo, and errors that say what failed
+# ---------------------------------------------------------------------------
+
+
+def _routes_and_errors_job() -> dict[str, Any]:
+    _, world = rank_world()
+    default = dist.group.WORLD
+    assert default is not None
+    # Failures below happen on groups of their own: a gloo group whose collective
+    # failed may fail its next one too, and the pool's default group is reused.
+    cuda_only = dist.new_group(backend="cuda:gloo")  # gloo for CUDA tensors only
+    gloo = dist.new_group(backend="gloo")
+    out: dict[str, Any] = {
+        "world": _collectives.route_of(default),
+        "cuda_only_route": _collectives.route_of(cuda_only),
+    }
+    try:  # CPU tensors on a group without a CPU backend
+        _collectives.all_gather(torch.empty(4 * world), torch.ones(4), cuda_only, "probe").wait()
+        out["no_backend"] = "no error"
+    except RuntimeError as exc:
+        out["no_backend"] = str(exc)
+    # gloo has no int16 all-to-all (and all-gather): a dtype the backend refuses.
+    grads = torch.ones(4 * world, dtype=torch.int16)
+    try:
+        _collectives.reduce_scatter(torch.empty(4, dtype=torch.int16), grads, gloo, "probe").wait()
+        out["dtype"] = "no error"
+    except RuntimeError as exc:
+        out["dtype"] = str(exc)
+    return out
+
+
+def test_gloo_paths_only_on_gloo_and_local_failures_named() -> None:
+    for r in run_distributed(_routes_and_errors_job, 2):
+        assert r["world"] == _collectives.Route(True, True, True), r["world"]
+        assert r["cuda_only_route"] == _collectives.PUBLIC_ROUTE, r
+        message = r["no_backend"]
+        assert "fsdp_compose: all_gather for probe" in message, message
+        assert "No backend type associated with device type cpu" in message, message
+        assert "has no backend for cpu tensors" in message, message
+        assert "peer" not in message.lower().replace("not a peer's", ""), message
+        message = r["dtype"]
+        assert "fsdp_compose: reduce_scatter for probe" in message, message
+        assert "does not support this collective on int16 tensors" in message, message
+        assert "(gloo)" in message, message
+        assert "crashed" not in message and "DEBUG_COLLECTIVES" not in message, message
+
+
+@pytest.mark.parametrize(
+    "message, peer",
+    [
+        # gloo
+        ("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18091", True),
+        ("[../gloo/transport/tcp/pair.cc:534] Connection reset by peer", True),
+        (
+            "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation",
+            True,
+        ),
+        ("Socket Timeout", True),
+        # NCCL
+        (
+            "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLGATHER)",
+            True,
+        ),
+        ("NCCL error: remote process exited or there was a network error, ncclRemoteError", True),
+        ("NCCL communicator was aborted on rank 3.", True),
+        # the ranks issued different collectives
+        ("Detected mismatch between collectives on ranks: CollectiveFingerPrint(...)", True),
+        # this rank's own call
+        ("No backend type associated with device type cpu", False),
+        ("Invalid scalar type", False),
+        ("Unsupported dtype Float8_e4m3fn for allreduce", False),
+        ("Tensors must be contiguous", False),
+        ("no support for _allgather_base in MPI process group", False),
+    ],
+)
+def test_peer_hint_only_where_a_peer_can_be_the_cause(message: str, peer: bool) -> None:
+    exc = RuntimeError(message)
+    assert _collectives.peer_may_have_failed(exc) is peer
+    text = str(_collectives._failure("all_gather for blocks.0 (step 3)", exc, torch.empty(2)))
+    assert text.startswith(
+        "fsdp_compose: all_gather for blocks.0 (step 3) failed on rank 0: " + message
+    )
+    assert ("A peer rank may have crashed" in text) is peer, text
+    assert ("FSDP_COMPOSE_DEBUG_COLLECTIVES=1" in text) is peer, text
+    if "dtype" in message or "scalar type" in message:
+        assert "does not support this collective on float32 tensors" in text, text
+    if "no support for" in message:
+        assert "does not implement this collective (float32 tensors on cpu)" in text, text
