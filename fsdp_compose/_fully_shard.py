@@ -9,7 +9,9 @@ module's class to a subclass of :class:`FSDPModule` and of its original class.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn, overload
 
@@ -42,7 +44,12 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_
 # Marks on parameter objects, so misuse is caught where it happens (and
 # SHARDED_BY, from _sharded_param, on the sharded DTensor parameters):
 _REPLACED_BY = "_fsdp_compose_replaced_by"  # on an original parameter that was sharded
-_SHARDED_MODULES = "_fsdp_compose_sharded_modules"  # on a sharded parameter: its unit's modules
+# The modules of each fully_shard call, weakly, by call number; a sharded parameter
+# carries its call's number (_UNIT_OF), not the modules, which deepcopy and pickle
+# of the parameter would follow. One small entry per call.
+_UNIT_OF = "_fsdp_compose_unit"
+_unit_modules: dict[int, tuple[weakref.ref[nn.Module], ...]] = {}
+_calls = itertools.count()
 
 _fsdp_classes: dict[type, type] = {}
 
@@ -214,12 +221,14 @@ def fully_shard(
     unit_of = {id(p): u for u in units for p in u.params}
     # Validated: from here on the module changes.
     _move_buffers(managed_modules, device)
+    call = next(_calls)
+    _unit_modules[call] = tuple(weakref.ref(m) for m in modules)
     for param in ignored:  # left plain on purpose: not a forgotten root (_missing_root)
         setattr(param, IGNORED_BY, unit_label)
     for param, sharded_param in zip(owners, sharded):
         sharded_param.register(sharded_param.sharded_param)
         sharded_param.mark_owned(unit_label)
-        setattr(sharded_param.sharded_param, _SHARDED_MODULES, modules)
+        setattr(sharded_param.sharded_param, _UNIT_OF, call)
         setattr(param, _REPLACED_BY, unit_label)
     state = UnitState(
         modules, units[0] if units else None, mp_policy, auto_reshard_after_forward=reshard_after_forward is None
@@ -364,7 +373,8 @@ def _reject_module_shared_by_sibling_units(
     """Raises if ``module`` (reached from this call's ``targets``) belongs to an
     earlier unit that is not an ancestor of the targets: the calls were bottom-up,
     but the same submodule hangs under two sibling units."""
-    earlier = getattr(p, _SHARDED_MODULES, None)
+    refs = _unit_modules.get(getattr(p, _UNIT_OF, -1), ())
+    earlier = [m for m in (r() for r in refs) if m is not None]
     if not earlier or not targets:
         return
     if any(t is e or any(t is sub for sub in e.modules()) for e in earlier for t in targets):
