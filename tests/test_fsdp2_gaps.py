@@ -179,6 +179,25 @@ def test_refusals_raise_fsdp2_exception_types() -> None:
             assert ok, f"{name}: FSDP2 raises {theirs}, fsdp_compose {ours}"
 
 
+def _max_diff(model: nn.Module, ref: nn.Module, *, grads: bool = False) -> float:
+    """Largest difference of the sharded model's full parameters (or gradients)
+    from the one-process reference's."""
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        ours, theirs = (
+            (p.grad, ref_params[name].grad) if grads else (p.detach(), ref_params[name].detach())
+        )
+        worst = max(worst, (ours.full_tensor() - theirs).abs().max().item())
+    return worst
+
+
+def _step(*optimizers: torch.optim.Optimizer) -> None:
+    for optim in optimizers:
+        optim.step()
+        optim.zero_grad()
+
+
 # -- dp_mesh_dims: parameters as DTensors on the full SPMD mesh ------------------
 
 _LAYOUTS = {
@@ -284,22 +303,9 @@ def _dp_mesh_dims_job(layout: str) -> dict:
         mean_loss = torch.tensor([loss.item()])
         torch.distributed.all_reduce(mean_loss)
         loss_diffs.append(abs(mean_loss.item() / 4 - ref_loss.item()))
-        ref_grads = dict(ref.named_parameters())
-        grad_diffs.append(
-            max(
-                (p.grad.full_tensor() - ref_grads[n].grad).abs().max().item()
-                for n, p in model.named_parameters()
-            )
-        )
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    ref_params = dict(ref.named_parameters())
-    out["param_diff"] = max(
-        (p.detach().full_tensor() - ref_params[n].detach()).abs().max().item()
-        for n, p in model.named_parameters()
-    )
+        grad_diffs.append(_max_diff(model, ref, grads=True))
+        _step(opt, ref_opt)
+    out["param_diff"] = _max_diff(model, ref)
     out["loss_diff"], out["grad_diff"] = max(loss_diffs), max(grad_diffs)
     # state dicts: a full plain one, and one laid out as before fully_shard, load
     # into the shards
@@ -507,22 +513,11 @@ def _per_param_mesh_job() -> dict:
             if step == 0:  # no recorded order yet: no implicit prefetch hides the grouping
                 out["events"] = list(events)
             if step == 1:
-                ref_grads = dict(ref.named_parameters())
-                out["grad_diff"] = max(
-                    (p.grad.full_tensor() - ref_grads[n].grad).abs().max().item()
-                    for n, p in model.named_parameters()
-                )
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
+                out["grad_diff"] = _max_diff(model, ref, grads=True)
+            _step(opt, ref_opt)
     finally:
         _collectives.remove_listener(listen)
-    ref_params = dict(ref.named_parameters())
-    out["param_diff"] = max(
-        (p.detach().full_tensor() - ref_params[n].detach()).abs().max().item()
-        for n, p in model.named_parameters()
-    )
+    out["param_diff"] = _max_diff(model, ref)
     out["loss_diff"] = max(loss_diffs)
     # a full (plain) state dict loads into both meshes' shards
     torch.manual_seed(5)
