@@ -447,26 +447,36 @@ class _MoEModel(nn.Module):
         return self.head(self.block(self.embed(x)))
 
 
-def _per_param_mesh_job() -> dict:
+def _per_param_mesh_job(mode: str) -> dict:
+    """``mode`` "ep": experts expert-parallel on ("edp", "ep"), sharded over edp;
+    "hsdp": experts whole on every rank, HSDP on a (rep, shard) mesh."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        HSDPMeshInfo,
+        ShardPlacementResult,
+    )
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from fsdp_compose import _collectives
 
     rank = torch.distributed.get_rank()
     dp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
     torch.manual_seed(0)
     ref = _MoEModel()
     model = _MoEModel()
     model.load_state_dict(ref.state_dict())
     block = model.block
-    for name in ("w_in", "w_out"):  # expert parallel: 2 of the 4 experts per rank
-        full = getattr(block, name).detach()
-        setattr(block, name, nn.Parameter(distribute_tensor(full, mesh["ep"], [Shard(0)])))
-    block.ep_group = mesh["ep"].get_group()
-    edp_info = FSDPMeshInfo(mesh["edp"], shard_mesh_dim=0)
+    if mode == "ep":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+        for name in ("w_in", "w_out"):  # expert parallel: 2 of the 4 experts per rank
+            full = getattr(block, name).detach()
+            setattr(block, name, nn.Parameter(distribute_tensor(full, mesh["ep"], [Shard(0)])))
+        block.ep_group = mesh["ep"].get_group()
+        edp_info = FSDPMeshInfo(mesh["edp"], shard_mesh_dim=0)
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+        edp_info = HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
     experts = {block.w_in, block.w_out}
 
     def placement(param: nn.Parameter):
@@ -474,8 +484,8 @@ def _per_param_mesh_job() -> dict:
 
     fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement)
     fully_shard(model, mesh=dp_mesh)
-    # Experts' gradients are summed over all 4 ranks' tokens (ep x edp): average by 4.
-    block.set_gradient_divide_factor(4.0)
+    if mode == "ep":  # experts' gradients sum all 4 ranks' tokens (ep x edp): average by 4
+        block.set_gradient_divide_factor(4.0)
     out: dict = {
         "meshes": {n: str(p.device_mesh.mesh_dim_names) for n, p in model.named_parameters()},
         "placements": {n: str(p.placements) for n, p in model.named_parameters()},
@@ -543,20 +553,29 @@ def _issued_before_first_wait(events: list[tuple[str, str, str]], kind: str) -> 
     return labels
 
 
-def test_per_parameter_meshes_moe() -> None:
-    results = run_distributed(_per_param_mesh_job, 4)
+@pytest.mark.parametrize("mode", ["ep", "hsdp"])
+def test_per_parameter_meshes_moe(mode: str) -> None:
+    results = run_distributed(_per_param_mesh_job, 4, mode)
+    expert_mesh, label = (
+        ("('edp', 'ep')", "block [edp]")
+        if mode == "ep"
+        else ("('rep', 'shard')", "block [rep,shard]")
+    )
+    expert_placements = (
+        "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+        if mode == "ep"
+        else "(Replicate(), Shard(dim=0))"
+    )
     for r in results:
         assert (
-            r["meshes"]["block.w_in"] == "('edp', 'ep')"
+            r["meshes"]["block.w_in"] == expert_mesh
             and r["meshes"]["block.proj.weight"] == "('dp',)"
         )
-        assert r["placements"]["block.w_in"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", r[
-            "placements"
-        ]
+        assert r["placements"]["block.w_in"] == expert_placements, r["placements"]
         assert r["custom_comm"] == "ValueError"
         assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
         assert r["load_diff"] == 0.0
         # the two meshes' collectives overlap: both issued before either is waited on
-        both = {"block", "block [edp]"}
+        both = {"block", label}
         assert _issued_before_first_wait(r["events"], "all_gather") >= both, r["events"]
         assert _issued_before_first_wait(r["events"], "reduce_scatter") >= both, r["events"]
