@@ -315,7 +315,9 @@ class Scheduler:
             self._issue(unit)
         for unit in gather:
             for target in self._backward_prefetch_targets(unit):
-                if target not in units:
+                # As in FSDP2, a unit set not to unshard in backward is not
+                # prefetched there either (its backward does not need it).
+                if target not in units and target.unshard_in_backward:
                     self._prefetch(target)
         for unit in gather:
             self._require(unit)
