@@ -32,10 +32,16 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, queue: mp.Queue) -> None:
+def _worker(
+    rank: int, world: int, init_file: str, args: argparse.Namespace, queue: mp.Queue
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
     )
     import workloads
 
@@ -105,7 +111,9 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, que
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", default="small")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--global-batch", type=int, default=8)
@@ -134,8 +142,12 @@ def main() -> None:
     us = result["guard_us_per_call"]
     print(f"guard per collective (loopback, W={args.world_size}): {us:.0f} us")
     print(f"collectives per step: {n:.0f} -> {n * us / 1e3:.1f} ms of guard per step")
-    print(f"step wall time, median of {args.steps}: guard on {on:.3f} s, off {off:.3f} s, ratio {on / off:.3f}")
-    print(f"step on-CPU time (rank 0): guard on {cpu_on:.3f} s, off {cpu_off:.3f} s, ratio {cpu_on / cpu_off:.3f}")
+    print(
+        f"step wall time, median of {args.steps}: guard on {on:.3f} s, off {off:.3f} s, ratio {on / off:.3f}"
+    )
+    print(
+        f"step on-CPU time (rank 0): guard on {cpu_on:.3f} s, off {cpu_off:.3f} s, ratio {cpu_on / cpu_off:.3f}"
+    )
     share = result["inside_guard_share"]
     print(
         f"time inside the guard during guarded steps: {share['wall']:.2%} of their wall time, "

@@ -167,6 +167,10 @@ def main() -> None:
         import overhead
 
         result = overhead.overhead_job(config)
+    elif config["kind"] == "estimate":
+        import estimator_accuracy
+
+        result = estimator_accuracy.measure_job(config)
     else:
         raise ValueError(f"unknown job kind {config['kind']!r}")
     with open(os.path.join(config["out_dir"], f"rank{rank}.json"), "w") as f:

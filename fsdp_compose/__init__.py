@@ -14,19 +14,23 @@ from ._fully_shard import (
     share_comm_ctx,
 )
 from ._grad_scaler import ShardedGradScaler
+from ._mesh import DataParallelMeshDims
 from ._pipelining import PipelineStage
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .plan import auto_wrap
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "PipelineStage",
     "ShardedGradScaler",
     "UnshardHandle",
+    "auto_wrap",
     "debug",
     "fully_shard",
     "register_fsdp_forward_method",

@@ -9,6 +9,9 @@ module's class to a subclass of :class:`FSDPModule` and of its original class.
 from __future__ import annotations
 
 import functools
+import itertools
+import logging
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn, overload
 
@@ -18,9 +21,13 @@ from torch.distributed.tensor import DeviceMesh, Shard
 
 from . import _compat
 from ._collectives import AllGatherComm, ReduceScatterComm
+from ._errors import FSDPRuntimeError, FSDPValueError
 from ._mesh import (
+    DataParallelMeshDims,
+    MeshInfo,
     default_mesh,
     resolve_mesh_info,
+    resolve_spmd_mesh_info,
     separate_reduce_scatter_group,
     validate_reshard_after_forward,
 )
@@ -30,12 +37,19 @@ from ._sharded_param import IGNORED_BY, SHARDED_BY, ShardedParam
 from ._state import UnitState, state_of
 from ._unit import Unit
 
+logger = logging.getLogger("fsdp_compose")
+
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 # Marks on parameter objects, so misuse is caught where it happens (and
 # SHARDED_BY, from _sharded_param, on the sharded DTensor parameters):
 _REPLACED_BY = "_fsdp_compose_replaced_by"  # on an original parameter that was sharded
-_SHARDED_MODULES = "_fsdp_compose_sharded_modules"  # on a sharded parameter: its unit's modules
+# The modules of each fully_shard call, weakly, by call number; a sharded parameter
+# carries its call's number (_UNIT_OF), not the modules, which deepcopy and pickle
+# of the parameter would follow. One small entry per call.
+_UNIT_OF = "_fsdp_compose_unit"
+_unit_modules: dict[int, tuple[weakref.ref[nn.Module], ...]] = {}
+_calls = itertools.count()
 
 _fsdp_classes: dict[type, type] = {}
 
@@ -50,7 +64,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: Any | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
 ) -> FSDPModule: ...
 
 
@@ -64,7 +78,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: Any | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -77,7 +91,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
-    dp_mesh_dims: Any | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> Any:
     """Shards ``module``'s parameters across the data-parallel ranks of ``mesh``.
 
@@ -112,28 +126,27 @@ def fully_shard(
             means ``True`` except for the root, which keeps its parameters.
         shard_placement_fn (Optional[Callable[[nn.Parameter], Optional[Shard]]]):
             chooses the sharded dim per parameter (``None`` means ``Shard(0)``); a
-            dim other than 0 must divide evenly.
+            dim other than 0 must divide evenly. It may also return FSDP2's
+            ``ShardPlacementResult(placement, mesh_info)`` to shard the parameter
+            over ``mesh_info.mesh`` instead of ``mesh`` (e.g. MoE experts on an
+            expert-data-parallel mesh): the call then makes one unit per mesh,
+            gathered and reduced together (see [Note: per-parameter meshes]).
         mp_policy (MixedPrecisionPolicy): mixed precision for this unit.
         offload_policy (OffloadPolicy): :class:`CPUOffloadPolicy` keeps sharded
             parameters, gradients and optimizer states in host memory.
         ignored_params (Optional[Set[nn.Parameter]]): parameters left as they are:
             not sharded, not moved, not reduced.
-        dp_mesh_dims (Optional[DataParallelMeshDims]): accepted for compatibility
-            with torch 2.13's FSDP2; only ``None`` is supported (pass the
-            data-parallel submesh as ``mesh`` and tensor-parallel DTensor
-            parameters on their own submesh, as with earlier releases).
+        dp_mesh_dims (Optional[DataParallelMeshDims]): when given, ``mesh`` is the
+            full SPMD mesh (e.g. dims ``("dp", "tp")``) and every parameter must be
+            a DTensor on it with ``Replicate()`` on the data-parallel dims; the
+            parameters are sharded over the dim named ``shard`` (and replicated
+            over ``replicate``, HSDP), keeping their placement on the other dim.
+            One shard dim, at most one replicate dim and at most one other dim.
 
     Returns:
         The same module (or list), now an :class:`FSDPModule`.
     """
     modules = _validate_modules(module)
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "fsdp_compose does not support dp_mesh_dims (parameters as DTensors on one "
-            "full SPMD mesh) yet: pass the data-parallel submesh, e.g. "
-            "fully_shard(module, mesh=mesh['dp']), with tensor-parallel parameters as "
-            "DTensors on mesh['tp']"
-        )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -145,7 +158,15 @@ def fully_shard(
         raise TypeError("shard_placement_fn must be callable (param -> Shard | None)")
     ignored = _validate_ignored_params(ignored_params, modules)
     mesh = default_mesh() if mesh is None else mesh
-    mesh_info = resolve_mesh_info(mesh)
+    if dp_mesh_dims is None:
+        mesh_info = resolve_mesh_info(mesh)
+    else:  # a full SPMD mesh, see [Note: dp_mesh_dims]
+        mesh_info = resolve_spmd_mesh_info(mesh, dp_mesh_dims)
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(
+                "reshard_after_forward as an int is not supported with dp_mesh_dims (as in "
+                "FSDP2); pass True or False"
+            )
     if mesh_info.device.type == "meta":
         raise ValueError(
             f"fully_shard got a mesh on the meta device ({mesh}): the sharded parameters would "
@@ -169,35 +190,54 @@ def fully_shard(
 
     unit_label = _describe(modules)
     sharded: list[ShardedParam] = []
+    # One unit per data-parallel mesh, see [Note: per-parameter meshes].
+    groups: dict[MeshInfo, list[ShardedParam]] = {mesh_info: []}
+    param_meshes = _ParamMeshes(mesh_info)
     for param, param_owners in owners.items():
-        shard_dim = _shard_dim(shard_placement_fn, param, param_owners)
+        shard_dim, param_mesh_info = _placement(shard_placement_fn, param, param_owners, param_meshes)
         sharded_param = ShardedParam(
             param,
             param_owners,
-            mesh_info,
+            param_mesh_info,
             shard_dim,
             device,
             offload_device=torch.device("cpu") if offload else None,
             pin_memory=offload and getattr(offload_policy, "pin_memory", False),
         )
         sharded.append(sharded_param)
-    unit = (
-        Unit(sharded, modules, mesh_info, reshard, mp_policy, offload_policy) if sharded else None
-    )
+        groups.setdefault(param_mesh_info, []).append(sharded_param)
+    units = [
+        Unit(
+            group,
+            modules,
+            info,
+            reshard if info is mesh_info else validate_reshard_after_forward(reshard_after_forward, info.shard_size),
+            mp_policy,
+            offload_policy,
+        )
+        for info, group in groups.items()
+        if group
+    ]
+    unit_of = {id(p): u for u in units for p in u.params}
     # Validated: from here on the module changes.
     _move_buffers(managed_modules, device)
+    call = next(_calls)
+    _unit_modules[call] = tuple(weakref.ref(m) for m in modules)
     for param in ignored:  # left plain on purpose: not a forgotten root (_missing_root)
         setattr(param, IGNORED_BY, unit_label)
     for param, sharded_param in zip(owners, sharded):
         sharded_param.register(sharded_param.sharded_param)
         sharded_param.mark_owned(unit_label)
-        setattr(sharded_param.sharded_param, _SHARDED_MODULES, modules)
+        setattr(sharded_param.sharded_param, _UNIT_OF, call)
         setattr(param, _REPLACED_BY, unit_label)
-    state = UnitState(modules, unit, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
-    if unit is not None:
+    state = UnitState(
+        modules, units[0] if units else None, mp_policy, auto_reshard_after_forward=reshard_after_forward is None
+    )
+    state.extra_units = units[1:]
+    for unit in units:
         _register_state_dict_hooks(unit, state)
-        for (param, _), sharded_param in zip(owners.items(), sharded):
-            link_shared(param, sharded_param, unit, state)
+    for (param, _), sharded_param in zip(owners.items(), sharded):
+        link_shared(param, sharded_param, unit_of[id(sharded_param)], state)
     borrow(state, borrowed)
     for link, pairs in borrowed.items():
         _register_state_dict_hooks(link.unit, link.state, [(m, n, link.param) for m, n in pairs])
@@ -236,7 +276,7 @@ def _validate_modules(module: object) -> tuple[nn.Module, ...]:
                 "so no hook would ever run. Annotate its elements (e.g. each block) instead."
             )
         if state_of(m) is not None:
-            raise ValueError(
+            raise FSDPValueError(  # see [Note: FSDP2's exception types]
                 f"{type(m).__name__} already has fully_shard applied; each module can be "
                 "annotated once (use FSDPModule.set_* methods to change its settings)."
             )
@@ -333,7 +373,8 @@ def _reject_module_shared_by_sibling_units(
     """Raises if ``module`` (reached from this call's ``targets``) belongs to an
     earlier unit that is not an ancestor of the targets: the calls were bottom-up,
     but the same submodule hangs under two sibling units."""
-    earlier = getattr(p, _SHARDED_MODULES, None)
+    refs = _unit_modules.get(getattr(p, _UNIT_OF, -1), ())
+    earlier = [m for m in (r() for r in refs) if m is not None]
     if not earlier or not targets:
         return
     if any(t is e or any(t is sub for sub in e.modules()) for e in earlier for t in targets):
@@ -378,22 +419,85 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
                 m._buffers[name] = b.to(device)
 
 
-def _shard_dim(
-    fn: Callable[[nn.Parameter], Shard | None] | None,
+# [Note: per-parameter meshes]
+# ``shard_placement_fn`` may return FSDP2's ``ShardPlacementResult`` (a placement and
+# a torch ``FSDPMeshInfo``) to shard a parameter on a mesh of its own, e.g. MoE
+# expert weights on an expert-data-parallel mesh while the rest of the block uses
+# the data-parallel mesh. One ``fully_shard`` call then makes one unit per mesh
+# (each with its own all-gather and reduce-scatter), all owned by the call's
+# ``UnitState``: its hooks gather and reduce every unit together, issuing all of
+# their collectives before waiting for any, so the meshes' collectives overlap.
+
+
+class _ParamMeshes:
+    """Resolves the meshes ``shard_placement_fn`` names to one :class:`MeshInfo`
+    per set of process groups (parameters on the same groups share a unit)."""
+
+    def __init__(self, default: MeshInfo) -> None:
+        self.default = default
+        self._by_id: dict[int, MeshInfo] = {}
+        self._by_groups: dict[tuple[int, int], MeshInfo] = {self._key(default): default}
+
+    @staticmethod
+    def _key(info: MeshInfo) -> tuple[int, int]:
+        return (id(info.shard_group), id(info.replicate_group))
+
+    def resolve(self, torch_mesh_info: Any, where: str) -> MeshInfo:
+        known = self._by_id.get(id(torch_mesh_info))
+        if known is not None:
+            return known
+        mesh = getattr(torch_mesh_info, "mesh", None)
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(
+                f"shard_placement_fn returned a ShardPlacementResult for {where} whose mesh_info "
+                f"has no DeviceMesh (got {type(torch_mesh_info).__name__}); build it as "
+                "FSDPMeshInfo(mesh, shard_mesh_dim=0) (1-D) or HSDPMeshInfo(mesh, "
+                "shard_mesh_dim=1, replicate_mesh_dim=0) (2-D)"
+            )
+        shard_dim = getattr(torch_mesh_info, "shard_mesh_dim", mesh.ndim - 1)
+        replicate_dim = getattr(torch_mesh_info, "replicate_mesh_dim", None)
+        if shard_dim != mesh.ndim - 1 or (mesh.ndim == 2 and replicate_dim not in (0, None)):
+            raise NotImplementedError(
+                f"shard_placement_fn for {where}: fsdp_compose supports a 1-D mesh (shard dim 0) "
+                "or a 2-D (replicate, shard) mesh per parameter, got shard_mesh_dim="
+                f"{shard_dim}, replicate_mesh_dim={replicate_dim} on {mesh}"
+            )
+        info = resolve_mesh_info(mesh, check_names=False)
+        if info.device != self.default.device:
+            raise ValueError(
+                f"shard_placement_fn for {where}: its mesh is on {info.device} but fully_shard's "
+                f"mesh is on {self.default.device}; use one device type for every mesh"
+            )
+        if self.default.spmd is not None:
+            raise NotImplementedError("per-parameter meshes cannot be combined with dp_mesh_dims")
+        info = self._by_groups.setdefault(self._key(info), info)
+        self._by_id[id(torch_mesh_info)] = info
+        return info
+
+
+def _placement(
+    fn: Callable[[nn.Parameter], Any] | None,
     param: nn.Parameter,
     owners: list[tuple[nn.Module, str]],
-) -> int:
+    meshes: _ParamMeshes,
+) -> tuple[int, MeshInfo]:
+    """The shard dim and data-parallel mesh ``shard_placement_fn`` chooses for
+    ``param`` (default: dim 0 on fully_shard's mesh)."""
     if fn is None:
-        return 0
-    placement = fn(param)
-    if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
+        return 0, meshes.default
+    result = fn(param)
+    info = meshes.default
+    if result is not None and not isinstance(result, Shard) and hasattr(result, "mesh_info"):
+        info = meshes.resolve(result.mesh_info, repr(owners[0][1]))  # FSDP2's ShardPlacementResult
+        result = getattr(result, "placement", None)
+    if result is None:
+        return 0, info
+    if not isinstance(result, Shard):
         raise ValueError(
-            f"shard_placement_fn must return a Shard placement or None, got {placement!r} "
-            f"for parameter {owners[0][1]!r} (per-parameter meshes are not supported)"
+            f"shard_placement_fn must return a Shard placement, a ShardPlacementResult or None, "
+            f"got {result!r} for parameter {owners[0][1]!r}"
         )
-    return placement.dim
+    return result.dim, info
 
 
 def _describe(modules: tuple[nn.Module, ...]) -> str:
@@ -454,7 +558,7 @@ def _reshard_unit(unit: Unit, state: UnitState) -> None:
 
 
 def _no_deepcopy(*_: Any) -> NoReturn:
-    raise RuntimeError(
+    raise FSDPRuntimeError(
         "fully_shard modules cannot be deep-copied (their parameters are shards tied to "
         "process groups). Copy the model before fully_shard, or use state_dict()."
     )
@@ -499,13 +603,13 @@ class FSDPModule:
                 waits before returning ``None``.
         """
         state = self._fsdp_state()
-        unit = state.unit
-        if unit is not None:
+        units = state.own_units
+        for unit in units:  # issue every mesh's all-gather before waiting on any
             if state.scheduler is not None:
                 state.scheduler.prefetch_now(unit)
             else:
                 unit.unshard()
-        handle = UnshardHandle(unit, state)
+        handle = UnshardHandle(units, state)
         if async_op:
             return handle
         handle.wait()
@@ -515,8 +619,8 @@ class FSDPModule:
         """Frees this module's unsharded parameters (if any) and registers the
         sharded ones. Not recursive."""
         state = self._fsdp_state()
-        if state.unit is not None:
-            _reshard_unit(state.unit, state)
+        for unit in state.own_units:
+            _reshard_unit(unit, state)
 
     def reset_iter_state(self) -> None:
         """Recovers from an exception raised inside forward or backward.
@@ -560,8 +664,8 @@ class FSDPModule:
         for module in self._fsdp_modules(recurse):
             state = module._fsdp_state()
             state.auto_reshard_after_forward = False
-            if state.unit is not None:
-                state.unit.set_reshard_after_forward(reshard_after_forward)
+            for unit in state.own_units:
+                unit.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Sets whether parameters are freed after backward. ``False`` saves the
@@ -629,6 +733,7 @@ class FSDPModule:
         averaging division. ``stream`` is accepted for API compatibility; the hook
         runs where the reduction completes."""
         del stream
+        _check_single_mesh(self._fsdp_state(), "set_all_reduce_hook")
         for unit in self._units(False):
             unit.all_reduce_hook = hook
 
@@ -667,19 +772,41 @@ class FSDPModule:
             unit.reduce_scatter_group = separate_reduce_scatter_group(unit.mesh_info) if enable else None
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Not supported: communication buffers come from the regular allocator.
-        Passing ``False`` (the default behaviour) is accepted."""
+        """Asks for communication staging buffers from the process group's own
+        allocator (NCCL: zero-copy transfers over SHARP).
+
+        Accepted on every backend so that one training script runs on CPU and
+        GPU alike, but fsdp_compose always allocates the buffers with the regular
+        allocator: with gloo on CPU there is no such allocator, and the CUDA path
+        is not implemented yet. ``True`` logs a one-time note saying so; the
+        collectives and results are those of the default path.
+
+        Args:
+            enable (bool): whether to use the process group's allocator.
+        """
+        if not isinstance(enable, bool):
+            raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
         if enable:
-            raise NotImplementedError(
-                "fsdp_compose allocates communication buffers with the regular allocator; "
-                "process-group allocators are not supported yet"
+            _note_comm_buffers_unchanged(
+                "set_allocate_memory_from_process_group_for_comm(True)", self._fsdp_state()
             )
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Not supported yet: raises ``NotImplementedError``."""
-        raise NotImplementedError(
-            "fsdp_compose does not allocate communication buffers from symmetric memory yet"
-        )
+        """Asks for all-gather staging buffers in symmetric memory (``symm_mem``),
+        for NCCL's copy-engine or symmetric-kernel all-gathers.
+
+        Accepted on every backend so that one training script runs on CPU and
+        GPU alike, but fsdp_compose always allocates the buffers with the regular
+        allocator: gloo on CPU has no symmetric memory, and the CUDA path is not
+        implemented yet. The call logs a one-time note saying so; the
+        collectives and results are those of the default path.
+
+        Args:
+            backend (str): the symmetric memory backend; only ``"NCCL"``, as in FSDP2.
+        """
+        if backend != "NCCL":
+            raise ValueError(f'set_symm_mem_for_comm supports backend="NCCL" only, got {backend!r}')
+        _note_comm_buffers_unchanged("set_symm_mem_for_comm()", self._fsdp_state())
 
     def set_custom_all_gather(self, comm: AllGatherComm | None) -> None:
         """Issues this module's parameter all-gathers with ``comm`` instead of the
@@ -698,6 +825,7 @@ class FSDPModule:
             comm (AllGather): the custom all-gather.
         """
         _check_comm(comm, "set_custom_all_gather")
+        _check_single_mesh(self._fsdp_state(), "set_custom_all_gather")
         for unit in self._units(False):
             unit.custom_all_gather = comm
 
@@ -717,6 +845,7 @@ class FSDPModule:
             comm (ReduceScatter): the custom reduce-scatter.
         """
         _check_comm(comm, "set_custom_reduce_scatter")
+        _check_single_mesh(self._fsdp_state(), "set_custom_reduce_scatter")
         for unit in self._units(False):
             unit.custom_reduce_scatter = comm
 
@@ -753,7 +882,9 @@ class FSDPModule:
             raise TypeError(f"expected a list of FSDPModules, got {type(modules).__name__}")
         targets = _units_of(list(modules))  # modules without parameters have nothing to gather
         state = self._fsdp_state()
-        setattr(state.unit if state.unit is not None else state, attr, targets)
+        holders: list[Unit | UnitState] = [*state.own_units] or [state]
+        for holder in holders:
+            setattr(holder, attr, targets)
 
     def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
         if not recurse:
@@ -764,7 +895,7 @@ class FSDPModule:
         # Conversions (.to(), to_empty(), .half()) must see the sharded parameters;
         # afterwards the unit re-derives dtypes and buffers from them.
         state = self._fsdp_state()
-        units = ([state.unit] if state.unit is not None else []) + state.borrowed
+        units = state.own_units + state.borrowed
         for unit in units:
             _reshard_unit(unit, state)
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
@@ -777,18 +908,17 @@ class UnshardHandle:
     """A pending :meth:`FSDPModule.unshard`; :meth:`wait` makes the unsharded
     parameters usable and registers them on the module."""
 
-    def __init__(self, unit: Unit | None = None, state: UnitState | None = None) -> None:
-        self._unit = unit
+    def __init__(self, units: list[Unit] | None = None, state: UnitState | None = None) -> None:
+        self._units = list(units or [])
         self._state = state
 
     def wait(self) -> None:
-        unit, self._unit = self._unit, None
-        if unit is None:
-            return
-        if unit.gather_in_flight:
-            unit.wait_unshard()
-        else:
-            unit.ensure_registered()
+        units, self._units = self._units, []
+        for unit in units:
+            if unit.gather_in_flight:
+                unit.wait_unshard()
+            else:
+                unit.ensure_registered()
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
@@ -798,6 +928,40 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     for m in modules:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"expected FSDPModules, got {type(m).__name__}")
+
+
+_noted_comm_settings: set[tuple[str, str]] = set()
+
+
+def _note_comm_buffers_unchanged(setting: str, state: UnitState) -> None:
+    """Logs once per process and device type that ``setting`` keeps the regular
+    allocator for communication buffers (see the two setters' docstrings)."""
+    units = state.units_in_subtree(False)
+    device_type = units[0].mesh_info.device.type if units else "cpu"
+    key = (setting, device_type)
+    if key in _noted_comm_settings:
+        return
+    _noted_comm_settings.add(key)
+    why = (
+        "gloo/CPU has no such allocator"
+        if device_type == "cpu"
+        else f"this path is not implemented for {device_type!r} yet"
+    )
+    logger.warning(
+        "fsdp_compose: %s accepted; communication buffers still come from the regular "
+        "allocator (%s). Collectives and results are unchanged.",
+        setting,
+        why,
+    )
+
+
+def _check_single_mesh(state: UnitState, method: str) -> None:
+    if len(state.own_units) > 1:  # ValueError, as FSDP2
+        raise ValueError(
+            f"{method} is not supported on a module whose parameters use several meshes "
+            "(per-parameter meshes from shard_placement_fn): it would be ambiguous which "
+            "mesh's collectives it applies to"
+        )
 
 
 def _check_comm(comm: object, method: str) -> None:
@@ -818,8 +982,8 @@ def _units_of(modules: list[FSDPModule]) -> list[Unit]:
             raise ValueError(f"expected FSDPModules (modules annotated by fully_shard), got {type(m).__name__}")
         state = m._fsdp_state()
         # A module that borrows a shared parameter needs its owner unit too.
-        for unit in [state.unit, *state.borrowed]:
-            if unit is not None and unit not in units:
+        for unit in [*state.own_units, *state.borrowed]:
+            if unit not in units:
                 units.append(unit)
     return units
 

@@ -72,7 +72,9 @@ def check(
     mine = [_code(label), _KINDS[kind], numel, _code(str(dtype)), step, seq]
     world = group.size()
     gathered = torch.empty(world * _FIELDS, dtype=torch.int64)
-    _compat.all_gather_into_tensor(gathered, torch.tensor(mine, dtype=torch.int64), group, async_op=False)
+    _compat.all_gather_into_tensor(
+        gathered, torch.tensor(mine, dtype=torch.int64), group, async_op=False
+    )
     rows = gathered.view(world, _FIELDS).tolist()
     if all(row == mine for row in rows):
         return
@@ -108,7 +110,9 @@ def _all_gather_text(text: str, group: dist.ProcessGroup, limit: int = 1024) -> 
     payload = text.encode()[:limit]
     world = group.size()
     lengths = torch.empty(world, dtype=torch.int64)
-    _compat.all_gather_into_tensor(lengths, torch.tensor([len(payload)], dtype=torch.int64), group, async_op=False)
+    _compat.all_gather_into_tensor(
+        lengths, torch.tensor([len(payload)], dtype=torch.int64), group, async_op=False
+    )
     buf = torch.zeros(limit, dtype=torch.uint8)
     buf[: len(payload)] = torch.tensor(list(payload), dtype=torch.uint8)
     out = torch.empty(world * limit, dtype=torch.uint8)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,57 @@ def _cache() -> dict[tuple[object, ...], object]:
     return cache
 
 
+try:  # torch >= 2.13: re-export torch's class, so isinstance checks agree
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:  # pragma: no cover - older torch
+
+    @dataclass
+    class DataParallelMeshDims:  # type: ignore[no-redef]
+        """Names the data-parallel dims of a full SPMD :class:`DeviceMesh` whose
+        parameters are already DTensors on it (``fully_shard(dp_mesh_dims=...)``).
+
+        Attributes:
+            shard (Optional[Union[str, Tuple[str, ...]]]): mesh dim name(s) that
+                FSDP shards parameters over.
+            replicate (Optional[Union[str, Tuple[str, ...]]]): mesh dim name(s)
+                that HSDP replicates over.
+        """
+
+        shard: str | tuple[str, ...] | None = None
+        replicate: str | tuple[str, ...] | None = None
+
+        def __post_init__(self) -> None:
+            if self.shard is None and self.replicate is None:
+                raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")
+
+        @property
+        def shard_names(self) -> tuple[str, ...]:
+            return _names(self.shard)
+
+        @property
+        def replicate_names(self) -> tuple[str, ...]:
+            return _names(self.replicate)
+
+    def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        return (value,) if isinstance(value, str) else tuple(value)
+
+
+@dataclass(frozen=True)
+class SpmdLayout:
+    """Where the data-parallel dims sit in a full SPMD mesh (``dp_mesh_dims``):
+    see [Note: dp_mesh_dims]."""
+
+    mesh: DeviceMesh
+    shard_dim: int
+    replicate_dim: int | None
+
+    @property
+    def dp_dims(self) -> tuple[int, ...]:
+        return (self.shard_dim,) if self.replicate_dim is None else (self.replicate_dim, self.shard_dim)
+
+
 @dataclass(frozen=True, eq=False)
 class MeshInfo:
     """The data-parallel layout of one unit."""
@@ -48,6 +100,8 @@ class MeshInfo:
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
     replicate_rank: int
+    # Set when fully_shard got a full SPMD mesh and dp_mesh_dims.
+    spmd: SpmdLayout | None = field(default=None)
 
     @property
     def is_hsdp(self) -> bool:
@@ -94,7 +148,59 @@ def device_of_mesh(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, handle.current_device())
 
 
-def resolve_mesh_info(mesh: DeviceMesh) -> MeshInfo:
+# [Note: dp_mesh_dims]
+# With ``dp_mesh_dims``, ``mesh`` is the full SPMD mesh (e.g. ("dp", "tp")) and every
+# parameter is a DTensor on it, ``Replicate()`` on the data-parallel dims. The unit
+# communicates over the data-parallel sub-mesh (``mesh[shard]``; with ``replicate``,
+# the (replicate, shard) concatenation, i.e. HSDP), exactly as for a 2-D TP layout
+# (see [Note: tensor-parallel parameters]); the sharded parameters are DTensors on
+# the full mesh, with the FSDP placement on the shard dim, ``Replicate()`` on the
+# replicate dim and the original placement on the other dim, and the unsharded
+# parameters are the user's DTensors on the full mesh. Supported: one shard dim
+# name, at most one replicate dim name and at most one other (model-parallel) dim.
+
+
+def resolve_spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
+    """Validates a full SPMD ``mesh`` with ``dp_mesh_dims`` and resolves the unit's
+    data-parallel layout on it (see [Note: dp_mesh_dims])."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard expects mesh to be a torch.distributed.DeviceMesh, got {type(mesh).__name__}"
+        )
+    if not isinstance(dims, DataParallelMeshDims):
+        raise TypeError(
+            "dp_mesh_dims must be a DataParallelMeshDims (from fsdp_compose or "
+            f"torch.distributed.fsdp), got {type(dims).__name__}"
+        )
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            "mesh must have mesh_dim_names when dp_mesh_dims is provided, e.g. "
+            'init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))'
+        )
+    shard, rep = tuple(dims.shard_names), tuple(dims.replicate_names)
+    for name in shard + rep:
+        if name not in names:
+            raise ValueError(f"Mesh dim name {name!r} of dp_mesh_dims not found in mesh.mesh_dim_names {names}")
+    if not shard:
+        raise NotImplementedError(
+            "dp_mesh_dims with replicate only (DDP, no sharding) is not supported by fsdp_compose; "
+            "name the dim to shard over, e.g. DataParallelMeshDims(shard=\"dp\")"
+        )
+    if len(shard) > 1 or len(rep) > 1 or mesh.ndim - len(shard) - len(rep) > 1:
+        raise NotImplementedError(
+            f"fsdp_compose supports dp_mesh_dims with one shard dim, at most one replicate dim and "
+            f"at most one other (e.g. tensor-parallel) dim; got {dims} on a mesh with dims {names}. "
+            "Flatten several data-parallel dims into one first, e.g. "
+            'mesh[("dp_shard", "cp")]._flatten("dp_shard_cp").'
+        )
+    dp_mesh = _compat.concatenate_meshes(mesh[rep[0]], mesh[shard[0]]) if rep else mesh[shard[0]]
+    info = resolve_mesh_info(dp_mesh, check_names=False)
+    layout = SpmdLayout(mesh, names.index(shard[0]), names.index(rep[0]) if rep else None)
+    return replace(info, spmd=layout)
+
+
+def resolve_mesh_info(mesh: DeviceMesh, *, check_names: bool = True) -> MeshInfo:
     """Validates ``mesh`` for fully_shard and resolves its groups for this rank."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
@@ -109,7 +215,7 @@ def resolve_mesh_info(mesh: DeviceMesh) -> MeshInfo:
     if mesh.get_coordinate() is None:
         raise ValueError(f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
     names = mesh.mesh_dim_names
-    if mesh.ndim == 2 and names is not None:
+    if mesh.ndim == 2 and names is not None and check_names:
         _check_hsdp_dim_names(tuple(names))
     device = device_of_mesh(mesh)
     shard_dim = mesh.ndim - 1

@@ -199,20 +199,26 @@ class Scheduler:
                 # stayed unsharded (reshard_after_backward=False): gather fresh data.
                 self._reshard(unit)
 
-    def pre_forward(self, unit: Unit) -> None:
-        unit.phase = Phase.FORWARD
-        self._forward_order.append(unit)
-        # Adopt parameters replaced since the last step (load_state_dict(assign=True))
-        # before recording the versions backward compares against.
-        unit.lazy_init()
-        self._forward_versions[unit] = [p.data_version() for p in unit.params]
-        self.shared.forward_use_begin(unit)
-        self._issue(unit)
-        for target in self._forward_prefetch_targets(unit):
-            self._prefetch(target)
-        self._require(unit)
-        if _trace.ENABLED:
-            _trace.begin_span("forward", unit.name)
+    def pre_forward(self, *units: Unit) -> None:
+        """``units``: one unit, or the units of one call's meshes (see [Note:
+        per-parameter meshes]), whose all-gathers are all issued before any wait."""
+        for unit in units:
+            unit.phase = Phase.FORWARD
+            self._forward_order.append(unit)
+            # Adopt parameters replaced since the last step (load_state_dict(assign=True))
+            # before recording the versions backward compares against.
+            unit.lazy_init()
+            self._forward_versions[unit] = [p.data_version() for p in unit.params]
+            self.shared.forward_use_begin(unit)
+            self._issue(unit)
+        for unit in units:
+            for target in self._forward_prefetch_targets(unit):
+                if target not in units:
+                    self._prefetch(target)
+        for unit in units:
+            self._require(unit)
+            if _trace.ENABLED:
+                _trace.begin_span("forward", unit.name)
 
     def recompute_forward(self, unit: Unit) -> None:
         """Activation checkpointing re-runs ``unit``'s forward inside backward."""
@@ -285,29 +291,39 @@ class Scheduler:
     # backward
     # ------------------------------------------------------------------
 
-    def pre_backward(self, unit: Unit) -> None:
-        """Called when the gradient of one of ``unit``'s forward outputs is ready."""
-        if unit.phase is Phase.PRE_BACKWARD:
+    def pre_backward(self, *units: Unit) -> None:
+        """Called when the gradient of one of the forward outputs of ``units`` (one
+        unit, or one call's units, as in :meth:`pre_forward`) is ready."""
+        units = tuple(u for u in units if u.phase is not Phase.PRE_BACKWARD)
+        if not units:
             return
         self._note_backward()
-        unit.phase = Phase.PRE_BACKWARD
-        versions = self._forward_versions.get(unit)
-        if versions is not None and any(
-            p.data_version() != v for p, v in zip(unit.params, versions)
-        ):
-            raise RuntimeError(
-                f"fsdp_compose: backward reached unit {unit.name!r}, but its parameters were "
-                "modified (e.g. by optimizer.step()) after the forward that built this autograd "
-                "graph, so backward would combine new parameters with old activations. Run a new "
-                "forward before each backward, and step the optimizer after all backwards."
-            )
-        if unit.unshard_in_backward:
+        for unit in units:
+            unit.phase = Phase.PRE_BACKWARD
+            versions = self._forward_versions.get(unit)
+            if versions is not None and any(
+                p.data_version() != v for p, v in zip(unit.params, versions)
+            ):
+                raise RuntimeError(
+                    f"fsdp_compose: backward reached unit {unit.name!r}, but its parameters were "
+                    "modified (e.g. by optimizer.step()) after the forward that built this autograd "
+                    "graph, so backward would combine new parameters with old activations. Run a new "
+                    "forward before each backward, and step the optimizer after all backwards."
+                )
+        gather = [u for u in units if u.unshard_in_backward]
+        for unit in gather:
             self._issue(unit)
+        for unit in gather:
             for target in self._backward_prefetch_targets(unit):
-                self._prefetch(target)
+                # As in FSDP2, a unit set not to unshard in backward is not
+                # prefetched there either (its backward does not need it).
+                if target not in units and target.unshard_in_backward:
+                    self._prefetch(target)
+        for unit in gather:
             self._require(unit)
         if _trace.ENABLED:
-            _trace.begin_span("backward", unit.name)
+            for unit in units:
+                _trace.begin_span("backward", unit.name)
 
     def _note_backward(self) -> None:
         if not self.backward_active:
@@ -351,15 +367,20 @@ class Scheduler:
                 targets.append(earlier)
         return targets
 
-    def post_backward(self, unit: Unit, *, at_end: bool = False) -> None:
-        """Called when backward through ``unit`` is done (or at finalisation for
-        units whose forward inputs did not require grad, with ``at_end``)."""
-        if at_end or self.shared.backward_use_end(unit):
-            self._post_backward(unit, at_end=at_end)
+    def post_backward(self, *units: Unit, at_end: bool = False) -> None:
+        """Called when backward through ``units`` (one unit, or one call's units, as
+        in :meth:`pre_forward`) is done (or at finalisation for units whose forward
+        inputs did not require grad, with ``at_end``). One call's reduce-scatters
+        are issued together: earlier ones are completed only before the first."""
+        first = True
+        for unit in units:
+            if at_end or self.shared.backward_use_end(unit):
+                self._post_backward(unit, at_end=at_end, drain=first)
+                first = False
         # else: a unit shared with modules whose backward is still to come keeps
         # its parameters and gradients (see [Note: shared parameters]).
 
-    def _post_backward(self, unit: Unit, *, at_end: bool) -> None:
+    def _post_backward(self, unit: Unit, *, at_end: bool, drain: bool = True) -> None:
         if unit.phase is Phase.PRE_BACKWARD and _trace.ENABLED:
             _trace.end_span("backward", unit.name)
         unit.phase = Phase.POST_BACKWARD
@@ -378,7 +399,7 @@ class Scheduler:
             # buffers, and they have had this unit's backward to finish. At the
             # end of backward there is no compute left to overlap and activations
             # are freed: issue at once, so the last reductions run concurrently.
-            while not at_end and len(self._scattering) >= self.max_inflight_reductions:
+            while drain and not at_end and len(self._scattering) >= self.max_inflight_reductions:
                 self._scattering.pop(0).advance()
             reduction = unit.reduce_grads(params, grads, all_reduce=unit.requires_all_reduce)
             del grads  # packed into the reduction's buffer

@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from . import _compat
+from ._errors import FSDPValueError
 from ._mesh import MeshInfo
 
 
@@ -77,7 +78,19 @@ class ShardedParam:
     ) -> None:
         self.unit_label: str | None = None  # see mark_owned
         # With tensor parallel, FSDP shards the TP-local tensor (see the note above).
-        self.tp_spec = _tp_spec(param, owners, mesh_info) if isinstance(param, DTensor) else None
+        if mesh_info.spmd is not None:  # see [Note: dp_mesh_dims]
+            self.tp_spec = _spmd_spec(param, owners, mesh_info)
+        else:
+            self.tp_spec = _tp_spec(param, owners, mesh_info) if isinstance(param, DTensor) else None
+        # The model-parallel dim of tp_spec's mesh and its placement (None: only dp dims).
+        self.tp_dim: int | None = None
+        self.tp_placement: Placement | None = None
+        if self.tp_spec is not None:
+            spmd = mesh_info.spmd
+            others = [i for i in range(self.tp_spec.mesh.ndim) if spmd is None or i not in spmd.dp_dims]
+            if others:
+                self.tp_dim = others[0]
+                self.tp_placement = self.tp_spec.placements[self.tp_dim]
         self.global_size = param.shape  # the shape users see (the TP DTensor's global shape)
         requires_grad = param.requires_grad  # a DTensor's local tensor never requires grad
         if self.tp_spec is not None:
@@ -89,7 +102,7 @@ class ShardedParam:
                 "in ignored_params to leave it unsharded."
             )
         if not -param.dim() <= shard_dim < param.dim():
-            raise ValueError(
+            raise FSDPValueError(
                 f"shard dim {shard_dim} is out of range for parameter {owners[0][1]!r} "
                 f"of shape {tuple(param.shape)}"
             )
@@ -98,7 +111,7 @@ class ShardedParam:
         size = param.shape
         if shard_dim != 0 and size[shard_dim] % world != 0:
             local = " (TP-local)" if self.tp_spec is not None else ""
-            raise ValueError(
+            raise NotImplementedError(  # FSDP2's type, see [Note: FSDP2's exception types]
                 f"parameter {owners[0][1]!r} of{local} shape {tuple(size)} cannot be sharded on dim "
                 f"{shard_dim} over {world} ranks: sharding on a dim other than 0 needs the dim "
                 f"size to be divisible by the shard world size (dim 0 allows uneven sizes)."
@@ -157,6 +170,8 @@ class ShardedParam:
             return _compat.make_dtensor_spec(
                 info.mesh, (*replicate, Shard(d)), size, _contiguous_stride(size), dtype
             )
+        if info.spmd is not None:
+            return self._spmd_sharded_spec(dtype)
         tp_mesh = self.tp_spec.mesh
         (tp_placement,) = self.tp_spec.placements
         # FSDP's shard of a TP shard on the same dim (see the note above).
@@ -175,6 +190,29 @@ class ShardedParam:
         return _compat.make_dtensor_spec(
             mesh, (*replicate, dp_placement, tp_placement), meta.shape, meta.stride, dtype
         )
+
+    def _spmd_sharded_spec(self, dtype: torch.dtype) -> Any:
+        """The sharded spec on the full SPMD mesh (see [Note: dp_mesh_dims])."""
+        spmd = self.mesh_info.spmd
+        assert spmd is not None and self.tp_spec is not None
+        d = self.shard_dim
+        placements = list(self.tp_spec.placements)
+        if spmd.replicate_dim is not None:
+            placements[spmd.replicate_dim] = Replicate()
+        # A model-parallel Shard of the same tensor dim on a later mesh dim splits
+        # first in our layout (FSDP shards the TP-local tensor): a strided shard.
+        split = 1
+        tp_dim, tp_placement = self.tp_dim, self.tp_placement
+        if (
+            tp_dim is not None
+            and tp_dim > spmd.shard_dim
+            and tp_placement is not None
+            and _shard_dim_of(tp_placement, len(self.global_size)) == d
+        ):
+            split = spmd.mesh.size(tp_dim)
+        placements[spmd.shard_dim] = _compat.strided_shard(d, split) if split > 1 else Shard(d)
+        meta = self.tp_spec.tensor_meta
+        return _compat.make_dtensor_spec(spmd.mesh, tuple(placements), meta.shape, meta.stride, dtype)
 
     # -- registration ------------------------------------------------------
 
@@ -281,13 +319,14 @@ class ShardedParam:
         """This rank's TP-local part of a full tensor: ``torch.chunk`` semantics,
         like DTensor's ``Shard``; the whole tensor for ``Replicate``."""
         assert self.tp_spec is not None
-        (placement,) = self.tp_spec.placements
-        dim = _shard_dim_of(placement, full.dim())
+        if self.tp_placement is None or self.tp_dim is None:
+            return full
+        dim = _shard_dim_of(self.tp_placement, full.dim())
         if dim is None:
             return full
         mesh = self.tp_spec.mesh
-        size, rank = full.size(dim), mesh.get_local_rank()
-        chunk = math.ceil(size / mesh.size())
+        size, rank = full.size(dim), mesh.get_local_rank(self.tp_dim)
+        chunk = math.ceil(size / mesh.size(self.tp_dim))
         start = min(rank * chunk, size)
         return full.narrow(dim, start, min(chunk, size - start))
 
@@ -319,8 +358,18 @@ class ShardedParam:
         if not isinstance(grad, DTensor):
             return grad
         assert self.tp_spec is not None, f"{self.fqn}: DTensor gradient of a plain parameter"
-        if tuple(grad.placements) != tuple(self.tp_spec.placements):
-            grad = grad.redistribute(grad.device_mesh, self.tp_spec.placements)
+        target = tuple(self.tp_spec.placements)
+        spmd = self.mesh_info.spmd
+        if spmd is not None:
+            # The dp dims stay as they are: each rank's local gradient is its
+            # contribution, summed by the reduce-scatter (and all-reduce) below.
+            target = tuple(
+                grad.placements[i] if i in spmd.dp_dims and not isinstance(grad.placements[i], Shard)
+                else (Replicate() if i in spmd.dp_dims else p)
+                for i, p in enumerate(target)
+            )
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(grad.device_mesh, target)
         local = _compat.wait_tensor(_compat.local_tensor(grad))
         if local.shape != self.orig_size:
             raise RuntimeError(
@@ -377,6 +426,41 @@ def _tp_spec(param: DTensor, owners: list[tuple[nn.Module, str]], mesh_info: Mes
     if not param.is_meta and not _compat.local_tensor(param).is_contiguous():
         raise NotImplementedError(f"parameter {name} has a non-contiguous local tensor")
     return spec
+
+
+def _spmd_spec(param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_info: MeshInfo) -> Any:
+    """Validates a parameter for ``dp_mesh_dims`` (a DTensor on the full SPMD mesh,
+    ``Replicate()`` on the dp dims) and returns its DTensor spec."""
+    spmd = mesh_info.spmd
+    assert spmd is not None
+    name = f"{owners[0][1]!r} of {type(owners[0][0]).__name__}"
+    if not isinstance(param, DTensor):
+        raise ValueError(  # noqa: TRY004 - FSDP2's type for this refusal
+            f"When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
+            f"mesh (e.g. via distribute_tensor / distribute_module), but parameter {name} is a "
+            f"plain tensor. Distribute it on {spmd.mesh} with Replicate() on the data-parallel dims."
+        )
+    if param.device_mesh != spmd.mesh:
+        raise ValueError(
+            f"parameter {name} is a DTensor on mesh {param.device_mesh}, but with dp_mesh_dims it "
+            f"must be on the mesh passed to fully_shard ({spmd.mesh})"
+        )
+    dim_names = spmd.mesh.mesh_dim_names or ()
+    for i in spmd.dp_dims:
+        if not isinstance(param.placements[i], Replicate):
+            raise ValueError(  # noqa: TRY004 - FSDP2's type for this refusal
+                f"parameter {name}: expected Replicate() on data-parallel mesh dim "
+                f"{dim_names[i]!r} (index {i}) but got {param.placements[i]}"
+            )
+    for i, placement in enumerate(param.placements):
+        if i not in spmd.dp_dims and type(placement) not in (Shard, Replicate):
+            raise NotImplementedError(
+                f"parameter {name} has placement {placement} on mesh dim {dim_names[i]!r}; "
+                "fully_shard composes with Shard(dim) or Replicate() there only."
+            )
+    if not param.is_meta and not _compat.local_tensor(param).is_contiguous():
+        raise NotImplementedError(f"parameter {name} has a non-contiguous local tensor")
+    return param._spec  # the public equivalents rebuild it
 
 
 def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:

@@ -99,6 +99,8 @@ class UnitState:
         # Units owning parameters that this call's modules share (tied weights): used
         # by this state's forward and backward too, see [Note: shared parameters].
         self.borrowed: list[Unit] = []
+        # Units of this call's further meshes, see [Note: per-parameter meshes].
+        self.extra_units: list[Unit] = []
         self._began_forward = False
         self._finalize_queued = False
         self._pending_modules: set[nn.Module] = set()  # grouped units: not yet run this pass
@@ -119,6 +121,11 @@ class UnitState:
             )
             self._handles.append(module.register_forward_hook(self._post_forward, prepend=False))
 
+    @property
+    def own_units(self) -> list[Unit]:
+        """The units of this call: one per data-parallel mesh (usually one)."""
+        return [self.unit, *self.extra_units] if self.unit is not None else []
+
     # ------------------------------------------------------------------
     # lazy init and root detection
     # ------------------------------------------------------------------
@@ -137,8 +144,9 @@ class UnitState:
         for name, module in root_module.named_modules():
             state = state_of(module)
             if state is None or state in states:
-                if state is not None and state.unit is not None and name:
-                    state.unit.name += f", {name}"  # a grouped unit's further modules
+                if state is not None and name:
+                    for unit in state.own_units:
+                        unit.name += f", {name}"  # a grouped unit's further modules
                 continue
             if state is not self:
                 if state.is_root is not None:
@@ -149,22 +157,23 @@ class UnitState:
                         "coordinate all units."
                     )
                 state.is_root = False
-            if state.unit is not None:
-                state.unit.name = name or "root"
+            for i, unit in enumerate(state.own_units):
+                unit.name = (name or "root") + (f" [{_mesh_label(unit)}]" if i else "")
             states.append(state)
         self.is_root = True
         param_names: dict[int, str] = {}
         for name, param in root_module.named_parameters(remove_duplicate=False):
             param_names.setdefault(id(param), name)
-        units = [state.unit for state in states if state.unit is not None]
+        units = [unit for state in states for unit in state.own_units]
         for unit in units:
             for p in unit.params:
                 for candidate in (p.sharded_param, p.unsharded_param):
                     if candidate is not None and id(candidate) in param_names:
                         p.fqn = param_names[id(candidate)]
                         break
-        if self.unit is not None and self.auto_reshard_after_forward:
-            self.unit.set_reshard_after_forward(False)
+        if self.auto_reshard_after_forward:
+            for unit in self.own_units:
+                unit.set_reshard_after_forward(False)
         scheduler = Scheduler(units)
         _register_borrowers(scheduler, states, units, root_module)
         # Settings made on any module of the tree before this first forward; the
@@ -199,8 +208,8 @@ class UnitState:
         if _compat.inside_backward():
             # Activation checkpointing recomputes this forward inside backward:
             # parameters must be present, but this is not a new forward pass.
-            if unit is not None:
-                scheduler.recompute_forward(unit)
+            for own in self.own_units:
+                scheduler.recompute_forward(own)
             for used in self.borrowed:
                 scheduler.recompute_forward(used)
             return self._cast_inputs(args, kwargs)
@@ -226,7 +235,7 @@ class UnitState:
         if self.borrowed:
             scheduler.borrow_forward(self.borrowed)
         if unit is not None:
-            scheduler.pre_forward(unit)
+            scheduler.pre_forward(*self.own_units)
         elif self.forward_prefetch:
             scheduler.prefetch(self.forward_prefetch)
         if torch.is_grad_enabled():
@@ -251,8 +260,8 @@ class UnitState:
         else:
             group_done = True
         if group_done:
-            if unit is not None:
-                scheduler.post_forward(unit)
+            for own in self.own_units:
+                scheduler.post_forward(own)
             if self.borrowed:
                 scheduler.return_forward(self.borrowed)
         if self._began_forward:
@@ -284,7 +293,8 @@ class UnitState:
             if state._pending_modules and state.unit is not None:
                 state._pending_modules.clear()
                 assert self.scheduler is not None
-                self.scheduler.post_forward(state.unit)
+                for unit in state.own_units:
+                    self.scheduler.post_forward(unit)
 
     def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         dtype = self._cast_inputs_to
@@ -354,7 +364,7 @@ class UnitState:
             root._finalize_queued = True
             _compat.queue_end_of_backward_callback(root._finalize_backward)
         if self.unit is not None:
-            self.scheduler.pre_backward(self.unit)
+            self.scheduler.pre_backward(*self.own_units)
         elif self.backward_prefetch:
             self.scheduler.prefetch(self.backward_prefetch)
         if self.borrowed:
@@ -364,7 +374,7 @@ class UnitState:
     def post_backward(self) -> None:
         assert self.scheduler is not None
         if self.unit is not None:
-            self.scheduler.post_backward(self.unit)
+            self.scheduler.post_backward(*self.own_units)
         if self.borrowed:
             self.scheduler.return_backward(self.borrowed)
 
@@ -398,7 +408,7 @@ class UnitState:
     def units_in_subtree(self, recurse: bool) -> list[Unit]:
         """This state's unit, and with ``recurse`` those of every state below it."""
         if not recurse:
-            return [self.unit] if self.unit is not None else []
+            return self.own_units
         units: list[Unit] = []
         seen: set[int] = set()
         for module in self.modules:
@@ -406,8 +416,14 @@ class UnitState:
                 state = state_of(sub)
                 if state is not None and state.unit is not None and id(state) not in seen:
                     seen.add(id(state))
-                    units.append(state.unit)
+                    units.extend(state.own_units)
         return units
+
+
+def _mesh_label(unit: Unit) -> str:
+    """Names a further mesh's unit after its mesh dims (the same on every rank)."""
+    names = unit.mesh_info.mesh.mesh_dim_names
+    return ",".join(names) if names else f"mesh of {unit.mesh_info.shard_size}"
 
 
 def _register_borrowers(

@@ -18,6 +18,12 @@ and a rank still reading it then fails with ``DistNetworkError`` instead)::
 and a rank that stops issuing collectives makes the others raise after
 ``timeout`` seconds, naming the ranks they waited for.
 
+Default mode already compares a fixed-size fingerprint of every CPU collective
+across its group before issuing it (see [Note: collective guard] in
+``_guard.py``), which catches mismatched collectives; debug mode goes through
+the key-value store instead, so it also names a rank that stopped issuing
+collectives altogether, and it covers accelerator collectives.
+
 Turn it on with the environment variable ``FSDP_COMPOSE_DEBUG_COLLECTIVES=1``
 (``FSDP_COMPOSE_DEBUG_TIMEOUT`` sets the timeout; by default it is the process
 group's own timeout, so debug mode never waits longer than the collective itself

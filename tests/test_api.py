@@ -11,12 +11,12 @@ import fsdp_compose
 PUBLIC = {
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx",
     "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardedGradScaler", "trace", "debug",
-    "PipelineStage", "whole_matrix", "safetensors_io",
+    "PipelineStage", "whole_matrix", "safetensors_io", "auto_wrap", "DataParallelMeshDims",
 }
-# FSDP2 methods we do not implement yet (they raise NotImplementedError with a reason)
-NOT_IMPLEMENTED = {"set_symm_mem_for_comm"}
+# FSDP2 methods missing from fsdp_compose (none left)
+NOT_IMPLEMENTED: set[str] = set()
 # Newer than the torch releases fsdp_compose targets, or private
-IGNORED = {"DataParallelMeshDims"}
+IGNORED: set[str] = set()
 
 
 def test_public_names() -> None:
@@ -49,6 +49,11 @@ def test_fsdp_module_methods_cover_fsdp2() -> None:
     assert not missing, f"FSDP2 methods missing from fsdp_compose.FSDPModule: {sorted(missing)}"
     for name in ours:
         assert getattr(fsdp_compose.FSDPModule, name).__doc__, f"FSDPModule.{name} needs a docstring"
+
+
+def test_data_parallel_mesh_dims_is_torchs() -> None:
+    # isinstance checks written against torch's class must accept ours
+    assert fsdp_compose.DataParallelMeshDims is torch_fsdp.DataParallelMeshDims
 
 
 def test_policies_are_frozen_dataclasses() -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn as nn
 from dist_utils import run_distributed
 from helpers import rank_world
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -49,7 +49,7 @@ def _error(fn) -> str:
 
 
 def _atomic_job() -> dict:
-    rank, world = rank_world()
+    _, world = rank_world()
     out: dict = {}
 
     # A later parameter fails: nothing was changed, and the suggested fix works.
@@ -65,7 +65,9 @@ def _atomic_job() -> dict:
     # shard_placement_fn: valid for the first parameter, invalid for a later one.
     m2 = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 4))  # 2nd weight: dim 1 of 3
     before = _snapshot(m2)
-    out["placement_error"] = _error(lambda: fully_shard(m2, shard_placement_fn=lambda p: Shard(p.dim() - 1)))
+    out["placement_error"] = _error(
+        lambda: fully_shard(m2, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    )
     out["placement_unchanged"] = _snapshot(m2) == before
     fully_shard(m2, shard_placement_fn=lambda p: Shard(0))
     out["placement_retry"] = tuple(m2(x).shape)
@@ -85,7 +87,9 @@ def _atomic_job() -> dict:
     other = nn.Linear(3, 2)
     m3 = nn.Sequential(nn.Linear(4, 4))
     out["ignored_error"] = _error(lambda: fully_shard(m3, ignored_params={other.weight}))
-    out["ignored_unchanged"] = not isinstance(m3, FSDPModule) and not isinstance(m3[0].weight, DTensor)
+    out["ignored_unchanged"] = not isinstance(m3, FSDPModule) and not isinstance(
+        m3[0].weight, DTensor
+    )
     # The original of a parameter a nested unit already sharded is accepted.
     tree = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 4))
     inner_weight = tree[0][0].weight
@@ -118,7 +122,6 @@ def test_fully_shard_is_atomic_and_messages_name_the_cause() -> None:
 
 
 def _sync_left_off_job() -> dict:
-    rank, world = rank_world()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     fully_shard(model[0])

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import rank_world
 from models import TINY_GPT
+from torch import nn
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 from fsdp_compose.debug import CollectiveMismatchError
@@ -44,7 +44,11 @@ def _net(block_policy_on_rank1: MixedPrecisionPolicy | None = None, **kwargs) ->
     torch.manual_seed(0)
     model = _Net()
     for i, block in enumerate(model.gpt.blocks):
-        mp = block_policy_on_rank1 if (rank == 1 and i == 0 and block_policy_on_rank1) else MixedPrecisionPolicy()
+        mp = (
+            block_policy_on_rank1
+            if (rank == 1 and i == 0 and block_policy_on_rank1)
+            else MixedPrecisionPolicy()
+        )
         fully_shard(block, mp_policy=mp, **kwargs)
     fully_shard(model, **kwargs)
     return model
@@ -102,7 +106,14 @@ def _desync_case(case: str) -> str:
     return "no error"
 
 
-CASES = ["skip_block", "requires_grad", "skip_batch", "unshard_one_rank", "mp_policy", "same_size_reduce_scatter"]
+CASES = [
+    "skip_block",
+    "requires_grad",
+    "skip_batch",
+    "unshard_one_rank",
+    "mp_policy",
+    "same_size_reduce_scatter",
+]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -113,7 +124,9 @@ def test_desync_raises_on_every_rank(case: str) -> None:
             assert "built different models" in message, message
             assert "unit 'gpt.blocks.0': mp_policy.param_dtype=" in message, message
         else:
-            assert message.startswith("CollectiveMismatchError: fsdp_compose collective mismatch"), (
+            assert message.startswith(
+                "CollectiveMismatchError: fsdp_compose collective mismatch"
+            ), (
                 rank,
                 message,
             )

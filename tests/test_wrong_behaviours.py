@@ -8,14 +8,14 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn as nn
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import full, local_slice, max_param_diff, rank_world
+from torch import nn
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 
-TINY = dict(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32)
+TINY = {"vocab_size": 97, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
 
 
 def _shard_gpt(model: GPT) -> GPT:
@@ -25,7 +25,9 @@ def _shard_gpt(model: GPT) -> GPT:
     return model
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, cfg: GPTConfig, steps: range, sharded: bool) -> list[float]:
+def _train(
+    model: nn.Module, opt: torch.optim.Optimizer, cfg: GPTConfig, steps: range, sharded: bool
+) -> list[float]:
     rank, world = rank_world()
     losses = []
     for step in steps:
@@ -66,7 +68,9 @@ def _mixed_dtype_job() -> dict:
         loss.backward()
         ref_loss = ref(x).pow(2).mean()
         ref_loss.backward()
-        out[f"grad_fc_{step}"] = (full(model.fc.weight.grad) - ref.fc.weight.grad).abs().max().item()
+        out[f"grad_fc_{step}"] = (
+            (full(model.fc.weight.grad) - ref.fc.weight.grad).abs().max().item()
+        )
         out[f"grad_gain_{step}"] = (
             (full(model.gain.grad).float() - ref.gain.grad.float()).abs().max().item()
         )
@@ -114,8 +118,10 @@ def _complex_job(optim: str) -> dict:
     model = copy.deepcopy(ref)
     fully_shard(model.spectral)
     fully_shard(model)
-    make = (lambda ps: torch.optim.Adam(ps, lr=1e-2)) if optim == "adam" else (
-        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    make = (
+        (lambda ps: torch.optim.Adam(ps, lr=1e-2))
+        if optim == "adam"
+        else (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
     )
     opt, ref_opt = make(model.parameters()), make(ref.parameters())
     torch.manual_seed(1)
@@ -164,7 +170,11 @@ def _inference_first_job() -> dict:
         model(x)
     _train(model, opt, cfg, range(2, 3), True)
     _train(ref, ref_opt, cfg, range(2, 3), False)
-    return {"eval_diff": eval_diff, "param_diff": max_param_diff(model, ref)[0], "losses": (losses, ref_losses)}
+    return {
+        "eval_diff": eval_diff,
+        "param_diff": max_param_diff(model, ref)[0],
+        "losses": (losses, ref_losses),
+    }
 
 
 def test_first_forward_under_inference_mode_then_training() -> None:
@@ -222,11 +232,16 @@ def _assign_into_meta_job() -> dict:
     cpu_model = _shard_gpt(GPT(cfg))
     cpu_model.load_state_dict(dict(full_sd), assign=True)
     out["cpu_views"] = [
-        n for n, p in cpu_model.named_parameters() if p.to_local().untyped_storage().data_ptr() in full_ptrs
+        n
+        for n, p in cpu_model.named_parameters()
+        if p.to_local().untyped_storage().data_ptr() in full_ptrs
     ]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    out["losses"] = _train(model, opt, cfg, range(2), True), _train(ref, ref_opt, cfg, range(2), False)
+    out["losses"] = (
+        _train(model, opt, cfg, range(2), True),
+        _train(ref, ref_opt, cfg, range(2), False),
+    )
     out["param_diff"] = max_param_diff(model, ref)[0]
     return out
 

@@ -1,0 +1,403 @@
+"""Estimator accuracy: predicted (``fsdp_compose.plan.estimate``) vs measured peak memory.
+
+    python benchmarks/estimator_accuracy.py                 # the BENCHMARKS.md table
+    python benchmarks/estimator_accuracy.py --quick         # a few rows
+
+For each case, ``W`` fresh rank processes (``harness.run_job``, gloo, one thread
+each) build the model on the meta device, apply ``fsdp_compose.auto_wrap`` with
+the case's settings, materialize their shards, create the optimizer, and then
+measure two training steps the way the memory benchmark does (``measure.py``):
+``VmHWM - RSS at reset`` plus this rank's sharded parameter bytes (resident
+before the reset), the largest over ranks. The estimate is computed once, in
+this process, on the meta device, for the same case. Ratio = measured / predicted.
+
+Models (``MODELS``): the examples' GPT, a Hugging Face Llama built from a config
+(no download), and the GPT with its LM head tied to the token embedding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch
+from torch import nn
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_EXAMPLES = os.path.join(os.path.dirname(_HERE), "examples")
+for _p in (_HERE, _EXAMPLES):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from gpt import GPT, GPTConfig
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration."""
+
+    model: str  # key of MODELS
+    world_size: int
+    reshard: bool | int = True
+    bf16: bool = False
+    offload: bool = False
+    checkpoint: bool = False
+    optimizer: str = "adamw"
+    batch: int = 2
+    seq: int = 256
+
+    @property
+    def label(self) -> str:
+        extra = [
+            x
+            for x, on in (("bf16", self.bf16), ("offload", self.offload), ("AC", self.checkpoint))
+            if on
+        ]
+        if self.optimizer != "adamw":
+            extra.append(self.optimizer)
+        return f"{self.model} W={self.world_size} reshard={self.reshard}" + (
+            " " + " ".join(extra) if extra else ""
+        )
+
+
+def _gpt(tied: bool, scale: str) -> nn.Module:
+    if scale == "test":
+        cfg = GPTConfig(
+            vocab_size=4096, block_size=128, n_layer=3, n_head=4, n_embd=256, tie_weights=tied
+        )
+    else:
+        cfg = GPTConfig(
+            vocab_size=8192, block_size=256, n_layer=4, n_head=6, n_embd=384, tie_weights=tied
+        )
+    with torch.device("meta"):
+        return GPT(cfg)
+
+
+def _llama(scale: str) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # (hidden, layers, heads, kv heads, MLP, vocab, positions)
+    sizes = (256, 3, 4, 2, 688, 4096, 128) if scale == "test" else (384, 4, 6, 2, 1024, 8192, 256)
+    hidden, layers, heads, kv_heads, mlp, vocab, positions = sizes
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=mlp,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+    )
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+MODELS = {
+    "gpt": lambda scale: _gpt(False, scale),
+    "llama": _llama,
+    "tied": lambda scale: _gpt(True, scale),
+}
+
+
+def build_meta(name: str, scale: str = "bench") -> nn.Module:
+    """The model ``name`` on the meta device (``scale``: ``bench`` or ``test``)."""
+    return MODELS[name](scale)
+
+
+def _policy(model: nn.Module) -> Any:
+    return getattr(model, "_no_split_modules", None) or ["Block"]
+
+
+def _policies(case: Case) -> tuple[Any, Any]:
+    from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if case.bf16
+        else MixedPrecisionPolicy()
+    )
+    return mp, (CPUOffloadPolicy(pin_memory=False) if case.offload else OffloadPolicy())
+
+
+def predict(case: Case, scale: str = "bench") -> Any:
+    """The estimator's :class:`MemoryEstimate` for ``case``."""
+    from fsdp_compose.plan import estimate
+
+    model = build_meta(case.model, scale)
+    mp, offload = _policies(case)
+    return estimate(
+        model,
+        batch=case.batch,
+        seq=case.seq,
+        world_size=case.world_size,
+        policy=_policy(model),
+        reshard_after_forward=case.reshard,
+        activation_checkpointing=case.checkpoint,
+        mp_policy=mp,
+        offload_policy=offload,
+        optimizer=case.optimizer,
+        device="cpu",
+    )
+
+
+def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-3)
+    if name == "sgd_momentum":
+        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def measure_rank(
+    case_dict: dict[str, Any], scale: str = "bench", plan: Any = None, steps: int = 1
+) -> dict[str, int]:
+    """Runs ``steps`` training steps on this rank (process group already up);
+    returns the measured peak (bytes) as the memory benchmark defines it."""
+    import measure
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compose import auto_wrap
+
+    case = Case(**case_dict)
+    torch.manual_seed(0)
+    model = build_meta(case.model, scale)
+    mp, offload = _policies(case)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if plan is None:
+        auto_wrap(
+            model,
+            _policy(model),
+            mesh=mesh,
+            reshard_after_forward=case.reshard,
+            mp_policy=mp,
+            offload_policy=offload,
+            activation_checkpointing=case.checkpoint,
+        )
+    else:
+        auto_wrap(model, plan=plan, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.normal_(0.0, 0.02)
+        for b in model.buffers():  # e.g. rotary frequencies: recompute as the model would
+            b.zero_()
+    optim = _optimizer(model, case.optimizer)
+    vocab = model.cfg.vocab_size if hasattr(model, "cfg") else model.config.vocab_size
+    gen = torch.Generator().manual_seed(dist.get_rank())
+
+    def step() -> None:
+        ids = torch.randint(0, vocab, (case.batch, case.seq), generator=gen)
+        out = model(ids)
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids.reshape(-1))
+        del out, logits
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=False)
+
+    # One warm-up step first: it creates the optimizer states and the gradients
+    # (kept: set_to_none=False) and pages in the code and lazily initialised
+    # buffers of torch, gloo and oneDNN, which are process overhead, not the
+    # model's memory. What is resident at the reset is then the sharded state.
+    step()
+    state_bytes = sum(_local_bytes(p) for p in model.parameters())
+    state_bytes += sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    state_bytes += sum(
+        _local_bytes(v)
+        for st in optim.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+    rss_at_reset = measure.reset_peak_rss()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    step_s = (time.perf_counter() - started) / steps
+    hwm = measure.peak_rss_bytes()
+    sent = _ideal_bytes_sent_per_step(step)
+    return {"measured": hwm - rss_at_reset + state_bytes, "step_s": step_s, "sent": sent}
+
+
+def _ideal_bytes_sent_per_step(step: Any) -> float:
+    """Bytes this rank sent in one more step, by an ideal algorithm, from the size of
+    every collective fsdp_compose issued (``probes.ideal_bytes_sent``)."""
+    from probes import ideal_bytes_sent
+
+    from fsdp_compose import _collectives
+
+    sent = [0.0]
+
+    def listener(event: str, info: Any) -> None:
+        if event == "issue":
+            sent[0] += ideal_bytes_sent(
+                info.kind, info.group_size, info.input_bytes, info.output_bytes
+            )
+
+    _collectives.add_listener(listener)
+    try:
+        step()
+    finally:
+        _collectives.remove_listener(listener)
+    return sent[0]
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def measure_job(config: dict[str, Any]) -> dict[str, Any]:
+    """``worker.py`` entry point (``kind: "estimate"``)."""
+    if not config.get("glibc_heap"):
+        mmap_large_allocations()
+    if config.get("calibrate"):
+        return calibrate_bandwidth()
+    plan = plan_from_dict(config["plan"]) if config.get("plan") else None
+    return measure_rank(
+        config["case"], config.get("scale", "bench"), plan=plan, steps=config.get("steps", 1)
+    )
+
+
+def plan_to_dict(plan: Any) -> dict[str, Any]:
+    return {
+        "prefetch_depth": plan.prefetch_depth,
+        "units": [[list(u.modules), u.reshard_after_forward, u.checkpoint] for u in plan.units],
+    }
+
+
+def plan_from_dict(d: dict[str, Any]) -> Any:
+    from fsdp_compose.plan import ShardingPlan, UnitPlan
+
+    return ShardingPlan(
+        tuple(UnitPlan(tuple(m), r, c) for m, r, c in d["units"]), d["prefetch_depth"]
+    )
+
+
+def calibrate_bandwidth(nbytes: int = 16 << 20, repeats: int = 5) -> dict[str, Any]:
+    """Bytes/s one rank sends in an all-gather over the default group (gloo)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    chunk = torch.ones(nbytes // 4 // world)
+    out = torch.empty(chunk.numel() * world)
+    dist.all_gather_into_tensor(out, chunk)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_gather_into_tensor(out, chunk)
+    elapsed = (time.perf_counter() - start) / repeats
+    sent = (world - 1) / world * out.numel() * 4
+    return {"measured": 0, "bandwidth": sent / elapsed, "step_s": elapsed}
+
+
+def mmap_large_allocations(threshold: int = 65536) -> None:
+    """Makes glibc serve every allocation above ``threshold`` bytes with its own
+    mapping, returned to the kernel when freed, so that the resident set follows
+    the live tensors. With glibc's default (a dynamic threshold that grows to
+    32 MiB after the first large free), freed blocks stay in the heap and the
+    resident peak adds fragmentation that depends on the order of frees.
+    """
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    m_mmap_threshold = -3  # <malloc.h>; setting it also turns the dynamic threshold off
+    if libc.mallopt(m_mmap_threshold, threshold) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+
+
+def run_case(case: Case, scale: str = "bench", glibc_heap: bool = False) -> dict[str, Any]:
+    """Measures ``case`` on fresh ranks and compares with the estimate.
+
+    Unless ``glibc_heap``, the ranks set glibc's mmap threshold to 64 KiB
+    (:func:`mmap_large_allocations`).
+    """
+    from harness import run_job
+
+    est = predict(case, scale)
+    ranks = run_job(
+        {
+            "kind": "estimate",
+            "impl": "fsdp_compose",
+            "world_size": case.world_size,
+            "case": asdict(case),
+            "scale": scale,
+            "glibc_heap": glibc_heap,
+        },
+        timeout_s=900,
+    )
+    measured = max(r["measured"] for r in ranks)
+    return {
+        "case": case.label,
+        "predicted": est.peak_bytes_per_rank,
+        "measured": measured,
+        "ratio": measured / est.peak_bytes_per_rank,
+        "peak_at": est.peak_at,
+        "step_s": max(r["step_s"] for r in ranks),
+    }
+
+
+def cases(quick: bool) -> list[Case]:
+    out: list[Case] = []
+    worlds = (1, 2, 4, 8)
+    for model in ("gpt", "llama", "tied"):
+        for w in worlds:
+            out.append(Case(model, w))
+    for w in (2, 8):
+        out.append(Case("gpt", w, reshard=False))
+        out.append(Case("llama", w, reshard=False))
+    out.append(Case("gpt", 8, reshard=2))
+    out.append(Case("gpt", 8, reshard=4))
+    for w in (1, 4):
+        out.append(Case("gpt", w, bf16=True))
+        out.append(Case("llama", w, bf16=True))
+        out.append(Case("gpt", w, offload=True))
+        out.append(Case("gpt", w, checkpoint=True))
+    out.append(Case("gpt", 4, optimizer="sgd"))
+    if quick:
+        out = [c for c in out if c.world_size in (1, 4) and c.model == "gpt"][:4]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a few cases only")
+    parser.add_argument(
+        "--glibc-heap",
+        action="store_true",
+        help="keep glibc's default mmap threshold (the resident peak then includes heap fragmentation)",
+    )
+    args = parser.parse_args()
+    rows = []
+    print("| case | predicted (MiB) | measured (MiB) | measured / predicted | predicted peak at |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for case in cases(args.quick):
+        r = run_case(case, glibc_heap=args.glibc_heap)
+        rows.append(r)
+        print(
+            f"| {r['case']} | {r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "
+            f"{r['ratio']:.3f} | {r['peak_at']} |",
+            flush=True,
+        )
+    ratios = [r["ratio"] for r in rows]
+    print(
+        f"\n{len(rows)} cases; measured/predicted from {min(ratios):.3f} to {max(ratios):.3f}; "
+        f"{sum(abs(x - 1) <= 0.10 for x in ratios)} within 10%"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""``python -m fsdp_compose.plan``: per-rank memory, communication and a plan, before launch.
+
+    python -m fsdp_compose.plan CONFIG --world-size N --batch B --seq S [--budget 80GiB] [--json]
+
+CONFIG is a Hugging Face ``config.json`` (or a folder holding one), or a Python
+factory ``package.module:function`` returning an ``nn.Module``. The model is
+built on the meta device: no weights are materialized and no ranks launched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._estimate import OPTIMIZERS, _check_mesh, estimate, format_bytes, parse_bytes
+from ._planner import CostModel, plan_to_budget
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed without a traceback."""
+
+
+def load_model(config: str, dtype: torch.dtype) -> nn.Module:
+    """Builds the model CONFIG names on the meta device."""
+    if ":" in config and not os.path.exists(config):
+        module_name, _, attr = config.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise UsageError(f"cannot import the factory {config!r}: {exc}") from None
+        with torch.device("meta"):
+            model = factory()
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"{config} returned {type(model).__name__}, not an nn.Module")
+        return model.to(dtype) if dtype != torch.float32 else model
+    path = os.path.join(config, "config.json") if os.path.isdir(config) else config
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise UsageError(
+            f'{path} is not a model config: no "model_type" key (expected a Hugging Face config.json, '
+            "or a factory written module:function)"
+        )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise UsageError(
+            "reading a config.json needs transformers (pip install transformers)"
+        ) from None
+    try:
+        cfg = AutoConfig.for_model(**data)
+    except (ValueError, KeyError) as exc:
+        raise UsageError(f"{path}: transformers cannot read this config: {exc}") from None
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        except ValueError as exc:
+            raise UsageError(
+                f"{path}: no causal-LM class for model_type {data['model_type']!r}: {exc}"
+            ) from None
+
+
+def _reshard(text: str) -> bool | int:
+    low = text.lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no"):
+        return False
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected true, false or an int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"an int reshard_after_forward must be >= 1, got {value}")
+    return value
+
+
+def _mesh(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(x) for x in text.replace("x", ",").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected SHARD or REPLICATE,SHARD, got {text!r}"
+        ) from None
+    if not 1 <= len(dims) <= 2 or min(dims) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected SHARD or REPLICATE,SHARD of positive ints, got {text!r}"
+        )
+    return dims
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _rate(text: str) -> float:
+    try:
+        return float(parse_bytes(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m fsdp_compose.plan",
+        description="Per-rank memory and communication of an fsdp_compose training step, "
+        "and a plan that fits a budget, without launching ranks.",
+    )
+    p.add_argument("config", help="a Hugging Face config.json (or its folder), or module:function")
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    p.add_argument("--mesh-shape", type=_mesh, default=None, help="SHARD or REPLICATE,SHARD (HSDP)")
+    p.add_argument("--batch", type=int, required=True, help="micro-batch per rank (sequences)")
+    p.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
+    p.add_argument(
+        "--budget", type=_size, default=None, help="memory per rank, e.g. 80GiB: plan to fit it"
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default="fp32", help="parameter (master) dtype"
+    )
+    p.add_argument(
+        "--param-dtype", choices=sorted(_DTYPES), default=None, help="mixed-precision compute dtype"
+    )
+    p.add_argument(
+        "--reduce-dtype", choices=sorted(_DTYPES), default=None, help="gradient reduction dtype"
+    )
+    p.add_argument(
+        "--offload", action="store_true", help="CPUOffloadPolicy (shards, grads, optimizer on host)"
+    )
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
+    p.add_argument(
+        "--reshard", type=_reshard, default=None, help="reshard_after_forward of non-root units"
+    )
+    p.add_argument("--prefetch", type=int, default=None, help="prefetch depth (default 1)")
+    p.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing of every unit"
+    )
+    p.add_argument(
+        "--no-checkpointing-in-plan", action="store_true", help="the planner may not use it"
+    )
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where training runs")
+    p.add_argument(
+        "--policy",
+        default=None,
+        help="module class names (comma separated) or a parameter count (default: _no_split_modules)",
+    )
+    p.add_argument(
+        "--flop-rate", type=_rate, default=CostModel.flop_rate, help="FLOP/s per rank (planner)"
+    )
+    p.add_argument(
+        "--bandwidth", type=_rate, default=CostModel.bandwidth, help="bytes/s per rank (planner)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # bad combinations, reported by the library in words
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _policy(text: str | None) -> Any:
+    if text is None:
+        return None
+    return int(text) if text.isdigit() else [s.strip() for s in text.split(",") if s.strip()]
+
+
+def _run(args: argparse.Namespace) -> int:
+    for name in ("world_size", "batch", "seq"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive int")
+    _check_mesh(args.world_size, args.mesh_shape)  # before the (slow) model build
+    model = load_model(args.config, _DTYPES[args.dtype])
+    mp = MixedPrecisionPolicy(
+        param_dtype=_DTYPES[args.param_dtype] if args.param_dtype else None,
+        reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
+    )
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=False) if args.offload else OffloadPolicy()
+    common: dict[str, Any] = {
+        "batch": args.batch,
+        "seq": args.seq,
+        "world_size": args.world_size,
+        "mesh_shape": args.mesh_shape,
+        "policy": _policy(args.policy),
+        "mp_policy": mp,
+        "offload_policy": offload,
+        "optimizer": args.optimizer,
+        "device": args.device,
+    }
+    est = estimate(
+        model,
+        reshard_after_forward=args.reshard,
+        prefetch_depth=args.prefetch,
+        activation_checkpointing=True if args.checkpointing else None,
+        **common,
+    )
+    result = None
+    if args.budget is not None:
+        result = plan_to_budget(
+            model,
+            args.budget,
+            activation_checkpointing=not args.no_checkpointing_in_plan,
+            cost=CostModel(flop_rate=args.flop_rate, bandwidth=args.bandwidth),
+            **common,
+        )
+    params = sum(p.numel() for p in model.parameters())
+    if args.json:
+        out = est.to_dict()
+        out.pop("units")
+        out["model"] = {"config": args.config, "class": type(model).__name__, "parameters": params}
+        if result is not None:
+            plan = result.to_dict()
+            plan["estimate"].pop("units")
+            out["plan"] = plan
+        print(json.dumps(out))
+        return 0 if result is None or result.fits else 1
+    print(
+        f"{type(model).__name__}: {params / 1e9:.2f}B parameters ({args.dtype}), "
+        f"W={args.world_size}, micro-batch {args.batch} x {args.seq} tokens per rank"
+    )
+    print(est.table())
+    if result is not None:
+        print()
+        print(f"plan for a budget of {format_bytes(result.budget_bytes)} per rank:")
+        print(result.table())
+    return 0 if result is None or result.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,546 @@
+"""Per-rank memory and communication of a training step, predicted without ranks.
+
+:func:`estimate` profiles the model once on the meta device (``_profile.py``),
+then walks one training step unit by unit, the way fsdp_compose's scheduler runs
+it, and keeps the largest total it sees.
+
+[Note: the memory model]
+Per rank (the worst rank: rank 0 holds ``ceil(rows / W)`` rows of every
+parameter), with ``W`` the shard group size:
+
+* **params, grads, optimizer_state** (resident all step): the padded shards in
+  the parameters' own dtype; gradients for trainable parameters; AdamW keeps two
+  states per element, SGD with momentum and Muon one (Muon's non-matrix
+  parameters use AdamW), plain SGD none. Gradients are counted all step, as if
+  ``zero_grad(set_to_none=False)``: that is also the state during gradient
+  accumulation and at the optimizer step.
+* **unsharded**: each unit's all-gather buffer, ``W * row`` elements in the
+  compute dtype (``MixedPrecisionPolicy.param_dtype``), from its gather (or
+  prefetch ``prefetch_depth`` units ahead) until it is resharded: after forward
+  for ``reshard_after_forward=True``, to ``1/k`` of it for an int ``k``, never for
+  ``False`` (the root's default); after its backward in any case. A unit's
+  unsharded gradients (compute dtype) live from its backward until they are
+  packed for the reduce-scatter. At ``W = 1`` without casts or offload the
+  unsharded parameters alias the shards and cost nothing.
+* **activations**: the bytes autograd saves, per unit, as measured on the meta
+  device (``[Note: activations from saved tensors]``), freed unit by unit in
+  backward; with activation checkpointing a unit keeps only its inputs and
+  recomputes the rest while its backward runs. While a unit's backward runs it
+  also holds gradients of its activations, taken as its largest saved tensor;
+  at the start of backward the loss gradient (the size of the largest tensor the
+  root saved, typically the logits) is added.
+* **comm_buffers**: the reduce-scatter input (``W * row``) and output (``row``)
+  in the reduce dtype; fsdp_compose completes one unit's reduce-scatter before
+  packing the next, so at most one is alive besides the one being packed.
+
+Not modelled: allocator fragmentation/caching, kernel workspaces, CUDA context,
+optimizer temporaries (torch's ``foreach`` AdamW holds one extra copy of the
+states it updates at once), the Muon owner rank's gathered matrix.
+
+Communication is the ideal per-rank byte count (see ``benchmarks/probes.py``):
+an all-gather sends ``(W-1)/W`` of its output, a reduce-scatter ``(W-1)/W`` of its
+input, an all-reduce (HSDP replicas, ``R``) ``2 (R-1)/R`` of the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .._mesh import validate_reshard_after_forward
+from .._policies import MixedPrecisionPolicy, OffloadPolicy
+from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
+from ._profile import ROOT, ModelProfile, ModuleProfile, StepFn, default_step, profile_model
+
+__all__ = ["MemoryEstimate", "estimate", "format_bytes", "parse_bytes"]
+
+BREAKDOWN_KEYS = ("params", "grads", "optimizer_state", "unsharded", "activations", "comm_buffers")
+OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "muon": 1}
+
+
+@dataclass(frozen=True)
+class UnitEstimate:
+    """Per-rank figures of one unit (bytes)."""
+
+    name: str
+    numel: int
+    sharded_bytes: int
+    unsharded_bytes: int
+    reshard_after_forward: bool | int
+    checkpoint: bool
+    activation_bytes: int
+    flops: float
+    all_gather_bytes: int  # sent per step (forward + backward re-gather)
+    backward_gather_bytes: int  # of which the backward re-gather
+    reduce_bytes: int  # sent per step (reduce-scatter + HSDP all-reduce)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted per-rank peak memory of one training step, and its communication.
+
+    Attributes:
+        peak_bytes_per_rank: the largest memory the step holds on one rank.
+        breakdown: the terms of that peak (``params``, ``grads``,
+            ``optimizer_state``, ``unsharded``, ``activations``, ``comm_buffers``).
+        peak_at: where in the step the peak occurs.
+        comm_bytes_per_rank_per_step: bytes one rank sends per step (ideal).
+        host_bytes_per_rank: offloaded state held in host memory (``device="cuda"``
+            with ``CPUOffloadPolicy``), not part of the peak.
+        units: per-unit figures, in forward order (the root first).
+        config: the inputs of the estimate.
+    """
+
+    peak_bytes_per_rank: int
+    breakdown: dict[str, int]
+    peak_at: str
+    comm_bytes_per_rank_per_step: int
+    host_bytes_per_rank: int
+    units: tuple[UnitEstimate, ...]
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (what ``--json`` prints)."""
+        return {
+            "peak_bytes_per_rank": self.peak_bytes_per_rank,
+            "breakdown": dict(self.breakdown),
+            "peak_at": self.peak_at,
+            "comm_bytes_per_rank_per_step": self.comm_bytes_per_rank_per_step,
+            "host_bytes_per_rank": self.host_bytes_per_rank,
+            "config": self.config,
+            "units": [u.__dict__ for u in self.units],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def table(self) -> str:
+        """The breakdown as a small text table."""
+        rows = [(k, format_bytes(v)) for k, v in self.breakdown.items()]
+        rows.append(("peak per rank", format_bytes(self.peak_bytes_per_rank)))
+        rows.append(("  (at)", self.peak_at))
+        if self.host_bytes_per_rank:
+            rows.append(("host (offloaded)", format_bytes(self.host_bytes_per_rank)))
+        rows.append(("sent per rank per step", format_bytes(self.comm_bytes_per_rank_per_step)))
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"{k:<{width}}  {v:>12}" for k, v in rows)
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.50 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def parse_bytes(text: str | int) -> int:
+    """``'80GiB'``, ``'1.5 GB'``, ``'4096'`` -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ValueError(f"a memory size must be positive, got {text}")
+        return text
+    units = {
+        "": 1,
+        "b": 1,
+        "k": 1000,
+        "kb": 1000,
+        "kib": 1024,
+        "m": 1000**2,
+        "mb": 1000**2,
+        "mib": 1024**2,
+        "g": 1000**3,
+        "gb": 1000**3,
+        "gib": 1024**3,
+        "t": 1000**4,
+        "tb": 1000**4,
+        "tib": 1024**4,
+    }
+    s = str(text).strip().lower().replace(" ", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise ValueError(f"cannot read {text!r} as a memory size; write e.g. 80GiB, 1.5GB or 4096")
+    return int(value * units[unit])
+
+
+@dataclass
+class _Unit:
+    """Simulation view of one unit at a given world size."""
+
+    name: str
+    profile: ModuleProfile
+    reshard: bool | int
+    checkpoint: bool
+    sharded: int = 0  # params, own dtype, padded
+    grads: int = 0
+    opt: int = 0
+    unsharded: int = 0  # all-gather buffer, compute dtype
+    unsharded_grads: int = 0
+    rs_buffers: int = 0
+    numel: int = 0
+    ag_send: int = 0
+    ag_backward: int = 0
+    reduce_send: int = 0
+
+    def kept_after_forward(self) -> int:
+        if self.reshard is True:
+            return 0
+        if self.reshard is False:
+            return self.unsharded
+        return self.unsharded // int(self.reshard)
+
+    @property
+    def saved(self) -> int:
+        return self.profile.input_bytes if self.checkpoint else self.profile.saved_bytes
+
+
+def _check_mesh(world_size: int | None, mesh_shape: Sequence[int] | None) -> tuple[int, int]:
+    """(replicate, shard) sizes; raises on a mesh the world size cannot hold."""
+    if mesh_shape is None:
+        if world_size is None:
+            raise ValueError("give world_size (or mesh_shape)")
+        mesh_shape = (world_size,)
+    shape = tuple(mesh_shape)
+    if not 1 <= len(shape) <= 2 or not all(isinstance(s, int) and s > 0 for s in shape):
+        raise ValueError(
+            f"mesh_shape must be (shard,) or (replicate, shard) positive ints, got {mesh_shape!r}"
+        )
+    total = 1
+    for s in shape:
+        total *= s
+    if world_size is not None:
+        if not isinstance(world_size, int) or world_size <= 0:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if total != world_size:
+            raise ValueError(
+                f"mesh shape {shape} holds {total} ranks, not world size {world_size}; "
+                f"the product of the mesh dimensions must equal the world size"
+            )
+    return (1, shape[0]) if len(shape) == 1 else (shape[0], shape[1])
+
+
+def estimate(
+    model: nn.Module,
+    *,
+    batch: int,
+    seq: int,
+    world_size: int | None = None,
+    mesh_shape: Sequence[int] | None = None,
+    policy: WrapPolicy = None,
+    plan: ShardingPlan | None = None,
+    reshard_after_forward: bool | int | None = None,
+    prefetch_depth: int | None = None,
+    activation_checkpointing: bool | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    optimizer: str = "adamw",
+    device: str = "cuda",
+    step_fn: StepFn = default_step,
+    profile: ModelProfile | None = None,
+) -> MemoryEstimate:
+    """Predicts per-rank peak memory and bytes sent per step, without launching ranks.
+
+    The model is never materialized (build it under ``torch.device("meta")``) and
+    never modified: one forward and backward run on the meta device with
+    substituted parameters. See ``[Note: the memory model]`` for what is counted.
+
+    Args:
+        model: the unwrapped model, usually on the meta device.
+        batch: micro-batch size per rank (sequences).
+        seq: sequence length (tokens).
+        world_size: number of ranks (``mesh_shape`` may be given instead).
+        mesh_shape: ``(shard,)`` or, for HSDP, ``(replicate, shard)``.
+        policy: the wrap policy (see :func:`~fsdp_compose.auto_wrap`); ignored
+            when ``plan`` is given.
+        plan: the units, with per-unit ``reshard_after_forward`` and checkpointing.
+        reshard_after_forward, prefetch_depth, activation_checkpointing: override
+            the plan's values for every non-root unit (``None``: keep them).
+        mp_policy: the mixed-precision policy (compute, reduce dtypes).
+        offload_policy: ``CPUOffloadPolicy()`` moves the shards, gradients and
+            optimizer states to the host; with ``device="cuda"`` they leave the
+            device peak and are reported as ``host_bytes_per_rank``.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"`` or
+            ``"muon"``.
+        device: ``"cuda"`` (default) or ``"cpu"``: where the training runs; it only
+            matters with offload (on ``"cpu"`` the offloaded state stays in the peak).
+        step_fn: ``fn(model, batch, seq) -> loss`` for one step (default: token
+            ids in, cross-entropy on the logits).
+        profile: a profile from an earlier call with the same model, units,
+            batch, sequence length and compute dtype (the planner reuses it).
+
+    Returns:
+        A :class:`MemoryEstimate`.
+
+    Raises:
+        ValueError: inconsistent mesh and world size, an unknown optimizer or
+            device, a plan that does not match the model.
+    """
+    replicate, shard = _check_mesh(world_size, mesh_shape)
+    for name, value in (("batch", batch), ("seq", seq)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZERS)}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if plan is None:
+        plan = resolve_plan(model, policy)
+    plan.validate_for(model)
+    plan = _override(plan, reshard_after_forward, prefetch_depth, activation_checkpointing)
+    unit_modules = [m for u in plan.units[:-1] for m in u.modules]
+    if profile is None:
+        profile = profile_model(
+            model,
+            unit_modules,
+            batch=batch,
+            seq=seq,
+            compute_dtype=mp_policy.param_dtype,
+            step_fn=step_fn,
+        )
+    offload = type(offload_policy).__name__ == "CPUOffloadPolicy"
+    units = _build_units(plan, profile, shard, replicate, mp_policy, offload, optimizer)
+    per_unit_states = {
+        "params": sum(u.sharded for u in units),
+        "grads": sum(u.grads for u in units),
+        "optimizer_state": sum(u.opt for u in units),
+    }
+    host = 0
+    if offload and device == "cuda":
+        host = sum(per_unit_states.values())
+        per_unit_states = dict.fromkeys(per_unit_states, 0)
+    peak, at, terms = _simulate(units, profile, plan.prefetch_depth)
+    breakdown = {**per_unit_states, **terms}
+    config = {
+        "world_size": replicate * shard,
+        "mesh_shape": [replicate, shard] if replicate > 1 else [shard],
+        "batch": batch,
+        "seq": seq,
+        "param_dtype": str(mp_policy.param_dtype),
+        "reduce_dtype": str(mp_policy.reduce_dtype),
+        "offload": offload,
+        "optimizer": optimizer,
+        "device": device,
+        "prefetch_depth": plan.prefetch_depth,
+        "units": len(plan.units),
+    }
+    return MemoryEstimate(
+        peak_bytes_per_rank=sum(per_unit_states.values()) + peak,
+        breakdown={k: breakdown[k] for k in BREAKDOWN_KEYS},
+        peak_at=at,
+        comm_bytes_per_rank_per_step=sum(u.ag_send + u.reduce_send for u in units),
+        host_bytes_per_rank=host,
+        units=tuple(
+            UnitEstimate(
+                u.name,
+                u.numel,
+                u.sharded,
+                u.unsharded,
+                u.reshard,
+                u.checkpoint,
+                u.saved,
+                u.profile.flops,
+                u.ag_send,
+                u.ag_backward,
+                u.reduce_send,
+            )
+            for u in units
+        ),
+        config=config,
+    )
+
+
+def _override(
+    plan: ShardingPlan, reshard: bool | int | None, depth: int | None, checkpoint: bool | None
+) -> ShardingPlan:
+    if reshard is None and depth is None and checkpoint is None:
+        return plan
+    units = [
+        UnitPlan(
+            u.modules,
+            u.reshard_after_forward if reshard is None or u.modules == (ROOT,) else reshard,
+            u.checkpoint if checkpoint is None or u.modules == (ROOT,) else checkpoint,
+        )
+        for u in plan.units
+    ]
+    return ShardingPlan(tuple(units), plan.prefetch_depth if depth is None else depth, plan.skipped)
+
+
+def _build_units(
+    plan: ShardingPlan,
+    profile: ModelProfile,
+    shard: int,
+    replicate: int,
+    mp: MixedPrecisionPolicy,
+    offload: bool,
+    optimizer: str,
+) -> list[_Unit]:
+    """Units in forward order (root first), with their per-rank sizes."""
+    by_module: dict[str, UnitPlan] = {m: u for u in plan.units for m in u.modules}
+    order = [ROOT, *[m for m in profile.forward_order if m in by_module]]
+    # Units that never ran forward still hold state (and gather nothing).
+    order += [m for m in by_module if m not in order]
+    seen_units: dict[UnitPlan, _Unit] = {}
+    out: list[_Unit] = []
+    frac = (shard - 1) / shard
+    for fqn in order:
+        up = by_module[fqn]
+        if up in seen_units:
+            _merge(seen_units[up], profile.modules[fqn])
+            continue
+        reshard: bool | int = (
+            up.reshard_after_forward if up.reshard_after_forward is not None else fqn != ROOT
+        )
+        # fsdp_compose's own normalisation: 1 -> False, the shard size -> True,
+        # an int that does not divide the shard group is an error.
+        reshard = validate_reshard_after_forward(reshard, shard)
+        unit = _Unit(up.name, ModuleProfile(fqn), reshard, up.checkpoint)
+        _merge(unit, profile.modules[fqn])
+        seen_units[up] = unit
+        out.append(unit)
+    for u in out:
+        _size(u, shard, replicate, mp, offload, optimizer, frac)
+    return out
+
+
+def _merge(unit: _Unit, prof: ModuleProfile) -> None:
+    p = unit.profile
+    p.params.extend(prof.params)
+    p.saved_bytes += prof.saved_bytes
+    p.input_bytes += prof.input_bytes
+    p.largest_saved = max(p.largest_saved, prof.largest_saved)
+    p.flops += prof.flops
+
+
+def _size(
+    u: _Unit,
+    shard: int,
+    replicate: int,
+    mp: MixedPrecisionPolicy,
+    offload: bool,
+    optimizer: str,
+    frac: float,
+) -> None:
+    per_state = OPTIMIZERS[optimizer]
+    row_bytes = 0  # compute dtype
+    reduce_row = 0
+    alias = shard == 1 and not offload
+    for p in u.profile.params:
+        n = p.shard_numel(shard)
+        u.numel += p.numel
+        u.sharded += n * p.dtype.itemsize
+        compute = (
+            mp.param_dtype if mp.param_dtype is not None and p.dtype.is_floating_point else p.dtype
+        )
+        if compute != p.dtype:
+            alias = False
+        row_bytes += n * compute.itemsize
+        if p.trainable:
+            u.grads += n * p.dtype.itemsize
+            states = per_state
+            if optimizer == "muon" and len(p.shape) != 2:
+                states = OPTIMIZERS["adamw"]  # Muon is for matrices; the rest use AdamW
+            u.opt += states * n * p.dtype.itemsize
+            reduce = mp.reduce_dtype or compute
+            reduce_row += n * reduce.itemsize
+            u.unsharded_grads += p.numel * compute.itemsize
+    if alias:
+        u.unsharded = 0
+        u.unsharded_grads = 0
+        u.rs_buffers = 0
+    else:
+        u.unsharded = shard * row_bytes
+        u.rs_buffers = shard * reduce_row + (reduce_row if shard > 1 else 0)
+    if shard > 1:
+        if isinstance(u.reshard, bool):
+            regather = 1.0 if u.reshard else 0.0
+        else:  # within the post-forward group of k ranks
+            k = u.reshard
+            regather = (k - 1) / k * shard / (shard - 1)
+        u.ag_backward = round(frac * u.unsharded * regather)
+        u.ag_send = round(frac * u.unsharded) + u.ag_backward
+        u.reduce_send = round(frac * shard * reduce_row)
+    if replicate > 1:
+        u.reduce_send += round(2 * (replicate - 1) / replicate * reduce_row)
+
+
+def _simulate(
+    units: list[_Unit], profile: ModelProfile, depth: int
+) -> tuple[int, str, dict[str, int]]:
+    """Walks one step; returns (peak of the transient terms, where, terms at the peak)."""
+    root, blocks = units[0], units[1:]
+    best: tuple[int, str, dict[str, int]] = (-1, "", {})
+    held: dict[str, int] = {}  # unit name -> unsharded param bytes it holds
+    state = {"unsharded": 0, "activations": 0, "comm_buffers": 0}
+
+    def total_unsharded() -> int:
+        return sum(held.values())
+
+    def mark(where: str, extra_act: int = 0, extra_unsh: int = 0, extra_comm: int = 0) -> None:
+        nonlocal best
+        terms = {
+            "unsharded": total_unsharded() + state["unsharded"] + extra_unsh,
+            "activations": state["activations"] + extra_act,
+            "comm_buffers": state["comm_buffers"] + extra_comm,
+        }
+        total = sum(terms.values())
+        if total > best[0]:
+            best = (total, where, terms)
+
+    def gather(u: _Unit) -> None:
+        held[u.name] = u.unsharded
+
+    # forward
+    gather(root)
+    for u in blocks[:depth]:
+        gather(u)
+    state["activations"] += profile.root_before
+    mark("forward, start")
+    for i, u in enumerate(blocks):
+        gather(u)
+        for nxt in blocks[i + 1 : i + 1 + depth]:
+            gather(nxt)
+        mark(f"forward {u.name}", extra_act=u.profile.saved_bytes)  # also AC runs it fully
+        state["activations"] += u.saved
+        held[u.name] = u.kept_after_forward()
+    state["activations"] += profile.root_after
+    mark("end of forward")
+
+    # backward: the loss gradient first, then the root's own backward (its
+    # gradients), then the units in reverse.
+    state["unsharded"] += root.unsharded_grads
+    mark("backward, loss", extra_act=profile.loss_grad_bytes)
+    state["activations"] -= profile.root_after
+    pending = 0  # reduce-scatter buffers in flight
+    rev = list(reversed(blocks))
+    for i, u in enumerate(rev):
+        gather(u)
+        for prev in rev[i + 1 : i + 1 + depth]:
+            if held.get(prev.name, 0) < prev.unsharded:
+                gather(prev)
+        recompute = u.profile.saved_bytes if u.checkpoint else 0
+        working = u.profile.largest_saved * 2  # incoming and outgoing activation gradients
+        mark(
+            f"backward {u.name}",
+            extra_act=recompute + working,
+            extra_unsh=u.unsharded_grads,
+            extra_comm=pending,
+        )
+        state["activations"] -= u.saved
+        held[u.name] = 0  # reshard after backward: before the reduction allocates
+        # pack this unit's gradients while the previous reduction completes
+        mark(f"reduce {u.name}", extra_unsh=u.unsharded_grads, extra_comm=u.rs_buffers)
+        pending = u.rs_buffers
+    state["activations"] -= profile.root_before
+    mark("backward, root", extra_comm=pending)
+    mark("reduce root", extra_comm=root.rs_buffers + pending)
+    return best[0], best[1], best[2]

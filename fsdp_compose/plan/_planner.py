@@ -1,0 +1,446 @@
+"""Choose a sharding plan that fits a per-rank memory budget.
+
+[Note: the planner's cost model]
+Step time = compute + exposed communication, per rank:
+
+* compute of a unit = its forward + backward FLOPs (measured on the meta device
+  by ``torch.utils.flop_counter``) / ``flop_rate``; forward is a third of it,
+  backward two thirds, and activation checkpointing adds the forward again to
+  backward;
+* a collective takes ``latency + bytes sent / bandwidth`` (the ideal per-rank
+  bytes of ``_estimate.py``) and collectives run one at a time;
+* overlap follows fsdp_compose's scheduler: with prefetch depth ``d`` a unit's
+  all-gather is issued when the unit ``d`` places earlier (in forward, or in
+  backward's reverse order) starts computing (``d = 0``: when it is needed);
+  a unit's compute starts when its parameters have arrived; its reduce-scatter
+  is issued when its backward ends and the step ends when the last one is done.
+
+Exposed communication = step time - compute. The search is exhaustive over the
+choices below (each candidate costs one pass of the memory walk, the model is
+profiled once): units of ``g`` consecutive policy units (``g`` in 1, 2, 4),
+``reshard_after_forward=False`` on the last ``m`` units of forward order (the
+first ones backward needs) and ``True`` on the rest, prefetch depth 0, 1 or 2,
+activation checkpointing of every unit off or on. Among the candidates whose
+predicted peak fits the budget, the one with the least predicted step time is
+chosen (ties: fewer bytes sent, then less memory).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .._policies import MixedPrecisionPolicy, OffloadPolicy
+from ._estimate import MemoryEstimate, _check_mesh, estimate, format_bytes, parse_bytes
+from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
+from ._profile import ROOT, StepFn, default_step, profile_model
+
+__all__ = ["CostModel", "PlanResult", "plan_to_budget"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Rates the planner's step-time model uses (see ``[Note: the planner's cost model]``).
+
+    Args:
+        flop_rate: sustained FLOP/s of one rank's training compute.
+        bandwidth: bytes/s one rank sends in a collective.
+        latency: seconds of fixed cost per collective.
+    """
+
+    flop_rate: float = 400e12
+    bandwidth: float = 25e9
+    latency: float = 20e-6
+
+    def __post_init__(self) -> None:
+        for name in ("flop_rate", "bandwidth"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
+                raise ValueError(f"CostModel.{name} must be a positive number, got {v!r}")
+        if not self.latency >= 0:
+            raise ValueError(f"CostModel.latency must be >= 0, got {self.latency!r}")
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The planner's answer.
+
+    Attributes:
+        fits: whether some candidate fits the budget.
+        plan: the chosen plan (``None`` when nothing fits); apply it with
+            ``auto_wrap(model, plan=result.plan, ...)``.
+        estimate: the chosen plan's estimate (when nothing fits: the plan
+            with the smallest peak).
+        budget_bytes: the budget.
+        step_time_s, exposed_comm_s: the cost model's prediction for the plan.
+        candidates: how many candidates were evaluated.
+        shortfall_bytes: how much more memory per rank the smallest candidate
+            needs (0 when it fits).
+        suggestions: what would fit when nothing does.
+    """
+
+    fits: bool
+    plan: ShardingPlan | None
+    estimate: MemoryEstimate
+    budget_bytes: int
+    step_time_s: float
+    exposed_comm_s: float
+    candidates: int
+    shortfall_bytes: int = 0
+    suggestions: tuple[str, ...] = ()
+    choice: dict[str, Any] = field(default_factory=dict)
+
+    def table(self) -> str:
+        """The plan (or the "does not fit" report) as text."""
+        lines = []
+        if not self.fits:
+            lines.append(
+                f"DOES NOT FIT: the smallest plan needs {format_bytes(self.estimate.peak_bytes_per_rank)} "
+                f"per rank, {format_bytes(self.shortfall_bytes)} more than the budget of "
+                f"{format_bytes(self.budget_bytes)}."
+            )
+            lines += [f"  - {s}" for s in self.suggestions]
+            return "\n".join(lines)
+        assert self.plan is not None
+        c = self.choice
+        lines.append(
+            f"plan: {len(self.plan.units)} units (up to {c['group']} policy unit(s) each), prefetch depth "
+            f"{self.plan.prefetch_depth}, activation checkpointing {'on' if c['checkpoint'] else 'off'}, "
+            f"reshard_after_forward=False on {c['keep']} unit(s); {self.candidates} candidates"
+        )
+        lines.append(
+            f"predicted peak {format_bytes(self.estimate.peak_bytes_per_rank)} of "
+            f"{format_bytes(self.budget_bytes)}; step {self.step_time_s * 1e3:.1f} ms, "
+            f"exposed communication {self.exposed_comm_s * 1e3:.1f} ms"
+        )
+        rows: list[tuple[str, ...]] = [
+            ("unit", "reshard_after_forward", "checkpoint", "params/rank", "unsharded", "sent/step")
+        ]
+        for u in self.estimate.units:
+            rows.append(
+                (
+                    u.name,
+                    str(u.reshard_after_forward),
+                    "yes" if u.checkpoint else "no",
+                    format_bytes(u.sharded_bytes),
+                    format_bytes(u.unsharded_bytes),
+                    format_bytes(u.all_gather_bytes + u.reduce_bytes),
+                )
+            )
+        rows = _elide(rows)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fits": self.fits,
+            "budget_bytes": self.budget_bytes,
+            "step_time_s": self.step_time_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "candidates": self.candidates,
+            "shortfall_bytes": self.shortfall_bytes,
+            "suggestions": list(self.suggestions),
+            "choice": self.choice,
+            "plan": None
+            if self.plan is None
+            else {
+                "prefetch_depth": self.plan.prefetch_depth,
+                "units": [
+                    {
+                        "modules": list(u.modules),
+                        "reshard_after_forward": u.reshard_after_forward,
+                        "checkpoint": u.checkpoint,
+                    }
+                    for u in self.plan.units
+                ],
+            },
+            "estimate": self.estimate.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+def _elide(rows: list[tuple[str, ...]], keep: int = 6) -> list[tuple[str, ...]]:
+    if len(rows) <= 2 * keep + 2:
+        return rows
+    gap = tuple(["..."] + [""] * (len(rows[0]) - 1))
+    return rows[: keep + 1] + [gap] + rows[-keep:]
+
+
+def candidate_plans(
+    base: ShardingPlan,
+    *,
+    groups: Sequence[int] = (1, 2, 4),
+    depths: Sequence[int] = (0, 1, 2),
+    checkpointing: Sequence[bool] = (False, True),
+    keeps: Sequence[int] | None = None,
+) -> list[tuple[dict[str, Any], ShardingPlan]]:
+    """Every plan of the planner's search space around ``base`` (its units are
+    the finest boundaries; the root stays last with its defaults)."""
+    leaves = [u.modules for u in base.units[:-1]]
+    out = []
+    for g in sorted(set(groups)):
+        if g > 1 and g > len(leaves):
+            continue
+        grouped = _group(leaves, g)
+        n = len(grouped)
+        ms = sorted(
+            set(keeps if keeps is not None else [0, n, *[2**i for i in range(n.bit_length())]])
+        )
+        for ac in checkpointing:
+            for m in (k for k in ms if 0 <= k <= n):
+                units = tuple(UnitPlan(mods, i < n - m, ac) for i, mods in enumerate(grouped)) + (
+                    UnitPlan((ROOT,)),
+                )
+                for d in depths:
+                    choice = {"group": g, "keep": m, "checkpoint": ac, "prefetch_depth": d}
+                    out.append((choice, ShardingPlan(units, d, base.skipped)))
+    return out
+
+
+def _group(leaves: list[tuple[str, ...]], g: int) -> list[tuple[str, ...]]:
+    """Consecutive leaves, ``g`` at a time, never across different parents."""
+    out: list[tuple[str, ...]] = []
+    for mods in leaves:
+        parent = mods[0].rpartition(".")[0]
+        if out and len(out[-1]) < g and out[-1][0].rpartition(".")[0] == parent and len(mods) == 1:
+            out[-1] = out[-1] + mods
+        else:
+            out.append(tuple(mods))
+    return out
+
+
+def step_time(est: MemoryEstimate, cost: CostModel, depth: int) -> tuple[float, float]:
+    """(step seconds, exposed communication seconds) of ``est`` under ``cost``."""
+    root, blocks = est.units[0], list(est.units[1:])
+    world = est.config["mesh_shape"][-1]
+    if world == 1 and est.config["mesh_shape"][0] == 1:
+        total = sum(u.flops for u in est.units) / cost.flop_rate
+        return total, 0.0
+
+    def comm(nbytes: float) -> float:
+        return cost.latency + nbytes / cost.bandwidth
+
+    fwd = {u.name: u.flops / 3 / cost.flop_rate for u in est.units}
+    bwd = {
+        u.name: u.flops * (2 / 3 + (1 / 3 if u.checkpoint else 0)) / cost.flop_rate
+        for u in est.units
+    }
+    gather_fwd = {u.name: comm(u.all_gather_bytes - u.backward_gather_bytes) for u in est.units}
+    gather_bwd = {
+        u.name: comm(u.backward_gather_bytes) if u.backward_gather_bytes else 0.0 for u in est.units
+    }
+    reduce = {u.name: comm(u.reduce_bytes) for u in est.units}
+    channel = 0.0  # when the (single) communication channel is next free
+    t = 0.0
+    compute_total = 0.0
+
+    def run_phase(
+        order: list[Any], gathers: dict[str, float], times: dict[str, float], backward: bool
+    ) -> None:
+        nonlocal channel, t, compute_total
+        arrive: dict[str, float] = {}
+        issue_at: dict[str, float | None] = {u.name: None for u in order}
+        for i, u in enumerate(order):
+            # issue gathers up to `depth` ahead when unit i starts (and its own if not yet issued)
+            for j in range(i, min(len(order), i + depth + 1)):
+                v = order[j]
+                if issue_at[v.name] is None:
+                    issue_at[v.name] = t
+                    begin = max(channel, t)
+                    channel = begin + gathers[v.name]
+                    arrive[v.name] = channel
+            start = max(t, arrive[u.name])
+            t = start + times[u.name]
+            compute_total += times[u.name]
+            if backward:
+                begin = max(channel, t)
+                channel = begin + reduce[u.name]
+
+    run_phase([root, *blocks], gather_fwd, fwd, backward=False)
+    run_phase([*reversed(blocks), root], gather_bwd, bwd, backward=True)
+    end = max(t, channel)
+    return end, end - compute_total
+
+
+def plan_to_budget(
+    model: nn.Module,
+    budget: int | str,
+    *,
+    batch: int,
+    seq: int,
+    world_size: int | None = None,
+    mesh_shape: Sequence[int] | None = None,
+    policy: WrapPolicy = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    optimizer: str = "adamw",
+    device: str = "cuda",
+    activation_checkpointing: bool = True,
+    cost: CostModel = CostModel(),
+    step_fn: StepFn = default_step,
+    groups: Sequence[int] = (1, 2, 4),
+    depths: Sequence[int] = (0, 1, 2),
+    keeps: Sequence[int] | None = None,
+) -> PlanResult:
+    """Chooses unit boundaries, ``reshard_after_forward`` per unit, the prefetch
+    depth and (optionally) activation checkpointing to fit ``budget`` per rank
+    with the least predicted step time (``[Note: the planner's cost model]``).
+
+    Args:
+        model: the unwrapped model (usually on the meta device).
+        budget: bytes per rank (``int``) or a size such as ``"80GiB"``.
+        batch, seq, world_size, mesh_shape, policy, mp_policy, offload_policy,
+            optimizer, device, step_fn: as for :func:`estimate`; ``policy``
+            gives the finest unit boundaries the planner groups.
+        activation_checkpointing: whether the planner may turn it on.
+        cost: the rates of the step-time model.
+        groups, depths: the unit groupings and prefetch depths searched.
+        keeps: the numbers of units (last in forward order) searched with
+            ``reshard_after_forward=False`` (default: 0, 1, 2, 4, ... and all).
+
+    Returns:
+        A :class:`PlanResult`; ``result.fits`` is False (with what is missing in
+        ``result.suggestions``) when no candidate fits.
+    """
+    budget_bytes = parse_bytes(budget)
+    replicate, shard = _check_mesh(world_size, mesh_shape)
+    base = resolve_plan(model, policy)
+    leaves = [m for u in base.units[:-1] for m in u.modules]
+    profile = profile_model(
+        model, leaves, batch=batch, seq=seq, compute_dtype=mp_policy.param_dtype, step_fn=step_fn
+    )
+    common: dict[str, Any] = {
+        "batch": batch,
+        "seq": seq,
+        "mp_policy": mp_policy,
+        "optimizer": optimizer,
+        "device": device,
+        "step_fn": step_fn,
+        "profile": profile,
+    }
+    shape = (replicate, shard) if replicate > 1 else (shard,)
+    candidates = candidate_plans(
+        base,
+        groups=groups,
+        depths=depths,
+        keeps=keeps,
+        checkpointing=(False, True) if activation_checkpointing else (False,),
+    )
+    best: (
+        tuple[tuple[float, int, int], dict[str, Any], ShardingPlan, MemoryEstimate, float, float]
+        | None
+    ) = None
+    smallest: tuple[int, MemoryEstimate] | None = None
+    for choice, plan in candidates:
+        est = estimate(model, plan=plan, mesh_shape=shape, offload_policy=offload_policy, **common)
+        if smallest is None or est.peak_bytes_per_rank < smallest[0]:
+            smallest = (est.peak_bytes_per_rank, est)
+        if est.peak_bytes_per_rank > budget_bytes:
+            continue
+        total, exposed = step_time(est, cost, plan.prefetch_depth)
+        key = (total, est.comm_bytes_per_rank_per_step, est.peak_bytes_per_rank)
+        if best is None or key < best[0]:
+            best = (key, choice, plan, est, total, exposed)
+    assert smallest is not None
+    if best is not None:
+        _, choice, plan, est, total, exposed = best
+        return PlanResult(
+            True, plan, est, budget_bytes, total, exposed, len(candidates), choice=choice
+        )
+    shortfall = smallest[0] - budget_bytes
+    suggestions = _suggest(
+        model,
+        base,
+        budget_bytes,
+        replicate,
+        shard,
+        offload_policy,
+        device,
+        common,
+        activation_checkpointing,
+    )
+    return PlanResult(
+        False,
+        None,
+        smallest[1],
+        budget_bytes,
+        math.nan,
+        math.nan,
+        len(candidates),
+        shortfall_bytes=shortfall,
+        suggestions=tuple(suggestions),
+    )
+
+
+def _min_peak(
+    model: nn.Module,
+    base: ShardingPlan,
+    shape: tuple[int, ...],
+    offload: OffloadPolicy,
+    common: dict[str, Any],
+) -> int:
+    """The smallest peak of the search space (every unit resharded, AC on, no prefetch)."""
+    units = tuple(UnitPlan(u.modules, True, True) for u in base.units[:-1]) + (UnitPlan((ROOT,)),)
+    plans = [
+        ShardingPlan(units, 0),
+        ShardingPlan(
+            tuple(UnitPlan(u.modules, True, False) for u in base.units[:-1]) + (UnitPlan((ROOT,)),),
+            0,
+        ),
+    ]
+    return min(
+        estimate(
+            model, plan=p, mesh_shape=shape, offload_policy=offload, **common
+        ).peak_bytes_per_rank
+        for p in plans
+    )
+
+
+def _suggest(
+    model: nn.Module,
+    base: ShardingPlan,
+    budget: int,
+    replicate: int,
+    shard: int,
+    offload: OffloadPolicy,
+    device: str,
+    common: dict[str, Any],
+    ac_allowed: bool,
+) -> list[str]:
+    out = []
+    for factor in (2, 4, 8, 16, 32, 64, 128):
+        w = shard * factor
+        if w > 1 << 20:
+            break
+        shape = (replicate, w) if replicate > 1 else (w,)
+        peak = _min_peak(model, base, shape, offload, common)
+        if peak <= budget:
+            what = f"a shard group of {w} ranks" if replicate > 1 else f"W={w}"
+            out.append(f"{what} would fit (smallest plan: {format_bytes(peak)} per rank)")
+            break
+    else:
+        out.append(
+            f"no world size up to {shard * 128} fits: the activations alone are too large; "
+            "reduce the micro-batch or sequence length"
+        )
+    if device == "cuda" and type(offload).__name__ != "CPUOffloadPolicy":
+        from .._policies import CPUOffloadPolicy
+
+        shape = (replicate, shard) if replicate > 1 else (shard,)
+        peak = _min_peak(model, base, shape, CPUOffloadPolicy(), common)
+        verdict = "would fit" if peak <= budget else "would not be enough"
+        out.append(f"CPUOffloadPolicy() {verdict} (device peak {format_bytes(peak)} per rank)")
+    if not ac_allowed:
+        out.append("allowing activation checkpointing may fit")
+    if common["batch"] > 1:
+        out.append(f"a smaller micro-batch than {common['batch']} reduces the activations")
+    return out

@@ -1,0 +1,280 @@
+"""What one forward/backward of the model needs, measured on the meta device.
+
+:func:`profile_model` runs the (unwrapped) model once on the meta device, with
+parameters substituted through ``torch.func.functional_call`` so the model
+itself is never modified or materialized, and records for every module that a
+plan may make a unit:
+
+* the parameters it manages (shapes and dtypes, after inner units took theirs);
+* the bytes autograd saves for backward while it runs (its activations), in
+  execution order, parameters excluded;
+* the bytes of its forward inputs (what activation checkpointing keeps instead);
+* its largest saved tensor (a stand-in for the gradient tensors backward holds
+  while it computes through the module);
+* its forward + backward FLOPs (``torch.utils.flop_counter``).
+
+[Note: activations from saved tensors]
+The memory a training step holds for activations is the set of tensors autograd
+saved for backward. ``saved_tensors_hooks`` sees every one of them; views of one
+tensor share a storage, so storages are counted once, and the parameters'
+storages are skipped (they are the unit's unsharded parameters, accounted for
+separately). On the meta device this costs no memory and little time, so the
+same run works for a 70B-parameter model at any sequence length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = ""
+
+#: fn(model, batch, seq) -> scalar loss; runs one forward on the meta device.
+StepFn = Callable[[nn.Module, int, int], torch.Tensor]
+
+
+@dataclass
+class ParamInfo:
+    """One managed parameter."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    trainable: bool
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def shard_numel(self, world: int) -> int:
+        """Padded per-rank elements: ``ceil(rows / world)`` rows of dim 0."""
+        if not self.shape:
+            return 1
+        rows = self.shape[0]
+        return -(-rows // world) * (self.numel // rows if rows else 0)
+
+
+@dataclass
+class ModuleProfile:
+    """What one unit candidate (a module, or the root's remainder) needs."""
+
+    fqn: str
+    params: list[ParamInfo] = field(default_factory=list)
+    saved_bytes: int = 0
+    input_bytes: int = 0
+    largest_saved: int = 0
+    flops: float = 0.0
+
+
+@dataclass
+class ModelProfile:
+    """Profiles by module, and the forward order of activation segments."""
+
+    modules: dict[str, ModuleProfile]
+    forward_order: list[str]  # module fqns in the order their forwards ran
+    root_before: int  # root-owned saved bytes before the first unit ran
+    root_after: int  # root-owned saved bytes after the last unit (head, loss)
+    loss_grad_bytes: int  # gradient of the largest root tensor (e.g. logits)
+
+
+def default_step(model: nn.Module, batch: int, seq: int) -> torch.Tensor:
+    """One language-model step on token ids: ``cross_entropy(logits, ids)``.
+
+    Works for models that take ``(batch, seq)`` token ids and return logits (a
+    tensor, an object with ``.logits``, or a tuple whose first item is logits).
+    """
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    out = model(ids)
+    logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+    if logits is None and isinstance(out, (tuple, list)):
+        logits = out[0]
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(
+            f"the default step expects the model to return logits, got {type(out).__name__}; "
+            "pass step_fn=fn(model, batch, seq) -> loss"
+        )
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids.reshape(-1))
+
+
+def profile_model(
+    model: nn.Module,
+    unit_modules: Sequence[str],
+    *,
+    batch: int,
+    seq: int,
+    compute_dtype: torch.dtype | None,
+    step_fn: StepFn = default_step,
+) -> ModelProfile:
+    """Profiles ``model`` for units made of ``unit_modules`` (bottom-up order).
+
+    Args:
+        model: the model; its parameters may be on the meta device.
+        unit_modules: fqns of the modules that become units, children first.
+        batch, seq: the per-rank micro-batch.
+        compute_dtype: ``MixedPrecisionPolicy.param_dtype`` (``None``: as built).
+        step_fn: runs the forward and returns the loss.
+    """
+    named = dict(model.named_modules())
+    profiles = {fqn: ModuleProfile(fqn) for fqn in [*unit_modules, ROOT]}
+    seen: set[int] = set()
+    for fqn in [*unit_modules, ROOT]:
+        for p in named[fqn].parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            profiles[fqn].params.append(ParamInfo(tuple(p.shape), p.dtype, p.requires_grad))
+
+    # Substitute fresh meta tensors (in the compute dtype) for the parameters:
+    # backward then fills *their* .grad, and the model stays untouched.
+    substitutes: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():  # tied weights: one entry, functional_call re-ties
+        dtype = (
+            compute_dtype if compute_dtype is not None and p.dtype.is_floating_point else p.dtype
+        )
+        substitutes[name] = torch.empty(p.shape, dtype=dtype, device="meta").requires_grad_(
+            p.requires_grad
+        )
+    param_storages = {t.untyped_storage()._cdata for t in substitutes.values()}
+    # Buffers go to the meta device as well, so a materialized model profiles too.
+    for name, b in model.named_buffers():
+        substitutes[name] = b.to("meta")
+
+    stack: list[str] = [ROOT]
+    order: list[str] = []
+    segments: list[tuple[str, int]] = []
+    counted: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in param_storages or key in counted:
+            return t
+        counted.add(key)
+        owner = stack[-1]
+        nbytes = storage.nbytes()
+        prof = profiles[owner]
+        prof.saved_bytes += nbytes
+        prof.largest_saved = max(prof.largest_saved, nbytes)
+        segments.append((owner, nbytes))
+        return t
+
+    def pre_hook(fqn: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            stack.append(fqn)
+            order.append(fqn)
+            profiles[fqn].input_bytes += sum(
+                t.untyped_storage().nbytes()
+                for t in [*args, *kwargs.values()]
+                if isinstance(t, torch.Tensor) and t.is_floating_point()
+            )
+
+        return hook
+
+    def post_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        stack.pop()
+
+    handles = []
+    for fqn in unit_modules:
+        handles.append(named[fqn].register_forward_pre_hook(pre_hook(fqn), with_kwargs=True))
+        handles.append(
+            named[fqn].register_forward_hook(post_hook, with_kwargs=True, always_call=True)
+        )
+    flops = FlopCounterMode(display=False)
+    try:
+        with flops, torch.device("meta"), _FusedAttention():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                step = _Step(model, step_fn, batch, seq)
+                loss = torch.func.functional_call(
+                    step, {f"model.{k}": v for k, v in substitutes.items()}, (), strict=False
+                )
+            if loss.requires_grad:
+                loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+
+    counts = flops.get_flop_counts()
+    prefix = "_Step.model"  # FlopCounterMode names modules by class and fqn from the top
+    total = float(sum(counts.get("Global", {}).values()))
+    inner = 0.0
+    for fqn in unit_modules:
+        f = float(sum(counts.get(f"{prefix}.{fqn}", {}).values()))
+        profiles[fqn].flops = f
+    # Units nest: a unit's own FLOPs exclude those of units inside it.
+    for fqn in unit_modules:
+        for other in unit_modules:
+            if other != fqn and other.startswith(fqn + "."):
+                profiles[fqn].flops -= profiles[other].flops
+        inner += profiles[fqn].flops
+    profiles[ROOT].flops = max(0.0, total - inner)
+
+    first = next((i for i, (owner, _) in enumerate(segments) if owner != ROOT), len(segments))
+    last = max((i for i, (owner, _) in enumerate(segments) if owner != ROOT), default=-1)
+    root_before = sum(b for owner, b in segments[:first] if owner == ROOT)
+    root_after = sum(b for i, (owner, b) in enumerate(segments) if owner == ROOT and i > last)
+    return ModelProfile(
+        modules=profiles,
+        forward_order=[f for i, f in enumerate(order) if f not in order[:i]],
+        root_before=root_before,
+        root_after=root_after
+        + sum(b for i, (owner, b) in enumerate(segments) if owner == ROOT and first <= i <= last),
+        loss_grad_bytes=profiles[ROOT].largest_saved,
+    )
+
+
+class _FusedAttention(torch.overrides.TorchFunctionMode):
+    """Runs ``scaled_dot_product_attention`` as the fused kernel real devices use.
+
+    On the meta device torch picks the math fallback, which saves the full
+    ``(B, H, S, S)`` attention matrix; the CPU flash kernel and the CUDA
+    flash/memory-efficient kernels save only q, k, v, the output and a
+    ``(B, H, S)`` log-sum-exp. The CPU flash op has meta kernels and the same
+    saved tensors as the CUDA ones, so it stands in for all of them.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _fused_sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _fused_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    if enable_gqa and k.size(-3) != q.size(-3):
+        repeat = q.size(-3) // k.size(-3)
+        k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+    if attn_mask is not None and attn_mask.dtype != q.dtype and attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask.to(q.dtype)
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )[0]
+    return out
+
+
+class _Step(nn.Module):
+    """Wraps ``step_fn`` so that ``functional_call`` can swap the parameters."""
+
+    def __init__(self, model: nn.Module, step_fn: StepFn, batch: int, seq: int) -> None:
+        super().__init__()
+        self.model = model
+        self.step_fn, self.batch, self.seq = step_fn, batch, seq
+
+    def forward(self) -> torch.Tensor:
+        return self.step_fn(self.model, self.batch, self.seq)
