@@ -201,17 +201,6 @@ def _baseline() -> dict:
     return run_distributed(_setter_job, WORLD, "none")[0]
 
 
-# [fsdp_compose bug, reported] torch's FSDP2 does not prefetch a unit with
-# unshard_in_backward=False in backward (FSDPParamGroup._prefetch_unshard unshards
-# it in the PRE_BACKWARD state, where unshard() returns early); fsdp_compose's
-# Scheduler.pre_backward prefetches _backward_prefetch_targets without checking
-# the target's unshard_in_backward, so the embedding is all-gathered anyway
-# (gradients stay right; the all-gather and its memory are wasted).
-_PREFETCHES_SKIPPED_UNIT = pytest.mark.xfail(
-    strict=True, reason="backward prefetch ignores the target's unshard_in_backward (_scheduler.py)"
-)
-
-
 @pytest.mark.parametrize(
     "setter",
     [
@@ -219,7 +208,10 @@ _PREFETCHES_SKIPPED_UNIT = pytest.mark.xfail(
         "all_reduce_hook",
         "reduce_scatter_unused_params",
         "unshard_in_backward_no_prefetch",
-        pytest.param("unshard_in_backward", marks=_PREFETCHES_SKIPPED_UNIT),
+        # with backward prefetch on: the unit before it must not prefetch it
+        # either (FSDPParamGroup._prefetch_unshard unshards in the PRE_BACKWARD
+        # state, where FSDP2's unshard() returns early for such a unit)
+        "unshard_in_backward",
     ],
 )
 def test_setter_matches_reference_and_torch_fsdp2(setter: str) -> None:
