@@ -30,7 +30,7 @@ import pytest
 import torch
 from gpt import GPT, GPTConfig
 from helpers import collective_log, fake_process_group
-from models import OddShapes, Stack
+from models import TINY_GPT, OddShapes, Stack
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -38,7 +38,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from fsdp_compose import fully_shard
 
-TINY = {"vocab_size": 97, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
+TINY = {**TINY_GPT, "n_layer": 2}
 
 
 def _gpt() -> tuple[nn.Module, list[nn.Module], Callable[[nn.Module], torch.Tensor]]:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import collective_log, full
+from models import TINY_GPT
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -23,7 +24,7 @@ from train_pp import GPTStage, build_stage
 import fsdp_compose
 from fsdp_compose import fully_shard
 
-TINY = GPTConfig(vocab_size=97, block_size=16, n_layer=4, n_head=2, n_embd=32)
+TINY = GPTConfig(**{**TINY_GPT, "n_layer": 4})
 N_MICRO = 4
 MICRO_SIZE = 2
 LOSS_TOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-6, 1e-4  # as in test_parity.py
@@ -189,7 +190,7 @@ def _microbatch_backward_prefetch_job() -> list[int]:
 
     rank, world = rank_world()
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32))
+    model = GPT(GPTConfig(**TINY_GPT))
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)

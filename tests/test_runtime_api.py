@@ -16,11 +16,11 @@ import torch.nn as nn
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import collective_log, local_slice, max_param_diff, mean_across_ranks, rank_world
-from models import Wrapper
+from models import TINY_GPT, Wrapper
 
 from fsdp_compose import FSDPModule, fully_shard, trace
 
-TINY = dict(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32)
+TINY = TINY_GPT
 
 
 def _sharded_gpt(ref: GPT) -> GPT:

@@ -24,19 +24,12 @@ from helpers import (
     mean_across_ranks,
     rank_world,
 )
-from models import SharedWeightBlocks
+from models import TINY_GPT, SharedWeightBlocks
 from torch import nn
 
 from fsdp_compose import FSDPModule, fully_shard
 
-TINY = {
-    "vocab_size": 97,
-    "block_size": 16,
-    "n_layer": 3,
-    "n_head": 2,
-    "n_embd": 32,
-    "tie_weights": True,
-}
+TINY = {**TINY_GPT, "tie_weights": True}
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-6
 PARAM_TOL = 1e-4  # AdamW after a few steps; see test_parity.PARAM_TOL

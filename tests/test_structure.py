@@ -10,11 +10,12 @@ import torch.nn as nn
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import local_slice, max_param_diff, rank_world
+from models import TINY_GPT
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_compose import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 
-TINY = dict(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32)
+TINY = {**TINY_GPT, "n_layer": 2}
 
 
 def _structure_job() -> dict:

@@ -11,11 +11,12 @@ import torch
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import full, local_slice, max_param_diff, rank_world
+from models import TINY_GPT
 from torch import nn
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 
-TINY = {"vocab_size": 97, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
+TINY = {**TINY_GPT, "n_layer": 2}
 
 
 def _shard_gpt(model: GPT) -> GPT:
