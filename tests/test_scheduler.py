@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from dist_utils import run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
-from helpers import local_slice, max_param_diff, mean_across_ranks, rank_world
+from helpers import gpt_batches, max_param_diff, rank_world, train_side_by_side
 from models import TINY_GPT, Wrapper
 
 from fsdp_compose import FSDPModule, fully_shard, trace
@@ -35,23 +35,8 @@ def _end(e: dict) -> float:
 
 
 def _train_traced(model: nn.Module, ref: nn.Module, cfg: GPTConfig, steps: int) -> list[float]:
-    rank, world = rank_world()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    diffs = []
     with trace.recording():
-        for step in range(steps):
-            x, y = make_batch(cfg, 2 * world, step)
-            ref_loss = loss_fn(ref(x), y)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            diffs.append(abs(mean_across_ranks(loss.item()) - ref_loss.item()))
-    return diffs
+        return train_side_by_side(model, ref, steps, gpt_batches(cfg), loss_fn)["loss_diffs"]
 
 
 def _depth_job() -> dict:
