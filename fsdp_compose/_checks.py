@@ -28,7 +28,9 @@ from ._unit import Unit
 REPLACED_BY = "_fsdp_compose_replaced_by"  # set on original parameters by fully_shard
 
 _live_units: weakref.WeakSet[Unit] = weakref.WeakSet()
-_checked_optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_checked_optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = (
+    weakref.WeakKeyDictionary()
+)
 _hook_installed = False
 
 
@@ -48,7 +50,9 @@ def _settings(u: Unit) -> tuple[tuple[str, str], ...]:
     )
 
 
-def _describe(units: list[Unit]) -> list[tuple[str, list[tuple[str, tuple[int, ...], str, bool]], Any]]:
+def _describe(
+    units: list[Unit],
+) -> list[tuple[str, list[tuple[str, tuple[int, ...], str, bool]], Any]]:
     return [
         (
             u.name,
@@ -100,12 +104,15 @@ def verify_same_structure(units: list[Unit]) -> None:
         if len(set(digests)) == 1:
             continue
         descriptions = [
-            pickle.loads(blob) for blob in _all_gather_bytes(pickle.dumps(description), group, device)
+            pickle.loads(blob)
+            for blob in _all_gather_bytes(pickle.dumps(description), group, device)
         ]
         ranks = dist.get_process_group_ranks(group)
         me = dist.get_rank()
-        other = next(i for i, d in enumerate(digests) if d != digest) if digest != digests[0] else next(
-            i for i, d in enumerate(digests) if d != digests[0]
+        other = (
+            next(i for i, d in enumerate(digests) if d != digest)
+            if digest != digests[0]
+            else next(i for i, d in enumerate(digests) if d != digests[0])
         )
         detail = _first_difference(description, descriptions[other])
         raise RuntimeError(
@@ -139,7 +146,9 @@ def verify_same_replicas(units: list[Unit]) -> None:
         with torch.no_grad():
             sums = torch.stack(
                 [
-                    torch.stack([p.local_shard.detach().double().abs().sum() for p in u.params]).sum()
+                    torch.stack(
+                        [p.local_shard.detach().double().abs().sum() for p in u.params]
+                    ).sum()
                     + torch.stack([p.local_shard.detach().double().sum() for p in u.params]).sum()
                     for u in members
                 ]
@@ -147,7 +156,9 @@ def verify_same_replicas(units: list[Unit]) -> None:
         gathered = torch.empty(group.size() * len(members), dtype=torch.float64, device=device)
         _compat.all_gather_into_tensor(gathered, sums, group, async_op=False)
         rows = gathered.view(group.size(), len(members)).cpu()
-        differ = [u.name for i, u in enumerate(members) if not bool((rows[:, i] == rows[0, i]).all())]
+        differ = [
+            u.name for i, u in enumerate(members) if not bool((rows[:, i] == rows[0, i]).all())
+        ]
         if differ:
             ranks = dist.get_process_group_ranks(group)
             raise RuntimeError(
@@ -158,7 +169,9 @@ def verify_same_replicas(units: list[Unit]) -> None:
             )
 
 
-def _all_gather_bytes(payload: bytes, group: dist.ProcessGroup, device: torch.device) -> list[bytes]:
+def _all_gather_bytes(
+    payload: bytes, group: dist.ProcessGroup, device: torch.device
+) -> list[bytes]:
     """Gathers every rank's ``payload`` with tensor collectives. torch's object
     collectives (``all_gather_object``) need NumPy, which torch does not require;
     the error they would raise here would hide the one being reported."""

@@ -214,7 +214,16 @@ class PendingCollective:
     cannot be reused while the communication may still touch it.
     """
 
-    __slots__ = ("_done", "_finish", "_group", "_info", "_stream_wait", "_tensors", "_what", "_work")
+    __slots__ = (
+        "_done",
+        "_finish",
+        "_group",
+        "_info",
+        "_stream_wait",
+        "_tensors",
+        "_what",
+        "_work",
+    )
 
     def __init__(
         self,
@@ -547,6 +556,7 @@ def all_gather(
     broadcasts). ``route``: ``route_of(group)``, kept by the caller."""
     if comm is None:
         output, input = _real_view(output), _real_view(input)
+    issue: Callable[[bool], dist.Work | None]
     if comm is not None:
         issue = lambda async_op: comm(  # noqa: E731
             output_tensor=output, input_tensor=input, group=group, async_op=async_op
@@ -585,7 +595,7 @@ def reduce_scatter(
             output_tensor=output,
             input_tensor=input,
             group=group,
-            op=dist.ReduceOp.SUM,
+            op=dist.ReduceOp.SUM,  # type: ignore[arg-type]  # (a RedOpType member)
             async_op=async_op,
         )
         return _launch("reduce_scatter", label, group, input, output, issue)

@@ -32,9 +32,7 @@ def make_dtensor_spec(
     dtype: torch.dtype,
 ) -> Any:
     """Builds the (private) spec object used by :func:`dtensor_from_local`."""
-    return DTensorSpec(
-        mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, dtype)
-    )
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, dtype))
 
 
 def dtensor_from_local(local: torch.Tensor, spec: Any) -> DTensor:
@@ -113,19 +111,20 @@ def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def local_tensor(dtensor: DTensor) -> torch.Tensor:
-    """The local shard of ``dtensor`` without an autograd op (hot path)."""
-    return dtensor._local_tensor  # noqa: SLF001 - stable since torch 2.0
+def local_tensor(dtensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of ``dtensor`` (a ``DTensor``, typed as the ``Parameter`` or
+    ``Tensor`` that holds it) without an autograd op (hot path)."""
+    return dtensor._local_tensor  # type: ignore[attr-defined]
 
 
 def dtensor_spec(dtensor: DTensor) -> Any:
     """The (private) spec of ``dtensor``: mesh, placements and tensor metadata."""
-    return dtensor._spec  # noqa: SLF001 - stable since torch 2.0
+    return dtensor._spec
 
 
 def set_local_tensor(dtensor: DTensor, tensor: torch.Tensor) -> None:
     """Replaces the local shard object of ``dtensor`` in place."""
-    dtensor._local_tensor = tensor  # noqa: SLF001
+    dtensor._local_tensor = tensor
 
 
 def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
@@ -234,7 +233,7 @@ def gloo_all_gather_into_tensor(
 ) -> dist.Work:
     """Asynchronous all-gather on a gloo ``group`` (see [Note: issuing gloo collectives])."""
     return _issue_gloo(
-        lambda: group._allgather_base(output, input),  # noqa: SLF001
+        lambda: group._allgather_base(output, input),
         lambda: all_gather_into_tensor(output, input, group, async_op=True),
     )
 
@@ -257,9 +256,7 @@ class WorkGroup:
         return torch.futures.collect_all([work.get_future() for work in self._works])
 
 
-def gloo_all_gather_by_broadcast(
-    output: torch.Tensor, group: dist.ProcessGroup
-) -> WorkGroup:
+def gloo_all_gather_by_broadcast(output: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
     """Asynchronous all-gather on a gloo ``group`` as one broadcast per rank, each
     straight into its row of ``output`` (this rank's row already holds its input).
     See [Note: all-gather on gloo]."""
@@ -276,12 +273,16 @@ def gloo_all_gather_by_broadcast(
 
     def fallback() -> WorkGroup:
         ranks = dist.get_process_group_ranks(group)
-        return WorkGroup([
-            dist.broadcast(rows[root], ranks[root], group=group, async_op=True)  # type: ignore[misc]
-            for root in range(group.size())
-        ])
+        return WorkGroup(
+            [
+                dist.broadcast(rows[root], ranks[root], group=group, async_op=True)  # type: ignore[misc]
+                for root in range(group.size())
+            ]
+        )
 
-    return _issue_gloo(direct, fallback)
+    # A WorkGroup has the part of Work's interface the collectives use (wait,
+    # get_future), so callers treat it as one.
+    return _issue_gloo(direct, fallback)  # type: ignore[return-value]
 
 
 def gloo_all_to_all_single(
@@ -306,9 +307,7 @@ def reduce_scatter_tensor(
     )
 
 
-def chunk_cat(
-    tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tensor
-) -> None:
+def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
     """Packs ``tensors`` into ``out`` (shape ``(num_chunks, -1)``): row ``r`` holds
     the ``r``-th dim-0 chunk of every tensor, each padded to equal size, cast to
     ``out.dtype``, in one fused kernel."""
@@ -361,7 +360,9 @@ def process_group_timeout(group: dist.ProcessGroup) -> float | None:
     """The timeout (seconds) ``group`` was created with, or None if this torch
     version does not expose it (read through the backend's private options)."""
     try:
-        device = torch.device("cpu") if process_group_backend(group) == "gloo" else torch.device("cuda")
+        device = (
+            torch.device("cpu") if process_group_backend(group) == "gloo" else torch.device("cuda")
+        )
         return float(group._get_backend(device).options._timeout.total_seconds())
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return None

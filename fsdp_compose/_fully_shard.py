@@ -32,14 +32,20 @@ from ._mesh import (
     validate_reshard_after_forward,
 )
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._shared import borrow, collect_borrowed, link_shared, shared_link
 from ._sharded_param import IGNORED_BY, SHARDED_BY, ShardedParam
+from ._shared import borrow, collect_borrowed, link_shared, shared_link
 from ._state import UnitState, state_of
 from ._unit import Unit
 
 logger = logging.getLogger("fsdp_compose")
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = [
+    "FSDPModule",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]
 
 # Marks on parameter objects, so misuse is caught where it happens (and
 # SHARDED_BY, from _sharded_param, on the sharded DTensor parameters):
@@ -194,7 +200,9 @@ def fully_shard(
     groups: dict[MeshInfo, list[ShardedParam]] = {mesh_info: []}
     param_meshes = _ParamMeshes(mesh_info)
     for param, param_owners in owners.items():
-        shard_dim, param_mesh_info = _placement(shard_placement_fn, param, param_owners, param_meshes)
+        shard_dim, param_mesh_info = _placement(
+            shard_placement_fn, param, param_owners, param_meshes
+        )
         sharded_param = ShardedParam(
             param,
             param_owners,
@@ -211,7 +219,9 @@ def fully_shard(
             group,
             modules,
             info,
-            reshard if info is mesh_info else validate_reshard_after_forward(reshard_after_forward, info.shard_size),
+            reshard
+            if info is mesh_info
+            else validate_reshard_after_forward(reshard_after_forward, info.shard_size),
             mp_policy,
             offload_policy,
         )
@@ -231,7 +241,10 @@ def fully_shard(
         setattr(sharded_param.sharded_param, _UNIT_OF, call)
         setattr(param, _REPLACED_BY, unit_label)
     state = UnitState(
-        modules, units[0] if units else None, mp_policy, auto_reshard_after_forward=reshard_after_forward is None
+        modules,
+        units[0] if units else None,
+        mp_policy,
+        auto_reshard_after_forward=reshard_after_forward is None,
     )
     state.extra_units = units[1:]
     for unit in units:
@@ -245,7 +258,9 @@ def fully_shard(
         cls = type(m)
         fsdp_cls = _fsdp_classes.get(cls)
         if fsdp_cls is None:
-            fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
+            fsdp_cls = type(
+                f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy}
+            )
             _fsdp_classes[cls] = fsdp_cls
         m.__class__ = fsdp_cls
     return module
@@ -285,12 +300,10 @@ def _validate_modules(module: object) -> tuple[nn.Module, ...]:
                 f"{type(m).__name__} was already sharded by torch.distributed.fsdp.fully_shard; "
                 "use one FSDP implementation per model."
             )
-    modules = list(dict.fromkeys(candidates))  # type: ignore[arg-type]
+    modules: list[nn.Module] = list(dict.fromkeys(candidates))  # type: ignore[arg-type]
     # Drop modules nested inside other listed modules (their parent covers them).
-    nested = {
-        id(sub) for m in modules for sub in m.modules() if sub is not m  # type: ignore[attr-defined]
-    }
-    return tuple(m for m in modules if id(m) not in nested)  # type: ignore[misc]
+    nested = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+    return tuple(m for m in modules if id(m) not in nested)
 
 
 def _is_torch_fsdp_module(module: nn.Module) -> bool:
@@ -396,7 +409,8 @@ def _check_devices(
     devices = {p.device for p in owners}
     if len(devices) > 1:
         where = {
-            f"{owner[0][1]} ({type(owner[0][0]).__name__})": str(p.device) for p, owner in owners.items()
+            f"{owner[0][1]} ({type(owner[0][0]).__name__})": str(p.device)
+            for p, owner in owners.items()
         }
         hint = (
             " Materialize the whole module (to_empty) or none of it: a module partly on the "
@@ -580,8 +594,10 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers build new instances of their own class (e.g. slicing an
         # annotated nn.Sequential): those are plain modules, not units.
-        orig_cls = next(c for c in cls.__mro__ if c not in _fsdp_classes.values() and c is not FSDPModule)
-        instance = orig_cls.__new__(orig_cls)
+        orig_cls = next(
+            c for c in cls.__mro__ if c not in _fsdp_classes.values() and c is not FSDPModule
+        )
+        instance = orig_cls.__new__(orig_cls)  # type: ignore[call-overload]
         instance.__init__(*args, **kwargs)
         return instance
 
@@ -640,7 +656,9 @@ class FSDPModule:
         """
         self._set_schedule("is_last_backward", bool(is_last_backward))
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """Sets whether backward reduces gradients (``False`` accumulates unsharded
         gradients locally, without communication, like ``no_sync``). For HSDP this
         controls the reduce-scatter and the all-reduce together."""
@@ -667,7 +685,9 @@ class FSDPModule:
             for unit in state.own_units:
                 unit.set_reshard_after_forward(reshard_after_forward)
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
         """Sets whether parameters are freed after backward. ``False`` saves the
         next forward's all-gather during gradient accumulation, at the cost of
         memory."""
@@ -750,13 +770,17 @@ class FSDPModule:
         starts). More lets slow reduce-scatters overlap more backward compute, at
         the cost of that many units' gradient buffers. Applies to the whole tree."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
-            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
         del recurse  # one scheduler serves the whole tree
         self._set_schedule("max_inflight_reductions", max_input_buffers)
 
-    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
         """Runs gradient reduce-scatters on a process group of their own (one per
         set of shard ranks, shared by the units), so that they can progress
         concurrently with backward all-gathers instead of queueing behind them on
@@ -769,7 +793,9 @@ class FSDPModule:
             recurse (bool): apply to every FSDPModule in the subtree.
         """
         for unit in self._units(recurse):
-            unit.reduce_scatter_group = separate_reduce_scatter_group(unit.mesh_info) if enable else None
+            unit.reduce_scatter_group = (
+                separate_reduce_scatter_group(unit.mesh_info) if enable else None
+            )
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Asks for communication staging buffers from the process group's own
@@ -851,7 +877,9 @@ class FSDPModule:
 
     # -- additions beyond FSDP2's API ----------------------------------------
 
-    def set_prefetch_depth(self, *, forward: int | None = None, backward: int | None = None) -> None:
+    def set_prefetch_depth(
+        self, *, forward: int | None = None, backward: int | None = None
+    ) -> None:
         """Sets how many units ahead the implicit prefetch gathers (default 1 each;
         0 disables it). Applies to the whole tree; call on the root module."""
         for name, value in (("forward_depth", forward), ("backward_depth", backward)):
@@ -979,7 +1007,9 @@ def _units_of(modules: list[FSDPModule]) -> list[Unit]:
     units = []
     for m in modules:
         if not isinstance(m, FSDPModule):
-            raise ValueError(f"expected FSDPModules (modules annotated by fully_shard), got {type(m).__name__}")
+            raise ValueError(
+                f"expected FSDPModules (modules annotated by fully_shard), got {type(m).__name__}"
+            )
         state = m._fsdp_state()
         # A module that borrows a shared parameter needs its owner unit too.
         for unit in [*state.own_units, *state.borrowed]:
@@ -1013,4 +1043,3 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state.run_registered_method(module, method, args, kwargs)
 
     module.__dict__[method_name] = wrapped
-

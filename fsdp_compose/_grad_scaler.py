@@ -142,6 +142,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         is always matched.
         """
         group = self.process_group if self.process_group is not None else dist.group.WORLD
+        assert group is not None, "ShardedGradScaler needs an initialized process group"
         device = _communication_device(group, scale_device)
         flag = torch.zeros((), dtype=torch.float32, device=device)
         for found in found_per_device.values():

@@ -58,7 +58,9 @@ except ImportError:  # pragma: no cover - older torch
 
         def __post_init__(self) -> None:
             if self.shard is None and self.replicate is None:
-                raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")
+                raise ValueError(
+                    "At least one of shard or replicate must be set in DataParallelMeshDims"
+                )
 
         @property
         def shard_names(self) -> tuple[str, ...]:
@@ -85,7 +87,11 @@ class SpmdLayout:
 
     @property
     def dp_dims(self) -> tuple[int, ...]:
-        return (self.shard_dim,) if self.replicate_dim is None else (self.replicate_dim, self.shard_dim)
+        return (
+            (self.shard_dim,)
+            if self.replicate_dim is None
+            else (self.replicate_dim, self.shard_dim)
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -181,11 +187,13 @@ def resolve_spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
     shard, rep = tuple(dims.shard_names), tuple(dims.replicate_names)
     for name in shard + rep:
         if name not in names:
-            raise ValueError(f"Mesh dim name {name!r} of dp_mesh_dims not found in mesh.mesh_dim_names {names}")
+            raise ValueError(
+                f"Mesh dim name {name!r} of dp_mesh_dims not found in mesh.mesh_dim_names {names}"
+            )
     if not shard:
         raise NotImplementedError(
             "dp_mesh_dims with replicate only (DDP, no sharding) is not supported by fsdp_compose; "
-            "name the dim to shard over, e.g. DataParallelMeshDims(shard=\"dp\")"
+            'name the dim to shard over, e.g. DataParallelMeshDims(shard="dp")'
         )
     if len(shard) > 1 or len(rep) > 1 or mesh.ndim - len(shard) - len(rep) > 1:
         raise NotImplementedError(
@@ -248,7 +256,7 @@ _NON_DATA_PARALLEL_DIMS = ("tp", "tensor", "cp", "context", "ep", "expert", "pp"
 def _check_hsdp_dim_names(names: tuple[str, ...]) -> None:
     """Rejects a named 2-D mesh that is not laid out (replicate, shard)."""
     first, second = (n.lower() for n in names)
-    if "shard" in first and "shard" not in second or "rep" in second and "rep" not in first:
+    if ("shard" in first and "shard" not in second) or ("rep" in second and "rep" not in first):
         raise ValueError(
             "fully_shard expects an HSDP mesh ordered (replicate, shard): dim 0 replicates "
             f"and dim 1 shards, but got mesh_dim_names={names}. Build the mesh as "

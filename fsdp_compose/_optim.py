@@ -144,7 +144,9 @@ def _move(optimizer: torch.optim.Optimizer, attr: str, key: int, *, last: bool) 
         hooks.move_to_end(key, last=last)
 
 
-def _sharded_step_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _sharded_step_hook(
+    optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     reg = _registration(optimizer)
     record = _records.get(optimizer)
     if reg is None or record is None or _compat.is_compiling():
@@ -234,7 +236,8 @@ class _LocalSwap:
                 old = state.pop(p, None)
                 if old is not None:
                     state[local] = {
-                        k: _compat.local_tensor(v) if isinstance(v, DTensor) else v for k, v in old.items()
+                        k: _compat.local_tensor(v) if isinstance(v, DTensor) else v
+                        for k, v in old.items()
                     }
                 self._entries.append((p, local, old))
                 local_params.append(local)
@@ -255,9 +258,7 @@ class _LocalSwap:
             state[p] = {k: _as_state_of(p, local, v, old) for k, v in new.items()}
 
 
-def _as_state_of(
-    p: DTensor, local: torch.Tensor, value: Any, old: dict[str, Any] | None
-) -> Any:
+def _as_state_of(p: DTensor, local: torch.Tensor, value: Any, old: dict[str, Any] | None) -> Any:
     """The DTensor path's version of a state value the local step left."""
     if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
         return value
@@ -268,5 +269,7 @@ def _as_state_of(
     if value.dim() > 0 and value.shape == local.shape:
         # Created like the parameter (zeros_like / clone of the gradient): the
         # DTensor path would have made a DTensor with the parameter's layout.
-        return _compat.dtensor_from_local(value, _compat.dtensor_spec_with_dtype(_compat.dtensor_spec(p), value.dtype))
+        return _compat.dtensor_from_local(
+            value, _compat.dtensor_spec_with_dtype(_compat.dtensor_spec(p), value.dtype)
+        )
     return value  # scalars such as ``step`` are plain tensors on both paths

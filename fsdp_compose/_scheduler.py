@@ -353,7 +353,9 @@ class Scheduler:
         # This unit's latest post-forward below the cursor (a unit run several
         # times in one forward is found once per backward through it); if the
         # order changed, its latest occurrence anywhere.
-        index = next((i for i in range(self._backward_cursor - 1, -1, -1) if order[i] is unit), None)
+        index = next(
+            (i for i in range(self._backward_cursor - 1, -1, -1) if order[i] is unit), None
+        )
         if index is None:
             index = next((i for i in range(len(order) - 1, -1, -1) if order[i] is unit), None)
             if index is None:
@@ -411,9 +413,13 @@ class Scheduler:
         """End of ``backward()``: reduce what is left and hand gradients over."""
         try:
             for unit in reversed(self.units):
-                if unit.phase is not Phase.POST_BACKWARD and (
-                    unit.phase is Phase.PRE_BACKWARD or unit.state is not ShardState.SHARDED
-                    or unit.has_unsharded_grads()
+                if (
+                    unit.phase is not Phase.POST_BACKWARD
+                    and (
+                        unit.phase is Phase.PRE_BACKWARD
+                        or unit.state is not ShardState.SHARDED
+                        or unit.has_unsharded_grads()
+                    )
                 ) or (unit in self.shared and unit.has_unsharded_grads()):
                     # (a shared unit may get gradients after an early reduction)
                     self.post_backward(unit, at_end=True)
@@ -464,7 +470,8 @@ class Scheduler:
         if failures:
             logger.warning(
                 "fsdp_compose: reset_iter_state discarded %d collectives that had failed: %s",
-                len(failures), failures[0],
+                len(failures),
+                failures[0],
             )
         self._deferred.clear()
         self.forward_active = False

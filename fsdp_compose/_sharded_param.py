@@ -45,10 +45,9 @@ from . import _compat
 from ._errors import FSDPValueError
 from ._mesh import MeshInfo
 
-
-
 SHARDED_BY = "_fsdp_compose_sharded_by"  # marks the sharded DTensor parameters we own
 IGNORED_BY = "_fsdp_compose_ignored_by"  # on ignored_params: plain, reduced by the user
+
 
 class ShardedParam:
     """Owns one parameter's sharded DTensor and describes its unsharded form.
@@ -81,13 +80,17 @@ class ShardedParam:
         if mesh_info.spmd is not None:  # see [Note: dp_mesh_dims]
             self.tp_spec = _spmd_spec(param, owners, mesh_info)
         else:
-            self.tp_spec = _tp_spec(param, owners, mesh_info) if isinstance(param, DTensor) else None
+            self.tp_spec = (
+                _tp_spec(param, owners, mesh_info) if isinstance(param, DTensor) else None
+            )
         # The model-parallel dim of tp_spec's mesh and its placement (None: only dp dims).
         self.tp_dim: int | None = None
         self.tp_placement: Placement | None = None
         if self.tp_spec is not None:
             spmd = mesh_info.spmd
-            others = [i for i in range(self.tp_spec.mesh.ndim) if spmd is None or i not in spmd.dp_dims]
+            others = [
+                i for i in range(self.tp_spec.mesh.ndim) if spmd is None or i not in spmd.dp_dims
+            ]
             if others:
                 self.tp_dim = others[0]
                 self.tp_placement = self.tp_spec.placements[self.tp_dim]
@@ -110,9 +113,9 @@ class ShardedParam:
         world, rank = mesh_info.shard_size, mesh_info.shard_rank
         size = param.shape
         if shard_dim != 0 and size[shard_dim] % world != 0:
-            local = " (TP-local)" if self.tp_spec is not None else ""
+            tp_local = " (TP-local)" if self.tp_spec is not None else ""
             raise NotImplementedError(  # FSDP2's type, see [Note: FSDP2's exception types]
-                f"parameter {owners[0][1]!r} of{local} shape {tuple(size)} cannot be sharded on dim "
+                f"parameter {owners[0][1]!r} of{tp_local} shape {tuple(size)} cannot be sharded on dim "
                 f"{shard_dim} over {world} ranks: sharding on a dim other than 0 needs the dim "
                 f"size to be divisible by the shard world size (dim 0 allows uneven sizes)."
             )
@@ -128,9 +131,7 @@ class ShardedParam:
 
         rows = size[shard_dim]
         self.chunk_rows = math.ceil(rows / world) if shard_dim == 0 else rows // world
-        self.chunk_shape = torch.Size(
-            (*size[:shard_dim], self.chunk_rows, *size[shard_dim + 1 :])
-        )
+        self.chunk_shape = torch.Size((*size[:shard_dim], self.chunk_rows, *size[shard_dim + 1 :]))
         self.chunk_numel = self.chunk_shape.numel()  # padded slot size, in elements
         start = min(rank * self.chunk_rows, rows)
         stop = min(start + self.chunk_rows, rows)
@@ -179,7 +180,7 @@ class ShardedParam:
         dp_placement = _compat.strided_shard(d, split) if split > 1 else Shard(d)
         try:
             mesh = _compat.concatenate_meshes(info.mesh, tp_mesh)
-        except Exception as exc:  # noqa: BLE001 - explain in terms of the user's meshes
+        except Exception as exc:
             raise ValueError(
                 f"parameter {self.fqn!r} is a DTensor on mesh {tp_mesh}, which cannot be combined "
                 f"with fully_shard's mesh {info.mesh} ({exc}). Both must be sub-meshes of one "
@@ -212,7 +213,9 @@ class ShardedParam:
             split = spmd.mesh.size(tp_dim)
         placements[spmd.shard_dim] = _compat.strided_shard(d, split) if split > 1 else Shard(d)
         meta = self.tp_spec.tensor_meta
-        return _compat.make_dtensor_spec(spmd.mesh, tuple(placements), meta.shape, meta.stride, dtype)
+        return _compat.make_dtensor_spec(
+            spmd.mesh, tuple(placements), meta.shape, meta.stride, dtype
+        )
 
     # -- registration ------------------------------------------------------
 
@@ -364,7 +367,8 @@ class ShardedParam:
             # The dp dims stay as they are: each rank's local gradient is its
             # contribution, summed by the reduce-scatter (and all-reduce) below.
             target = tuple(
-                grad.placements[i] if i in spmd.dp_dims and not isinstance(grad.placements[i], Shard)
+                grad.placements[i]
+                if i in spmd.dp_dims and not isinstance(grad.placements[i], Shard)
                 else (Replicate() if i in spmd.dp_dims else p)
                 for i, p in enumerate(target)
             )
@@ -392,7 +396,9 @@ class ShardedParam:
         return chunks.view(-1, *self.chunk_shape).movedim(0, d).flatten(d, d + 1)
 
     def __repr__(self) -> str:
-        return f"ShardedParam({self.fqn}, size={tuple(self.global_size)}, shard_dim={self.shard_dim})"
+        return (
+            f"ShardedParam({self.fqn}, size={tuple(self.global_size)}, shard_dim={self.shard_dim})"
+        )
 
 
 def _shard_dim_of(placement: Placement, ndim: int) -> int | None:
@@ -405,7 +411,7 @@ def _shard_dim_of(placement: Placement, ndim: int) -> int | None:
 def _tp_spec(param: DTensor, owners: list[tuple[nn.Module, str]], mesh_info: MeshInfo) -> Any:
     """Validates a tensor-parallel parameter and returns its DTensor spec."""
     name = f"{owners[0][1]!r} of {type(owners[0][0]).__name__}"
-    spec = param._spec  # noqa: SLF001 - the public equivalents rebuild it
+    spec = param._spec
     mesh = param.device_mesh
     if mesh.ndim != 1:
         raise NotImplementedError(
@@ -428,14 +434,16 @@ def _tp_spec(param: DTensor, owners: list[tuple[nn.Module, str]], mesh_info: Mes
     return spec
 
 
-def _spmd_spec(param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_info: MeshInfo) -> Any:
+def _spmd_spec(
+    param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_info: MeshInfo
+) -> Any:
     """Validates a parameter for ``dp_mesh_dims`` (a DTensor on the full SPMD mesh,
     ``Replicate()`` on the dp dims) and returns its DTensor spec."""
     spmd = mesh_info.spmd
     assert spmd is not None
     name = f"{owners[0][1]!r} of {type(owners[0][0]).__name__}"
     if not isinstance(param, DTensor):
-        raise ValueError(  # noqa: TRY004 - FSDP2's type for this refusal
+        raise ValueError(
             f"When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
             f"mesh (e.g. via distribute_tensor / distribute_module), but parameter {name} is a "
             f"plain tensor. Distribute it on {spmd.mesh} with Replicate() on the data-parallel dims."
@@ -448,7 +456,7 @@ def _spmd_spec(param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_in
     dim_names = spmd.mesh.mesh_dim_names or ()
     for i in spmd.dp_dims:
         if not isinstance(param.placements[i], Replicate):
-            raise ValueError(  # noqa: TRY004 - FSDP2's type for this refusal
+            raise ValueError(
                 f"parameter {name}: expected Replicate() on data-parallel mesh dim "
                 f"{dim_names[i]!r} (index {i}) but got {param.placements[i]}"
             )
@@ -469,4 +477,3 @@ def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(stride))
-

@@ -109,9 +109,7 @@ class UnitState:
         # already gathered, and must neither gather nor free them.
         self._in_registered_method = False
         self._nested_forwards = 0
-        self._cast_inputs_to = (
-            mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
-        )
+        self._cast_inputs_to = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
         self._handles = []
@@ -271,7 +269,11 @@ class UnitState:
         return self._cast_output(output)
 
     def run_registered_method(
-        self, module: nn.Module, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        module: nn.Module,
+        method: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
         """Runs ``method`` (registered with ``register_fsdp_forward_method``) as one
         forward of ``module``: gathered once before, freed once after, however many

@@ -98,7 +98,9 @@ class Unit:
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
         # On a CPU mesh everything already lives on the CPU: offloading is a no-op.
-        self.offload = isinstance(offload_policy, CPUOffloadPolicy) and mesh_info.device.type != "cpu"
+        self.offload = (
+            isinstance(offload_policy, CPUOffloadPolicy) and mesh_info.device.type != "cpu"
+        )
         # Pinned host shards make the device-to-host gradient copies asynchronous.
         self.pin_memory = self.offload and bool(getattr(offload_policy, "pin_memory", False))
         self.name = type(modules[0]).__name__  # refined to the module's FQN at lazy init
@@ -198,7 +200,9 @@ class Unit:
     def _decide_routes(self) -> None:
         self._route = _collectives.route_of(self.shard_group)
         self._rs_route = (
-            self._route if self._reduce_scatter_group is None else _collectives.route_of(self._reduce_scatter_group)
+            self._route
+            if self._reduce_scatter_group is None
+            else _collectives.route_of(self._reduce_scatter_group)
         )
         if self._post_forward_group is not None:
             self._post_forward_route = _collectives.route_of(self._post_forward_group)
@@ -325,17 +329,17 @@ class Unit:
         flat = torch.empty(world * row, dtype=self._buffer_dtype, device=device)
         self._unsharded = flat
         for slot in slots:
-            p = slot.param
-            if p is None:
+            sp = slot.param
+            if sp is None:
                 continue
             start = world * slot.offset
             if uniform:
-                view = flat[start : start + p.orig_numel]
+                view = flat[start : start + sp.orig_numel]
             else:
-                view = flat[start : start + p.orig_numel * p.compute_dtype.itemsize].view(
-                    p.compute_dtype
+                view = flat[start : start + sp.orig_numel * sp.compute_dtype.itemsize].view(
+                    sp.compute_dtype
                 )
-            p.unsharded_param = p.wrap_unsharded(view.view(p.orig_size))
+            sp.unsharded_param = sp.wrap_unsharded(view.view(sp.orig_size))
         # Persistent destination views of the copy-out, per gathering world size.
         self._copy_out_targets: dict[int, list[torch.Tensor]] = {}
         self._copy_out_views(world)
@@ -412,7 +416,11 @@ class Unit:
         device = self.mesh_info.device
         if self.state is ShardState.PARTIALLY_SHARDED:
             assert self._post_forward_group is not None and self._post_forward_shard is not None
-            world, group, rank = self._post_forward_size, self._post_forward_group, self._post_forward_rank
+            world, group, rank = (
+                self._post_forward_size,
+                self._post_forward_group,
+                self._post_forward_rank,
+            )
             row_numel, dtype = self._post_forward_shard.numel(), self._post_forward_shard.dtype
         else:
             world, group, rank = self._world, self.shard_group, self.mesh_info.shard_rank
@@ -522,9 +530,7 @@ class Unit:
         unsharded copy was gathered, so the unsharded copy is stale."""
         if self._alias or not self._gathered_versions:
             return False
-        return any(
-            p.data_version() != v for p, v in zip(self.params, self._gathered_versions)
-        )
+        return any(p.data_version() != v for p, v in zip(self.params, self._gathered_versions))
 
     def park(self) -> None:
         """Registers the sharded parameters but keeps the unsharded data for the
@@ -606,7 +612,8 @@ class Unit:
         i = self._post_forward_rank
         pieces = [
             self._unsharded[
-                self._world * s.offset + i * k * s.size : self._world * s.offset + (i + 1) * k * s.size
+                self._world * s.offset + i * k * s.size : self._world * s.offset
+                + (i + 1) * k * s.size
             ]
             for s in self._slots
         ]
@@ -707,7 +714,9 @@ class Unit:
                 _assign_sharded_grad(p, g)
             return None
         reduce_dtype = self.reduce_dtype or grads[0].dtype
-        pre, post = _divide_factors(info.data_parallel_size, reduce_dtype, self.gradient_divide_factor)
+        pre, post = _divide_factors(
+            info.data_parallel_size, reduce_dtype, self.gradient_divide_factor
+        )
         sizes = [p.chunk_numel for p in params]
         row = sum(sizes)
         comm = self.custom_reduce_scatter if world > 1 else None
@@ -902,10 +911,8 @@ def _device_sync_point(device: torch.device) -> torch.Event:
     return module.current_stream(device).record_event()
 
 
-@functools.lru_cache(maxsize=None)
-def _divide_factors(
-    world: int, dtype: torch.dtype, custom: float | None
-) -> tuple[float, float]:
+@functools.cache
+def _divide_factors(world: int, dtype: torch.dtype, custom: float | None) -> tuple[float, float]:
     """How to average over ``world`` ranks: (divide before the sum, divide after).
 
     Full precision divides once, after the sum (closest to a single-process mean).
@@ -951,6 +958,4 @@ _DONE = _Done()
 
 def unit_summary(units: Sequence[Unit]) -> str:
     """One line per unit, for logs and error messages."""
-    return "\n".join(
-        f"  {u.name}: {len(u.params)} params, state={u.state.value}" for u in units
-    )
+    return "\n".join(f"  {u.name}: {len(u.params)} params, state={u.state.value}" for u in units)

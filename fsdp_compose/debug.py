@@ -50,10 +50,10 @@ from . import _compat, _env
 
 __all__ = [
     "CollectiveMismatchError",
-    "enable_collective_checks",
-    "disable_collective_checks",
     "collective_checks",
     "collective_checks_enabled",
+    "disable_collective_checks",
+    "enable_collective_checks",
 ]
 
 
@@ -68,7 +68,13 @@ class _FingerprintChecker:
         self._delete_supported = True
 
     def check(
-        self, kind: str, label: str, group: dist.ProcessGroup, numel: int, dtype: torch.dtype, step: int
+        self,
+        kind: str,
+        label: str,
+        group: dist.ProcessGroup,
+        numel: int,
+        dtype: torch.dtype,
+        step: int,
     ) -> None:
         ranks = tuple(dist.get_process_group_ranks(group))
         seq = self._seq.get(ranks, 0)
@@ -155,7 +161,9 @@ def collective_checks(timeout: float | None = None) -> Iterator[None]:
         globals()["_checker"] = previous
 
 
-def _check(kind: str, label: str, group: dist.ProcessGroup, numel: int, dtype: torch.dtype, step: int) -> None:
+def _check(
+    kind: str, label: str, group: dist.ProcessGroup, numel: int, dtype: torch.dtype, step: int
+) -> None:
     if _checker is not None:
         _checker.check(kind, label, group, numel, dtype, step)
 

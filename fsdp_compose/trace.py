@@ -39,16 +39,16 @@ import torch.distributed as dist
 from . import _collectives
 
 __all__ = [
-    "enable",
-    "disable",
-    "is_enabled",
     "clear",
-    "recording",
+    "disable",
+    "enable",
     "events",
-    "exposed_communication",
-    "to_chrome_trace",
     "export_chrome_trace",
+    "exposed_communication",
+    "is_enabled",
     "merge_chrome_traces",
+    "recording",
+    "to_chrome_trace",
 ]
 
 ENABLED = False  # read directly by the scheduler's hot path
@@ -140,8 +140,16 @@ def exposed_communication() -> dict[int, float]:
 def set_step(step: int) -> None:
     global _step
     _step = step
-    _append({"name": f"step {step}", "ph": "i", "s": "p", "ts": _now_us(), "tid": _COMPUTE_TID,
-             "args": {"step": step}})
+    _append(
+        {
+            "name": f"step {step}",
+            "ph": "i",
+            "s": "p",
+            "ts": _now_us(),
+            "tid": _COMPUTE_TID,
+            "args": {"step": step},
+        }
+    )
 
 
 def begin_span(kind: str, unit: str) -> None:
@@ -153,20 +161,46 @@ def end_span(kind: str, unit: str) -> None:
     if not starts:
         return
     start = starts.pop()
-    _append({"name": f"{kind} {unit}", "cat": kind, "ph": "X", "ts": start,
-             "dur": _now_us() - start, "tid": _COMPUTE_TID, "args": {"unit": unit, "step": _step}})
+    _append(
+        {
+            "name": f"{kind} {unit}",
+            "cat": kind,
+            "ph": "X",
+            "ts": start,
+            "dur": _now_us() - start,
+            "tid": _COMPUTE_TID,
+            "args": {"unit": unit, "step": _step},
+        }
+    )
 
 
 def instant(name: str, unit: str) -> None:
-    _append({"name": f"{name} {unit}", "cat": name, "ph": "i", "s": "t", "ts": _now_us(),
-             "tid": _COMPUTE_TID, "args": {"unit": unit, "step": _step}})
+    _append(
+        {
+            "name": f"{name} {unit}",
+            "cat": name,
+            "ph": "i",
+            "s": "t",
+            "ts": _now_us(),
+            "tid": _COMPUTE_TID,
+            "args": {"unit": unit, "step": _step},
+        }
+    )
 
 
 def memory_event(kind: str, unit: str, nbytes: int, total: int) -> None:
     ts = _now_us()
-    _append({"name": f"unsharded_{kind} {unit}", "cat": f"memory_{kind}", "ph": "i", "s": "t",
-             "ts": ts, "tid": _COMPUTE_TID,
-             "args": {"unit": unit, "bytes": nbytes, "total_bytes": total, "step": _step}})
+    _append(
+        {
+            "name": f"unsharded_{kind} {unit}",
+            "cat": f"memory_{kind}",
+            "ph": "i",
+            "s": "t",
+            "ts": ts,
+            "tid": _COMPUTE_TID,
+            "args": {"unit": unit, "bytes": nbytes, "total_bytes": total, "step": _step},
+        }
+    )
     _append({"name": "unsharded_bytes", "ph": "C", "ts": ts, "args": {"bytes": total}})
 
 
@@ -176,19 +210,40 @@ def _on_collective(event: str, info: _collectives.CollectiveInfo) -> None:
         _issued[info.seq] = now
     elif event == "complete":
         start = _issued.pop(info.seq, now)
-        _append({"name": f"{info.kind} {info.label}", "cat": info.kind, "ph": "X", "ts": start,
-                 "dur": now - start, "tid": _COMM_TIDS[info.kind],
-                 "args": {"unit": info.label, "bytes": info.input_bytes,
-                          "group_size": info.group_size, "dtype": str(info.dtype), "step": _step}})
+        _append(
+            {
+                "name": f"{info.kind} {info.label}",
+                "cat": info.kind,
+                "ph": "X",
+                "ts": start,
+                "dur": now - start,
+                "tid": _COMM_TIDS[info.kind],
+                "args": {
+                    "unit": info.label,
+                    "bytes": info.input_bytes,
+                    "group_size": info.group_size,
+                    "dtype": str(info.dtype),
+                    "step": _step,
+                },
+            }
+        )
     elif event == "wait_begin":
         _wait_started[info.seq] = now
     elif event == "wait_end":
         start = _wait_started.pop(info.seq, now)
         with _lock:
             _exposed[_step] += now - start
-        _append({"name": f"wait {info.kind} {info.label}", "cat": "wait", "ph": "X", "ts": start,
-                 "dur": now - start, "tid": _COMPUTE_TID,
-                 "args": {"unit": info.label, "kind": info.kind, "step": _step}})
+        _append(
+            {
+                "name": f"wait {info.kind} {info.label}",
+                "cat": "wait",
+                "ph": "X",
+                "ts": start,
+                "dur": now - start,
+                "tid": _COMPUTE_TID,
+                "args": {"unit": info.label, "kind": info.kind, "step": _step},
+            }
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -206,12 +261,24 @@ def to_chrome_trace(rank: int | None = None) -> dict[str, Any]:
     trace_events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
         {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}},
-        {"name": "thread_name", "ph": "M", "pid": rank, "tid": _COMPUTE_TID,
-         "args": {"name": "compute"}},
+        {
+            "name": "thread_name",
+            "ph": "M",
+            "pid": rank,
+            "tid": _COMPUTE_TID,
+            "args": {"name": "compute"},
+        },
     ]
     for kind, tid in _COMM_TIDS.items():
-        trace_events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
-                             "args": {"name": f"comm: {kind}"}})
+        trace_events.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": rank,
+                "tid": tid,
+                "args": {"name": f"comm: {kind}"},
+            }
+        )
     for event in events():
         event["pid"] = rank
         event.setdefault("tid", _COMPUTE_TID)

@@ -11,6 +11,7 @@ written under temporary names and renamed at the end, the index (or the single
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -103,10 +104,8 @@ class _Export:
 
     def cleanup(self) -> None:
         for f in self.files:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(self.tmp(f.name))
-            except FileNotFoundError:
-                pass
 
 
 def _gather_to_rank0(tensor: DTensor) -> torch.Tensor | None:
@@ -251,7 +250,7 @@ def save_safetensors(
             os.makedirs(out_dir, exist_ok=True)
             for file in files:
                 export.write_file(file, gather)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        except Exception as exc:
             error = exc
     # The other ranks (and rank 0 after a failure) only take part in the gathers,
     # so that every rank issues the same collectives.
@@ -262,7 +261,7 @@ def save_safetensors(
         try:
             paths = export.publish()
             paths += [os.path.join(out_dir, INDEX_FILE)] if len(files) > 1 else []
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             error = exc
     if rank == 0 and error is not None:
         export.cleanup()
@@ -358,7 +357,7 @@ def export_dcp_to_safetensors(
         for i, file in enumerate(files):
             if i % world == rank:
                 export.write_file(file, read)
-    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it
+    except Exception as exc:
         error = exc
     ok = _agree_ok(error)
     paths: list[str] = []
@@ -366,7 +365,7 @@ def export_dcp_to_safetensors(
         try:
             paths = export.publish()
             paths += [os.path.join(out_dir, INDEX_FILE)] if len(files) > 1 else []
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             error = exc
     if not ok or error is not None:
         export.cleanup()
