@@ -758,9 +758,13 @@ class FSDPModule:
             unit.all_reduce_hook = hook
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted for API compatibility: fsdp_compose always reduces with SUM and
-        divides separately, which is what this setting requests."""
-        del enable
+        """Sets whether gradient reductions use SUM and divide separately instead of
+        averaging. fsdp_compose always communicates with SUM; what this changes, as
+        in FSDP2, is what an all-reduce hook (:meth:`set_all_reduce_hook`) receives
+        for float32/bfloat16 gradients: the sum (then divided after the hook) when
+        enabled, the average (FSDP2's ``ReduceOp.AVG``) when not."""
+        for unit in self._units(False):
+            unit.force_sum_reduction = bool(enable)
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True

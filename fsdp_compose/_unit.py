@@ -110,6 +110,7 @@ class Unit:
         self.gradient_divide_factor: float | None = None
         self.reduce_scatter_unused_params = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.force_sum_reduction = False  # set_force_sum_reduction_for_comms
         self.unshard_in_backward = True
         # set_separate_reduce_scatter_group: reduce-scatters on their own group.
         self._reduce_scatter_group: dist.ProcessGroup | None = None
@@ -803,6 +804,17 @@ class PendingReduction:
         self._keep_partial = unit.mesh_info.is_hsdp and replicate_group is None
         self.done = False
 
+    def _hook_sees_average(self, dtype: torch.dtype) -> bool:
+        # FSDP2 reduces float32/bfloat16 with ReduceOp.AVG unless a divide factor
+        # or force-sum is set, so its all-reduce hook receives the average; with
+        # SUM it receives the sum and divides after the hook. Same here.
+        unit = self.unit
+        return (
+            unit.gradient_divide_factor is None
+            and not unit.force_sum_reduction
+            and dtype in (torch.float32, torch.bfloat16)
+        )
+
     def advance(self) -> None:
         """Completes the reduce-scatter (freeing its full-size buffers) and starts
         the replicate all-reduce if there is one, without waiting for the latter."""
@@ -835,10 +847,14 @@ class PendingReduction:
             if self._keep_partial:
                 self.unit.keep_partial_reduce(self._params, self._sizes, output)
             else:
-                if self.unit.all_reduce_hook is not None:
-                    self.unit.all_reduce_hook(output)
-                if self._post_divide != 1:
-                    output.div_(self._post_divide)
+                hook, post = self.unit.all_reduce_hook, self._post_divide
+                if hook is not None and post != 1 and self._hook_sees_average(output.dtype):
+                    output.div_(post)
+                    post = 1
+                if hook is not None:
+                    hook(output)
+                if post != 1:
+                    output.div_(post)
                 offset, copies_in_flight = 0, False
                 for p, size in zip(self._params, self._sizes):
                     local = output[offset : offset + p.local_numel].view(p.local_shape)

@@ -10,15 +10,12 @@ the batch and checks the reduced gradients against
 
 plus the collectives fsdp_compose issued.
 
-torch's FSDP2 runs with ``set_force_sum_reduction_for_comms(True)``: that is what
-fsdp_compose always does (SUM, then a separate division), and gloo has no
-PREMUL_SUM for FSDP2's custom divide factor otherwise. It matters for the
-all-reduce hook: fsdp_compose (like FSDP2 with that setting) hands the hook the
-summed gradient before the division, whereas FSDP2's default for float32/bfloat16
-reduces with ``ReduceOp.AVG`` and hands the hook the averaged one (checked by
-hand: the hook's inputs differ by the factor 2 at 2 ranks; the final gradients
-agree here only because this hook is linear; see the strict xfail
-``test_all_reduce_hook_input_as_torch_default``).
+Both sides run with ``set_force_sum_reduction_for_comms(True)`` (SUM, then a
+separate division): gloo has no PREMUL_SUM for FSDP2's custom divide factor
+otherwise. The setting matters for the all-reduce hook, which then receives the
+summed gradient; ``test_all_reduce_hook_input_as_torch_default`` checks that with
+the default (FSDP2's ``ReduceOp.AVG`` for float32) the hook receives the average,
+as under FSDP2.
 """
 
 from __future__ import annotations
@@ -127,10 +124,10 @@ def _setter_job(setter: str, hsdp: bool = False, torch_default_reduction: bool =
     }
     for side, mods in modules.items():
         for m in mods:
-            if side == "theirs" and not torch_default_reduction:
-                # fsdp_compose always reduces with SUM and divides afterwards: the
-                # FSDP2 setting that does the same (and the one gloo supports for a
-                # custom divide factor, which FSDP2 otherwise issues as PREMUL_SUM)
+            if not torch_default_reduction:
+                # SUM, then divide: the FSDP2 setting gloo supports for a custom
+                # divide factor (FSDP2 otherwise issues PREMUL_SUM); both sides' all-
+                # reduce hooks then see the sum
                 m.set_force_sum_reduction_for_comms(True)
             if setter == "gradient_divide_factor":
                 m.set_gradient_divide_factor(3.0)
@@ -269,12 +266,6 @@ def test_setter_with_hsdp(setter: str) -> None:
             )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fsdp_compose hands the all-reduce hook the sum (divides after the hook, "
-    "_unit.py PendingReduction.finish); FSDP2's default float32 reduction (ReduceOp.AVG) "
-    "hands it the average",
-)
 def test_all_reduce_hook_input_as_torch_default() -> None:
     """What the hook sees, against torch's FSDP2 with its default reduction."""
     for r in run_distributed(_setter_job, WORLD, "all_reduce_hook", False, True):
