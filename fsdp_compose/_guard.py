@@ -1,4 +1,4 @@
-"""The always-on collective guard: ranks agree on a collective before it runs.
+"""The collective guard: ranks agree on a collective before it runs.
 
 [Note: collective guard]
 When ranks of a group issue different collectives (a data-dependent branch
@@ -20,11 +20,13 @@ the real collective is never issued. A rank that issues no further collective
 leaves the others waiting in the guard, which ends as the process group's
 timeout error, again a Python exception.
 
-Cost: one 6-element all-gather per collective, on the issuing thread (measured
-in the README's "Debugging hangs and errors"). Accelerator collectives are not
+Cost: one 6-element all-gather per collective, on the issuing thread; each waits
+for the peer ranks, which also removes overlap: 7-15% of the small preset's step
+at W=2 (README, "Debugging hangs and errors"), so the guard is off by default
+(``debug.enable_collective_guard()`` or ``FSDP_COMPOSE_COLLECTIVE_GUARD=1``). Accelerator collectives are not
 guarded (the comparison would synchronize the host with the device at every
 collective); neither are groups of the ``fake`` backend, whose collectives move
-no data. ``FSDP_COMPOSE_COLLECTIVE_GUARD=0`` turns the guard off; the debug
+no data. The debug
 mode (:mod:`fsdp_compose.debug`) replaces it with its own, slower check that
 also names a rank that stopped issuing collectives.
 """
@@ -42,7 +44,8 @@ from . import _compat, _env, debug
 _FIELDS = 6  # label hash, kind, numel, dtype, step, per-group counter
 _KINDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
 
-enabled = _env.flag("FSDP_COMPOSE_COLLECTIVE_GUARD", True)
+# Off by default until it fits its cost budget (see the README); debug.enable_collective_guard().
+enabled = _env.flag("FSDP_COMPOSE_COLLECTIVE_GUARD", False)
 _counters: dict[int, int] = {}  # id(group) -> collectives issued on it
 _unguarded: dict[int, bool] = {}  # id(group) -> backend without the guard
 

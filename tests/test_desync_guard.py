@@ -1,6 +1,7 @@
-"""Desyncs end as Python exceptions on every rank, in default mode (the
-always-on collective guard, and the structure check at the first forward): no
-rank is aborted inside gloo, and no rank consumes another unit's data.
+"""Desyncs end as Python exceptions on every rank with the collective guard on
+(``debug.enable_collective_guard()``; off by default for its cost) and the
+structure check at the first forward: no rank is aborted inside gloo, and no
+rank consumes another unit's data.
 
 Each case catches the error inside the job and returns it, then both ranks call
 ``reset_iter_state()``: the guard raises before the mismatched collective is
@@ -19,7 +20,7 @@ from models import TINY_GPT
 from torch import nn
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
-from fsdp_compose.debug import CollectiveMismatchError
+from fsdp_compose.debug import CollectiveMismatchError, enable_collective_guard
 
 TINY = TINY_GPT
 
@@ -60,6 +61,14 @@ def _bad_batch(*_: object) -> None:
 
 def _desync_case(case: str) -> str:
     """Runs 3 steps with a desync on rank 1 (or 0) at step 1; returns the error."""
+    enable_collective_guard()
+    try:
+        return _desync_steps(case)
+    finally:
+        enable_collective_guard(False)
+
+
+def _desync_steps(case: str) -> str:
     rank, _ = rank_world()
     cfg = GPTConfig(**TINY)
     model = _net(MixedPrecisionPolicy(param_dtype=torch.bfloat16) if case == "mp_policy" else None)

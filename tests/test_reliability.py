@@ -50,7 +50,17 @@ class _SkipOnRank(nn.Module):
         return g.lm_head(g.ln_f(x))
 
 
-def _desync_job(debug_on: bool, uneven_batches: bool, debug_timeout: float | None = 5.0) -> None:
+def _desync_job(
+    debug_on: bool, uneven_batches: bool, debug_timeout: float | None = 5.0, guard: bool = False
+) -> None:
+    debug.enable_collective_guard(guard)
+    try:
+        _desync_steps(debug_on, uneven_batches, debug_timeout)
+    finally:
+        debug.enable_collective_guard(False)
+
+
+def _desync_steps(debug_on: bool, uneven_batches: bool, debug_timeout: float | None) -> None:
     rank, world = rank_world()
     torch.manual_seed(0)
     cfg = GPTConfig(**TINY)
@@ -111,10 +121,10 @@ def test_debug_mode_waits_the_process_group_timeout_by_default() -> None:
 
 
 def test_desync_without_debug_is_caught_by_the_guard() -> None:
-    """Without debug mode the always-on guard compares the ranks' fingerprints
+    """Without debug mode the collective guard compares the ranks' fingerprints
     before the first mismatched collective: no two units' data is exchanged, and
     every rank raises naming both sides (see [Note: collective guard])."""
-    message, elapsed = _run_expecting_failure(_desync_job, False, False, pg_timeout=5.0)
+    message, elapsed = _run_expecting_failure(_desync_job, False, False, 5.0, True, pg_timeout=5.0)
     assert "failed on ranks [0, 1]" in message, message
     for rank in (0, 1):
         section = message.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
