@@ -105,7 +105,7 @@ def verify_same_structure(units: list[Unit]) -> None:
             continue
         descriptions = [
             pickle.loads(blob)
-            for blob in _all_gather_bytes(pickle.dumps(description), group, device)
+            for blob in _compat.all_gather_bytes(pickle.dumps(description), group, device)
         ]
         ranks = dist.get_process_group_ranks(group)
         me = dist.get_rank()
@@ -167,26 +167,6 @@ def verify_same_replicas(units: list[Unit]) -> None:
                 "model identically on every rank (same seed before building it, or load the "
                 "same checkpoint) before the first forward."
             )
-
-
-def _all_gather_bytes(
-    payload: bytes, group: dist.ProcessGroup, device: torch.device
-) -> list[bytes]:
-    """Gathers every rank's ``payload`` with tensor collectives. torch's object
-    collectives (``all_gather_object``) need NumPy, which torch does not require;
-    the error they would raise here would hide the one being reported."""
-    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    sizes = torch.empty(group.size(), dtype=torch.int64, device=device)
-    size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
-    _compat.all_gather_into_tensor(sizes, size, group, async_op=False)
-    lengths = [int(n) for n in sizes.tolist()]
-    longest = max(lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: mine.numel()] = mine
-    gathered = torch.empty(group.size() * longest, dtype=torch.uint8, device=device)
-    _compat.all_gather_into_tensor(gathered, padded, group, async_op=False)
-    rows = gathered.view(group.size(), longest).cpu()
-    return [bytes(rows[i, :n].tolist()) for i, n in enumerate(lengths)]
 
 
 # ---------------------------------------------------------------------------

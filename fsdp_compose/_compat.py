@@ -228,6 +228,24 @@ def _issue_gloo(direct: Callable[[], _W], fallback: Callable[[], _W | None]) -> 
     return work
 
 
+def all_gather_bytes(payload: bytes, group: dist.ProcessGroup, device: torch.device) -> list[bytes]:
+    """Gathers every rank's ``payload`` with tensor collectives. torch's object
+    collectives (``all_gather_object``) need NumPy, which torch does not require;
+    the error they would raise here would hide the one being reported."""
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    sizes = torch.empty(group.size(), dtype=torch.int64, device=device)
+    size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    all_gather_into_tensor(sizes, size, group, async_op=False)
+    lengths = [int(n) for n in sizes.tolist()]
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine
+    gathered = torch.empty(group.size() * longest, dtype=torch.uint8, device=device)
+    all_gather_into_tensor(gathered, padded, group, async_op=False)
+    rows = gathered.view(group.size(), longest).cpu()
+    return [bytes(rows[i, :n].tolist()) for i, n in enumerate(lengths)]
+
+
 def gloo_all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
 ) -> dist.Work:

@@ -96,7 +96,10 @@ def _raise_mismatch(
     # Every rank saw the same fingerprints, so every rank is here: one more
     # exchange, of the readable descriptions, is safe.
     mine = f"{kind} for {label} ({numel} x {str(dtype).replace('torch.', '')}, step {step})"
-    described = _all_gather_text(mine, group)
+    described = [
+        blob.decode(errors="replace")
+        for blob in _compat.all_gather_bytes(mine.encode(), group, torch.device("cpu"))
+    ]
     ranks = dist.get_process_group_ranks(group)
     lines = "\n".join(f"  rank {r} issued {d}" for r, d in zip(ranks, described))
     raise debug.CollectiveMismatchError(
@@ -106,22 +109,3 @@ def _raise_mismatch(
         "rank, requires_grad or settings changed on one rank, unshard() called on one rank). "
         "Every rank must run the same fully_shard units in the same order."
     )
-
-
-def _all_gather_text(text: str, group: dist.ProcessGroup, limit: int = 1024) -> list[str]:
-    """Every rank's ``text`` (at most ``limit`` bytes each), in group rank order."""
-    payload = text.encode()[:limit]
-    world = group.size()
-    lengths = torch.empty(world, dtype=torch.int64)
-    _compat.all_gather_into_tensor(
-        lengths, torch.tensor([len(payload)], dtype=torch.int64), group, async_op=False
-    )
-    buf = torch.zeros(limit, dtype=torch.uint8)
-    buf[: len(payload)] = torch.tensor(list(payload), dtype=torch.uint8)
-    out = torch.empty(world * limit, dtype=torch.uint8)
-    _compat.all_gather_into_tensor(out, buf, group, async_op=False)
-    rows = out.view(world, limit)
-    return [
-        bytes(rows[i, : int(n)].tolist()).decode(errors="replace")
-        for i, n in enumerate(lengths.tolist())
-    ]
