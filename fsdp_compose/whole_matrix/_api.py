@@ -111,12 +111,15 @@ def map_full_matrices(
                 )
             return out
 
+        def fill(k: int, rows: torch.Tensor, idx: list[int] = idx) -> None:
+            rows.copy_(locals_[idx[k]])
+
         def consume(k: int, rows: torch.Tensor, idx: list[int] = idx) -> None:
             outputs[idx[k]].copy_(rows)
 
         with torch.no_grad():
             plan.run(
-                lambda k, idx=idx: locals_[idx[k]],  # type: ignore[misc]
+                fill,
                 compute,
                 consume,
                 comm_dtype=comm_dtype,

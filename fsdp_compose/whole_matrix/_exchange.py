@@ -30,6 +30,7 @@ on one *owner* rank of the shard group:
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -108,57 +109,58 @@ def newton_schulz_cost(shape: tuple[int, int]) -> float:
     return float(m) * n * min(m, n)
 
 
-#: Elements of full matrices one owner receives per round (2 MiB in bfloat16): a
-#: round holds an owner's next matrices up to this size (at least one matrix).
-ROUND_NUMEL = 1 << 20
+TRANSPORT = "a2a"
 
 
 @dataclass
 class ExchangePlan:
-    """Owners and rounds for a list of ``(m, n)`` matrices sharded with ``layout``."""
+    """Owners and the exchange order for ``(m, n)`` matrices sharded with ``layout``.
+
+    ``queues[r]`` lists the matrices rank ``r`` computes, in the order it computes
+    them (heaviest first); ``order`` lists every matrix by the cost its owner has
+    computed before reaching it (then by owner), which is the order in which the
+    owners need them and the order in which every rank prepares its rows.
+    """
 
     layout: ShardLayout
     shapes: list[tuple[int, int]]
     owners: list[int]
-    rounds: list[list[list[int]]]  # rounds[b][owner] = the matrices that owner computes in round b
+    queues: list[list[int]]
+    order: list[int]
 
     @classmethod
-    def build(
-        cls, layout: ShardLayout, shapes: list[tuple[int, int]], round_numel: int | None = None
-    ) -> ExchangePlan:
-        budget = ROUND_NUMEL if round_numel is None else round_numel
-        owners = lpt_owners([newton_schulz_cost(s) for s in shapes], layout.world)
-        chunks: list[list[list[int]]] = [[] for _ in range(layout.world)]
-        for i in sorted(range(len(shapes)), key=lambda i: (-newton_schulz_cost(shapes[i]), i)):
-            mine = chunks[owners[i]]
-            numel = shapes[i][0] * shapes[i][1]
-            if not mine or sum(shapes[j][0] * shapes[j][1] for j in mine[-1]) + numel > budget:
-                mine.append([])
-            mine[-1].append(i)
-        depth = max((len(x) for x in chunks), default=0)
-        rounds = [[(x[b] if b < len(x) else []) for x in chunks] for b in range(depth)]
-        return cls(layout, shapes, owners, rounds)
+    def build(cls, layout: ShardLayout, shapes: list[tuple[int, int]]) -> ExchangePlan:
+        costs = [newton_schulz_cost(s) for s in shapes]
+        owners = lpt_owners(costs, layout.world)
+        queues: list[list[int]] = [[] for _ in range(layout.world)]
+        start = [0.0] * len(shapes)  # cost its owner computes before this matrix
+        load = [0.0] * layout.world
+        for i in sorted(range(len(shapes)), key=lambda i: (-costs[i], i)):
+            queues[owners[i]].append(i)
+            start[i] = load[owners[i]]
+            load[owners[i]] += costs[i]
+        order = sorted(range(len(shapes)), key=lambda i: (start[i], owners[i], i))
+        return cls(layout, shapes, owners, queues, order)
 
     def _numel(self, rank: int, i: int) -> int:
         m, n = self.shapes[i]
         start, end = self.layout.rows(rank, m)
         return (end - start) * n
 
-    def _split(self, rank: int, matrices: list[int]) -> int:
-        return sum(self._numel(rank, i) for i in matrices)
-
     def exchanged_bytes(self, dtype: torch.dtype) -> int:
         """Bytes this rank sends to other ranks in one :meth:`run` (both ways)."""
-        me, size = self.layout.rank, torch.empty((), dtype=dtype).element_size()
+        me, world = self.layout.rank, self.layout.world
         total = 0
-        for rnd in self.rounds:
-            total += sum(self._split(me, owned) for r, owned in enumerate(rnd) if r != me)
-            total += sum(self._split(r, rnd[me]) for r in range(self.layout.world) if r != me)
-        return total * size
+        for i, owner in enumerate(self.owners):
+            if owner == me:  # results back to the other ranks
+                total += sum(self._numel(r, i) for r in range(world) if r != me)
+            else:  # my rows to the owner
+                total += self._numel(me, i)
+        return total * torch.empty((), dtype=dtype).element_size()
 
     def run(
         self,
-        local_rows: Callable[[int], torch.Tensor],
+        fill: Callable[[int, torch.Tensor], None],
         compute: Callable[[int, torch.Tensor], torch.Tensor],
         consume: Callable[[int, torch.Tensor], None],
         *,
@@ -167,103 +169,215 @@ class ExchangePlan:
         device: torch.device,
     ) -> None:
         """For each matrix ``i``: ``compute(i, full)`` on its owner, where ``full``
-        is the row-wise concatenation of every rank's ``local_rows(i)`` cast to
-        ``comm_dtype``; then ``consume(i, rows)`` on every rank with its rows of
-        the result (``result_dtype``). ``local_rows`` is called once per matrix
-        this rank holds rows of. See [Note: owner compute for whole-matrix
-        optimizers]."""
-        layout, me, world = self.layout, self.layout.rank, self.layout.world
-        if layout.group is None or world == 1:
+        is the ``(m, n)`` matrix whose rows every rank wrote with ``fill(i, rows)``
+        (``rows``: a contiguous ``comm_dtype`` tensor to overwrite with its local
+        rows); then ``consume(i, rows)`` on every rank with its rows of the result
+        (``result_dtype``). ``fill`` is called once per matrix this rank holds rows
+        of, in :attr:`order`. See [Note: owner compute for whole-matrix optimizers]."""
+        if self.layout.group is None or self.layout.world == 1:
             for i in range(len(self.shapes)):
-                rows = local_rows(i).to(comm_dtype, copy=True)  # compute may work in place
-                consume(i, compute(i, rows).to(result_dtype))
+                full = torch.empty(self.shapes[i], dtype=comm_dtype, device=device)
+                fill(i, full)
+                consume(i, compute(i, full).to(result_dtype))
             return
+        if TRANSPORT == "p2p":
+            _Exchange(self, fill, comm_dtype, result_dtype, device).run(compute, consume)
+        else:
+            self._run_rounds(fill, compute, consume, comm_dtype, result_dtype, device)
 
-        def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(numel, dtype=dtype, device=device)
+    def _run_rounds(
+        self,
+        fill: Callable[[int, torch.Tensor], None],
+        compute: Callable[[int, torch.Tensor], torch.Tensor],
+        consume: Callable[[int, torch.Tensor], None],
+        comm_dtype: torch.dtype,
+        result_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        layout, me, world = self.layout, self.layout.rank, self.layout.world
+        depth = max(len(q) for q in self.queues)
+        rounds = [[q[b] if b < len(q) else -1 for q in self.queues] for b in range(depth)]
 
-        # Send buffers stay referenced until their collective has completed.
-        def post_gather(rnd: list[list[int]]) -> tuple[dist.Work, torch.Tensor, torch.Tensor]:
-            # To each owner, in rank order: my rows of each matrix it computes.
-            pieces = [
-                local_rows(i).reshape(-1) for owned in rnd for i in owned if self._numel(me, i)
-            ]
-            send = torch.cat([p.to(comm_dtype) for p in pieces]) if pieces else empty(0, comm_dtype)
-            in_splits = [self._split(me, owned) for owned in rnd]
-            out_splits = [self._split(r, rnd[me]) for r in range(world)]
-            recv = empty(sum(out_splits), comm_dtype)
+        def numel(rank: int, i: int) -> int:
+            return self._numel(rank, i) if i >= 0 else 0
+
+        def a2a(
+            out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
+        ) -> dist.Work:
             work = dist.all_to_all_single(
-                recv, send, out_splits, in_splits, group=layout.group, async_op=True
+                out, inp, out_splits, in_splits, group=layout.group, async_op=True
             )
             assert work is not None
-            return work, recv, send
+            return work
 
-        def full_matrices(recv: torch.Tensor, owned: list[int]) -> list[torch.Tensor]:
-            if len(owned) == 1:  # rows arrive in rank order: the buffer is the matrix
-                m, n = self.shapes[owned[0]]
-                return [recv.view(m, n)]
-            parts: list[list[torch.Tensor]] = [[] for _ in owned]
+        def post_gather(rnd: list[int]) -> tuple[dist.Work, torch.Tensor, torch.Tensor]:
+            to_owner = [numel(me, i) for i in rnd]
+            from_rank = [numel(r, rnd[me]) for r in range(world)]
+            send = torch.empty(sum(to_owner), dtype=comm_dtype, device=device)
             offset = 0
-            for r in range(world):
-                for k, i in enumerate(owned):
-                    numel = self._numel(r, i)
-                    parts[k].append(recv[offset : offset + numel])
-                    offset += numel
-            return [torch.cat(p).view(self.shapes[i]) for p, i in zip(parts, owned)]
+            for i, count in zip(rnd, to_owner):
+                if count:
+                    fill(i, send[offset : offset + count].view(-1, self.shapes[i][1]))
+                    offset += count
+            recv = torch.empty(sum(from_rank), dtype=comm_dtype, device=device)
+            return a2a(recv, send, from_rank, to_owner), recv, send
 
         def post_return(
-            rnd: list[list[int]], results: list[torch.Tensor]
+            rnd: list[int], result: torch.Tensor | None
         ) -> tuple[dist.Work, torch.Tensor, torch.Tensor]:
-            # To each rank, in rank order: its rows of each result computed here.
-            pieces = []
-            for r in range(world):
-                for i, result in zip(rnd[me], results):
-                    start, end = layout.rows(r, self.shapes[i][0])
-                    pieces.append(result[start:end].reshape(-1))
-            send = torch.cat(pieces) if pieces else empty(0, result_dtype)
-            out_splits = [self._split(r, rnd[me]) for r in range(world)]
-            in_splits = [self._split(me, owned) for owned in rnd]
-            back = empty(sum(in_splits), result_dtype)
-            work = dist.all_to_all_single(
-                back, send, in_splits, out_splits, group=layout.group, async_op=True
+            to_rank = [numel(r, rnd[me]) for r in range(world)]
+            from_owner = [numel(me, i) for i in rnd]
+            send = (
+                result.view(-1)
+                if result is not None
+                else torch.empty(0, dtype=result_dtype, device=device)
             )
-            assert work is not None
-            return work, back, send
+            back = torch.empty(sum(from_owner), dtype=result_dtype, device=device)
+            return a2a(back, send, from_owner, to_rank), back, send
 
         def finish_return(
-            pending: tuple[dist.Work, torch.Tensor, torch.Tensor], rnd: list[list[int]]
+            pending: tuple[dist.Work, torch.Tensor, torch.Tensor], rnd: list[int]
         ) -> None:
             work, back, _ = pending
             work.wait()
             offset = 0
-            for owned in rnd:
-                for i in owned:
-                    numel = self._numel(me, i)
-                    consume(
-                        i,
-                        back[offset : offset + numel].view(
-                            numel // self.shapes[i][1], self.shapes[i][1]
-                        ),
-                    )
-                    offset += numel
+            for i in rnd:
+                count = numel(me, i)
+                if count:
+                    consume(i, back[offset : offset + count].view(-1, self.shapes[i][1]))
+                    offset += count
 
-        gathering = post_gather(self.rounds[0]) if self.rounds else None
-        returning: tuple[tuple[dist.Work, torch.Tensor, torch.Tensor], list[list[int]]] | None = (
-            None
-        )
-        for b, rnd in enumerate(self.rounds):
+        gathering = post_gather(rounds[0]) if rounds else None
+        returning = None
+        for b, rnd in enumerate(rounds):
             assert gathering is not None
             work, recv, _ = gathering
             work.wait()
-            gathering = post_gather(self.rounds[b + 1]) if b + 1 < len(self.rounds) else None
-            results = [
-                compute(i, full).to(result_dtype).contiguous()
-                for i, full in zip(rnd[me], full_matrices(recv, rnd[me]))
-            ]
+            gathering = post_gather(rounds[b + 1]) if b + 1 < len(rounds) else None
+            result = None
+            if rnd[me] >= 0:
+                result = compute(rnd[me], recv.view(self.shapes[rnd[me]])).to(result_dtype)
+                result = result.contiguous()
             del recv, work
-            pending = post_return(rnd, results)
+            pending = post_return(rnd, result)
             if returning is not None:
                 finish_return(*returning)
             returning = (pending, rnd)
         if returning is not None:
             finish_return(*returning)
+
+
+class _Exchange:
+    """One :meth:`ExchangePlan.run` on a shard group of several ranks: point-to-point
+    messages straight into and out of the full matrices' row blocks."""
+
+    def __init__(
+        self,
+        plan: ExchangePlan,
+        fill: Callable[[int, torch.Tensor], None],
+        comm_dtype: torch.dtype,
+        result_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.plan, self.fill, self.device = plan, fill, device
+        self.comm_dtype, self.result_dtype = comm_dtype, result_dtype
+        self.group = plan.layout.group
+        self.me = plan.layout.rank
+        self.position = {i: k for k, i in enumerate(plan.order)}
+        self.prepared = 0  # plan.order[:prepared] are filled and posted
+        # My matrices: the full input and its receives from the other ranks.
+        self.inputs: dict[int, tuple[torch.Tensor, list[dist.Work]]] = {}
+        # Other owners' matrices, by position: (i, my rows and their send, the
+        # result's rows and their receive).
+        self.awaiting: deque[tuple[int, torch.Tensor, dist.Work, torch.Tensor, dist.Work]] = deque()
+
+    def _rows(self, rank: int, i: int) -> tuple[int, int]:
+        return self.plan.layout.rows(rank, self.plan.shapes[i][0])
+
+    def _prepare(self, i: int) -> None:
+        """Fills my rows of matrix ``i`` and posts their exchange: the receives of
+        the other rows into the full matrix (I own it), or the send of my rows to
+        its owner and the receive of my rows of its result (another rank owns it)."""
+        plan, me = self.plan, self.me
+        m, n = plan.shapes[i]
+        start, end = self._rows(me, i)
+        owner = plan.owners[i]
+        if owner == me:
+            full = torch.empty((m, n), dtype=self.comm_dtype, device=self.device)
+            if end > start:
+                self.fill(i, full[start:end])
+            works = []
+            for r in range(plan.layout.world):
+                r_start, r_end = self._rows(r, i)
+                if r != me and r_end > r_start:
+                    works.append(self._post(dist.irecv, full[r_start:r_end], r, 2 * i))
+            self.inputs[i] = (full, works)
+        elif end > start:
+            rows = torch.empty((end - start, n), dtype=self.comm_dtype, device=self.device)
+            self.fill(i, rows)
+            sent = self._post(dist.isend, rows, owner, 2 * i)
+            back = torch.empty((end - start, n), dtype=self.result_dtype, device=self.device)
+            received = self._post(dist.irecv, back, owner, 2 * i + 1)
+            self.awaiting.append((i, rows, sent, back, received))
+
+    def _post(
+        self, op: Callable[..., dist.Work | None], t: torch.Tensor, peer: int, tag: int
+    ) -> dist.Work:
+        kw = {"group_src": peer} if op is dist.irecv else {"group_dst": peer}
+        work = op(t, group=self.group, tag=tag, **kw)
+        assert work is not None
+        return work
+
+    def _prepare_through(self, position: int) -> None:
+        order = self.plan.order
+        while self.prepared <= min(position, len(order) - 1):
+            self._prepare(order[self.prepared])
+            self.prepared += 1
+
+    def _consume_before(self, position: int, consume: Callable[[int, torch.Tensor], None]) -> None:
+        """Applies the results of other owners' matrices placed before ``position``."""
+        while self.awaiting and self.position[self.awaiting[0][0]] < position:
+            i, _, sent, back, received = self.awaiting.popleft()
+            sent.wait()
+            received.wait()
+            consume(i, back)
+
+    def run(
+        self,
+        compute: Callable[[int, torch.Tensor], torch.Tensor],
+        consume: Callable[[int, torch.Tensor], None],
+    ) -> None:
+        plan, me = self.plan, self.me
+        mine = plan.queues[me]
+        returning: list[dist.Work] = []
+        result: torch.Tensor | None = None
+        for k, i in enumerate(mine):
+            # Prepare up to my next matrix: the receives of its rows then overlap
+            # with this one's compute, and every rank gets my rows of the matrices
+            # its owner needs before then. Every rank has prepared through a
+            # matrix's position before it waits on that matrix (no deadlock).
+            after = self.position[mine[k + 1]] if k + 1 < len(mine) else len(plan.order)
+            self._prepare_through(after)
+            full, works = self.inputs.pop(i)
+            for work in works:
+                work.wait()
+            out = compute(i, full).to(self.result_dtype)
+            del full
+            if not out.is_contiguous():
+                out = out.contiguous()
+            for work in returning:  # the previous result's sends (receives were posted early)
+                work.wait()
+            result, returning = out, []
+            for r in range(plan.layout.world):
+                start, end = self._rows(r, i)
+                if r != me and end > start:
+                    returning.append(self._post(dist.isend, result[start:end], r, 2 * i + 1))
+            start, end = self._rows(me, i)
+            if end > start:
+                consume(i, result[start:end])
+            # Results of matrices placed before my previous one are most likely here.
+            self._consume_before(self.position[mine[k - 1]] if k else 0, consume)
+        self._prepare_through(len(plan.order))
+        self._consume_before(len(plan.order), consume)
+        for work in returning:
+            work.wait()

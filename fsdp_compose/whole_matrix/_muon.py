@@ -143,7 +143,8 @@ def _run(
 ) -> None:
     state = optimizer.state
 
-    def local_rows(i: int) -> torch.Tensor:
+    def momentum(i: int) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+        """Updates matrix ``i``'s momentum on the local rows: (group, grad, buffer)."""
         group, p, _ = jobs[i]
         dgrad = p.grad
         assert isinstance(dgrad, DTensor)  # checked by muon_step
@@ -155,9 +156,21 @@ def _run(
                 _compat.dtensor_spec(dgrad),
             )
         buf = _compat.local_tensor(entry["momentum_buffer"])
-        momentum = group["momentum"]
-        buf.lerp_(grad, 1 - momentum)
-        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+        buf.lerp_(grad, 1 - group["momentum"])
+        return group, grad, buf
+
+    def fill(i: int, out: torch.Tensor) -> None:
+        # torch: update = grad.lerp(buf, momentum) (or buf), then update.bfloat16().
+        # Writing the lerp straight into the bfloat16 rows rounds the same float32
+        # (or float64, or bfloat16) value once, so the bits are the same; float16
+        # would round twice in torch, so it takes the two-step path.
+        group, grad, buf = momentum(i)
+        if not group["nesterov"]:
+            out.copy_(buf)
+        elif grad.dtype in (torch.float32, torch.float64, torch.bfloat16):
+            torch.lerp(grad, buf, group["momentum"], out=out)
+        else:
+            out.copy_(grad.lerp(buf, group["momentum"]))
 
     def compute(i: int, full: torch.Tensor) -> torch.Tensor:
         group = jobs[i][0]
@@ -184,10 +197,10 @@ def _run(
         for i, (_, p, layout) in enumerate(jobs):
             start, end = layout.rows(layout.rank, p.shape[0])
             if start == end and layout.world > 1:
-                local_rows(i)
+                momentum(i)
         device = _compat.local_tensor(jobs[0][1]).device
         plan.run(
-            local_rows,
+            fill,
             compute,
             consume,
             comm_dtype=torch.bfloat16,
