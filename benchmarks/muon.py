@@ -161,7 +161,7 @@ def _rank_main(
     result["exchange_bytes_all_ranks"] = sent.item()
     result["matrix_fp32_bytes"] = matrix_bytes
     result["ideal_fp32_bytes"] = 2 * (world - 1) / world * matrix_bytes
-    result["rounds"] = max(len(q) for q in plan.queues)
+    result["rounds"] = len(plan.rounds)
     del models["fsdp2"], opts["fsdp2"]
 
     # Whole training steps on fsdp_compose: Muon for the matrices + AdamW for the rest vs AdamW alone.

@@ -30,7 +30,6 @@ on one *owner* rank of the shard group:
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -109,40 +108,32 @@ def newton_schulz_cost(shape: tuple[int, int]) -> float:
     return float(m) * n * min(m, n)
 
 
-TRANSPORT = "a2a"
-
-
 @dataclass
 class ExchangePlan:
-    """Owners and the exchange order for ``(m, n)`` matrices sharded with ``layout``.
-
-    ``queues[r]`` lists the matrices rank ``r`` computes, in the order it computes
-    them (heaviest first); ``order`` lists every matrix by the cost its owner has
-    computed before reaching it (then by owner), which is the order in which the
-    owners need them and the order in which every rank prepares its rows.
-    """
+    """Owners and rounds for ``(m, n)`` matrices sharded with ``layout``:
+    ``rounds[b][r]`` is the matrix rank ``r`` computes in round ``b`` (its
+    ``b``-th heaviest), or ``-1`` when it has no more."""
 
     layout: ShardLayout
     shapes: list[tuple[int, int]]
     owners: list[int]
-    queues: list[list[int]]
-    order: list[int]
+    rounds: list[list[int]]
 
     @classmethod
     def build(cls, layout: ShardLayout, shapes: list[tuple[int, int]]) -> ExchangePlan:
         costs = [newton_schulz_cost(s) for s in shapes]
         owners = lpt_owners(costs, layout.world)
         queues: list[list[int]] = [[] for _ in range(layout.world)]
-        start = [0.0] * len(shapes)  # cost its owner computes before this matrix
-        load = [0.0] * layout.world
         for i in sorted(range(len(shapes)), key=lambda i: (-costs[i], i)):
             queues[owners[i]].append(i)
-            start[i] = load[owners[i]]
-            load[owners[i]] += costs[i]
-        order = sorted(range(len(shapes)), key=lambda i: (start[i], owners[i], i))
-        return cls(layout, shapes, owners, queues, order)
+        depth = max((len(q) for q in queues), default=0)
+        rounds = [[q[b] if b < len(q) else -1 for q in queues] for b in range(depth)]
+        return cls(layout, shapes, owners, rounds)
 
     def _numel(self, rank: int, i: int) -> int:
+        """Elements of matrix ``i`` (``-1``: none) held by ``rank``."""
+        if i < 0:
+            return 0
         m, n = self.shapes[i]
         start, end = self.layout.rows(rank, m)
         return (end - start) * n
@@ -173,67 +164,56 @@ class ExchangePlan:
         (``rows``: a contiguous ``comm_dtype`` tensor to overwrite with its local
         rows); then ``consume(i, rows)`` on every rank with its rows of the result
         (``result_dtype``). ``fill`` is called once per matrix this rank holds rows
-        of, in :attr:`order`. See [Note: owner compute for whole-matrix optimizers]."""
-        if self.layout.group is None or self.layout.world == 1:
+        of, round by round. See [Note: owner compute for whole-matrix optimizers]."""
+        layout, me, world = self.layout, self.layout.rank, self.layout.world
+        if layout.group is None or world == 1:
             for i in range(len(self.shapes)):
                 full = torch.empty(self.shapes[i], dtype=comm_dtype, device=device)
                 fill(i, full)
                 consume(i, compute(i, full).to(result_dtype))
             return
-        if TRANSPORT == "p2p":
-            _Exchange(self, fill, comm_dtype, result_dtype, device).run(compute, consume)
-        else:
-            self._run_rounds(fill, compute, consume, comm_dtype, result_dtype, device)
 
-    def _run_rounds(
-        self,
-        fill: Callable[[int, torch.Tensor], None],
-        compute: Callable[[int, torch.Tensor], torch.Tensor],
-        consume: Callable[[int, torch.Tensor], None],
-        comm_dtype: torch.dtype,
-        result_dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        layout, me, world = self.layout, self.layout.rank, self.layout.world
-        depth = max(len(q) for q in self.queues)
-        rounds = [[q[b] if b < len(q) else -1 for q in self.queues] for b in range(depth)]
+        def rows_view(flat: torch.Tensor, offset: int, numel: int, i: int) -> torch.Tensor:
+            return flat[offset : offset + numel].view(-1, self.shapes[i][1])
 
-        def numel(rank: int, i: int) -> int:
-            return self._numel(rank, i) if i >= 0 else 0
-
-        def a2a(
+        def all_to_all(
             out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
-        ) -> dist.Work:
+        ) -> tuple[dist.Work, torch.Tensor, torch.Tensor]:
+            # The buffers stay referenced until the collective has completed.
             work = dist.all_to_all_single(
                 out, inp, out_splits, in_splits, group=layout.group, async_op=True
             )
             assert work is not None
-            return work
+            return work, out, inp
 
         def post_gather(rnd: list[int]) -> tuple[dist.Work, torch.Tensor, torch.Tensor]:
-            to_owner = [numel(me, i) for i in rnd]
-            from_rank = [numel(r, rnd[me]) for r in range(world)]
+            # To each owner, in rank order: my rows of its matrix, filled in place.
+            to_owner = [self._numel(me, i) for i in rnd]
             send = torch.empty(sum(to_owner), dtype=comm_dtype, device=device)
             offset = 0
-            for i, count in zip(rnd, to_owner):
-                if count:
-                    fill(i, send[offset : offset + count].view(-1, self.shapes[i][1]))
-                    offset += count
+            for i, numel in zip(rnd, to_owner):
+                if numel:
+                    fill(i, rows_view(send, offset, numel, i))
+                    offset += numel
+            # From each rank, in rank order: its rows of my matrix, so the receive
+            # buffer *is* the full matrix.
+            from_rank = [self._numel(r, rnd[me]) for r in range(world)]
             recv = torch.empty(sum(from_rank), dtype=comm_dtype, device=device)
-            return a2a(recv, send, from_rank, to_owner), recv, send
+            return all_to_all(recv, send, from_rank, to_owner)
 
         def post_return(
             rnd: list[int], result: torch.Tensor | None
         ) -> tuple[dist.Work, torch.Tensor, torch.Tensor]:
-            to_rank = [numel(r, rnd[me]) for r in range(world)]
-            from_owner = [numel(me, i) for i in rnd]
+            # The contiguous result, in rank order, is every rank's rows of it.
+            to_rank = [self._numel(r, rnd[me]) for r in range(world)]
             send = (
                 result.view(-1)
                 if result is not None
                 else torch.empty(0, dtype=result_dtype, device=device)
             )
+            from_owner = [self._numel(me, i) for i in rnd]
             back = torch.empty(sum(from_owner), dtype=result_dtype, device=device)
-            return a2a(back, send, from_owner, to_rank), back, send
+            return all_to_all(back, send, from_owner, to_rank)
 
         def finish_return(
             pending: tuple[dist.Work, torch.Tensor, torch.Tensor], rnd: list[int]
@@ -242,22 +222,23 @@ class ExchangePlan:
             work.wait()
             offset = 0
             for i in rnd:
-                count = numel(me, i)
-                if count:
-                    consume(i, back[offset : offset + count].view(-1, self.shapes[i][1]))
-                    offset += count
+                numel = self._numel(me, i)
+                if numel:
+                    consume(i, rows_view(back, offset, numel, i))
+                    offset += numel
 
-        gathering = post_gather(rounds[0]) if rounds else None
-        returning = None
-        for b, rnd in enumerate(rounds):
+        gathering = post_gather(self.rounds[0]) if self.rounds else None
+        returning: tuple[tuple[dist.Work, torch.Tensor, torch.Tensor], list[int]] | None = None
+        for b, rnd in enumerate(self.rounds):
             assert gathering is not None
             work, recv, _ = gathering
             work.wait()
-            gathering = post_gather(rounds[b + 1]) if b + 1 < len(rounds) else None
+            # The next round's gather runs while this round computes.
+            gathering = post_gather(self.rounds[b + 1]) if b + 1 < len(self.rounds) else None
             result = None
             if rnd[me] >= 0:
-                result = compute(rnd[me], recv.view(self.shapes[rnd[me]])).to(result_dtype)
-                result = result.contiguous()
+                out = compute(rnd[me], recv.view(self.shapes[rnd[me]])).to(result_dtype)
+                result = out.contiguous()  # a tall matrix's result is a transposed view
             del recv, work
             pending = post_return(rnd, result)
             if returning is not None:
@@ -265,119 +246,3 @@ class ExchangePlan:
             returning = (pending, rnd)
         if returning is not None:
             finish_return(*returning)
-
-
-class _Exchange:
-    """One :meth:`ExchangePlan.run` on a shard group of several ranks: point-to-point
-    messages straight into and out of the full matrices' row blocks."""
-
-    def __init__(
-        self,
-        plan: ExchangePlan,
-        fill: Callable[[int, torch.Tensor], None],
-        comm_dtype: torch.dtype,
-        result_dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.plan, self.fill, self.device = plan, fill, device
-        self.comm_dtype, self.result_dtype = comm_dtype, result_dtype
-        self.group = plan.layout.group
-        self.me = plan.layout.rank
-        self.position = {i: k for k, i in enumerate(plan.order)}
-        self.prepared = 0  # plan.order[:prepared] are filled and posted
-        # My matrices: the full input and its receives from the other ranks.
-        self.inputs: dict[int, tuple[torch.Tensor, list[dist.Work]]] = {}
-        # Other owners' matrices, by position: (i, my rows and their send, the
-        # result's rows and their receive).
-        self.awaiting: deque[tuple[int, torch.Tensor, dist.Work, torch.Tensor, dist.Work]] = deque()
-
-    def _rows(self, rank: int, i: int) -> tuple[int, int]:
-        return self.plan.layout.rows(rank, self.plan.shapes[i][0])
-
-    def _prepare(self, i: int) -> None:
-        """Fills my rows of matrix ``i`` and posts their exchange: the receives of
-        the other rows into the full matrix (I own it), or the send of my rows to
-        its owner and the receive of my rows of its result (another rank owns it)."""
-        plan, me = self.plan, self.me
-        m, n = plan.shapes[i]
-        start, end = self._rows(me, i)
-        owner = plan.owners[i]
-        if owner == me:
-            full = torch.empty((m, n), dtype=self.comm_dtype, device=self.device)
-            if end > start:
-                self.fill(i, full[start:end])
-            works = []
-            for r in range(plan.layout.world):
-                r_start, r_end = self._rows(r, i)
-                if r != me and r_end > r_start:
-                    works.append(self._post(dist.irecv, full[r_start:r_end], r, 2 * i))
-            self.inputs[i] = (full, works)
-        elif end > start:
-            rows = torch.empty((end - start, n), dtype=self.comm_dtype, device=self.device)
-            self.fill(i, rows)
-            sent = self._post(dist.isend, rows, owner, 2 * i)
-            back = torch.empty((end - start, n), dtype=self.result_dtype, device=self.device)
-            received = self._post(dist.irecv, back, owner, 2 * i + 1)
-            self.awaiting.append((i, rows, sent, back, received))
-
-    def _post(
-        self, op: Callable[..., dist.Work | None], t: torch.Tensor, peer: int, tag: int
-    ) -> dist.Work:
-        kw = {"group_src": peer} if op is dist.irecv else {"group_dst": peer}
-        work = op(t, group=self.group, tag=tag, **kw)
-        assert work is not None
-        return work
-
-    def _prepare_through(self, position: int) -> None:
-        order = self.plan.order
-        while self.prepared <= min(position, len(order) - 1):
-            self._prepare(order[self.prepared])
-            self.prepared += 1
-
-    def _consume_before(self, position: int, consume: Callable[[int, torch.Tensor], None]) -> None:
-        """Applies the results of other owners' matrices placed before ``position``."""
-        while self.awaiting and self.position[self.awaiting[0][0]] < position:
-            i, _, sent, back, received = self.awaiting.popleft()
-            sent.wait()
-            received.wait()
-            consume(i, back)
-
-    def run(
-        self,
-        compute: Callable[[int, torch.Tensor], torch.Tensor],
-        consume: Callable[[int, torch.Tensor], None],
-    ) -> None:
-        plan, me = self.plan, self.me
-        mine = plan.queues[me]
-        returning: list[dist.Work] = []
-        result: torch.Tensor | None = None
-        for k, i in enumerate(mine):
-            # Prepare up to my next matrix: the receives of its rows then overlap
-            # with this one's compute, and every rank gets my rows of the matrices
-            # its owner needs before then. Every rank has prepared through a
-            # matrix's position before it waits on that matrix (no deadlock).
-            after = self.position[mine[k + 1]] if k + 1 < len(mine) else len(plan.order)
-            self._prepare_through(after)
-            full, works = self.inputs.pop(i)
-            for work in works:
-                work.wait()
-            out = compute(i, full).to(self.result_dtype)
-            del full
-            if not out.is_contiguous():
-                out = out.contiguous()
-            for work in returning:  # the previous result's sends (receives were posted early)
-                work.wait()
-            result, returning = out, []
-            for r in range(plan.layout.world):
-                start, end = self._rows(r, i)
-                if r != me and end > start:
-                    returning.append(self._post(dist.isend, result[start:end], r, 2 * i + 1))
-            start, end = self._rows(me, i)
-            if end > start:
-                consume(i, result[start:end])
-            # Results of matrices placed before my previous one are most likely here.
-            self._consume_before(self.position[mine[k - 1]] if k else 0, consume)
-        self._prepare_through(len(plan.order))
-        self._consume_before(len(plan.order), consume)
-        for work in returning:
-            work.wait()
