@@ -97,7 +97,11 @@ def test_muon_bit_identical_to_one_device(world: int) -> None:
 
 def test_muon_settings_bit_identical() -> None:
     kwargs = {
-        "lr": 0.02, "weight_decay": 0.0, "nesterov": False, "adjust_lr_fn": "match_rms_adamw", "ns_steps": 3
+        "lr": 0.02,
+        "weight_decay": 0.0,
+        "nesterov": False,
+        "adjust_lr_fn": "match_rms_adamw",
+        "ns_steps": 3,
     }
     for r in run_distributed(_muon_exact_job, 3, kwargs):
         assert r["params_equal"] and r["bufs_equal"], r
@@ -128,7 +132,10 @@ def _adafactor_job(world_check: int) -> dict:
             )
     kinds = {k: type(v).__name__ for k, v in opt.state[next(model.parameters())].items()}
     return {
-        "worst": worst, "state_worst": state_worst, "kinds": kinds, "sd": len(opt.state_dict()["state"])
+        "worst": worst,
+        "state_worst": state_worst,
+        "kinds": kinds,
+        "sd": len(opt.state_dict()["state"]),
     }
 
 
@@ -232,7 +239,10 @@ def test_muon_checkpoint_resumes_at_another_world_size(tmp_path) -> None:
         assert r["sharded"], r
         for key in ("params", "bufs"):
             pairs = list(zip(r[key], saved[key]))
-            assert all(torch.equal(a, b) for a, b in pairs), (key, [tensor_diff(a, b) for a, b in pairs])
+            assert all(torch.equal(a, b) for a, b in pairs), (
+                key,
+                [tensor_diff(a, b) for a, b in pairs],
+            )
 
 
 def _bad_input_job() -> dict:
@@ -302,3 +312,33 @@ def test_shampoo_example_matches_one_device() -> None:
     for r in results:
         assert r["worst"] <= 1e-6 and r["owned_only"], r
     assert sorted(set(results[0]["owners"])) == [0, 1, 2]  # balanced: every rank owns some
+
+
+def test_exchange_plan_rounds_balance_and_bytes() -> None:
+    """One matrix per owner and round, heaviest first; owners balanced by
+    m·n·min(m, n); the exchange sends every row not on its owner once each way."""
+    from fsdp_compose.whole_matrix._exchange import ExchangePlan, ShardLayout, newton_schulz_cost
+
+    shapes = [(384, 1536), (1536, 384), *[(384, 384)] * 4, (13, 37), (2, 24), (512, 512)]
+    world = 3
+    plans = [ExchangePlan.build(ShardLayout(None, r, world), shapes) for r in range(world)]
+    plan = plans[0]
+    assert all(p.owners == plan.owners and p.rounds == plan.rounds for p in plans)
+    assert all(len(rnd) == world for rnd in plan.rounds)
+    computed = sorted(i for rnd in plan.rounds for i in rnd if i >= 0)
+    assert computed == list(range(len(shapes)))  # each matrix once
+    for r in range(world):  # each owner's matrices in its rounds, heaviest first
+        mine = [rnd[r] for rnd in plan.rounds if rnd[r] >= 0]
+        assert [plan.owners[i] for i in mine] == [r] * len(mine)
+        costs = [newton_schulz_cost(shapes[i]) for i in mine]
+        assert costs == sorted(costs, reverse=True)
+    loads = [
+        sum(newton_schulz_cost(s) for s, o in zip(shapes, plan.owners) if o == r)
+        for r in range(world)
+    ]
+    assert max(loads) <= 1.5 * min(loads), loads
+    expected = 0
+    for (m, n), owner in zip(shapes, plan.owners):
+        start, end = plan.layout.rows(owner, m)
+        expected += 2 * (m - (end - start)) * n * 2  # bfloat16, both ways
+    assert sum(p.exchanged_bytes(torch.bfloat16) for p in plans) == expected

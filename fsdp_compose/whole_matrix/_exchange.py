@@ -10,17 +10,34 @@ on one *owner* rank of the shard group:
 * Owners are chosen by longest-processing-time-first on the cost ``m·n·min(m, n)``
   (the flops of a Newton–Schulz iteration), the same on every rank because it
   depends on shapes only.
-* Matrices move in *rounds*: round ``b`` holds every owner's next matrices
-  (heaviest first), up to ``ROUND_NUMEL`` elements per owner (at least one
-  matrix). One ``all_to_all_single`` gathers the round's matrices, each to its
-  owner (with one matrix per owner the rows arrive in rank order, so the receive
-  buffer *is* the full matrix), and one ``all_to_all_single`` sends each rank
-  its rows of the results. Each matrix crosses the network once each way:
-  ``2·(W-1)/W`` of its bytes in the exchange's dtype.
-* The gather of round ``b+1`` and the return of round ``b`` are in flight while
-  the owner computes round ``b``. A rank therefore holds the full matrices of at
-  most two rounds (``2·ROUND_NUMEL`` elements, or two matrices where one alone is
-  larger) and the results of two, plus the function's temporaries.
+* Matrices move in *rounds*: round ``b`` holds every owner's ``b``-th heaviest
+  matrix (one per owner). One ``all_to_all_single`` gathers the round's matrices,
+  each to its owner, and one sends each rank its rows of the results. Nothing
+  is copied to assemble or split a matrix: every rank writes its rows (the
+  caller's ``fill``, e.g. Muon's Nesterov ``lerp``, rounding straight to
+  bfloat16) into the send buffer at their offset; the rows arrive in rank
+  order, so the owner's receive buffer *is* the contiguous full matrix; and the
+  contiguous result, read in rank order, is the return's send buffer. Each
+  matrix crosses the network once each way: ``2·(W-1)/W`` of its bytes in the
+  exchange's dtype.
+* The gather of round ``b+1`` is in flight while the owner computes round ``b``,
+  and the return of round ``b`` while it computes round ``b+1`` (whose results
+  it applies after posting round ``b+1``'s return). So ranks are coupled one
+  round apart, not at every matrix.
+* Memory (what a rank holds beyond its shards and state, in the exchange's
+  dtype, for Muon bfloat16): at most 2 full matrices of its own as inputs (the
+  round it computes and the next one arriving), 2 results (the one being
+  returned and the one just computed), and 3 buffers of rows (the next round's
+  send, two rounds' returned rows), each at most one full matrix's worth
+  (``1/W`` of each of ``W`` matrices). With ``M`` the largest matrix's
+  ``m·n``: at most ``7·M`` elements, plus the computation's temporaries (for
+  Newton–Schulz: the Gram matrix and its polynomial, ``min(m, n)²`` each, and
+  the next iterate, ``m·n``).
+* Measured alternative: point-to-point ``isend``/``irecv`` straight into each
+  matrix's row block, one message per matrix and peer, coupled matrix by matrix
+  instead of round by round. On gloo at ``W=2`` it cost 20-30% more process
+  CPU per rank (gloo's threads: more messages and wake-ups; ``send`` on the
+  calling thread waits on gloo's I/O thread), so rounds stay.
 * HSDP: owners are chosen within each shard group; every replica group repeats
   the same work on its identical data, which costs no communication across
   replicas (the alternative, splitting the owners over all ranks, would need the
