@@ -38,10 +38,11 @@ def _shard(model: nn.Module, **kw: object) -> nn.Module:
 def _set_grads(model: nn.Module, ref: nn.Module, step: int) -> None:
     """The same full gradient on the sharded model and on the reference (after a
     real forward and backward, which also runs fsdp_compose's lazy init)."""
-    model(torch.randn(2, SHAPES[0][0])).sum().backward()
+    dtype = next(ref.parameters()).dtype
+    model(torch.randn(2, SHAPES[0][0], dtype=dtype)).sum().backward()
     torch.manual_seed(1000 + step)
     for p, rp in zip(model.parameters(), ref.parameters()):
-        g = torch.randn(rp.shape)
+        g = torch.randn(rp.shape).to(dtype)
         rp.grad = g.clone()
         p.grad = (
             distribute_tensor(g, p.device_mesh, p.placements)
@@ -54,8 +55,8 @@ def _split(params: list[torch.nn.Parameter]) -> tuple[list, list]:
     return [p for p in params if p.ndim == 2], [p for p in params if p.ndim != 2]
 
 
-def _muon_exact_job(kwargs: dict, hsdp: bool = False) -> dict:
-    ref = _model()
+def _muon_exact_job(kwargs: dict, hsdp: bool = False, dtype: torch.dtype = torch.float32) -> dict:
+    ref = _model().to(dtype)
     shard_kw = {}
     if hsdp:  # owners within each shard group; replicas repeat their group's work
         shard_kw["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -93,6 +94,31 @@ def test_muon_bit_identical_to_one_device(world: int) -> None:
     kwargs = {"lr": 0.05, "weight_decay": 0.1, "momentum": 0.9}
     for r in run_distributed(_muon_exact_job, world, kwargs, False):
         assert r["params_equal"] and r["bufs_equal"] and r["layouts"] and r["grads_back"], r
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="known difference (README): for a bfloat16 parameter torch's "
+                "param.add_(update) runs its scalar loop on some elements (the whole "
+                "matrix's last numel % 32, or all of a tall matrix's transposed update) "
+                "where the shard's add_ runs the vector loop, which rounds bfloat16 "
+                "differently: a few elements differ by one ulp",
+            ),
+        ),
+        torch.float16,
+    ],
+)
+def test_muon_low_precision_parameters_bit_identical(dtype: torch.dtype) -> None:
+    # float16: torch rounds the Nesterov update to float16 and then to bfloat16,
+    # and so does the sharded step (float32: the tests above).
+    kwargs = {"lr": 0.05, "weight_decay": 0.1}
+    for r in run_distributed(_muon_exact_job, 2, kwargs, False, dtype):
+        assert r["params_equal"] and r["bufs_equal"] and r["layouts"], r
 
 
 def test_muon_settings_bit_identical() -> None:
