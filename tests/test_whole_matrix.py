@@ -55,7 +55,24 @@ def _split(params: list[torch.nn.Parameter]) -> tuple[list, list]:
     return [p for p in params if p.ndim == 2], [p for p in params if p.ndim != 2]
 
 
-def _muon_exact_job(kwargs: dict, hsdp: bool = False, dtype: torch.dtype = torch.float32) -> dict:
+def _muon_exact_job(
+    kwargs: dict,
+    hsdp: bool = False,
+    dtype: torch.dtype = torch.float32,
+    round_numel: int | None = None,
+) -> dict:
+    from fsdp_compose.whole_matrix import _exchange
+
+    if round_numel is not None:  # 1: one matrix per owner and round
+        _exchange.ROUND_NUMEL, previous = round_numel, _exchange.ROUND_NUMEL
+    try:
+        return _muon_exact(kwargs, hsdp, dtype)
+    finally:
+        if round_numel is not None:
+            _exchange.ROUND_NUMEL = previous
+
+
+def _muon_exact(kwargs: dict, hsdp: bool, dtype: torch.dtype) -> dict:
     ref = _model().to(dtype)
     shard_kw = {}
     if hsdp:  # owners within each shard group; replicas repeat their group's work
@@ -89,10 +106,13 @@ def _muon_exact_job(kwargs: dict, hsdp: bool = False, dtype: torch.dtype = torch
     }
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_muon_bit_identical_to_one_device(world: int) -> None:
+# round_numel 1: one matrix per owner and round (at W=2 the other rank's rows land
+# in place, no copy; at W=3 the middle rank assembles); None: all of an owner's
+# matrices in one round (assembly copies).
+@pytest.mark.parametrize("world,round_numel", [(2, None), (3, None), (4, None), (2, 1), (3, 1)])
+def test_muon_bit_identical_to_one_device(world: int, round_numel: int | None) -> None:
     kwargs = {"lr": 0.05, "weight_decay": 0.1, "momentum": 0.9}
-    for r in run_distributed(_muon_exact_job, world, kwargs, False):
+    for r in run_distributed(_muon_exact_job, world, kwargs, False, torch.float32, round_numel):
         assert r["params_equal"] and r["bufs_equal"] and r["layouts"] and r["grads_back"], r
 
 
@@ -341,30 +361,34 @@ def test_shampoo_example_matches_one_device() -> None:
 
 
 def test_exchange_plan_rounds_balance_and_bytes() -> None:
-    """One matrix per owner and round, heaviest first; owners balanced by
+    """Rounds hold each owner's next matrices, heaviest first; owners balanced by
     m·n·min(m, n); the exchange sends every row not on its owner once each way."""
     from fsdp_compose.whole_matrix._exchange import ExchangePlan, ShardLayout, newton_schulz_cost
 
     shapes = [(384, 1536), (1536, 384), *[(384, 384)] * 4, (13, 37), (2, 24), (512, 512)]
     world = 3
-    plans = [ExchangePlan.build(ShardLayout(None, r, world), shapes) for r in range(world)]
-    plan = plans[0]
-    assert all(p.owners == plan.owners and p.rounds == plan.rounds for p in plans)
-    assert all(len(rnd) == world for rnd in plan.rounds)
-    computed = sorted(i for rnd in plan.rounds for i in rnd if i >= 0)
-    assert computed == list(range(len(shapes)))  # each matrix once
-    for r in range(world):  # each owner's matrices in its rounds, heaviest first
-        mine = [rnd[r] for rnd in plan.rounds if rnd[r] >= 0]
-        assert [plan.owners[i] for i in mine] == [r] * len(mine)
-        costs = [newton_schulz_cost(shapes[i]) for i in mine]
-        assert costs == sorted(costs, reverse=True)
-    loads = [
-        sum(newton_schulz_cost(s) for s, o in zip(shapes, plan.owners) if o == r)
-        for r in range(world)
-    ]
-    assert max(loads) <= 1.5 * min(loads), loads
-    expected = 0
-    for (m, n), owner in zip(shapes, plan.owners):
-        start, end = plan.layout.rows(owner, m)
-        expected += 2 * (m - (end - start)) * n * 2  # bfloat16, both ways
-    assert sum(p.exchanged_bytes(torch.bfloat16) for p in plans) == expected
+    for budget in (1, 1 << 20):
+        plans = [
+            ExchangePlan.build(ShardLayout(None, r, world), shapes, budget) for r in range(world)
+        ]
+        plan = plans[0]
+        assert all(p.owners == plan.owners and p.rounds == plan.rounds for p in plans)
+        computed = sorted(i for rnd in plan.rounds for owned in rnd for i in owned)
+        assert computed == list(range(len(shapes)))  # each matrix once
+        for r in range(world):  # each owner's matrices in its rounds, heaviest first
+            mine = [i for rnd in plan.rounds for i in rnd[r]]
+            assert [plan.owners[i] for i in mine] == [r] * len(mine)
+            costs = [newton_schulz_cost(shapes[i]) for i in mine]
+            assert costs == sorted(costs, reverse=True)
+            if budget == 1:
+                assert all(len(rnd[r]) <= 1 for rnd in plan.rounds)
+        loads = [
+            sum(newton_schulz_cost(s) for s, o in zip(shapes, plan.owners) if o == r)
+            for r in range(world)
+        ]
+        assert max(loads) <= 1.5 * min(loads), loads
+        expected = 0
+        for (m, n), owner in zip(shapes, plan.owners):
+            start, end = plan.layout.rows(owner, m)
+            expected += 2 * (m - (end - start)) * n * 2  # bfloat16, both ways
+        assert sum(p.exchanged_bytes(torch.bfloat16) for p in plans) == expected

@@ -125,35 +125,47 @@ def newton_schulz_cost(shape: tuple[int, int]) -> float:
     return float(m) * n * min(m, n)
 
 
+#: Elements of full matrices one owner receives per round (2 MiB in bfloat16): a
+#: round holds an owner's next matrices up to this size (at least one matrix).
+ROUND_NUMEL = 1 << 20
+
+
 @dataclass
 class ExchangePlan:
     """Owners and rounds for ``(m, n)`` matrices sharded with ``layout``:
-    ``rounds[b][r]`` is the matrix rank ``r`` computes in round ``b`` (its
-    ``b``-th heaviest), or ``-1`` when it has no more."""
+    ``rounds[b][r]`` lists the matrices rank ``r`` computes in round ``b``
+    (heaviest first)."""
 
     layout: ShardLayout
     shapes: list[tuple[int, int]]
     owners: list[int]
-    rounds: list[list[int]]
+    rounds: list[list[list[int]]]
 
     @classmethod
-    def build(cls, layout: ShardLayout, shapes: list[tuple[int, int]]) -> ExchangePlan:
+    def build(
+        cls, layout: ShardLayout, shapes: list[tuple[int, int]], round_numel: int | None = None
+    ) -> ExchangePlan:
+        budget = ROUND_NUMEL if round_numel is None else round_numel
         costs = [newton_schulz_cost(s) for s in shapes]
         owners = lpt_owners(costs, layout.world)
-        queues: list[list[int]] = [[] for _ in range(layout.world)]
+        chunks: list[list[list[int]]] = [[] for _ in range(layout.world)]
         for i in sorted(range(len(shapes)), key=lambda i: (-costs[i], i)):
-            queues[owners[i]].append(i)
-        depth = max((len(q) for q in queues), default=0)
-        rounds = [[q[b] if b < len(q) else -1 for q in queues] for b in range(depth)]
+            mine = chunks[owners[i]]
+            numel = shapes[i][0] * shapes[i][1]
+            if not mine or sum(shapes[j][0] * shapes[j][1] for j in mine[-1]) + numel > budget:
+                mine.append([])
+            mine[-1].append(i)
+        depth = max((len(x) for x in chunks), default=0)
+        rounds = [[(x[b] if b < len(x) else []) for x in chunks] for b in range(depth)]
         return cls(layout, shapes, owners, rounds)
 
     def _numel(self, rank: int, i: int) -> int:
-        """Elements of matrix ``i`` (``-1``: none) held by ``rank``."""
-        if i < 0:
-            return 0
         m, n = self.shapes[i]
         start, end = self.layout.rows(rank, m)
         return (end - start) * n
+
+    def _split(self, rank: int, matrices: list[int]) -> int:
+        return sum(self._numel(rank, i) for i in matrices)
 
     def exchanged_bytes(self, dtype: torch.dtype) -> int:
         """Bytes this rank sends to other ranks in one :meth:`run` (both ways)."""
@@ -165,6 +177,16 @@ class ExchangePlan:
             else:  # my rows to the owner
                 total += self._numel(me, i)
         return total * torch.empty((), dtype=dtype).element_size()
+
+    def _others_block(self, i: int) -> tuple[int, int] | None:
+        """Element range of matrix ``i`` that the other ranks' rows fill, when they
+        are one contiguous block (this rank's rows at an end, or none)."""
+        layout, me = self.layout, self.layout.rank
+        m, n = self.shapes[i]
+        start, end = layout.rows(me, m)
+        if start == end or start == 0:
+            return (end * n, m * n) if start == 0 else (0, m * n)
+        return (0, start * n) if end == m else None
 
     def run(
         self,
@@ -189,77 +211,115 @@ class ExchangePlan:
                 fill(i, full)
                 consume(i, compute(i, full).to(result_dtype))
             return
+        others = [r for r in range(world) if r != me]
 
-        def rows_view(flat: torch.Tensor, offset: int, numel: int, i: int) -> torch.Tensor:
-            return flat[offset : offset + numel].view(-1, self.shapes[i][1])
+        def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(numel, dtype=dtype, device=device)
+
+        def rows_of(t: torch.Tensor, rank: int, i: int) -> torch.Tensor:
+            start, end = layout.rows(rank, self.shapes[i][0])
+            return t[start:end]
 
         def all_to_all(
             out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
-        ) -> tuple[dist.Work, torch.Tensor, torch.Tensor]:
-            # The buffers stay referenced until the collective has completed.
+        ) -> dist.Work:
+            # This rank's own rows never go through the collective (split 0).
             work = dist.all_to_all_single(
                 out, inp, out_splits, in_splits, group=layout.group, async_op=True
             )
             assert work is not None
-            return work, out, inp
+            return work
 
-        def post_gather(rnd: list[int]) -> tuple[dist.Work, torch.Tensor, torch.Tensor]:
-            # To each owner, in rank order: my rows of its matrix, filled in place.
-            to_owner = [self._numel(me, i) for i in rnd]
-            send = torch.empty(sum(to_owner), dtype=comm_dtype, device=device)
+        Pending = tuple[dist.Work, list[torch.Tensor], list[torch.Tensor]]
+
+        def post_gather(rnd: list[list[int]]) -> Pending:
+            mine = rnd[me]
+            fulls = [torch.empty(self.shapes[i], dtype=comm_dtype, device=device) for i in mine]
+            for i, full in zip(mine, fulls):  # my rows straight into my matrices
+                if self._numel(me, i):
+                    fill(i, rows_of(full, me, i))
+            # To each other owner, in rank order: my rows of its matrices, in place.
+            to_owner = [0 if r == me else self._split(me, rnd[r]) for r in range(world)]
+            send = empty(sum(to_owner), comm_dtype)
             offset = 0
-            for i, numel in zip(rnd, to_owner):
-                if numel:
-                    fill(i, rows_view(send, offset, numel, i))
-                    offset += numel
-            # From each rank, in rank order: its rows of my matrix, so the receive
-            # buffer *is* the full matrix.
-            from_rank = [self._numel(r, rnd[me]) for r in range(world)]
-            recv = torch.empty(sum(from_rank), dtype=comm_dtype, device=device)
-            return all_to_all(recv, send, from_rank, to_owner)
+            for r in others:
+                for i in rnd[r]:
+                    numel = self._numel(me, i)
+                    if numel:
+                        fill(i, send[offset : offset + numel].view(-1, self.shapes[i][1]))
+                        offset += numel
+            from_rank = [0 if r == me else self._split(r, mine) for r in range(world)]
+            block = self._others_block(mine[0]) if len(mine) == 1 else None
+            if block is not None:  # the other ranks' rows land in place
+                recv = fulls[0].view(-1)[block[0] : block[1]]
+            else:
+                recv = empty(sum(from_rank), comm_dtype)
+            return all_to_all(recv, send, from_rank, to_owner), [recv, *fulls], [send]
 
-        def post_return(
-            rnd: list[int], result: torch.Tensor | None
-        ) -> tuple[dist.Work, torch.Tensor, torch.Tensor]:
-            # The contiguous result, in rank order, is every rank's rows of it.
-            to_rank = [self._numel(r, rnd[me]) for r in range(world)]
-            send = (
-                result.view(-1)
-                if result is not None
-                else torch.empty(0, dtype=result_dtype, device=device)
-            )
-            from_owner = [self._numel(me, i) for i in rnd]
-            back = torch.empty(sum(from_owner), dtype=result_dtype, device=device)
-            return all_to_all(back, send, from_owner, to_rank)
+        def assemble(rnd: list[list[int]], pending: Pending) -> list[torch.Tensor]:
+            work, (recv, *fulls), _ = pending
+            work.wait()
+            mine = rnd[me]
+            if len(mine) == 1 and self._others_block(mine[0]) is not None:
+                return fulls
+            offset = 0
+            for r in others:
+                for i, full in zip(mine, fulls):
+                    numel = self._numel(r, i)
+                    if numel:
+                        rows_of(full, r, i).view(-1).copy_(recv[offset : offset + numel])
+                        offset += numel
+            return fulls
 
-        def finish_return(
-            pending: tuple[dist.Work, torch.Tensor, torch.Tensor], rnd: list[int]
-        ) -> None:
-            work, back, _ = pending
+        def post_return(rnd: list[list[int]], results: list[torch.Tensor]) -> Pending:
+            mine = rnd[me]
+            to_rank = [0 if r == me else self._split(r, mine) for r in range(world)]
+            block = self._others_block(mine[0]) if len(mine) == 1 else None
+            if block is not None:  # the other ranks' rows of the result, in place
+                send = results[0].view(-1)[block[0] : block[1]]
+            elif sum(to_rank):
+                send = torch.cat(
+                    [
+                        rows_of(res, r, i).reshape(-1)
+                        for r in others
+                        for i, res in zip(mine, results)
+                    ]
+                )
+            else:
+                send = empty(0, result_dtype)
+            from_owner = [0 if r == me else self._split(me, rnd[r]) for r in range(world)]
+            back = empty(sum(from_owner), result_dtype)
+            return all_to_all(back, send, from_owner, to_rank), [back], [send, *results]
+
+        def finish_return(rnd: list[list[int]], pending: Pending) -> None:
+            work, (back,), _ = pending
             work.wait()
             offset = 0
-            for i in rnd:
-                numel = self._numel(me, i)
-                if numel:
-                    consume(i, rows_view(back, offset, numel, i))
-                    offset += numel
+            for r in others:
+                for i in rnd[r]:
+                    numel = self._numel(me, i)
+                    if numel:
+                        consume(i, back[offset : offset + numel].view(-1, self.shapes[i][1]))
+                        offset += numel
 
         gathering = post_gather(self.rounds[0]) if self.rounds else None
-        returning: tuple[tuple[dist.Work, torch.Tensor, torch.Tensor], list[int]] | None = None
+        returning: tuple[list[list[int]], Pending] | None = None
         for b, rnd in enumerate(self.rounds):
             assert gathering is not None
-            work, recv, _ = gathering
-            work.wait()
+            fulls = assemble(rnd, gathering)
             # The next round's gather runs while this round computes.
             gathering = post_gather(self.rounds[b + 1]) if b + 1 < len(self.rounds) else None
-            result = None
-            if rnd[me] >= 0:
-                out = compute(rnd[me], recv.view(self.shapes[rnd[me]])).to(result_dtype)
-                result = out.contiguous()  # a tall matrix's result is a transposed view
-            del recv, work
-            pending = post_return(rnd, result)
+            results = []
+            for i, full in zip(rnd[me], fulls):
+                # A tall matrix's result is a transposed view: rows need it contiguous.
+                result = compute(i, full).to(result_dtype).contiguous()
+                results.append(result)
+                if self._numel(me, i):
+                    consume(i, rows_of(result, me, i))
+            del fulls
+            pending = post_return(rnd, results)
             if returning is not None:
                 finish_return(*returning)
-            returning = (pending, rnd)
+            returning = (rnd, pending)
         if returning is not None:
             finish_return(*returning)
