@@ -64,11 +64,11 @@ def map_full_matrices(
     :func:`~fsdp_compose.fully_shard`, or a plain tensor, which is treated as
     unsharded) is gathered onto its owner (see :func:`matrix_owners`), which calls
     ``fn(i, full)``; every rank receives its rows of the result. Owners are
-    balanced by ``m·n·min(m, n)``; matrices move in rounds (one matrix per owner),
-    each round one all-to-all to the owners and one back, with no copy to assemble
-    or split a matrix, overlapped with ``fn``: a rank holds at most two of its full
-    inputs and two results at once, plus three buffers of rows (see [Note: owner
-    compute for whole-matrix optimizers]).
+    balanced by ``m·n·min(m, n)``; matrices move in rounds (each owner's next
+    matrices, up to 2^20 elements), each round one all-to-all to the owners and one
+    back, overlapped with ``fn``: a rank holds at most about eight rounds' worth of
+    buffers (inputs, results and rows; see [Note: owner compute for whole-matrix
+    optimizers]).
 
     Args:
         matrices: 2-D tensors. ``DTensor`` inputs must be sharded on rows

@@ -10,34 +10,43 @@ on one *owner* rank of the shard group:
 * Owners are chosen by longest-processing-time-first on the cost ``m·n·min(m, n)``
   (the flops of a Newton–Schulz iteration), the same on every rank because it
   depends on shapes only.
-* Matrices move in *rounds*: round ``b`` holds every owner's ``b``-th heaviest
-  matrix (one per owner). One ``all_to_all_single`` gathers the round's matrices,
-  each to its owner, and one sends each rank its rows of the results. Nothing
-  is copied to assemble or split a matrix: every rank writes its rows (the
-  caller's ``fill``, e.g. Muon's Nesterov ``lerp``, rounding straight to
-  bfloat16) into the send buffer at their offset; the rows arrive in rank
-  order, so the owner's receive buffer *is* the contiguous full matrix; and the
-  contiguous result, read in rank order, is the return's send buffer. Each
-  matrix crosses the network once each way: ``2·(W-1)/W`` of its bytes in the
-  exchange's dtype.
-* The gather of round ``b+1`` is in flight while the owner computes round ``b``,
-  and the return of round ``b`` while it computes round ``b+1`` (whose results
-  it applies after posting round ``b+1``'s return). So ranks are coupled one
-  round apart, not at every matrix.
-* Memory (what a rank holds beyond its shards and state, in the exchange's
-  dtype, for Muon bfloat16): at most 2 full matrices of its own as inputs (the
-  round it computes and the next one arriving), 2 results (the one being
-  returned and the one just computed), and 3 buffers of rows (the next round's
-  send, two rounds' returned rows), each at most one full matrix's worth
-  (``1/W`` of each of ``W`` matrices). With ``M`` the largest matrix's
-  ``m·n``: at most ``7·M`` elements, plus the computation's temporaries (for
-  Newton–Schulz: the Gram matrix and its polynomial, ``min(m, n)²`` each, and
-  the next iterate, ``m·n``).
-* Measured alternative: point-to-point ``isend``/``irecv`` straight into each
-  matrix's row block, one message per matrix and peer, coupled matrix by matrix
-  instead of round by round. On gloo at ``W=2`` it cost 20-30% more process
-  CPU per rank (gloo's threads: more messages and wake-ups; ``send`` on the
-  calling thread waits on gloo's I/O thread), so rounds stay.
+* Matrices move in *rounds*: round ``b`` holds every owner's next matrices
+  (heaviest first), up to ``ROUND_NUMEL`` elements per owner (at least one
+  matrix). One ``all_to_all_single`` gathers the round's matrices, each to its
+  owner, and one sends each rank its rows of the results: two collectives per
+  round. Each matrix crosses the network once each way: ``2·(W-1)/W`` of its
+  bytes in the exchange's dtype.
+* Copies: a rank's own rows never enter the collectives (their split is 0): it
+  writes them (the caller's ``fill``, e.g. Muon's Nesterov ``lerp`` rounding
+  straight to bfloat16) into its own full matrix, and applies its rows of its
+  own results from the result itself. The rows for other owners are written in
+  place into the send buffer. The owner copies the other ranks' rows from the
+  receive buffer into the full matrix and its results' rows into the return's
+  send buffer, except where those rows form one block of a round's only
+  matrix (this rank's rows first or last, as always at ``W=2``): then the
+  block of the full matrix *is* the receive buffer and the block of the
+  result the send buffer. Measured on gloo at ``W=2``, this cut 2-4 ms of CPU
+  per rank from a 25-110 ms step against concatenating every piece.
+* The gather of round ``b+1`` is in flight while the owner computes round
+  ``b``, and the return of round ``b`` while it computes round ``b+1``.
+* Memory, beyond the shards and the optimizer state, in the exchange's dtype
+  (bfloat16 for Muon), with ``R = max(ROUND_NUMEL, largest m·n)``: while it
+  computes round ``b`` a rank holds round ``b``'s full inputs and results, round
+  ``b+1``'s full inputs, receive and send buffers, and round ``b-1``'s results,
+  send and returned rows: each at most ``R`` (the row buffers hold ``1/W`` of
+  ``W`` rounds' matrices), so at most ``8·R`` elements (16 MiB in bfloat16 at the
+  default ``ROUND_NUMEL`` when no matrix exceeds 2^20 elements), plus the
+  computation's temporaries (for Newton–Schulz: the Gram matrix and its
+  polynomial, ``min(m, n)²`` each, and the next iterate, ``m·n``).
+* Measured alternatives (gloo, ``W=2``, 1 thread per rank): one matrix per
+  owner and round with no copy at all (every receive buffer a full matrix)
+  took about 10% more CPU and wall time on the GPT benchmark (18 rounds
+  instead of 8) than these rounds: a collective costs more than the copies it
+  saves. Point-to-point
+  ``isend``/``irecv`` straight into each matrix's row blocks cost 20-30% more
+  process CPU (more messages and wake-ups; ``send`` on the calling thread waits
+  on gloo's I/O thread). Smaller rounds (``2^18``, ``2^19``) were no faster:
+  on two busy cores the overlap saves less than the extra collectives cost.
 * HSDP: owners are chosen within each shard group; every replica group repeats
   the same work on its identical data, which costs no communication across
   replicas (the alternative, splitting the owners over all ranks, would need the
