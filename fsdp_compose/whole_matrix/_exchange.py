@@ -56,7 +56,7 @@ on one *owner* rank of the shard group:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -229,6 +229,18 @@ class ExchangePlan:
             start, end = layout.rows(rank, self.shapes[i][0])
             return t[start:end]
 
+        def my_rows_of_others(
+            flat: torch.Tensor, rnd: list[list[int]]
+        ) -> Iterator[tuple[int, torch.Tensor]]:
+            # This rank's rows of the other owners' matrices, laid out in rank order.
+            offset = 0
+            for r in others:
+                for i in rnd[r]:
+                    numel = self._numel(me, i)
+                    if numel:
+                        yield i, flat[offset : offset + numel].view(-1, self.shapes[i][1])
+                        offset += numel
+
         def all_to_all(
             out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
         ) -> dist.Work:
@@ -250,13 +262,8 @@ class ExchangePlan:
             # To each other owner, in rank order: my rows of its matrices, in place.
             to_owner = [0 if r == me else self._split(me, rnd[r]) for r in range(world)]
             send = empty(sum(to_owner), comm_dtype)
-            offset = 0
-            for r in others:
-                for i in rnd[r]:
-                    numel = self._numel(me, i)
-                    if numel:
-                        fill(i, send[offset : offset + numel].view(-1, self.shapes[i][1]))
-                        offset += numel
+            for i, rows in my_rows_of_others(send, rnd):
+                fill(i, rows)
             from_rank = [0 if r == me else self._split(r, mine) for r in range(world)]
             block = self._others_block(mine[0]) if len(mine) == 1 else None
             if block is not None:  # the other ranks' rows land in place
@@ -303,13 +310,8 @@ class ExchangePlan:
         def finish_return(rnd: list[list[int]], pending: Pending) -> None:
             work, (back,), _ = pending
             work.wait()
-            offset = 0
-            for r in others:
-                for i in rnd[r]:
-                    numel = self._numel(me, i)
-                    if numel:
-                        consume(i, back[offset : offset + numel].view(-1, self.shapes[i][1]))
-                        offset += numel
+            for i, rows in my_rows_of_others(back, rnd):
+                consume(i, rows)
 
         gathering = post_gather(self.rounds[0]) if self.rounds else None
         returning: tuple[list[list[int]], Pending] | None = None
