@@ -256,9 +256,6 @@ class ExchangePlan:
         def post_gather(rnd: list[list[int]]) -> Pending:
             mine = rnd[me]
             fulls = [torch.empty(self.shapes[i], dtype=comm_dtype, device=device) for i in mine]
-            for i, full in zip(mine, fulls):  # my rows straight into my matrices
-                if self._numel(me, i):
-                    fill(i, rows_of(full, me, i))
             # To each other owner, in rank order: my rows of its matrices, in place.
             to_owner = [0 if r == me else self._split(me, rnd[r]) for r in range(world)]
             send = empty(sum(to_owner), comm_dtype)
@@ -270,7 +267,12 @@ class ExchangePlan:
                 recv = fulls[0].view(-1)[block[0] : block[1]]
             else:
                 recv = empty(sum(from_rank), comm_dtype)
-            return all_to_all(recv, send, from_rank, to_owner), [recv, *fulls], [send]
+            work = all_to_all(recv, send, from_rank, to_owner)
+            # My rows straight into my matrices, while the others' arrive (other memory).
+            for i, full in zip(mine, fulls):
+                if self._numel(me, i):
+                    fill(i, rows_of(full, me, i))
+            return work, [recv, *fulls], [send]
 
         def assemble(rnd: list[list[int]], pending: Pending) -> list[torch.Tensor]:
             work, (recv, *fulls), _ = pending
@@ -323,12 +325,12 @@ class ExchangePlan:
             results = []
             for i, full in zip(rnd[me], fulls):
                 # A tall matrix's result is a transposed view: rows need it contiguous.
-                result = compute(i, full).to(result_dtype).contiguous()
-                results.append(result)
-                if self._numel(me, i):
-                    consume(i, rows_of(result, me, i))
+                results.append(compute(i, full).to(result_dtype).contiguous())
             del fulls
             pending = post_return(rnd, results)
+            for i, result in zip(rnd[me], results):  # my rows, while the others' travel
+                if self._numel(me, i):
+                    consume(i, rows_of(result, me, i))
             if returning is not None:
                 finish_return(*returning)
             returning = (rnd, pending)
