@@ -66,8 +66,8 @@ def map_full_matrices(
     ``fn(i, full)``; every rank receives its rows of the result. Owners are
     balanced by ``m·n·min(m, n)``; matrices move in rounds (each owner's next
     matrices, up to 2^20 elements), each round one all-to-all to the owners and one
-    back, overlapped with ``fn``: a rank holds at most about eight rounds' worth of
-    buffers (inputs, results and rows; see [Note: owner compute for whole-matrix
+    back, overlapped with ``fn``: a rank holds at most nine buffers of one round's
+    size (inputs, results and rows; see [Note: owner compute for whole-matrix
     optimizers]).
 
     Args:

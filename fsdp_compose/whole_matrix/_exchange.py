@@ -30,14 +30,17 @@ on one *owner* rank of the shard group:
 * The gather of round ``b+1`` is in flight while the owner computes round
   ``b``, and the return of round ``b`` while it computes round ``b+1``.
 * Memory, beyond the shards and the optimizer state, in the exchange's dtype
-  (bfloat16 for Muon), with ``R = max(ROUND_NUMEL, largest m·n)``: while it
-  computes round ``b`` a rank holds round ``b``'s full inputs and results, round
-  ``b+1``'s full inputs, receive and send buffers, and round ``b-1``'s results,
-  send and returned rows: each at most ``R`` (the row buffers hold ``1/W`` of
-  ``W`` rounds' matrices), so at most ``8·R`` elements (16 MiB in bfloat16 at the
-  default ``ROUND_NUMEL`` when no matrix exceeds 2^20 elements), plus the
-  computation's temporaries (for Newton–Schulz: the Gram matrix and its
-  polynomial, ``min(m, n)²`` each, and the next iterate, ``m·n``).
+  (bfloat16 for Muon), with ``R = max(ROUND_NUMEL, largest m·n)``: at its peak
+  (after posting round ``b``'s return, before applying round ``b-1``'s) a rank
+  holds round ``b+1``'s full inputs, receive and send buffers, and for rounds
+  ``b`` and ``b-1`` each the results, the return's send buffer and the returned
+  rows: nine buffers, each at most ``R`` (a row buffer holds about ``1/W`` of
+  ``W`` owners' rounds), so at most ``9·R`` elements (18 MiB in bfloat16 at the
+  default ``ROUND_NUMEL`` when no matrix exceeds 2^20 elements; fewer where a
+  send buffer is a view of the result), plus the computation's inputs and
+  temporaries while it runs (round ``b``'s inputs, ``≤ R``; for Newton–Schulz
+  the Gram matrix and its polynomial, ``min(m, n)²`` each, and the next
+  iterate, ``m·n``).
 * Measured alternatives (gloo, ``W=2``, 1 thread per rank): one matrix per
   owner and round with no copy at all (every receive buffer a full matrix)
   took about 10% more CPU and wall time on the GPT benchmark (18 rounds
