@@ -53,12 +53,21 @@ from torch import nn
 
 from .._mesh import validate_reshard_after_forward
 from .._policies import MixedPrecisionPolicy, OffloadPolicy
+from ._heap import HOST_ALLOCATORS, replay
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 from ._profile import ROOT, ModelProfile, ModuleProfile, StepFn, default_step, profile_model
 
 __all__ = ["MemoryEstimate", "estimate", "format_bytes", "parse_bytes"]
 
-BREAKDOWN_KEYS = ("params", "grads", "optimizer_state", "unsharded", "activations", "comm_buffers")
+BREAKDOWN_KEYS = (
+    "params",
+    "grads",
+    "optimizer_state",
+    "unsharded",
+    "activations",
+    "comm_buffers",
+    "allocator",
+)
 OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "muon": 1}
 
 
@@ -187,6 +196,7 @@ class _Unit:
     unsharded: int = 0  # all-gather buffer, compute dtype
     unsharded_grads: int = 0
     rs_buffers: int = 0
+    reduce_row: int = 0  # reduce-scatter output (reduce dtype); 0 when aliased
     numel: int = 0
     ag_send: int = 0
     ag_backward: int = 0
@@ -245,6 +255,7 @@ def estimate(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     optimizer: str = "adamw",
     device: str = "cuda",
+    host_allocator: str = "glibc",
     step_fn: StepFn = default_step,
     profile: ModelProfile | None = None,
 ) -> MemoryEstimate:
@@ -273,6 +284,17 @@ def estimate(
             ``"muon"``.
         device: ``"cuda"`` (default) or ``"cpu"``: where the training runs; it only
             matters with offload (on ``"cpu"`` the offloaded state stays in the peak).
+        host_allocator: how host memory is allocated when ``device="cpu"``:
+            ``"glibc"`` (default): glibc's ``malloc`` with its default settings,
+            where freed tensors can stay resident (the step's allocation
+            sequence is replayed through a model of it, and the excess over the
+            live bytes is reported as ``breakdown["allocator"]``; see
+            ``[Note: resident memory under glibc's default allocator]``);
+            ``"mmap"``: an allocator that returns every freed tensor to the
+            system, e.g. glibc with ``MALLOC_MMAP_THRESHOLD_=65536`` (or
+            ``mallopt(M_MMAP_THRESHOLD, ...)``), which turns the dynamic
+            threshold off. The process's settings cannot be queried, so this is
+            an explicit choice. Ignored for ``device="cuda"``.
         step_fn: ``fn(model, batch, seq) -> loss`` for one step (default: token
             ids in, cross-entropy on the logits).
         profile: a profile from an earlier call with the same model, units,
@@ -293,6 +315,11 @@ def estimate(
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZERS)}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if host_allocator not in HOST_ALLOCATORS:
+        raise ValueError(
+            f"host_allocator must be one of {HOST_ALLOCATORS} (glibc's default malloc, or "
+            f"one that returns freed tensors to the system), got {host_allocator!r}"
+        )
     if plan is None:
         plan = resolve_plan(model, policy)
     plan.validate_for(model)
@@ -319,6 +346,13 @@ def estimate(
         host = sum(per_unit_states.values())
         per_unit_states = dict.fromkeys(per_unit_states, 0)
     peak, at, terms = _simulate(units, profile, plan.prefetch_depth)
+    terms["allocator"] = 0
+    glibc = device == "cpu" and host_allocator == "glibc"
+    if glibc:
+        resident, resident_at = replay(_step_events(units, plan, profile, optimizer, shard))
+        if resident > peak:
+            terms["allocator"] = resident - peak
+            peak, at = resident, f"{resident_at} (glibc heap)"
     breakdown = {**per_unit_states, **terms}
     config = {
         "world_size": replicate * shard,
@@ -330,6 +364,7 @@ def estimate(
         "offload": offload,
         "optimizer": optimizer,
         "device": device,
+        "host_allocator": host_allocator if device == "cpu" else None,
         "prefetch_depth": plan.prefetch_depth,
         "units": len(plan.units),
     }
@@ -460,6 +495,7 @@ def _size(
     else:
         u.unsharded = shard * row_bytes
         u.rs_buffers = shard * reduce_row + (reduce_row if shard > 1 else 0)
+        u.reduce_row = reduce_row
     if shard > 1:
         if isinstance(u.reshard, bool):
             regather = 1.0 if u.reshard else 0.0
@@ -544,3 +580,107 @@ def _simulate(
     mark("backward, root", extra_comm=pending)
     mark("reduce root", extra_comm=root.rs_buffers + pending)
     return best[0], best[1], best[2]
+
+
+def _step_events(
+    units: list[_Unit], plan: ShardingPlan, profile: ModelProfile, optimizer: str, shard: int
+) -> list[tuple[Any, ...]]:
+    """The step's allocation sequence: the model's traced storages with
+    fsdp_compose's buffers inserted at the unit boundaries
+    (``[Note: resident memory under glibc's default allocator]``)."""
+    root, blocks = units[0], units[1:]
+    by_name = {u.name: u for u in units}
+    unit_of = {m: by_name[up.name] for up in plan.units for m in up.modules}
+    modules_left = {up.name: len(up.modules) for up in plan.units}
+    fwd_index = {u.name: i for i, u in enumerate(blocks)}
+    grads_left = {u.name: sum(p.trainable for p in u.profile.params) for u in units}
+    grad_keys: dict[str, list[Any]] = {u.name: [] for u in units}
+    held: dict[str, tuple[str, str]] = {}
+    post_forward: dict[str, tuple[str, str]] = {}
+    pending: list[tuple[str, str]] = []
+    started: set[str] = set()
+    out: list[tuple[Any, ...]] = []
+
+    def gather(u: _Unit) -> None:
+        if u.name in held or not u.unsharded:
+            return
+        if u.name in post_forward:
+            out.append(("f", post_forward.pop(u.name)))
+        held[u.name] = ("gather", u.name)
+        out.append(("a", held[u.name], u.unsharded))
+
+    def release(u: _Unit) -> None:
+        if u.name in held:
+            out.append(("f", held.pop(u.name)))
+
+    def post_backward(u: _Unit) -> None:
+        nonlocal pending
+        out.append(("m", f"reduce {u.name}"))
+        release(u)
+        packed, result = ("packed", u.name), ("reduced", u.name)
+        if u.reduce_row:
+            out.append(("a", packed, shard * u.reduce_row))
+        out.extend(("f", k) for k in grad_keys[u.name] if k is not None)
+        grad_keys[u.name] = []
+        if u.reduce_row and shard > 1:
+            out.append(("a", result, u.reduce_row))
+        out.extend(("f", k) for k in pending)  # the previous reduction completes
+        pending = [packed, result]
+
+    gather(root)
+    for b in blocks[:depth_of(plan)]:
+        gather(b)
+    out.append(("m", "forward, start"))
+    for ev in profile.events:
+        kind = ev[0]
+        if kind in ("a", "f"):
+            out.append(ev)
+            continue
+        u = unit_of.get(ev[1])
+        if u is None:
+            if kind == "loss":
+                out.append(("m", "backward, loss"))
+            continue
+        if kind == "fp" and u is not root and u.name not in started:
+            started.add(u.name)
+            out.append(("m", f"forward {u.name}"))
+            i = fwd_index[u.name]
+            for nxt in [u, *blocks[i + 1 : i + 1 + depth_of(plan)]]:
+                gather(nxt)
+        elif kind == "fo" and u is not root:
+            modules_left[u.name] -= 1
+            if modules_left[u.name] == 0 and u.reshard is not False:
+                release(u)
+                if not isinstance(u.reshard, bool):
+                    post_forward[u.name] = ("post_forward", u.name)
+                    out.append(("a", post_forward[u.name], u.unsharded // int(u.reshard)))
+        elif kind == "bs" and u is not root:
+            out.append(("m", f"backward {u.name}"))
+            i = fwd_index[u.name]
+            for prev in [u, *reversed(blocks[max(0, i - depth_of(plan)) : i])]:
+                gather(prev)
+        elif kind == "g":
+            grad_keys[u.name].append(ev[2])
+            grads_left[u.name] -= 1
+            if grads_left[u.name] == 0:
+                post_backward(u)
+    for u in reversed(units):  # units some of whose parameters got no gradient
+        if grads_left[u.name] > 0:
+            post_backward(u)
+    out.extend(("f", k) for k in pending)
+    for u in units:
+        release(u)
+    out.extend(("f", k) for k in post_forward.values())
+    if OPTIMIZERS[optimizer] == 2:  # AdamW/Adam: one temporary per parameter (denom)
+        out.append(("m", "optimizer step"))
+        for u in units:
+            for i, p in enumerate(u.profile.params):
+                if p.trainable:
+                    key = ("optimizer", u.name, i)
+                    out.append(("a", key, p.shard_numel(shard) * p.dtype.itemsize))
+                    out.append(("f", key))
+    return out
+
+
+def depth_of(plan: ShardingPlan) -> int:
+    return plan.prefetch_depth
