@@ -270,7 +270,7 @@ def _predict(case: dict) -> MemoryEstimate:
         sys.path.insert(0, _BENCH)
     import estimator_accuracy
 
-    return estimator_accuracy.predict(estimator_accuracy.Case(**case), "test")
+    return estimator_accuracy.predict(estimator_accuracy.Case(**case), "test", "mmap")
 
 
 @pytest.mark.parametrize(

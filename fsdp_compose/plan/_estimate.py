@@ -347,8 +347,9 @@ def estimate(
         per_unit_states = dict.fromkeys(per_unit_states, 0)
     peak, at, terms = _simulate(units, profile, plan.prefetch_depth)
     terms["allocator"] = 0
+    # The trace has no recomputation: with checkpointed units the heap is not replayed.
     glibc = device == "cpu" and host_allocator == "glibc"
-    if glibc:
+    if glibc and not any(u.checkpoint for u in units):
         resident, resident_at = replay(_step_events(units, plan, profile, optimizer, shard))
         if resident > peak:
             terms["allocator"] = resident - peak
@@ -595,41 +596,59 @@ def _step_events(
     fwd_index = {u.name: i for i, u in enumerate(blocks)}
     grads_left = {u.name: sum(p.trainable for p in u.profile.params) for u in units}
     grad_keys: dict[str, list[Any]] = {u.name: [] for u in units}
-    held: dict[str, tuple[str, str]] = {}
-    post_forward: dict[str, tuple[str, str]] = {}
+    issued: set[str] = set()  # all-gather output allocated, not yet copied out
+    held: set[str] = set()  # unsharded parameters allocated
+    post_forward: set[str] = set()
     pending: list[tuple[str, str]] = []
     started: set[str] = set()
     out: list[tuple[Any, ...]] = []
 
     def gather(u: _Unit) -> None:
-        if u.name in held or not u.unsharded:
+        """Issues the all-gather: its output buffer (``W * row``)."""
+        if u.name in held or u.name in issued or not u.unsharded:
             return
-        if u.name in post_forward:
-            out.append(("f", post_forward.pop(u.name)))
-        held[u.name] = ("gather", u.name)
-        out.append(("a", held[u.name], u.unsharded))
+        size = u.unsharded
+        if u.name in post_forward:  # gathers within the post-forward group
+            post_forward.discard(u.name)
+            out.append(("f", ("post_forward", u.name)))
+        issued.add(u.name)
+        out.append(("a", ("gather", u.name), size))
+
+    def wait(u: _Unit) -> None:
+        """Copies the gathered rows out into the unsharded parameters' storage."""
+        gather(u)
+        if u.name in issued:
+            issued.discard(u.name)
+            held.add(u.name)
+            out.append(("a", ("unsharded", u.name), u.unsharded))
+            out.append(("f", ("gather", u.name)))
 
     def release(u: _Unit) -> None:
         if u.name in held:
-            out.append(("f", held.pop(u.name)))
+            held.discard(u.name)
+            out.append(("f", ("unsharded", u.name)))
 
     def post_backward(u: _Unit) -> None:
         nonlocal pending
         out.append(("m", f"reduce {u.name}"))
         release(u)
-        packed, result = ("packed", u.name), ("reduced", u.name)
+        keys = [("packed", u.name)]
         if u.reduce_row:
-            out.append(("a", packed, shard * u.reduce_row))
+            out.append(("a", keys[0], shard * u.reduce_row))
         out.extend(("f", k) for k in grad_keys[u.name] if k is not None)
         grad_keys[u.name] = []
         if u.reduce_row and shard > 1:
-            out.append(("a", result, u.reduce_row))
+            # gloo: the all-to-all's receive buffer, then the summed output
+            keys += [("received", u.name), ("reduced", u.name)]
+            out.append(("a", keys[1], shard * u.reduce_row))
+            out.append(("a", keys[2], u.reduce_row))
         out.extend(("f", k) for k in pending)  # the previous reduction completes
-        pending = [packed, result]
+        pending = keys
 
     gather(root)
-    for b in blocks[:depth_of(plan)]:
+    for b in blocks[: depth_of(plan)]:
         gather(b)
+    wait(root)
     out.append(("m", "forward, start"))
     for ev in profile.events:
         kind = ev[0]
@@ -645,20 +664,24 @@ def _step_events(
             started.add(u.name)
             out.append(("m", f"forward {u.name}"))
             i = fwd_index[u.name]
-            for nxt in [u, *blocks[i + 1 : i + 1 + depth_of(plan)]]:
+            gather(u)
+            for nxt in blocks[i + 1 : i + 1 + depth_of(plan)]:
                 gather(nxt)
+            wait(u)
         elif kind == "fo" and u is not root:
             modules_left[u.name] -= 1
             if modules_left[u.name] == 0 and u.reshard is not False:
-                release(u)
                 if not isinstance(u.reshard, bool):
-                    post_forward[u.name] = ("post_forward", u.name)
-                    out.append(("a", post_forward[u.name], u.unsharded // int(u.reshard)))
+                    post_forward.add(u.name)
+                    out.append(("a", ("post_forward", u.name), u.unsharded // int(u.reshard)))
+                release(u)
         elif kind == "bs" and u is not root:
             out.append(("m", f"backward {u.name}"))
             i = fwd_index[u.name]
-            for prev in [u, *reversed(blocks[max(0, i - depth_of(plan)) : i])]:
+            gather(u)
+            for prev in reversed(blocks[max(0, i - depth_of(plan)) : i]):
                 gather(prev)
+            wait(u)
         elif kind == "g":
             grad_keys[u.name].append(ev[2])
             grads_left[u.name] -= 1
@@ -669,16 +692,20 @@ def _step_events(
             post_backward(u)
     out.extend(("f", k) for k in pending)
     for u in units:
+        wait(u)
         release(u)
-    out.extend(("f", k) for k in post_forward.values())
-    if OPTIMIZERS[optimizer] == 2:  # AdamW/Adam: one temporary per parameter (denom)
+    out.extend(("f", ("post_forward", name)) for name in post_forward)
+    if OPTIMIZERS[optimizer] == 2:
+        # torch's (single-tensor, CPU) AdamW: denom = (exp_avg_sq.sqrt() / c).add_(eps)
+        # holds two temporaries of the shard at once, one per parameter in turn.
         out.append(("m", "optimizer step"))
         for u in units:
             for i, p in enumerate(u.profile.params):
                 if p.trainable:
-                    key = ("optimizer", u.name, i)
-                    out.append(("a", key, p.shard_numel(shard) * p.dtype.itemsize))
-                    out.append(("f", key))
+                    nbytes = p.shard_numel(shard) * p.dtype.itemsize
+                    first, second = ("sqrt", u.name, i), ("denom", u.name, i)
+                    out += [("a", first, nbytes), ("a", second, nbytes)]
+                    out += [("f", first), ("f", second)]
     return out
 
 

@@ -157,7 +157,8 @@ def profile_model(
     for fqn in [*unit_modules, ROOT]:
         for p in named[fqn].parameters():
             owner_of.setdefault(id(p), fqn)
-    trace = _AllocTrace()
+    # the parameters' and buffers' storages exist before the step: not allocations
+    trace = _AllocTrace({t.untyped_storage()._cdata for t in substitutes.values()})
     for name, p in model.named_parameters():
         sub = substitutes[name]
         if sub.requires_grad:
@@ -272,8 +273,9 @@ class _AllocTrace(TorchDispatchMode):
     not in the trace: fsdp_compose's buffers stand for them (``_heap.py``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, existing: set[int]) -> None:
         super().__init__()
+        self._existing = existing
         self.events: list[tuple[Any, ...]] = []
         self._alive: dict[int, int] = {}  # storage address in torch -> key
         self._next = 0
@@ -290,7 +292,7 @@ class _AllocTrace(TorchDispatchMode):
     def _record(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         cdata = storage._cdata
-        if cdata in self._alive:
+        if cdata in self._alive or cdata in self._existing:
             return
         key = self._next
         self._next += 1
