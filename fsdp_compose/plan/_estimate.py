@@ -600,6 +600,7 @@ def _step_events(
     held: set[str] = set()  # unsharded parameters allocated
     post_forward: set[str] = set()
     pending: list[tuple[str, str]] = []
+    results: list[tuple[str, str]] = []
     started: set[str] = set()
     out: list[tuple[Any, ...]] = []
 
@@ -632,18 +633,25 @@ def _step_events(
         nonlocal pending
         out.append(("m", f"reduce {u.name}"))
         release(u)
-        keys = [("packed", u.name)]
+        packed = ("packed", u.name)
         if u.reduce_row:
-            out.append(("a", keys[0], shard * u.reduce_row))
+            out.append(("a", packed, shard * u.reduce_row))
         out.extend(("f", k) for k in grad_keys[u.name] if k is not None)
         grad_keys[u.name] = []
-        if u.reduce_row and shard > 1:
-            # gloo: the all-to-all's receive buffer, then the summed output
-            keys += [("received", u.name), ("reduced", u.name)]
-            out.append(("a", keys[1], shard * u.reduce_row))
-            out.append(("a", keys[2], u.reduce_row))
         out.extend(("f", k) for k in pending)  # the previous reduction completes
-        pending = keys
+        pending = []
+        if not u.reduce_row:
+            return
+        if shard == 1:  # the packed buffer is the result
+            results.append(packed)
+            return
+        # gloo: the all-to-all's receive buffer, then the summed output; the
+        # outputs are assigned to the sharded gradients at the end of backward
+        received, reduced = ("received", u.name), ("reduced", u.name)
+        out.append(("a", received, shard * u.reduce_row))
+        out.append(("a", reduced, u.reduce_row))
+        pending = [packed, received]
+        results.append(reduced)
 
     gather(root)
     for b in blocks[: depth_of(plan)]:
@@ -690,9 +698,10 @@ def _step_events(
     for u in reversed(units):  # units some of whose parameters got no gradient
         if grads_left[u.name] > 0:
             post_backward(u)
-    out.extend(("f", k) for k in pending)
+    out.extend(("f", k) for k in pending + results)
     for u in units:
-        wait(u)
+        if u.name in issued:
+            out.append(("f", ("gather", u.name)))
         release(u)
     out.extend(("f", ("post_forward", name)) for name in post_forward)
     if OPTIMIZERS[optimizer] == 2:
