@@ -33,9 +33,19 @@ parameter), with ``W`` the shard group size:
   in the reduce dtype; fsdp_compose completes one unit's reduce-scatter before
   packing the next, so at most one is alive besides the one being packed.
 
-Not modelled: allocator fragmentation/caching, kernel workspaces, CUDA context,
-optimizer temporaries (torch's ``foreach`` AdamW holds one extra copy of the
-states it updates at once), the Muon owner rank's gathered matrix.
+* **Muon's owner step**: with ``optimizer="muon"`` the optimizer step is a
+  candidate peak of its own: the full matrices an owner rank holds at once and
+  the Newton–Schulz temporaries (:func:`_muon_owner_bytes`), counted under
+  ``unsharded`` when it is the peak.
+* **allocator** (``device="cpu"``, ``host_allocator="glibc"``): what glibc's
+  default ``malloc`` keeps resident above the live bytes, from a replay of the
+  step's allocation sequence (``_heap.py``, ``[Note: resident memory under
+  glibc's default allocator]``). 0 with ``host_allocator="mmap"``, on CUDA, and
+  when units are checkpointed (the trace has no recomputation).
+
+Not modelled: CUDA caching-allocator fragmentation, kernel workspaces, CUDA
+context, optimizer temporaries outside the glibc replay (torch's ``foreach``
+AdamW holds one extra copy of the states it updates at once).
 
 Communication is the ideal per-rank byte count (see ``benchmarks/probes.py``):
 an all-gather sends ``(W-1)/W`` of its output, a reduce-scatter ``(W-1)/W`` of its
@@ -346,6 +356,11 @@ def estimate(
         host = sum(per_unit_states.values())
         per_unit_states = dict.fromkeys(per_unit_states, 0)
     peak, at, terms = _simulate(units, profile, plan.prefetch_depth)
+    if optimizer == "muon":
+        owner = _muon_owner_bytes(units)
+        if owner > peak:
+            peak, at = owner, "optimizer step (Muon owner)"
+            terms = {"unsharded": owner, "activations": 0, "comm_buffers": 0}
     terms["allocator"] = 0
     # The trace has no recomputation: with checkpointed units the heap is not replayed.
     glibc = device == "cpu" and host_allocator == "glibc"
@@ -704,6 +719,10 @@ def _step_events(
             out.append(("f", ("gather", u.name)))
         release(u)
     out.extend(("f", ("post_forward", name)) for name in post_forward)
+    if optimizer == "muon":
+        owner = ("muon owner", "")
+        out += [("m", "optimizer step (Muon owner)"), ("a", owner, _muon_owner_bytes(units))]
+        out.append(("f", owner))
     if OPTIMIZERS[optimizer] == 2:
         # torch's (single-tensor, CPU) AdamW: denom = (exp_avg_sq.sqrt() / c).add_(eps)
         # holds two temporaries of the shard at once, one per parameter in turn.
@@ -716,6 +735,31 @@ def _step_events(
                     out += [("a", first, nbytes), ("a", second, nbytes)]
                     out += [("f", first), ("f", second)]
     return out
+
+
+def _muon_owner_bytes(units: list[_Unit]) -> int:
+    """What a Muon owner rank holds at once in the optimizer step (bfloat16).
+
+    See [Note: owner compute for whole-matrix optimizers]
+    (``fsdp_compose/whole_matrix/_exchange.py``): the full matrices of at most
+    two rounds in flight and the results of two, a round being up to
+    ``ROUND_NUMEL`` elements per owner or one larger matrix; plus the
+    Newton–Schulz temporaries of the largest matrix (``m <= n`` its sides): the
+    Gram matrix ``X Xᵀ``, its square and ``b A + c A²`` (``m²`` each) and the
+    product ``B X`` and next iterate (``m n`` each). Taken for the largest
+    matrix on every rank: an upper bound for the rank that owns it.
+    """
+    from ..whole_matrix._exchange import ROUND_NUMEL
+
+    largest: tuple[int, ...] = (0, 0)
+    for u in units:
+        for p in u.profile.params:
+            if p.trainable and len(p.shape) == 2 and p.numel > largest[0] * largest[1]:
+                largest = p.shape
+    m, n = sorted(largest) if largest != (0, 0) else (0, 0)
+    round_numel = max(ROUND_NUMEL, m * n) if m else 0
+    bf16 = 2
+    return bf16 * (4 * round_numel + 3 * m * m + 2 * m * n)
 
 
 def depth_of(plan: ShardingPlan) -> int:

@@ -52,7 +52,7 @@ of ``posix_memalign``.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,7 @@ ALIGNMENT = 64  # c10's alignment for CPU tensors
 MINSIZE = 32
 MAX_FAST = 128  # default M_MXFAST on 64-bit
 TCACHE_COUNT = 7
+TCACHE_MAX = 1032  # the largest chunk the tcache takes (64 bins)
 FASTBIN_CONSOLIDATION_THRESHOLD = 64 * 1024
 
 #: Allocator modes :func:`~fsdp_compose.plan.estimate` knows (``host_allocator``).
@@ -90,7 +91,9 @@ class GlibcHeap:
     brk: int = 0  # end of the heap as mapped (top chunk end)
     free_addrs: list[int] = field(default_factory=list)  # sorted starts of free chunks below top
     free_size: dict[int, int] = field(default_factory=dict)
-    used: dict[int, tuple[int, int]] = field(default_factory=dict)  # key -> (addr, size); addr -1: mapped
+    used: dict[int, tuple[int, int]] = field(
+        default_factory=dict
+    )  # key -> (addr, size); addr -1: mapped
     mapped: int = 0
     pages: bytearray = field(default_factory=bytearray)
     touched: int = 0  # bytes of touched heap pages
@@ -128,7 +131,7 @@ class GlibcHeap:
         if taken is not None:
             addr, size = taken
         else:
-            if size >= self.mmap_threshold and self.brk - self.top < size:
+            if size >= self.mmap_threshold and self.brk - self.top < size + MINSIZE:
                 mapped = (size + PAGE - 1) // PAGE * PAGE
                 self.used[key] = (-1, mapped)
                 self.mapped += mapped
@@ -172,9 +175,10 @@ class GlibcHeap:
         return best, size
 
     def _free_small(self, addr: int, size: int) -> None:
-        """A chunk of at most 128 bytes: the thread's tcache (7 per size) keeps it
-        in use as far as coalescing goes; beyond that a fastbin holds it until
-        the next consolidation."""
+        """A piece ``posix_memalign`` split off (at most 112 bytes): the thread's
+        tcache (7 per size) keeps it, in use as far as coalescing goes; beyond
+        that a fastbin holds it until the next consolidation. ``posix_memalign``
+        never takes from the tcache (glibc < 2.38), so for tensors these stay."""
         bin_ = self.tcache.setdefault(size, [])
         if len(bin_) < TCACHE_COUNT:
             bin_.append(addr)
@@ -197,8 +201,11 @@ class GlibcHeap:
                 self.mmap_threshold = size
                 self.trim_threshold = 2 * size
             return
+        if size <= TCACHE_MAX and len(self.tcache.get(size, ())) < TCACHE_COUNT:
+            self.tcache.setdefault(size, []).append(addr)
+            return
         if size <= MAX_FAST:
-            self._free_small(addr, size)
+            self.fastbins.append((addr, size))
             return
         self._release_chunk(addr, size)
         if size >= FASTBIN_CONSOLIDATION_THRESHOLD:
@@ -261,20 +268,7 @@ def replay(events: Sequence[tuple[Any, ...]], passes: int = 2) -> tuple[int, str
                 heap.free((n, ev[1]))
             else:
                 where = ev[1]
-        for key in [k for k in heap.used if k[0] == n]:  # whatever the step left behind
+        left = [k for k in heap.used if isinstance(k, tuple) and k[0] == n]
+        for key in left:  # whatever the step left behind
             heap.free(key)
     return max(peak, 0), at
-
-
-def lifetimes(events: Iterable[tuple[Any, ...]]) -> int:
-    """The largest sum of live bytes over ``events`` (for checks and tests)."""
-    live: dict[Any, int] = {}
-    total = best = 0
-    for ev in events:
-        if ev[0] == "a":
-            live[ev[1]] = ev[2]
-            total += ev[2]
-            best = max(best, total)
-        elif ev[0] == "f" and ev[1] in live:
-            total -= live.pop(ev[1])
-    return best
