@@ -669,7 +669,7 @@ def _step_events(
         results.append(reduced)
 
     gather(root)
-    for b in blocks[: depth_of(plan)]:
+    for b in blocks[: plan.prefetch_depth]:
         gather(b)
     wait(root)
     out.append(("m", "forward, start"))
@@ -688,7 +688,7 @@ def _step_events(
             out.append(("m", f"forward {u.name}"))
             i = fwd_index[u.name]
             gather(u)
-            for nxt in blocks[i + 1 : i + 1 + depth_of(plan)]:
+            for nxt in blocks[i + 1 : i + 1 + plan.prefetch_depth]:
                 gather(nxt)
             wait(u)
         elif kind == "fo" and u is not root:
@@ -702,7 +702,7 @@ def _step_events(
             out.append(("m", f"backward {u.name}"))
             i = fwd_index[u.name]
             gather(u)
-            for prev in reversed(blocks[max(0, i - depth_of(plan)) : i]):
+            for prev in reversed(blocks[max(0, i - plan.prefetch_depth) : i]):
                 gather(prev)
             wait(u)
         elif kind == "g":
@@ -760,7 +760,3 @@ def _muon_owner_bytes(units: list[_Unit]) -> int:
     round_numel = max(ROUND_NUMEL, m * n) if m else 0
     bf16 = 2
     return bf16 * (4 * round_numel + 3 * m * m + 2 * m * n)
-
-
-def depth_of(plan: ShardingPlan) -> int:
-    return plan.prefetch_depth

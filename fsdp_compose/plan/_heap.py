@@ -15,38 +15,57 @@ settings a freed tensor does not necessarily leave the resident set:
   step runs in the heap.
 * Freed heap chunks are coalesced with free neighbours and stay mapped and
   resident; only a free top of the heap larger than the trim threshold is given
-  back. A later, larger allocation that fits no hole extends the heap.
+  back. ``posix_memalign`` (torch aligns CPU tensors to 64 bytes) over-allocates
+  and frees the unaligned lead and the tail; those pieces (32-112 bytes) go to
+  the thread's tcache, where they stay allocated as far as coalescing goes
+  (``posix_memalign`` never takes from the tcache before glibc 2.38), so freed
+  tensor chunks next to them cannot merge, and a later, larger allocation that
+  fits no hole extends the heap.
 
 So the resident peak of a step is not the largest sum of live tensors but the
 number of heap pages the step touched (plus its live mappings), which depends on
-the order and sizes of every allocation. The measured effect on the ~10M
-parameter benchmark models was +14% at W=1 and +50% at W=4 over the live peak.
+the order and sizes of every allocation.
 
 This module replays one step's allocation sequence through a small model of
 that policy:
 
-* the sequence: every storage the model's forward and backward allocate and
-  free, traced on the meta device at tensor granularity (``_profile.py``),
-  with fsdp_compose's own buffers inserted at the unit boundaries (all-gather
-  buffers, the post-forward shard of an int ``reshard_after_forward``,
-  unsharded gradients freed at a unit's post-backward, the reduce-scatter's
-  packed input and output, one reduction in flight), and one temporary per
-  parameter shard in the optimizer step (torch's AdamW ``denom``);
-* the allocator: best fit among free chunks (glibc's bins are best fit for
-  large chunks), else the top, else a mapping when at or above the dynamic
-  threshold, else the heap grows; chunks are the request rounded up to 16 bytes
-  plus an 8-byte header; neighbouring free chunks coalesce; the top is trimmed
-  above the trim threshold; tcache/fastbins (chunks under ~1 KiB) are ignored.
+* the sequence (``_estimate._step_events``): every storage the model's forward
+  and backward allocate and free, traced on the meta device at tensor
+  granularity (``[Note: the allocation trace]``), with fsdp_compose's own
+  buffers inserted at the unit boundaries (all-gather output, then the unsharded
+  storage it is copied into; the post-forward shard of an int
+  ``reshard_after_forward``; unsharded gradients freed at the unit's
+  post-backward; the reduce-scatter's packed input and gloo receive buffer,
+  freed when the next reduction starts, and its output, kept to the end of
+  backward), and AdamW's two temporaries per parameter in the optimizer step;
+* the allocator: ``posix_memalign(64)`` as glibc 2.36 serves it (request plus
+  64 + 32 bytes, lead and tail split off to the tcache, 7 per size, then to
+  fastbins, consolidated by the next large request or large free); best fit
+  among free chunks (glibc's large bins are best fit), else the top, else a
+  mapping when at or above the dynamic threshold, else the heap grows; freed
+  chunks coalesce with free neighbours; a free top above the trim threshold is
+  given back down to ``M_TOP_PAD``;
 * resident = heap pages touched since the last ``malloc_trim(0)`` that were not
   trimmed, plus live mappings. The step is replayed twice: the first replay is
   the warm-up that raises the threshold and lays out the heap; then
   ``malloc_trim(0)`` (as the benchmark's reset does) releases every free page,
   and the peak is taken over the second replay.
 
-Not modelled: the interpreter's own heap use, the sharded state's placement
-(allocated before the step and live throughout; counted separately), threads
-other than the training thread (gloo's use their own arenas), alignment padding
-of ``posix_memalign``.
+On the estimator's own sequences this model and glibc itself (the same
+sequence replayed with ``posix_memalign``/``memset``/``free`` in a fresh
+process) agree within 1.4% for the benchmark GPT at W=1 and 4, the tied GPT at
+W=2 and Llama at W=2 (``tests/test_plan.py::test_glibc_model_matches_glibc``);
+and the estimator's sequence matches the tensor allocations of a real step
+(count and bytes at W=1 and 4).
+
+Not modelled: small allocations that are not tensors (C++ tensor and autograd
+bookkeeping, collectives' work objects, Python objects over 512 bytes). At
+W >= 2 they are carved out of freed tensor chunks and pin them: a rank's full
+``malloc`` log replayed through glibc gave 215 MiB above the reset where its
+tensor allocations alone gave 151 MiB (benchmark GPT, W=2; BENCHMARKS.md).
+Also not modelled: the sharded state's placement (allocated before the step and
+live throughout; counted separately), threads other than the training thread
+(gloo's use their own arenas).
 """
 
 from __future__ import annotations
