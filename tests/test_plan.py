@@ -349,15 +349,9 @@ def test_cli_llama3_70b_at_1024_ranks() -> None:
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert set(out["breakdown"]) == {
-        "params",
-        "grads",
-        "optimizer_state",
-        "unsharded",
-        "activations",
-        "comm_buffers",
-        "allocator",
-    }
+    # the keys, at least; "allocator" is the host heap model (0 on cuda)
+    required = "params grads optimizer_state unsharded activations comm_buffers".split()
+    assert set(required) <= set(out["breakdown"]), out["breakdown"]
     assert out["breakdown"]["allocator"] == 0  # device cuda: no host allocator model
     p = out["model"]["parameters"]
     assert 70e9 < p < 71e9
