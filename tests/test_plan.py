@@ -582,3 +582,43 @@ def test_muon_owner_step_can_be_the_peak() -> None:
     assert est.breakdown["unsharded"] == owner
     assert est.peak_bytes_per_rank == sum(est.breakdown.values())
     assert estimate(model, **kw).peak_at != "optimizer step (Muon owner)"  # AdamW
+
+
+def test_recompute_in_the_allocation_trace() -> None:
+    """Activation checkpointing in the glibc replay: a checkpointed module frees
+    what it saved at the end of its forward and allocates it again (recomputed)
+    when its backward starts; its recomputed output and what it did not save
+    are dropped at once."""
+    from fsdp_compose.plan._estimate import _with_recompute
+
+    events = [
+        ("fp", "b"),
+        ("a", 1, 100),  # saved for backward
+        ("a", 2, 10),  # a temporary
+        ("f", 2),
+        ("a", 3, 50),  # the output
+        ("fo", "b"),
+        ("loss", ""),
+        ("bs", "b"),
+        ("f", 1),
+        ("f", 3),
+    ]
+    assert _with_recompute(events, set()) == events
+    assert _with_recompute(events, {"b"}) == [
+        ("fp", "b"),
+        ("a", 1, 100),
+        ("a", 2, 10),
+        ("f", 2),
+        ("a", 3, 50),
+        ("fo", "b"),
+        ("f", 1),
+        ("loss", ""),
+        ("bs", "b"),
+        ("a", ("recompute", 1), 100),
+        ("a", ("recompute", 2), 10),
+        ("f", ("recompute", 2)),
+        ("a", ("recompute", 3), 50),
+        ("f", ("recompute", 3)),
+        ("f", ("recompute", 1)),
+        ("f", 3),
+    ]

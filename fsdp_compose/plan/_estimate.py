@@ -40,8 +40,8 @@ parameter), with ``W`` the shard group size:
 * **allocator** (``device="cpu"``, ``host_allocator="glibc"``): what glibc's
   default ``malloc`` keeps resident above the live bytes, from a replay of the
   step's allocation sequence (``_heap.py``, ``[Note: resident memory under
-  glibc's default allocator]``). 0 with ``host_allocator="mmap"``, on CUDA, and
-  when units are checkpointed (the trace has no recomputation).
+  glibc's default allocator]``; checkpointed modules are recomputed in it,
+  :func:`_with_recompute`). 0 with ``host_allocator="mmap"`` and on CUDA.
 
 Not modelled: CUDA caching-allocator fragmentation, kernel workspaces, CUDA
 context, optimizer temporaries outside the glibc replay (torch's ``foreach``
@@ -362,9 +362,7 @@ def estimate(
             peak, at = owner, "optimizer step (Muon owner)"
             terms = {"unsharded": owner, "activations": 0, "comm_buffers": 0}
     terms["allocator"] = 0
-    # The trace has no recomputation: with checkpointed units the heap is not replayed.
-    glibc = device == "cpu" and host_allocator == "glibc"
-    if glibc and not any(u.checkpoint for u in units):
+    if device == "cpu" and host_allocator == "glibc":
         resident, resident_at = replay(_step_events(units, plan, profile, optimizer, shard))
         if resident > peak:
             terms["allocator"] = resident - peak
@@ -673,7 +671,8 @@ def _step_events(
         gather(b)
     wait(root)
     out.append(("m", "forward, start"))
-    for ev in profile.events:
+    checkpointed = {m for up in plan.units if up.checkpoint for m in up.modules}
+    for ev in _with_recompute(profile.events, checkpointed):
         kind = ev[0]
         if kind in ("a", "f"):
             out.append(ev)
@@ -760,3 +759,50 @@ def _muon_owner_bytes(units: list[_Unit]) -> int:
     round_numel = max(ROUND_NUMEL, m * n) if m else 0
     bf16 = 2
     return bf16 * (4 * round_numel + 3 * m * m + 2 * m * n)
+
+
+def _with_recompute(events: list[tuple[Any, ...]], checkpointed: set[str]) -> list[tuple[Any, ...]]:
+    """The traced step as activation checkpointing runs it for ``checkpointed``
+    modules (the trace is taken without it).
+
+    In forward a checkpointed module keeps only its output: what it allocated and
+    still held at its end (what autograd saved) is freed there instead of in
+    backward. When its backward starts, its forward runs again: the same
+    allocations and frees, under new keys; the recomputed output is dropped, and
+    the rest lives until the original backward frees it.
+    """
+    if not checkpointed:
+        return events
+    first: dict[tuple[str, str], int] = {}
+    for i, ev in enumerate(events):
+        if ev[0] in ("fp", "fo", "bs") and ev[1] in checkpointed:
+            first.setdefault((ev[0], ev[1]), i)
+    at_end: dict[int, list[tuple[Any, ...]]] = {}  # after event i: extra events
+    renamed: dict[Any, Any] = {}
+    for fqn in checkpointed:
+        if ("fp", fqn) not in first or ("fo", fqn) not in first or ("bs", fqn) not in first:
+            continue
+        segment = events[first[("fp", fqn)] + 1 : first[("fo", fqn)]]
+        allocated = [ev[1] for ev in segment if ev[0] == "a"]
+        freed = {ev[1] for ev in segment if ev[0] == "f"}
+        kept = [k for k in allocated if k not in freed]
+        output = kept[-1] if kept else None
+        start = first[("bs", fqn)]
+        # freed before this module's backward: not saved for it (recomputed, dropped)
+        early = {ev[1] for ev in events[first[("fo", fqn)] : start] if ev[0] == "f"}
+        saved = [k for k in kept if k != output and k not in early]
+        at_end.setdefault(first[("fo", fqn)], []).extend(("f", k) for k in saved)
+        recompute: list[tuple[Any, ...]] = []
+        for ev in segment:
+            if ev[0] == "a":
+                recompute.append(("a", ("recompute", ev[1]), ev[2]))
+            elif ev[0] == "f" and ev[1] in allocated:
+                recompute.append(("f", ("recompute", ev[1])))
+        recompute += [("f", ("recompute", k)) for k in kept if k not in saved]
+        at_end.setdefault(start, []).extend(recompute)
+        renamed.update({k: ("recompute", k) for k in saved})
+    out: list[tuple[Any, ...]] = []
+    for i, ev in enumerate(events):
+        out.append(("f", renamed[ev[1]]) if ev[0] == "f" and ev[1] in renamed else ev)
+        out.extend(at_end.get(i, ()))
+    return out
