@@ -643,28 +643,26 @@ def _step_events(
             out.append(("f", ("unsharded", u.name)))
 
     def post_backward(u: _Unit) -> None:
+        # in the order the real step runs it: reshard, the previous reduction
+        # completes, pack (output, gloo's receive buffer), drop the gradients
         nonlocal pending
         out.append(("m", f"reduce {u.name}"))
         release(u)
+        out.extend(("f", k) for k in pending)
+        pending = []
         packed = ("packed", u.name)
         if u.reduce_row:
             out.append(("a", packed, shard * u.reduce_row))
+            if shard == 1:  # the packed buffer is the result
+                results.append(packed)
+            else:  # the outputs are assigned to the sharded gradients at the end
+                received, reduced = ("received", u.name), ("reduced", u.name)
+                out.append(("a", reduced, u.reduce_row))
+                out.append(("a", received, shard * u.reduce_row))
+                pending = [packed, received]
+                results.append(reduced)
         out.extend(("f", k) for k in grad_keys[u.name] if k is not None)
         grad_keys[u.name] = []
-        out.extend(("f", k) for k in pending)  # the previous reduction completes
-        pending = []
-        if not u.reduce_row:
-            return
-        if shard == 1:  # the packed buffer is the result
-            results.append(packed)
-            return
-        # gloo: the all-to-all's receive buffer, then the summed output; the
-        # outputs are assigned to the sharded gradients at the end of backward
-        received, reduced = ("received", u.name), ("reduced", u.name)
-        out.append(("a", received, shard * u.reduce_row))
-        out.append(("a", reduced, u.reduce_row))
-        pending = [packed, received]
-        results.append(reduced)
 
     gather(root)
     for b in blocks[: plan.prefetch_depth]:
