@@ -677,8 +677,10 @@ def _step_events(
             continue
         u = unit_of.get(ev[1])
         if u is None:
-            if kind == "loss":
+            if kind == "loss":  # the root's pre-backward prefetches the last units
                 out.append(("m", "backward, loss"))
+                for b in blocks[::-1][: plan.prefetch_depth]:
+                    gather(b)
             continue
         if kind == "fp" and u is not root and u.name not in started:
             started.add(u.name)
