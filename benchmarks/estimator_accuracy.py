@@ -2,6 +2,7 @@
 
     python benchmarks/estimator_accuracy.py                 # the BENCHMARKS.md table
     python benchmarks/estimator_accuracy.py --quick         # a few rows
+    python benchmarks/estimator_accuracy.py --mmap-threshold 65536   # glibc's threshold fixed
 
 For each case, ``W`` fresh rank processes (``harness.run_job``, gloo, one thread
 each) build the model on the meta device, apply ``fsdp_compose.auto_wrap`` with
@@ -10,6 +11,11 @@ measure two training steps the way the memory benchmark does (``measure.py``):
 ``VmHWM - RSS at reset`` plus this rank's sharded parameter bytes (resident
 before the reset), the largest over ranks. The estimate is computed once, in
 this process, on the meta device, for the same case. Ratio = measured / predicted.
+
+The ranks keep glibc's default allocator settings, as the memory benchmark does,
+and the estimate models them (``host_allocator="glibc"``). ``--mmap-threshold N``
+makes the ranks fix glibc's mmap threshold at N bytes (``mallopt``; freed tensors
+then leave the resident set) and estimates with ``host_allocator="mmap"``.
 
 Models (``MODELS``): the examples' GPT, a Hugging Face Llama built from a config
 (no download), and the GPT with its LM head tied to the token embedding.
@@ -127,7 +133,7 @@ def _policies(case: Case) -> tuple[Any, Any]:
     return mp, (CPUOffloadPolicy(pin_memory=False) if case.offload else OffloadPolicy())
 
 
-def predict(case: Case, scale: str = "bench") -> Any:
+def predict(case: Case, scale: str = "bench", host_allocator: str = "glibc") -> Any:
     """The estimator's :class:`MemoryEstimate` for ``case``."""
     from fsdp_compose.plan import estimate
 
@@ -145,6 +151,7 @@ def predict(case: Case, scale: str = "bench") -> Any:
         offload_policy=offload,
         optimizer=case.optimizer,
         device="cpu",
+        host_allocator=host_allocator,
     )
 
 
@@ -259,8 +266,8 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 def measure_job(config: dict[str, Any]) -> dict[str, Any]:
     """``worker.py`` entry point (``kind: "estimate"``)."""
-    if not config.get("glibc_heap"):
-        mmap_large_allocations()
+    if config.get("mmap_threshold"):
+        mmap_large_allocations(config["mmap_threshold"])
     if config.get("calibrate"):
         return calibrate_bandwidth()
     plan = plan_from_dict(config["plan"]) if config.get("plan") else None
@@ -317,15 +324,17 @@ def mmap_large_allocations(threshold: int = 65536) -> None:
         raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
 
 
-def run_case(case: Case, scale: str = "bench", glibc_heap: bool = False) -> dict[str, Any]:
+def run_case(case: Case, scale: str = "bench", mmap_threshold: int = 0) -> dict[str, Any]:
     """Measures ``case`` on fresh ranks and compares with the estimate.
 
-    Unless ``glibc_heap``, the ranks set glibc's mmap threshold to 64 KiB
-    (:func:`mmap_large_allocations`).
+    With ``mmap_threshold``, the ranks fix glibc's mmap threshold there
+    (:func:`mmap_large_allocations`) and the estimate assumes freed tensors
+    leave the resident set (``host_allocator="mmap"``); else both use glibc's
+    default settings.
     """
     from harness import run_job
 
-    est = predict(case, scale)
+    est = predict(case, scale, "mmap" if mmap_threshold else "glibc")
     ranks = run_job(
         {
             "kind": "estimate",
@@ -333,7 +342,7 @@ def run_case(case: Case, scale: str = "bench", glibc_heap: bool = False) -> dict
             "world_size": case.world_size,
             "case": asdict(case),
             "scale": scale,
-            "glibc_heap": glibc_heap,
+            "mmap_threshold": mmap_threshold,
         },
         timeout_s=900,
     )
@@ -376,16 +385,19 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="a few cases only")
     parser.add_argument(
-        "--glibc-heap",
-        action="store_true",
-        help="keep glibc's default mmap threshold (the resident peak then includes heap fragmentation)",
+        "--mmap-threshold",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="fix glibc's mmap threshold in the ranks (e.g. 65536) and estimate with "
+        "host_allocator='mmap' (default: glibc's default settings, host_allocator='glibc')",
     )
     args = parser.parse_args()
     rows = []
     print("| case | predicted (MiB) | measured (MiB) | measured / predicted | predicted peak at |")
     print("| --- | ---: | ---: | ---: | --- |")
     for case in cases(args.quick):
-        r = run_case(case, glibc_heap=args.glibc_heap)
+        r = run_case(case, mmap_threshold=args.mmap_threshold)
         rows.append(r)
         print(
             f"| {r['case']} | {r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "

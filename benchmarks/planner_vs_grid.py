@@ -8,6 +8,9 @@ no unit or on all; prefetch depth 0 or 1; activation checkpointing off or on) is
 run on fresh ranks (``harness.run_job``), measuring its peak memory the way
 ``estimator_accuracy.py`` does and its step time (one warm-up step, then the
 mean of ``--steps``). The budget is the given quantile of the predicted peaks.
+The ranks fix glibc's mmap threshold at 64 KiB and the estimates assume freed
+tensors leave the resident set (``host_allocator="mmap"``), the mode the
+BENCHMARKS.md table was measured in; ``--mmap-threshold 0`` uses glibc's defaults.
 The planner (``plan_to_budget``, searching the same grid) uses a cost model
 measured on this machine: the FLOP rate of one unsharded step of the model in
 this process (one thread) and the all-gather bandwidth of ``W`` gloo ranks.
@@ -59,10 +62,25 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--budget-quantile", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=65536,
+        metavar="BYTES",
+        help="glibc's mmap threshold fixed in the ranks, estimates with host_allocator='mmap' "
+        "(the mode of the BENCHMARKS.md table); 0: glibc's default settings and "
+        "host_allocator='glibc'",
+    )
     args = parser.parse_args()
     case = ea.Case("gpt", args.world_size)
     model = ea.build_meta(case.model)
-    common = {"batch": case.batch, "seq": case.seq, "world_size": case.world_size, "device": "cpu"}
+    common = {
+        "batch": case.batch,
+        "seq": case.seq,
+        "world_size": case.world_size,
+        "device": "cpu",
+        "host_allocator": "mmap" if args.mmap_threshold else "glibc",
+    }
     base = resolve_plan(model, ["Block"])
     grid = candidate_plans(
         base, groups=(1, 2), depths=(0, 1), checkpointing=(False, True), keeps=None
@@ -77,6 +95,7 @@ def main() -> None:
             "world_size": case.world_size,
             "calibrate": True,
             "case": asdict(case),
+            "mmap_threshold": args.mmap_threshold,
         }
     )[0]["bandwidth"]
     cost = CostModel(flop_rate=measured_flop_rate(case, flops), bandwidth=bandwidth, latency=1e-3)
@@ -112,6 +131,7 @@ def main() -> None:
                 "case": asdict(case),
                 "plan": ea.plan_to_dict(plan),
                 "steps": args.steps,
+                "mmap_threshold": args.mmap_threshold,
             },
             timeout_s=1800,
         )

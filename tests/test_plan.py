@@ -8,7 +8,9 @@
   activation checkpointing and prefetch depth 2) and on a transformers Llama:
   the same losses and parameters as one process on the global batch (2 ranks);
 * the estimator against peaks measured the benchmark's way (``VmHWM``), at
-  W = 1, 2 and 4, within 10%;
+  W = 1, 2 and 4, within 10%, with glibc's mmap threshold fixed; at W = 1 with
+  glibc's default allocator (fresh processes); its glibc model against glibc
+  itself on the estimator's allocation sequence; Muon's owner-step term;
 * the planner's plan, applied with ``auto_wrap``, runs within its budget (2 ranks);
 * the CLI on a Llama-3-70B-shaped config at W = 1,024 (meta device): sharded
   state = 16 P / W within 1%, and clear errors for bad input.
@@ -270,7 +272,7 @@ def _predict(case: dict) -> MemoryEstimate:
         sys.path.insert(0, _BENCH)
     import estimator_accuracy
 
-    return estimator_accuracy.predict(estimator_accuracy.Case(**case), "test")
+    return estimator_accuracy.predict(estimator_accuracy.Case(**case), "test", "mmap")
 
 
 @pytest.mark.parametrize(
@@ -347,14 +349,10 @@ def test_cli_llama3_70b_at_1024_ranks() -> None:
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert set(out["breakdown"]) == {
-        "params",
-        "grads",
-        "optimizer_state",
-        "unsharded",
-        "activations",
-        "comm_buffers",
-    }
+    # the issue's keys, at least; "allocator" is the host heap model (0 on cuda)
+    required = "params grads optimizer_state unsharded activations comm_buffers".split()
+    assert set(required) <= set(out["breakdown"]), out["breakdown"]
+    assert out["breakdown"]["allocator"] == 0  # device cuda: no host allocator model
     p = out["model"]["parameters"]
     assert 70e9 < p < 71e9
     sharded = sum(out["breakdown"][k] for k in ("params", "grads", "optimizer_state"))
@@ -433,3 +431,194 @@ def test_cli_bad_input(tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture
         capsys, str(tmp_path), "--world-size", "2", "--batch", "1", "--seq", "8", "--budget", "1KiB"
     )
     assert code == 1 and "DOES NOT FIT" in out and "more than the budget" in out, out
+
+
+# ---------------------------------------------------------------------------
+# glibc's default allocator ([Note: resident memory under glibc's default allocator])
+# ---------------------------------------------------------------------------
+
+_GLIBC_REPLAY = r"""
+import ctypes, json, sys
+libc = ctypes.CDLL("libc.so.6")
+libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+events = json.load(open(sys.argv[1]))
+passes = int(sys.argv[2])
+for n in range(passes):
+    if n == passes - 1:
+        libc.malloc_trim(0)
+        open("/proc/self/clear_refs", "w").write("5")
+        base = kib("VmRSS")
+    live = {}
+    for ev in events:
+        if ev[0] == "a":
+            p = ctypes.c_void_p()
+            assert libc.posix_memalign(ctypes.byref(p), 64, ev[2]) == 0
+            libc.memset(p, 1, ev[2])
+            live[json.dumps(ev[1])] = p.value
+        elif ev[0] == "f":
+            q = live.pop(json.dumps(ev[1]), None)
+            if q:
+                libc.free(q)
+    for q in live.values():
+        libc.free(q)
+print(kib("VmHWM") - base)
+"""
+
+
+def _step_events(case: dict) -> list:
+    """The estimator's allocation sequence for ``case`` (test scale)."""
+    from fsdp_compose.plan import _estimate
+
+    captured: list = []
+    original = _estimate.replay
+
+    def capture(events, passes=2):  # type: ignore[no-untyped-def]
+        captured.extend(events)
+        return original(events, passes)
+
+    _estimate.replay = capture
+    try:
+        est = _predict_glibc(case)
+    finally:
+        _estimate.replay = original
+    assert est.config["host_allocator"] == "glibc"
+    return [ev for ev in captured if ev[0] in ("a", "f") and (ev[0] == "f" or ev[2] > 0)]
+
+
+def _predict_glibc(case: dict) -> MemoryEstimate:
+    if _BENCH not in sys.path:
+        sys.path.insert(0, _BENCH)
+    import estimator_accuracy
+
+    return estimator_accuracy.predict(estimator_accuracy.Case(**case), "test", "glibc")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc, /proc")
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"model": "gpt", "world_size": 1, "batch": 4, "seq": 128},
+        {"model": "tied", "world_size": 2, "reshard": False, "batch": 4, "seq": 128},
+        {"model": "gpt", "world_size": 4, "batch": 4, "seq": 128},
+    ],
+    ids=["gpt-W1", "tied-W2-noreshard", "gpt-W4"],
+)
+def test_glibc_model_matches_glibc(case: dict, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The heap model against glibc itself, on the estimator's own allocation
+    sequence (posix_memalign(64) + touch + free in a fresh process, warm-up
+    replay, malloc_trim, VmHWM over the second replay)."""
+    from fsdp_compose.plan._heap import replay
+
+    events = _step_events(case)
+    path = tmp_path / "events.json"
+    path.write_text(json.dumps(events))
+    proc = subprocess.run(
+        [sys.executable, "-c", _GLIBC_REPLAY, str(path), "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    measured = int(proc.stdout.split()[-1])
+    modelled, _ = replay(events)
+    assert abs(measured / modelled - 1) <= 0.10, (measured / 2**20, modelled / 2**20)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc, /proc")
+def test_estimate_within_10_percent_with_glibc_default_allocator() -> None:
+    """W = 1 on a fresh process with glibc's default settings (a pooled rank's heap
+    carries earlier tests' history): the estimate includes what the heap keeps."""
+    if _BENCH not in sys.path:
+        sys.path.insert(0, _BENCH)
+    import estimator_accuracy
+
+    case = estimator_accuracy.Case("gpt", 1, batch=4, seq=128)
+    est = estimator_accuracy.predict(case, "test", "glibc")
+    mmap = estimator_accuracy.predict(case, "test", "mmap")
+    assert est.breakdown["allocator"] > 0 and mmap.breakdown["allocator"] == 0
+    assert est.peak_bytes_per_rank == sum(est.breakdown.values())
+    r = estimator_accuracy.run_case(case, "test")
+    assert 0.9 <= r["ratio"] <= 1.1, r
+
+
+def test_host_allocator_is_checked_and_ignored_on_cuda() -> None:
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=64))
+    kw = {"batch": 2, "seq": 32, "world_size": 2, "policy": [Block]}
+    with pytest.raises(ValueError, match="host_allocator"):
+        estimate(model, device="cpu", host_allocator="jemalloc", **kw)
+    cuda = estimate(model, device="cuda", **kw)
+    assert cuda.breakdown["allocator"] == 0 and cuda.config["host_allocator"] is None
+    cpu = estimate(model, device="cpu", **kw)
+    assert (
+        cpu.peak_bytes_per_rank
+        >= estimate(model, device="cpu", host_allocator="mmap", **kw).peak_bytes_per_rank
+    )
+
+
+def test_muon_owner_step_can_be_the_peak() -> None:
+    from fsdp_compose.whole_matrix._exchange import ROUND_NUMEL
+
+    # a wide tied vocabulary, a tiny batch, bfloat16 compute and reduction: the
+    # owner's full embedding (with Newton-Schulz temporaries) outweighs the units
+    cfg = GPTConfig(
+        vocab_size=32768, block_size=16, n_layer=1, n_head=2, n_embd=128, tie_weights=True
+    )
+    with torch.device("meta"):
+        model = GPT(cfg)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    kw = {"batch": 1, "seq": 8, "world_size": 4, "policy": [Block], "mp_policy": bf16}
+    est = estimate(model, optimizer="muon", **kw)
+    m, n = 128, 32768
+    owner = 2 * (4 * max(ROUND_NUMEL, m * n) + 3 * m * m + 2 * m * n)
+    assert est.peak_at == "optimizer step (Muon owner)"
+    assert est.breakdown["unsharded"] == owner
+    assert est.peak_bytes_per_rank == sum(est.breakdown.values())
+    assert estimate(model, **kw).peak_at != "optimizer step (Muon owner)"  # AdamW
+
+
+def test_recompute_in_the_allocation_trace() -> None:
+    """Activation checkpointing in the glibc replay: a checkpointed module frees
+    what it saved at the end of its forward and allocates it again (recomputed)
+    when its backward starts; its recomputed output and what it did not save
+    are dropped at once."""
+    from fsdp_compose.plan._estimate import _with_recompute
+
+    events = [
+        ("fp", "b"),
+        ("a", 1, 100),  # saved for backward
+        ("a", 2, 10),  # a temporary
+        ("f", 2),
+        ("a", 3, 50),  # the output
+        ("fo", "b"),
+        ("loss", ""),
+        ("bs", "b"),
+        ("f", 1),
+        ("f", 3),
+    ]
+    assert _with_recompute(events, set()) == events
+    assert _with_recompute(events, {"b"}) == [
+        ("fp", "b"),
+        ("a", 1, 100),
+        ("a", 2, 10),
+        ("f", 2),
+        ("a", 3, 50),
+        ("fo", "b"),
+        ("f", 1),
+        ("loss", ""),
+        ("bs", "b"),
+        ("a", ("recompute", 1), 100),
+        ("a", ("recompute", 2), 10),
+        ("f", ("recompute", 2)),
+        ("a", ("recompute", 3), 50),
+        ("f", ("recompute", 3)),
+        ("f", ("recompute", 1)),
+        ("f", 3),
+    ]

@@ -166,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where training runs")
     p.add_argument(
+        "--host-allocator",
+        choices=("glibc", "mmap"),
+        default="glibc",
+        help="with --device cpu: glibc's default malloc (freed tensors may stay resident), "
+        "or one that returns freed tensors to the system (MALLOC_MMAP_THRESHOLD_ set)",
+    )
+    p.add_argument(
         "--policy",
         default=None,
         help="module class names (comma separated) or a parameter count (default: _no_split_modules)",
@@ -220,6 +227,7 @@ def _run(args: argparse.Namespace) -> int:
         "offload_policy": offload,
         "optimizer": args.optimizer,
         "device": args.device,
+        "host_allocator": args.host_allocator,
     }
     est = estimate(
         model,

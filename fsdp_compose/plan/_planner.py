@@ -284,6 +284,7 @@ def plan_to_budget(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     optimizer: str = "adamw",
     device: str = "cuda",
+    host_allocator: str = "glibc",
     activation_checkpointing: bool = True,
     cost: CostModel = CostModel(),
     step_fn: StepFn = default_step,
@@ -299,7 +300,7 @@ def plan_to_budget(
         model: the unwrapped model (usually on the meta device).
         budget: bytes per rank (``int``) or a size such as ``"80GiB"``.
         batch, seq, world_size, mesh_shape, policy, mp_policy, offload_policy,
-            optimizer, device, step_fn: as for :func:`estimate`; ``policy``
+            optimizer, device, host_allocator, step_fn: as for :func:`estimate`; ``policy``
             gives the finest unit boundaries the planner groups.
         activation_checkpointing: whether the planner may turn it on.
         cost: the rates of the step-time model.
@@ -324,6 +325,7 @@ def plan_to_budget(
         "mp_policy": mp_policy,
         "optimizer": optimizer,
         "device": device,
+        "host_allocator": host_allocator,
         "step_fn": step_fn,
         "profile": profile,
     }

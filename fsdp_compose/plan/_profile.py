@@ -24,6 +24,7 @@ same run works for a 70B-parameter model at any sequence length.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = ""
@@ -83,6 +85,9 @@ class ModelProfile:
     root_before: int  # root-owned saved bytes before the first unit ran
     root_after: int  # root-owned saved bytes after the last unit (head, loss)
     loss_grad_bytes: int  # gradient of the largest root tensor (e.g. logits)
+    #: the step's storage allocations and frees, with unit boundaries
+    #: (``[Note: the allocation trace]``)
+    events: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 def default_step(model: nn.Module, batch: int, seq: int) -> torch.Tensor:
@@ -147,6 +152,18 @@ def profile_model(
     for name, b in model.named_buffers():
         substitutes[name] = b.to("meta")
 
+    # which unit candidate manages each substitute (for the allocation trace)
+    owner_of: dict[int, str] = {}
+    for fqn in [*unit_modules, ROOT]:
+        for p in named[fqn].parameters():
+            owner_of.setdefault(id(p), fqn)
+    # the parameters' and buffers' storages exist before the step: not allocations
+    trace = _AllocTrace({t.untyped_storage()._cdata for t in substitutes.values()})
+    for name, p in model.named_parameters():
+        sub = substitutes[name]
+        if sub.requires_grad:
+            sub.register_post_accumulate_grad_hook(trace.grad_hook(owner_of[id(p)]))
+
     stack: list[str] = [ROOT]
     order: list[str] = []
     segments: list[tuple[str, int]] = []
@@ -170,6 +187,7 @@ def profile_model(
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             stack.append(fqn)
             order.append(fqn)
+            trace.events.append(("fp", fqn))
             profiles[fqn].input_bytes += sum(
                 t.untyped_storage().nbytes()
                 for t in [*args, *kwargs.values()]
@@ -178,26 +196,33 @@ def profile_model(
 
         return hook
 
-    def post_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        stack.pop()
+    def post_hook(fqn: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            stack.pop()
+            trace.events.append(("fo", fqn))
+            trace.on_backward_of(fqn, output)
+
+        return hook
 
     handles = []
     for fqn in unit_modules:
         handles.append(named[fqn].register_forward_pre_hook(pre_hook(fqn), with_kwargs=True))
         handles.append(
-            named[fqn].register_forward_hook(post_hook, with_kwargs=True, always_call=True)
+            named[fqn].register_forward_hook(post_hook(fqn), with_kwargs=True, always_call=True)
         )
     flops = FlopCounterMode(display=False)
     try:
-        with flops, torch.device("meta"), _FusedAttention():
+        with flops, torch.device("meta"), _FusedAttention(), trace:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 step = _Step(model, step_fn, batch, seq)
                 loss = torch.func.functional_call(
                     step, {f"model.{k}": v for k, v in substitutes.items()}, (), strict=False
                 )
+            trace.events.append(("loss", ROOT))
             if loss.requires_grad:
                 loss.backward()
     finally:
+        trace.stop()
         for h in handles:
             h.remove()
 
@@ -227,7 +252,93 @@ def profile_model(
         root_after=root_after
         + sum(b for i, (owner, b) in enumerate(segments) if owner == ROOT and first <= i <= last),
         loss_grad_bytes=profiles[ROOT].largest_saved,
+        events=trace.events,
     )
+
+
+class _AllocTrace(TorchDispatchMode):
+    """Records every storage the step allocates and when it is freed.
+
+    [Note: the allocation trace]
+    Each op's outputs are checked for storages not seen alive before; those are
+    allocations (``("a", key, nbytes)``), and a ``weakref.finalize`` on the
+    storage records its free (``("f", key)``) when the last tensor using it
+    dies, as the real allocator would see it. Unit boundaries are interleaved:
+    ``("fp", fqn)`` / ``("fo", fqn)`` around a unit candidate's forward,
+    ``("bs", fqn)`` when the gradient of its output first arrives (its
+    pre-backward), ``("g", fqn, key)`` when a parameter it manages has its
+    gradient accumulated (``key``: that gradient's storage, which fsdp_compose
+    frees at the unit's post-backward, after packing it for the reduction), and
+    ``("loss", "")`` between forward and backward. The parameters themselves are
+    not in the trace: fsdp_compose's buffers stand for them (``_heap.py``).
+    """
+
+    def __init__(self, existing: set[int]) -> None:
+        super().__init__()
+        self._existing = existing
+        self.events: list[tuple[Any, ...]] = []
+        self._alive: dict[int, int] = {}  # storage address in torch -> key
+        self._next = 0
+        self._recording = True
+        self._seen_backward: set[str] = set()
+
+    def stop(self) -> None:
+        """Ends recording (frees after the step are the caller's cleanup)."""
+        self._recording = False
+
+    def _key_of(self, t: torch.Tensor) -> int | None:
+        return self._alive.get(t.untyped_storage()._cdata)
+
+    def _record(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        cdata = storage._cdata
+        if cdata in self._alive or cdata in self._existing:
+            return
+        key = self._next
+        self._next += 1
+        self._alive[cdata] = key
+        self.events.append(("a", key, storage.nbytes()))
+        weakref.finalize(storage, self._freed, cdata, key)
+
+    def _freed(self, cdata: int, key: int) -> None:
+        if self._alive.get(cdata) == key:
+            del self._alive[cdata]
+        if self._recording:
+            self.events.append(("f", key))
+
+    def grad_hook(self, owner: str) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if self._recording and p.grad is not None:
+                self.events.append(("g", owner, self._key_of(p.grad)))
+
+        return hook
+
+    def on_backward_of(self, fqn: str, output: Any) -> None:
+        """Marks ``fqn``'s pre-backward: the first gradient of one of its outputs."""
+        outs = output if isinstance(output, (tuple, list)) else (output,)
+        for t in outs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g, fqn=fqn: self._backward_starts(fqn))
+
+    def _backward_starts(self, fqn: str) -> None:
+        if self._recording and fqn not in self._seen_backward:
+            self._seen_backward.add(fqn)
+            self.events.append(("bs", fqn))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if self._recording:
+            for t in _tensors(out):
+                self._record(t)
+        return out
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
 
 
 class _FusedAttention(torch.overrides.TorchFunctionMode):
