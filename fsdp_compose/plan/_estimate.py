@@ -740,12 +740,12 @@ def _muon_owner_bytes(units: list[_Unit]) -> int:
     """What a Muon owner rank holds at once in the optimizer step (bfloat16).
 
     See [Note: owner compute for whole-matrix optimizers]
-    (``fsdp_compose/whole_matrix/_exchange.py``): the full matrices of at most
-    two rounds in flight and the results of two, a round being up to
-    ``ROUND_NUMEL`` elements per owner or one larger matrix; plus the
-    Newton–Schulz temporaries of the largest matrix (``m <= n`` its sides): the
-    Gram matrix ``X Xᵀ``, its square and ``b A + c A²`` (``m²`` each) and the
-    product ``B X`` and next iterate (``m n`` each). Taken for the largest
+    (``fsdp_compose/whole_matrix/_exchange.py``): the exchange's nine buffers
+    of at most ``R`` elements each, ``R`` being ``ROUND_NUMEL`` or one larger
+    matrix, plus the round being computed (``<= R``); plus the Newton–Schulz
+    temporaries of the largest matrix (``m <= n`` its sides): the Gram matrix
+    ``X Xᵀ``, its square and ``b A + c A²`` (``m²`` each) and the product
+    ``B X`` and next iterate (``m n`` each). Taken for the largest
     matrix on every rank: an upper bound for the rank that owns it.
     """
     from ..whole_matrix._exchange import ROUND_NUMEL
@@ -758,7 +758,7 @@ def _muon_owner_bytes(units: list[_Unit]) -> int:
     m, n = sorted(largest) if largest != (0, 0) else (0, 0)
     round_numel = max(ROUND_NUMEL, m * n) if m else 0
     bf16 = 2
-    return bf16 * (4 * round_numel + 3 * m * m + 2 * m * n)
+    return bf16 * (10 * round_numel + 3 * m * m + 2 * m * n)
 
 
 def _with_recompute(events: list[tuple[Any, ...]], checkpointed: set[str]) -> list[tuple[Any, ...]]:
