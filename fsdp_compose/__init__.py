@@ -6,13 +6,13 @@ prefetch) and reduce-scatters gradients per unit. See the README for usage.
 """
 
 from . import debug, safetensors_io, trace, whole_matrix
-from ._fully_shard import (
+from ._fsdp_module import (
     FSDPModule,
     UnshardHandle,
-    fully_shard,
     register_fsdp_forward_method,
     share_comm_ctx,
 )
+from ._fully_shard import fully_shard
 from ._grad_scaler import ShardedGradScaler
 from ._mesh import DataParallelMeshDims
 from ._pipelining import PipelineStage

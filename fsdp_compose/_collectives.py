@@ -28,7 +28,7 @@ rows, torch 2.13). ``FSDP_COMPOSE_GLOO_ALL_GATHER=native`` turns it off.
 
 [Note: collectives per backend]
 fsdp_compose runs on any c10d backend. The paths above (and issuing on the
-ProcessGroup object, [Note: issuing gloo collectives] in ``_compat.py``) are tuned
+ProcessGroup object, [Note: issuing gloo collectives] in ``_gloo.py``) are tuned
 for gloo and used only where a group's CPU backend really is ``ProcessGroupGloo``;
 every other backend -- torch's threaded test group, the ``fake`` backend of dry
 runs, MPI, UCC, vendor backends, NCCL -- gets torch.distributed's public
@@ -56,7 +56,7 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from . import _compat, _env, _guard, debug
+from . import _compat, _env, _gloo, _guard, debug
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -480,7 +480,7 @@ def route_of(group: dist.ProcessGroup) -> Route:
     (backend and ``FSDP_COMPOSE_GLOO_*`` settings) and remembered after."""
     route = _routes.get(group)
     if route is None:
-        gloo = _compat.serves_cpu_with_gloo(group)
+        gloo = _gloo.serves_cpu_with_gloo(group)
         route = Route(
             gloo=gloo,
             all_to_all_reduce_scatter=gloo and _use_all_to_all_reduce_scatter(group),
@@ -501,7 +501,7 @@ def _use_all_to_all_reduce_scatter(group: dist.ProcessGroup) -> bool:
     on gloo]): a real gloo group, unless ``FSDP_COMPOSE_GLOO_REDUCE_SCATTER=native``.
     Read by :func:`route_of`, once per group."""
     mode = _env.choice("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", ("all_to_all", "native"), "all_to_all")
-    return mode != "native" and _compat.serves_cpu_with_gloo(group)
+    return mode != "native" and _gloo.serves_cpu_with_gloo(group)
 
 
 def _backend_name(group: dist.ProcessGroup) -> str:
@@ -567,9 +567,9 @@ def all_gather(
         if not route.gloo:
             issue = lambda async_op: _compat.all_gather_into_tensor(output, input, group, True)  # noqa: E731
         elif in_place and route.broadcast_all_gather:
-            issue = lambda async_op: _compat.gloo_all_gather_by_broadcast(output, group)  # noqa: E731
+            issue = lambda async_op: _gloo.gloo_all_gather_by_broadcast(output, group)  # noqa: E731
         else:
-            issue = lambda async_op: _compat.gloo_all_gather_into_tensor(output, input, group)  # noqa: E731
+            issue = lambda async_op: _gloo.gloo_all_gather_into_tensor(output, input, group)  # noqa: E731
     else:
         issue = lambda async_op: _compat.all_gather_into_tensor(output, input, group, async_op)  # noqa: E731
     return _launch("all_gather", label, group, input, output, issue)
@@ -615,7 +615,7 @@ def reduce_scatter(
             group,
             input,
             output,
-            lambda async_op: _compat.gloo_all_to_all_single(received, input, group),
+            lambda async_op: _gloo.gloo_all_to_all_single(received, input, group),
             finish=finish,
             keepalive=(received,),
         )

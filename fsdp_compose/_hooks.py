@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from . import _checks, _compat
+from . import _compat, _misuse
 from ._policies import MixedPrecisionPolicy
 from ._scheduler import Scheduler
 from ._unit import Unit
@@ -185,8 +185,8 @@ class UnitState:
         self.all_states = states
         for unit in units:
             unit.lazy_init()
-        _checks.verify_same_structure(units)
-        _checks.register_units(units)
+        _misuse.verify_same_structure(units)
+        _misuse.register_units(units)
 
     # ------------------------------------------------------------------
     # forward
