@@ -5,7 +5,13 @@ Annotate modules bottom-up with :func:`fully_shard`; parameters become sharded
 prefetch) and reduce-scatters gradients per unit. See the README for usage.
 """
 
-from . import debug, safetensors_io, trace, whole_matrix
+from . import (
+    _guard,  # noqa: F401  (attaches the collective guard if FSDP_COMPOSE_COLLECTIVE_GUARD=1)
+    debug,
+    safetensors_io,
+    trace,
+    whole_matrix,
+)
 from ._fsdp_module import (
     FSDPModule,
     UnshardHandle,

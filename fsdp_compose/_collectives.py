@@ -37,13 +37,31 @@ applies is a :class:`Route`, decided once per group (:func:`route_of`, at the la
 init of the first unit on it) and kept by the unit, so issuing a collective costs
 no backend lookup.
 
-Listeners (the trace, tests counting collectives) subscribe with
-:func:`add_listener`; with none subscribed, issuing costs nothing extra.
+[Note: collective extensions]
+The core issues collectives; capabilities beyond FSDP2 attach here and the core
+never imports them. Two registration points, both per process:
+
+* :func:`add_listener`: observe every collective (``issue``, ``complete``,
+  ``wait_begin``, ``wait_end``), e.g. the timeline (``trace``) or tests counting
+  collectives;
+* :func:`add_launch_wrapper`: wrap the launch of every collective. A wrapper is
+  called as ``wrapper(call, issue)`` with the :class:`CollectiveCall` (kind,
+  label, group, element count, dtype, step, device) and the ``issue`` callable
+  that launches it; it returns what ``issue`` returns (the work to wait on, or a
+  work-like object with ``wait`` and ``get_future``), and may run checks before
+  or around it (debug fingerprints, the collective guard). A wrapper raising
+  :class:`~fsdp_compose._errors.CollectiveMismatchError` is re-raised as is; any
+  other ``RuntimeError`` is reported like a failure of the collective.
+
+With none registered, issuing costs nothing extra. The step a collective belongs
+to comes from the :class:`StepContext` of the root that issues it (each root's
+scheduler owns one), so two roots in one process do not mix their steps.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import itertools
 import logging
@@ -56,7 +74,8 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from . import _compat, _env, _gloo, _guard, debug
+from . import _compat, _env, _gloo
+from ._errors import CollectiveMismatchError
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -122,10 +141,52 @@ class ReduceScatterComm(_CustomComm, Protocol):
     ) -> dist.Work | None: ...
 
 
+@dataclass
+class StepContext:
+    """The training step of one root's collectives: its scheduler advances
+    ``step`` at each forward, and the units it drives pass it to the collectives
+    they issue (named in errors, fingerprints and the guard)."""
+
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """A collective about to be launched, as a launch wrapper sees it."""
+
+    kind: CollectiveKind
+    label: str
+    group: dist.ProcessGroup
+    numel: int  # of the input
+    dtype: torch.dtype
+    step: int
+    device: torch.device
+
+
 Listener = Callable[[CollectiveEvent, CollectiveInfo], None]
+Issue = Callable[[], "dist.Work | None"]
+LaunchWrapper = Callable[[CollectiveCall, Issue], "dist.Work | None"]
 _listeners: list[Listener] = []
+_wrappers: list[LaunchWrapper] = []
 _seq = itertools.count()
-current_step = 0  # set by the scheduler; names the step in errors and fingerprints
+
+
+def add_launch_wrapper(wrapper: LaunchWrapper) -> None:
+    """Wraps the launch of every later collective with ``wrapper(call, issue)``
+    (see [Note: collective extensions]); the first added is the outermost."""
+    if wrapper not in _wrappers:
+        _wrappers.append(wrapper)
+
+
+def remove_launch_wrapper(wrapper: LaunchWrapper) -> None:
+    if wrapper in _wrappers:
+        _wrappers.remove(wrapper)
+
+
+def _wrapped(call: CollectiveCall, issue: Issue) -> dist.Work | None:
+    for wrapper in reversed(_wrappers):
+        issue = functools.partial(wrapper, call, issue)
+    return issue()
 
 
 def add_listener(listener: Listener) -> None:
@@ -382,19 +443,6 @@ def _on_complete(work: dist.Work, info: CollectiveInfo) -> None:
         _notify("complete", info)
 
 
-def _guarded(
-    kind: CollectiveKind, label: str, group: dist.ProcessGroup, inp: torch.Tensor, step: int
-) -> None:
-    """See [Note: collective guard]; a guard that cannot complete (a peer gone or
-    timed out) fails like the collective it protects."""
-    try:
-        _guard.check(kind, label, group, inp.numel(), inp.dtype, step)
-    except debug.CollectiveMismatchError:
-        raise
-    except RuntimeError as exc:
-        raise _failure(f"{kind} for {label} (step {step})", exc, inp, group) from exc
-
-
 def _launch(
     kind: CollectiveKind,
     label: str,
@@ -404,20 +452,27 @@ def _launch(
     issue: Callable[[bool], dist.Work | None],
     finish: Callable[[], None] | None = None,
     keepalive: tuple[torch.Tensor, ...] = (),
+    step: int = 0,
 ) -> PendingCollective:
-    if debug._checker is not None:
-        debug._check(kind, label, group, inp.numel(), inp.dtype, current_step)
-    elif _guard.enabled and out.device.type == "cpu":
-        _guarded(kind, label, group, inp, current_step)
     info = _info(kind, label, group.size(), inp, out)
-    if info is not None:
-        _notify("issue", info)
-    what = f"{kind} for {label} (step {current_step})"
-    if out.device.type == "cpu":
+    what = f"{kind} for {label} (step {step})"
+    cpu = out.device.type == "cpu"
+
+    def launch() -> dist.Work | None:
+        if info is not None:
+            _notify("issue", info)
+        return issue(cpu)
+
+    if _wrappers:
+        call = CollectiveCall(kind, label, group, inp.numel(), inp.dtype, step, out.device)
+        launch = functools.partial(_wrapped, call, launch)
+    if cpu:
         if not _exit_guard_registered:
             _register_exit_guard()
         try:
-            work = issue(True)
+            work = launch()
+        except CollectiveMismatchError:
+            raise
         except RuntimeError as exc:
             raise _failure(what, exc, out, group) from exc
         if info is not None and work is not None:
@@ -431,7 +486,9 @@ def _launch(
     stream.wait_stream(current)
     with streams.module.stream(stream):
         try:
-            issue(False)
+            launch()
+        except CollectiveMismatchError:
+            raise
         except RuntimeError as exc:
             raise _failure(what, exc, out, group) from exc
         if finish is not None:
@@ -549,11 +606,13 @@ def all_gather(
     comm: AllGatherComm | None = None,
     in_place: bool = False,
     route: Route | None = None,
+    step: int = 0,
 ) -> PendingCollective:
     """Gathers ``input`` from every rank of ``group`` into ``output`` (rank-major),
     with ``comm`` if given. ``in_place``: ``input`` is this rank's row of
     ``output``, as :func:`gathers_in_place` asked for (gloo then gathers by
-    broadcasts). ``route``: ``route_of(group)``, kept by the caller."""
+    broadcasts). ``route``: ``route_of(group)``, kept by the caller. ``step``:
+    the issuing root's step (:class:`StepContext`)."""
     if comm is None:
         output, input = _real_view(output), _real_view(input)
     issue: Callable[[bool], dist.Work | None]
@@ -572,7 +631,7 @@ def all_gather(
             issue = lambda async_op: _gloo.gloo_all_gather_into_tensor(output, input, group)  # noqa: E731
     else:
         issue = lambda async_op: _compat.all_gather_into_tensor(output, input, group, async_op)  # noqa: E731
-    return _launch("all_gather", label, group, input, output, issue)
+    return _launch("all_gather", label, group, input, output, issue, step=step)
 
 
 def reduce_scatter(
@@ -583,6 +642,7 @@ def reduce_scatter(
     *,
     comm: ReduceScatterComm | None = None,
     route: Route | None = None,
+    step: int = 0,
 ) -> PendingCollective:
     """Sums ``input`` (``group.size()`` equal chunks) over ``group``; rank r receives
     the sum of chunk r in ``output``. With ``comm`` if given, else see [Note:
@@ -598,7 +658,7 @@ def reduce_scatter(
             op=dist.ReduceOp.SUM,  # type: ignore[arg-type]  # (a RedOpType member)
             async_op=async_op,
         )
-        return _launch("reduce_scatter", label, group, input, output, issue)
+        return _launch("reduce_scatter", label, group, input, output, issue, step=step)
     if output.device.type == "cpu" and (route or route_of(group)).all_to_all_reduce_scatter:
         received = torch.empty_like(input)
 
@@ -618,6 +678,7 @@ def reduce_scatter(
             lambda async_op: _gloo.gloo_all_to_all_single(received, input, group),
             finish=finish,
             keepalive=(received,),
+            step=step,
         )
     return _launch(
         "reduce_scatter",
@@ -626,10 +687,13 @@ def reduce_scatter(
         input,
         output,
         lambda async_op: _compat.reduce_scatter_tensor(output, input, group, async_op),
+        step=step,
     )
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> PendingCollective:
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, label: str, *, step: int = 0
+) -> PendingCollective:
     """Sums ``tensor`` in place over ``group``."""
     tensor = _real_view(tensor)
     return _launch(
@@ -639,4 +703,5 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> Pe
         tensor,
         tensor,
         lambda async_op: dist.all_reduce(tensor, group=group, async_op=async_op),
+        step=step,
     )

@@ -35,6 +35,7 @@ class GradientReduction:
     _rs_route: _collectives.Route
     _reduce_scatter_group: dist.ProcessGroup | None
     _partial_reduce: dict[ShardedParam, torch.Tensor]
+    step_context: _collectives.StepContext
 
     @property
     def trainable_params(self) -> list[ShardedParam]:
@@ -162,7 +163,13 @@ class GradientReduction:
                 output = torch.empty(row, dtype=reduce_dtype, device=info.device)
             group = self._reduce_scatter_group or self.mesh_info.shard_group
             rs = _collectives.reduce_scatter(
-                output, packed, group, self.name, comm=comm, route=self._rs_route
+                output,
+                packed,
+                group,
+                self.name,
+                comm=comm,
+                route=self._rs_route,
+                step=self.step_context.step,
             )
         replicate_group = info.replicate_group if all_reduce else None
         return PendingReduction(self, params, sizes, output, rs, replicate_group, post)
@@ -250,7 +257,10 @@ class PendingReduction:
         self.unit.merge_partial_reduce(self._params, self._sizes, self._output)
         if self._replicate_group is not None:
             self._all_reduce = _collectives.all_reduce(
-                self._output, self._replicate_group, self.unit.name
+                self._output,
+                self._replicate_group,
+                self.unit.name,
+                step=self.unit.step_context.step,
             )
 
     def finish(self) -> None:

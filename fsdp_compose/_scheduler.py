@@ -58,7 +58,10 @@ class Scheduler:
         # (set_reduce_scatter_max_input_buffers): 1 bounds memory to one unit.
         self.max_inflight_reductions = 1
         self.is_last_backward = True
-        self.step = 0
+        # This root's step, shared with its units for the collectives they issue.
+        self.step_context = _collectives.StepContext()
+        for unit in units:
+            unit.step_context = self.step_context
         self.forward_active = False
         self.backward_active = False
 
@@ -81,6 +84,11 @@ class Scheduler:
         # Units whose parameters other units share: freed and reduced after their
         # last use, see [Note: shared parameters].
         self.shared = SharedUses()
+
+    @property
+    def step(self) -> int:
+        """Forward passes begun so far (the current training step)."""
+        return self.step_context.step
 
     # ------------------------------------------------------------------
     # memory accounting (rate limiter) and issuing
@@ -182,8 +190,7 @@ class Scheduler:
         self._complete_reductions()
         self._recount_holdings()
         self.forward_active = True
-        self.step += 1
-        _collectives.current_step = self.step
+        self.step_context.step += 1
         if _trace.ENABLED:
             _trace.set_step(self.step)
         if self._forward_order:

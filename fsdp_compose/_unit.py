@@ -106,6 +106,9 @@ class Unit(FlatBuffer, GradientReduction):
         self.backward_prefetch: list[Unit] | None = None
         self.state = ShardState.SHARDED
         self.phase = Phase.IDLE
+        # The step of the root driving this unit (its scheduler's), named by the
+        # collectives; see [Note: collective extensions].
+        self.step_context = _collectives.StepContext()
         self._post_forward_group: dist.ProcessGroup | None = None
         self._post_forward_rank = 0
         self._post_forward_size = 1
@@ -297,7 +300,13 @@ class Unit(FlatBuffer, GradientReduction):
             self._pending_gather = _DONE
         else:
             self._pending_gather = _collectives.all_gather(
-                out, send, group, self.name, in_place=in_place, route=route
+                out,
+                send,
+                group,
+                self.name,
+                in_place=in_place,
+                route=route,
+                step=self.step_context.step,
             )
 
     def _unshard_with(self, comm: AllGatherComm) -> None:
@@ -323,7 +332,9 @@ class Unit(FlatBuffer, GradientReduction):
         else:
             self._copy_in(send)
         self._gather_output, self._gather_world = out, world
-        self._pending_gather = _collectives.all_gather(out, send, group, self.name, comm=comm)
+        self._pending_gather = _collectives.all_gather(
+            out, send, group, self.name, comm=comm, step=self.step_context.step
+        )
 
     def wait_unshard(self) -> None:
         """Waits for the pending all-gather and registers the unsharded parameters."""
