@@ -105,7 +105,7 @@ class FSDPModule:
         Only the last backward waits for every gradient reduction to finish; earlier
         ones (e.g. pipeline microbatches) leave them in flight.
         """
-        self._set_schedule("is_last_backward", bool(is_last_backward))
+        self._fsdp_state().settings.is_last_backward = bool(is_last_backward)
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -231,7 +231,7 @@ class FSDPModule:
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
         del recurse  # one scheduler serves the whole tree
-        self._set_schedule("max_inflight_reductions", max_input_buffers)
+        self._fsdp_state().settings.max_inflight_reductions = max_input_buffers
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
@@ -337,12 +337,16 @@ class FSDPModule:
     ) -> None:
         """Sets how many units ahead the implicit prefetch gathers (default 1 each;
         0 disables it). Applies to the whole tree; call on the root module."""
-        for name, value in (("forward_depth", forward), ("backward_depth", backward)):
-            if value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        for value in (forward, backward):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 0
+            ):
                 raise ValueError(f"prefetch depth must be a non-negative int, got {value!r}")
-            self._set_schedule(name, value)
+        settings = self._fsdp_state().settings
+        if forward is not None:
+            settings.forward_depth = forward
+        if backward is not None:
+            settings.backward_depth = backward
 
     def set_unsharded_memory_limit(self, max_bytes: int | None) -> None:
         """Bounds the unsharded parameter bytes allocated or in flight at once; a
@@ -350,15 +354,9 @@ class FSDPModule:
         now is always gathered). ``None`` removes the bound. Call on the root."""
         if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
             raise ValueError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
-        self._set_schedule("max_unsharded_bytes", max_bytes)
+        self._fsdp_state().settings.max_unsharded_bytes = max_bytes
 
     # -- internals -----------------------------------------------------------
-
-    def _set_schedule(self, name: str, value: Any) -> None:
-        state = self._fsdp_state()
-        if state.scheduler is not None:
-            setattr(state.scheduler, name, value)
-        (state.root_state or state).schedule_settings[name] = value
 
     def _set_explicit_prefetch(self, attr: str, modules: list[FSDPModule]) -> None:
         if not isinstance(modules, (list, tuple)):

@@ -237,6 +237,7 @@ def fully_shard(
         auto_reshard_after_forward=reshard_after_forward is None,
     )
     state.extra_units = units[1:]
+    state.adopt_subtree_settings()
     for unit in units:
         _register_state_dict_hooks(unit, state)
     for (param, _), sharded_param in zip(owners.items(), sharded):

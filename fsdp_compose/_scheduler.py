@@ -31,6 +31,7 @@ the same order.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -42,22 +43,47 @@ from ._unit import PendingReduction, Phase, ShardState, Unit
 logger = logging.getLogger("fsdp_compose")
 
 
+@dataclass
+class ScheduleSettings:
+    """The settings of one root's schedule, shared by every ``fully_shard`` module
+    of its tree (the ``FSDPModule`` setters write them, the scheduler reads them).
+
+    Attributes:
+        forward_depth: units ahead the implicit forward prefetch gathers.
+        backward_depth: units ahead the implicit backward prefetch gathers.
+        max_unsharded_bytes: the rate limiter's bound (None: unbounded).
+        max_inflight_reductions: reduce-scatters whose full-size buffers may be
+            in flight at once (``set_reduce_scatter_max_input_buffers``); 1 bounds
+            memory to one unit.
+        is_last_backward: whether the next backward completes every reduction.
+    """
+
+    forward_depth: int = 1
+    backward_depth: int = 1
+    max_unsharded_bytes: int | None = None
+    max_inflight_reductions: int = 1
+    is_last_backward: bool = True
+
+    def adopt(self, other: ScheduleSettings) -> None:
+        """Takes over what was set on ``other`` (a subtree annotated earlier)."""
+        default = ScheduleSettings()
+        for f in fields(self):
+            value = getattr(other, f.name)
+            if value != getattr(default, f.name):
+                setattr(self, f.name, value)
+
+
 class Scheduler:
     """Coordinates the units of one root module's tree.
 
     Args:
         units: every unit under the root, in module pre-order.
+        settings: the tree's settings (the same object its modules' setters write).
     """
 
-    def __init__(self, units: list[Unit]) -> None:
+    def __init__(self, units: list[Unit], settings: ScheduleSettings | None = None) -> None:
         self.units = units
-        self.forward_depth = 1
-        self.backward_depth = 1
-        self.max_unsharded_bytes: int | None = None
-        # Reduce-scatters whose full-size buffers may be in flight at once
-        # (set_reduce_scatter_max_input_buffers): 1 bounds memory to one unit.
-        self.max_inflight_reductions = 1
-        self.is_last_backward = True
+        self.settings = settings if settings is not None else ScheduleSettings()
         # This root's step, shared with its units for the collectives they issue.
         self.step_context = _collectives.StepContext()
         for unit in units:
@@ -127,7 +153,7 @@ class Scheduler:
     def _prefetch(self, unit: Unit) -> None:
         if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
             return
-        limit = self.max_unsharded_bytes
+        limit = self.settings.max_unsharded_bytes
         if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
             if unit not in self._deferred:
                 self._deferred.append(unit)
@@ -167,7 +193,7 @@ class Scheduler:
             self._drain_deferred()
 
     def _drain_deferred(self) -> None:
-        limit = self.max_unsharded_bytes
+        limit = self.settings.max_unsharded_bytes
         while self._deferred:
             unit = self._deferred[0]
             if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
@@ -234,7 +260,7 @@ class Scheduler:
     def _forward_prefetch_targets(self, unit: Unit) -> list[Unit]:
         if unit.forward_prefetch is not None:  # explicit, [] included
             return unit.forward_prefetch
-        order, depth = self._prev_forward_order, self.forward_depth
+        order, depth = self._prev_forward_order, self.settings.forward_depth
         if depth <= 0 or not order:
             return []
         # Find this unit in the previous order, scanning forward from where the
@@ -354,7 +380,7 @@ class Scheduler:
     def _backward_prefetch_targets(self, unit: Unit) -> list[Unit]:
         if unit.backward_prefetch is not None:  # explicit, [] included
             return unit.backward_prefetch
-        order, depth = self._backward_order, self.backward_depth
+        order, depth = self._backward_order, self.settings.backward_depth
         if depth <= 0 or not order:
             return []
         # This unit's latest post-forward below the cursor (a unit run several
@@ -408,7 +434,11 @@ class Scheduler:
             # buffers, and they have had this unit's backward to finish. At the
             # end of backward there is no compute left to overlap and activations
             # are freed: issue at once, so the last reductions run concurrently.
-            while drain and not at_end and len(self._scattering) >= self.max_inflight_reductions:
+            while (
+                drain
+                and not at_end
+                and len(self._scattering) >= self.settings.max_inflight_reductions
+            ):
                 self._scattering.pop(0).advance()
             reduction = unit.reduce_grads(params, grads, all_reduce=unit.requires_all_reduce)
             del grads  # packed into the reduction's buffer
@@ -430,7 +460,7 @@ class Scheduler:
                 ) or (unit in self.shared and unit.has_unsharded_grads()):
                     # (a shared unit may get gradients after an early reduction)
                     self.post_backward(unit, at_end=True)
-            if self.is_last_backward:
+            if self.settings.is_last_backward:
                 self._complete_reductions()
         finally:
             for unit in self.units:
