@@ -16,7 +16,7 @@ import torch.nn as nn
 from ._collectives import AllGatherComm, ReduceScatterComm
 from ._hooks import UnitState, state_of
 from ._mesh import separate_reduce_scatter_group
-from ._unit import Unit
+from ._unit import ShardState, Unit
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -27,11 +27,25 @@ _fsdp_classes: dict[type, type] = {}
 
 
 def _reshard_unit(unit: Unit, state: UnitState) -> None:
+    """Reshards ``unit`` through its scheduler (before the first forward there is
+    none yet, and nothing to account)."""
     scheduler = state.scheduler
     if scheduler is not None:
         scheduler.reshard(unit)
     else:
         unit.reshard()
+
+
+def invalidate_units(module: nn.Module) -> None:
+    """Reshards the units of ``module`` (an :class:`FSDPModule`) and makes them
+    re-derive dtypes and buffers from their sharded parameters at their next use
+    (after parameters were replaced or converted in place)."""
+    state = state_of(module)
+    if state is None:
+        return
+    for unit in state.own_units + state.borrowed:
+        _reshard_unit(unit, state)
+        unit.invalidate()
 
 
 class FSDPModule:
@@ -134,6 +148,8 @@ class FSDPModule:
             state = module._fsdp_state()
             state.auto_reshard_after_forward = False
             for unit in state.own_units:
+                if unit.state is ShardState.PARTIALLY_SHARDED:
+                    _reshard_unit(unit, state)
                 unit.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(

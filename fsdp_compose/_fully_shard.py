@@ -547,7 +547,9 @@ def _register_state_dict_hooks(
                         state_dict[key] = sharded
 
         def load_post_hook(*_: Any) -> None:
-            unit.invalidate()  # parameters may have been re-assigned (assign=True)
+            # Parameters may have been re-assigned (assign=True).
+            _reshard_unit(unit, state)
+            unit.invalidate()
 
         module.register_state_dict_pre_hook(reshard)
         _compat.register_load_state_dict_pre_hook(module, load_pre_hook)

@@ -110,6 +110,10 @@ class Scheduler:
         # Units whose parameters other units share: freed and reduced after their
         # last use, see [Note: shared parameters].
         self.shared = SharedUses()
+        # Every later state change of a unit goes through this scheduler; units a
+        # user unsharded before the first forward (FSDPModule.unshard) are counted now.
+        for unit in units:
+            self._account(unit)
 
     @property
     def step(self) -> int:
@@ -135,15 +139,6 @@ class Scheduler:
             if _trace.ENABLED:
                 _trace.memory_event("free", unit.name, counted, self._holding_bytes)
 
-    def _recount_holdings(self) -> None:
-        # Users may unshard()/reshard() units directly, outside the scheduler.
-        self._holding.clear()
-        self._holding_bytes = 0
-        for unit in self.units:
-            if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
-                self._holding[unit] = unit.unsharded_nbytes
-                self._holding_bytes += self._holding[unit]
-
     def _issue(self, unit: Unit) -> None:
         if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
             return
@@ -153,6 +148,7 @@ class Scheduler:
     def _prefetch(self, unit: Unit) -> None:
         if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
             return
+        unit.lazy_init()  # its size is known once initialized (after an invalidate too)
         limit = self.settings.max_unsharded_bytes
         if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
             if unit not in self._deferred:
@@ -196,6 +192,7 @@ class Scheduler:
         limit = self.settings.max_unsharded_bytes
         while self._deferred:
             unit = self._deferred[0]
+            unit.lazy_init()
             if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
                 return
             self._deferred.pop(0)
@@ -214,7 +211,6 @@ class Scheduler:
                 "reset_iter_state() on the root module after catching the exception."
             )
         self._complete_reductions()
-        self._recount_holdings()
         self.forward_active = True
         self.step_context.step += 1
         if _trace.ENABLED:

@@ -136,8 +136,12 @@ class Unit(FlatBuffer, GradientReduction):
     # ------------------------------------------------------------------
 
     def set_reshard_after_forward(self, value: bool | int) -> None:
-        if self.state is ShardState.PARTIALLY_SHARDED:
-            self.reshard()
+        # Resharding is the scheduler's (its memory accounting follows every state
+        # change): the caller reshards a partially sharded unit first.
+        assert self.state is not ShardState.PARTIALLY_SHARDED, (
+            f"unit {self.name!r}: reshard (through the scheduler) before changing "
+            "reshard_after_forward"
+        )
         self.reshard_after_forward = value
         self._post_forward_group = None
         if not isinstance(value, bool):
@@ -155,9 +159,9 @@ class Unit(FlatBuffer, GradientReduction):
 
     @property
     def unsharded_nbytes(self) -> int:
-        """Bytes the unsharded parameters occupy (what the rate limiter budgets)."""
-        if not self._initialized:
-            self.lazy_init()
+        """Bytes the unsharded parameters occupy (what the rate limiter budgets);
+        known once the unit is initialized (:meth:`lazy_init`)."""
+        assert self._initialized, f"unit {self.name!r}: unsharded_nbytes before lazy_init"
         if self._alias:
             return 0
         return self._world * self._row * self._buffer_dtype.itemsize
@@ -188,9 +192,12 @@ class Unit(FlatBuffer, GradientReduction):
     # ------------------------------------------------------------------
 
     def invalidate(self) -> None:
-        """Forces layout and views to be rebuilt (after ``_apply``/dtype changes)."""
-        if self.state is not ShardState.SHARDED:
-            self.reshard()
+        """Forces layout and views to be rebuilt (after ``_apply``/dtype changes).
+        The caller reshards the unit first, through its scheduler."""
+        assert self.state is ShardState.SHARDED and self._pending_gather is None, (
+            f"unit {self.name!r} is {self.state.value}: reshard it (through the "
+            "scheduler) before invalidating its layout"
+        )
         self._initialized = False
         for p in self.params:
             p.unsharded_param = None
