@@ -450,8 +450,6 @@ def _launch(
     inp: torch.Tensor,
     out: torch.Tensor,
     issue: Callable[[bool], dist.Work | None],
-    finish: Callable[[], None] | None = None,
-    keepalive: tuple[torch.Tensor, ...] = (),
     step: int = 0,
 ) -> PendingCollective:
     info = _info(kind, label, group.size(), inp, out)
@@ -477,9 +475,7 @@ def _launch(
             raise _failure(what, exc, out, group) from exc
         if info is not None and work is not None:
             _on_complete(work, info)
-        return PendingCollective(
-            info, work=work, finish=finish, tensors=(inp, out, *keepalive), what=what, group=group
-        )
+        return PendingCollective(info, work=work, tensors=(inp, out), what=what, group=group)
     streams = _device_streams(out.device)
     stream = streams.reduce_scatter if kind != "all_gather" else streams.all_gather
     current = streams.module.current_stream(out.device)
@@ -491,8 +487,6 @@ def _launch(
             raise
         except RuntimeError as exc:
             raise _failure(what, exc, out, group) from exc
-        if finish is not None:
-            finish()
         event = stream.record_event()
     device = out.device
 
@@ -500,7 +494,7 @@ def _launch(
         streams.module.current_stream(device).wait_event(event)
 
     return PendingCollective(
-        info, stream_wait=stream_wait, tensors=(inp, out, *keepalive), what=what, group=group
+        info, stream_wait=stream_wait, tensors=(inp, out), what=what, group=group
     )
 
 
@@ -597,6 +591,113 @@ def _real_view(tensor: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(tensor).view(-1) if tensor.is_complex() else tensor
 
 
+class DefaultAllGather:
+    """fsdp_compose's own all-gather, with the :class:`AllGatherComm` interface
+    that a custom one (``set_custom_all_gather``) replaces: one code path issues
+    both. Made per unit and group, on the group's :class:`Route`.
+
+    Args:
+        route: ``route_of(group)`` of the group it gathers on.
+        in_place: whether its input is this rank's row of its output (as
+            :func:`gathers_in_place` decided); gloo then gathers by broadcasts.
+    """
+
+    __slots__ = ("in_place", "route")
+    trusted = True  # its buffers need no checking
+
+    def __init__(self, route: Route, in_place: bool) -> None:
+        self.route = route
+        self.in_place = in_place
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        output, input = _real_view(output_tensor), _real_view(input_tensor)
+        if output.device.type != "cpu":
+            return _compat.all_gather_into_tensor(output, input, group, async_op)
+        route = self.route
+        if not route.gloo:
+            return _compat.all_gather_into_tensor(output, input, group, True)
+        if self.in_place and route.broadcast_all_gather:
+            return _gloo.gloo_all_gather_by_broadcast(output, group)
+        return _gloo.gloo_all_gather_into_tensor(output, input, group)
+
+
+class DefaultReduceScatter:
+    """fsdp_compose's own reduce-scatter (a sum), with the
+    :class:`ReduceScatterComm` interface that a custom one
+    (``set_custom_reduce_scatter``) replaces; see [Note: reduce-scatter on gloo].
+
+    Args:
+        route: ``route_of(group)`` of the group it reduces on.
+    """
+
+    __slots__ = ("route",)
+    trusted = True
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        output, input = _real_view(output_tensor), _real_view(input_tensor)
+        if output.device.type == "cpu" and self.route.all_to_all_reduce_scatter:
+            return _gloo.reduce_scatter_by_all_to_all(output, input, group)
+        return _compat.reduce_scatter_tensor(output, input, group, async_op)
+
+
+def allocate(
+    comm: AllGatherComm | ReduceScatterComm,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    what: str,
+) -> torch.Tensor:
+    """A flat communication buffer from ``comm.allocate``; a custom comm's is
+    checked (``what`` names it in the error)."""
+    buffer = comm.allocate((numel,), dtype=dtype, device=device)
+    if getattr(comm, "trusted", False):
+        return buffer
+    if (
+        not isinstance(buffer, torch.Tensor)
+        or buffer.numel() != numel
+        or buffer.dtype != dtype
+        or buffer.device != device
+        or not buffer.is_contiguous()
+    ):
+        got = (
+            f"a {'contiguous' if buffer.is_contiguous() else 'non-contiguous'} tensor of "
+            f"{buffer.numel()} {buffer.dtype} elements on {buffer.device}"
+            if isinstance(buffer, torch.Tensor)
+            else type(buffer).__name__
+        )
+        raise ValueError(
+            f"{what}: allocate() returned {got}, but {numel} contiguous {dtype} elements "
+            f"on {device} were asked for"
+        )
+    return buffer.view(-1)
+
+
 def all_gather(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -604,34 +705,23 @@ def all_gather(
     label: str,
     *,
     comm: AllGatherComm | None = None,
-    in_place: bool = False,
-    route: Route | None = None,
     step: int = 0,
 ) -> PendingCollective:
-    """Gathers ``input`` from every rank of ``group`` into ``output`` (rank-major),
-    with ``comm`` if given. ``in_place``: ``input`` is this rank's row of
-    ``output``, as :func:`gathers_in_place` asked for (gloo then gathers by
-    broadcasts). ``route``: ``route_of(group)``, kept by the caller. ``step``:
-    the issuing root's step (:class:`StepContext`)."""
-    if comm is None:
-        output, input = _real_view(output), _real_view(input)
-    issue: Callable[[bool], dist.Work | None]
-    if comm is not None:
-        issue = lambda async_op: comm(  # noqa: E731
+    """Gathers ``input`` from every rank of ``group`` into ``output`` (rank-major)
+    with ``comm`` (default: a :class:`DefaultAllGather` on the group's route, not
+    in place). ``step``: the issuing root's step (:class:`StepContext`)."""
+    gather = comm if comm is not None else DefaultAllGather(route_of(group), in_place=False)
+    return _launch(
+        "all_gather",
+        label,
+        group,
+        input,
+        output,
+        lambda async_op: gather(
             output_tensor=output, input_tensor=input, group=group, async_op=async_op
-        )
-    elif output.device.type == "cpu":
-        if route is None:
-            route = route_of(group)
-        if not route.gloo:
-            issue = lambda async_op: _compat.all_gather_into_tensor(output, input, group, True)  # noqa: E731
-        elif in_place and route.broadcast_all_gather:
-            issue = lambda async_op: _gloo.gloo_all_gather_by_broadcast(output, group)  # noqa: E731
-        else:
-            issue = lambda async_op: _gloo.gloo_all_gather_into_tensor(output, input, group)  # noqa: E731
-    else:
-        issue = lambda async_op: _compat.all_gather_into_tensor(output, input, group, async_op)  # noqa: E731
-    return _launch("all_gather", label, group, input, output, issue, step=step)
+        ),
+        step=step,
+    )
 
 
 def reduce_scatter(
@@ -641,52 +731,25 @@ def reduce_scatter(
     label: str,
     *,
     comm: ReduceScatterComm | None = None,
-    route: Route | None = None,
     step: int = 0,
 ) -> PendingCollective:
-    """Sums ``input`` (``group.size()`` equal chunks) over ``group``; rank r receives
-    the sum of chunk r in ``output``. With ``comm`` if given, else see [Note:
-    reduce-scatter on gloo]. ``route``: ``route_of(group)``, kept by the caller."""
-    world = group.size()
-    if comm is None:
-        output, input = _real_view(output), _real_view(input)
-    if comm is not None:
-        issue = lambda async_op: comm(  # noqa: E731
-            output_tensor=output,
-            input_tensor=input,
-            group=group,
-            op=dist.ReduceOp.SUM,  # type: ignore[arg-type]  # (a RedOpType member)
-            async_op=async_op,
-        )
-        return _launch("reduce_scatter", label, group, input, output, issue, step=step)
-    if output.device.type == "cpu" and (route or route_of(group)).all_to_all_reduce_scatter:
-        received = torch.empty_like(input)
-
-        def finish() -> None:
-            rows = received.view(world, -1)
-            if world == 2:  # a binary add is about twice as fast as a 2-row sum (same bits)
-                torch.add(rows[0], rows[1], out=output)
-            else:
-                torch.sum(rows, dim=0, out=output)
-
-        return _launch(
-            "reduce_scatter",
-            label,
-            group,
-            input,
-            output,
-            lambda async_op: _gloo.gloo_all_to_all_single(received, input, group),
-            finish=finish,
-            keepalive=(received,),
-            step=step,
-        )
+    """Sums ``input`` (``group.size()`` equal chunks) over ``group`` with ``comm``
+    (default: a :class:`DefaultReduceScatter` on the group's route); rank r
+    receives the sum of chunk r in ``output``."""
+    scatter = comm if comm is not None else DefaultReduceScatter(route_of(group))
     return _launch(
         "reduce_scatter",
         label,
         group,
         input,
         output,
-        lambda async_op: _compat.reduce_scatter_tensor(output, input, group, async_op),
+        lambda async_op: scatter(
+            output_tensor=output,
+            input_tensor=input,
+            group=group,
+            op=dist.ReduceOp.SUM,  # type: ignore[arg-type]  # (a RedOpType member)
+            async_op=async_op,
+        ),
         step=step,
     )
 

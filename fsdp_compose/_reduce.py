@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import _collectives, _compat
-from ._collectives import AllGatherComm, PendingCollective, ReduceScatterComm
+from ._collectives import PendingCollective, ReduceScatterComm
 from ._mesh import MeshInfo
 from ._sharded_param import ShardedParam
 
@@ -32,7 +32,7 @@ class GradientReduction:
     force_sum_reduction: bool
     pin_memory: bool
     _alias: bool
-    _rs_route: _collectives.Route
+    _reduce_scatter: ReduceScatterComm
     _reduce_scatter_group: dist.ProcessGroup | None
     _partial_reduce: dict[ShardedParam, torch.Tensor]
     step_context: _collectives.StepContext
@@ -141,11 +141,10 @@ class GradientReduction:
         )
         sizes = [p.chunk_numel for p in params]
         row = sum(sizes)
-        comm = self.custom_reduce_scatter if world > 1 else None
-        if comm is not None:  # like FSDP2: both buffers come from the comm
-            packed = _allocated(comm, world * row, reduce_dtype, info.device, self._rs_what)
-        else:
-            packed = torch.empty(world * row, dtype=reduce_dtype, device=info.device)
+        comm = self._reduce_scatter
+        if self.custom_reduce_scatter is not None and world > 1:
+            comm = self.custom_reduce_scatter  # like FSDP2: both buffers come from the comm
+        packed = _collectives.allocate(comm, world * row, reduce_dtype, info.device, self._rs_what)
         # Gradients from autograd do not require grad: no no_grad context needed.
         chunks = [g if p.shard_dim == 0 else p.rank_chunks(g, world) for p, g in zip(params, grads)]
         if len({c.dtype for c in chunks}) > 1:
@@ -157,51 +156,13 @@ class GradientReduction:
         if world == 1:
             output, rs = packed, None
         else:
-            if comm is not None:
-                output = _allocated(comm, row, reduce_dtype, info.device, self._rs_what)
-            else:
-                output = torch.empty(row, dtype=reduce_dtype, device=info.device)
+            output = _collectives.allocate(comm, row, reduce_dtype, info.device, self._rs_what)
             group = self._reduce_scatter_group or self.mesh_info.shard_group
             rs = _collectives.reduce_scatter(
-                output,
-                packed,
-                group,
-                self.name,
-                comm=comm,
-                route=self._rs_route,
-                step=self.step_context.step,
+                output, packed, group, self.name, comm=comm, step=self.step_context.step
             )
         replicate_group = info.replicate_group if all_reduce else None
         return PendingReduction(self, params, sizes, output, rs, replicate_group, post)
-
-
-def _allocated(
-    comm: AllGatherComm | ReduceScatterComm,
-    numel: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    what: str,
-) -> torch.Tensor:
-    """A communication buffer from a custom comm's ``allocate``, checked."""
-    buffer = comm.allocate((numel,), dtype=dtype, device=device)
-    if (
-        not isinstance(buffer, torch.Tensor)
-        or buffer.numel() != numel
-        or buffer.dtype != dtype
-        or buffer.device != device
-        or not buffer.is_contiguous()
-    ):
-        got = (
-            f"a {'contiguous' if buffer.is_contiguous() else 'non-contiguous'} tensor of "
-            f"{buffer.numel()} {buffer.dtype} elements on {buffer.device}"
-            if isinstance(buffer, torch.Tensor)
-            else type(buffer).__name__
-        )
-        raise ValueError(
-            f"{what}: allocate() returned {got}, but {numel} contiguous {dtype} elements "
-            f"on {device} were asked for"
-        )
-    return buffer.view(-1)
 
 
 class PendingReduction:

@@ -26,7 +26,7 @@ from ._collectives import AllGatherComm, PendingCollective, ReduceScatterComm
 from ._flat_buffer import FlatBuffer, _free_storage
 from ._mesh import MeshInfo, post_forward_subgroup
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._reduce import GradientReduction, PendingReduction, _allocated
+from ._reduce import GradientReduction, PendingReduction
 from ._sharded_param import ShardedParam
 
 __all__ = ["PendingReduction", "Phase", "ShardState", "Unit", "unit_summary"]
@@ -49,6 +49,15 @@ class Phase(Enum):
     FORWARD = "forward"
     PRE_BACKWARD = "pre_backward"
     POST_BACKWARD = "post_backward"
+
+
+# Placeholders until lazy init decides the default collectives of a unit's groups.
+_UNSET_ALL_GATHER: AllGatherComm = _collectives.DefaultAllGather(
+    _collectives.PUBLIC_ROUTE, in_place=False
+)
+_UNSET_REDUCE_SCATTER: ReduceScatterComm = _collectives.DefaultReduceScatter(
+    _collectives.PUBLIC_ROUTE
+)
 
 
 class Unit(FlatBuffer, GradientReduction):
@@ -94,11 +103,13 @@ class Unit(FlatBuffer, GradientReduction):
         self.unshard_in_backward = True
         # set_separate_reduce_scatter_group: reduce-scatters on their own group.
         self._reduce_scatter_group: dist.ProcessGroup | None = None
-        # How collectives on each group are issued (gloo fast paths or the public
-        # ones), decided at lazy init: see [Note: collectives per backend].
-        self._route = self._rs_route = _collectives.PUBLIC_ROUTE
-        self._post_forward_route = _collectives.PUBLIC_ROUTE
-        # set_custom_all_gather / set_custom_reduce_scatter: user collectives.
+        # The default collectives on each group (gloo fast paths or the public
+        # ones, see [Note: collectives per backend]), made at lazy init.
+        self._all_gather: AllGatherComm = _UNSET_ALL_GATHER
+        self._post_forward_all_gather: AllGatherComm = _UNSET_ALL_GATHER
+        self._reduce_scatter: ReduceScatterComm = _UNSET_REDUCE_SCATTER
+        # set_custom_all_gather / set_custom_reduce_scatter: user collectives, which
+        # replace the defaults (same interface, same code path).
         self.custom_all_gather: AllGatherComm | None = None
         self.custom_reduce_scatter: ReduceScatterComm | None = None
         # Explicit prefetch targets (set_modules_to_*_prefetch); None: implicit order.
@@ -149,7 +160,7 @@ class Unit(FlatBuffer, GradientReduction):
             self._post_forward_group, self._post_forward_rank = group, rank
             self._post_forward_size = value
             if self._initialized:
-                self._post_forward_route = _collectives.route_of(group)
+                self._decide_comms()
             if any(p.shard_dim != 0 for p in self.params):
                 raise ValueError(
                     "reshard_after_forward as an int needs every parameter sharded on dim 0; "
@@ -175,17 +186,22 @@ class Unit(FlatBuffer, GradientReduction):
     def reduce_scatter_group(self, group: dist.ProcessGroup | None) -> None:
         self._reduce_scatter_group = group
         if self._initialized:
-            self._decide_routes()
+            self._decide_comms()
 
-    def _decide_routes(self) -> None:
-        self._route = _collectives.route_of(self.shard_group)
-        self._rs_route = (
-            self._route
-            if self._reduce_scatter_group is None
-            else _collectives.route_of(self._reduce_scatter_group)
+    def _decide_comms(self) -> None:
+        """The default collectives of each group this unit communicates on; a
+        custom comm, where set, replaces them."""
+        route_of = _collectives.route_of
+        self._all_gather = _collectives.DefaultAllGather(
+            route_of(self.shard_group), in_place=self._gather_in_place
         )
         if self._post_forward_group is not None:
-            self._post_forward_route = _collectives.route_of(self._post_forward_group)
+            self._post_forward_all_gather = _collectives.DefaultAllGather(
+                route_of(self._post_forward_group), in_place=False
+            )
+        self._reduce_scatter = _collectives.DefaultReduceScatter(
+            route_of(self._reduce_scatter_group or self.shard_group)
+        )
 
     # ------------------------------------------------------------------
     # lazy initialisation: dtypes and buffer layout
@@ -237,8 +253,8 @@ class Unit(FlatBuffer, GradientReduction):
                 "mesh on the intended device instead."
             )
         self._init_dtypes()
-        self._decide_routes()
         self._init_layout()
+        self._decide_comms()
         self._initialized = True
 
     def _init_dtypes(self) -> None:
@@ -281,67 +297,51 @@ class Unit(FlatBuffer, GradientReduction):
             self._pending_gather = _DONE
             return
         device = self.mesh_info.device
-        comm = self.custom_all_gather
-        if comm is not None and self._world > 1:
-            self._unshard_with(comm)
-            return
-        if self.state is ShardState.PARTIALLY_SHARDED:
-            assert self._post_forward_group is not None and self._post_forward_shard is not None
-            world, group, in_place = self._post_forward_size, self._post_forward_group, False
-            route = self._post_forward_route
-            send = self._post_forward_shard
-            out = torch.empty(world * send.numel(), dtype=send.dtype, device=device)
-        else:
-            world, group, in_place = self._world, self.shard_group, self._gather_in_place
-            route = self._route
-            out = torch.empty(world * self._row, dtype=self._buffer_dtype, device=device)
-            if in_place:  # NCCL, and gloo by broadcasts: copy straight into this rank's row
-                send = out.view(world, self._row)[self.mesh_info.shard_rank]
-            else:
-                # gloo's own all-gather is slower in place (input a view of the
-                # output; 6.3 ms vs 4.5 ms for 7 MiB at W=2): send a copy.
-                send = torch.empty(self._row, dtype=self._buffer_dtype, device=device)
-            self._copy_in(send)
-        self._gather_output, self._gather_world = out, world
-        if world == 1:
-            self._pending_gather = _DONE
-        else:
-            self._pending_gather = _collectives.all_gather(
-                out,
-                send,
-                group,
-                self.name,
-                in_place=in_place,
-                route=route,
-                step=self.step_context.step,
-            )
-
-    def _unshard_with(self, comm: AllGatherComm) -> None:
-        """``unshard`` through a custom all-gather: like FSDP2, the output comes from
-        ``comm.allocate`` and this rank's input is its row of that output."""
-        device = self.mesh_info.device
-        if self.state is ShardState.PARTIALLY_SHARDED:
+        partial = self.state is ShardState.PARTIALLY_SHARDED
+        if partial:
             assert self._post_forward_group is not None and self._post_forward_shard is not None
             world, group, rank = (
                 self._post_forward_size,
                 self._post_forward_group,
                 self._post_forward_rank,
             )
-            row_numel, dtype = self._post_forward_shard.numel(), self._post_forward_shard.dtype
+            row, dtype = self._post_forward_shard.numel(), self._post_forward_shard.dtype
+            comm = self._post_forward_all_gather
         else:
             world, group, rank = self._world, self.shard_group, self.mesh_info.shard_rank
-            row_numel, dtype = self._row, self._buffer_dtype
-        out = _allocated(comm, world * row_numel, dtype, device, f"{self.name}'s custom all-gather")
-        send = out.view(world, row_numel)[rank]
-        if self.state is ShardState.PARTIALLY_SHARDED:
+            row, dtype = self._row, self._buffer_dtype
+            comm = self._all_gather
+        if self.custom_all_gather is not None and self._world > 1:
+            comm = self.custom_all_gather
+        out = _collectives.allocate(comm, world * row, dtype, device, self._ag_what)
+        # Like FSDP2, a custom all-gather takes this rank's row of its output as
+        # input; so does the default one on NCCL, and on gloo by broadcasts.
+        if getattr(comm, "in_place", True):
+            send = out.view(world, row)[rank]
+            if partial:
+                assert self._post_forward_shard is not None
+                send.copy_(self._post_forward_shard)
+            else:
+                self._copy_in(send)
+        elif partial:
             assert self._post_forward_shard is not None
-            send.copy_(self._post_forward_shard)
+            send = self._post_forward_shard
         else:
+            # gloo's own all-gather is slower in place (input a view of the
+            # output; 6.3 ms vs 4.5 ms for 7 MiB at W=2): send a copy.
+            send = torch.empty(row, dtype=dtype, device=device)
             self._copy_in(send)
         self._gather_output, self._gather_world = out, world
-        self._pending_gather = _collectives.all_gather(
-            out, send, group, self.name, comm=comm, step=self.step_context.step
-        )
+        if world == 1:
+            self._pending_gather = _DONE
+        else:
+            self._pending_gather = _collectives.all_gather(
+                out, send, group, self.name, comm=comm, step=self.step_context.step
+            )
+
+    @property
+    def _ag_what(self) -> str:
+        return f"{self.name}'s custom all-gather"
 
     def wait_unshard(self) -> None:
         """Waits for the pending all-gather and registers the unsharded parameters."""
