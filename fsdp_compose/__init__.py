@@ -5,8 +5,10 @@ Annotate modules bottom-up with :func:`fully_shard`; parameters become sharded
 prefetch) and reduce-scatters gradients per unit. See the README for usage.
 """
 
-from . import (
-    _guard,  # noqa: F401  (attaches the collective guard if FSDP_COMPOSE_COLLECTIVE_GUARD=1)
+# Extensions that attach to the core's registration points when imported.
+from . import (  # noqa: F401
+    _guard,  # the collective guard, if FSDP_COMPOSE_COLLECTIVE_GUARD=1
+    _misuse,  # misuse checks at the root's lazy init and at optimizer steps
     debug,
     safetensors_io,
     trace,

@@ -9,33 +9,17 @@ whose :meth:`~PendingCollective.wait` makes the result visible to the caller:
   stream that first waits for the compute stream; ``wait()`` makes the compute
   stream wait for an event, without blocking the CPU.
 
-[Note: reduce-scatter on gloo]
-gloo has no native reduce-scatter: torch emulates it with a full all-reduce, which
-sends (W-1)/W * 2 * N bytes per rank (ring) or more, instead of (W-1)/W * N. On gloo
-we instead exchange the gradient chunks with one ``all_to_all_single`` (each rank
-sends chunk r to rank r and receives everyone's chunk of its own shard) and sum the
-W received chunks locally, which moves exactly (W-1)/W * N bytes per rank.
-
-[Note: all-gather on gloo]
-gloo's all-gather gathers into a buffer of its own and then copies every row into
-the caller's output: one extra copy of the whole output (and an allocation) per
-call, on gloo's thread. Above a small size, fsdp_compose instead issues one
-broadcast per rank, each rooted at the rank whose row it carries and received
-straight into that row of the output; this rank's row is written in place before
-(the caller copies its shards there). Same bytes on the wire ((W-1)/W * N per
-rank), about half the CPU and wall time (measured at 2 and 4 ranks, 1.7-12 MiB
-rows, torch 2.13). ``FSDP_COMPOSE_GLOO_ALL_GATHER=native`` turns it off.
-
 [Note: collectives per backend]
-fsdp_compose runs on any c10d backend. The paths above (and issuing on the
-ProcessGroup object, [Note: issuing gloo collectives] in ``_gloo.py``) are tuned
-for gloo and used only where a group's CPU backend really is ``ProcessGroupGloo``;
-every other backend -- torch's threaded test group, the ``fake`` backend of dry
+fsdp_compose runs on any c10d backend. The gloo paths ([Note: reduce-scatter on
+gloo], [Note: all-gather on gloo] and [Note: issuing gloo collectives], all in
+``_gloo.py``) are tuned for gloo and used only where a group's CPU backend
+really is ``ProcessGroupGloo``; every other backend -- torch's threaded test group, the ``fake`` backend of dry
 runs, MPI, UCC, vendor backends, NCCL -- gets torch.distributed's public
 collectives (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ...). Which
 applies is a :class:`Route`, decided once per group (:func:`route_of`, at the lazy
-init of the first unit on it) and kept by the unit, so issuing a collective costs
-no backend lookup.
+init of the first unit on it) and kept by the unit's default collectives
+(:class:`DefaultAllGather`, :class:`DefaultReduceScatter`: the same interface as a
+user's custom comm, one code path for both), so issuing costs no backend lookup.
 
 [Note: collective extensions]
 The core issues collectives; capabilities beyond FSDP2 attach here and the core
@@ -66,7 +50,6 @@ import gc
 import itertools
 import logging
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -74,8 +57,14 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from . import _compat, _env, _gloo
+from . import _compat, _gloo
 from ._errors import CollectiveMismatchError
+
+# Which path each group's collectives take (used by units and tests from here).
+from ._gloo import PUBLIC_ROUTE as PUBLIC_ROUTE
+from ._gloo import Route as Route
+from ._gloo import gathers_in_place as gathers_in_place
+from ._gloo import route_of as route_of
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -397,7 +386,7 @@ def _local_cause(
     text = str(exc).lower()
     backend = "process group's backend"
     if group is not None:
-        backend += f" ({_backend_name(group)})"
+        backend += f" ({_compat.backend_name(group)})"
     device = tensor.device.type if tensor is not None else "these"
     dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "this dtype"
     if "no backend type associated with device type" in text:
@@ -498,63 +487,6 @@ def _launch(
     )
 
 
-# ---------------------------------------------------------------------------
-# Routes: which path each group's collectives take
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Route:
-    """How this process issues collectives of CPU tensors on one process group
-    (see [Note: collectives per backend]); the default is the public collectives.
-
-    Attributes:
-        gloo: the group's CPU backend is ``ProcessGroupGloo``: collectives are
-            issued on the group object directly.
-        all_to_all_reduce_scatter: reduce-scatter as one all-to-all and a local sum
-            ([Note: reduce-scatter on gloo]).
-        broadcast_all_gather: large all-gathers as one broadcast per rank
-            ([Note: all-gather on gloo]).
-    """
-
-    gloo: bool = False
-    all_to_all_reduce_scatter: bool = False
-    broadcast_all_gather: bool = False
-
-
-PUBLIC_ROUTE = Route()
-_routes: weakref.WeakKeyDictionary[dist.ProcessGroup, Route] = weakref.WeakKeyDictionary()
-
-
-def route_of(group: dist.ProcessGroup) -> Route:
-    """The :class:`Route` of ``group``, decided on the first call for the group
-    (backend and ``FSDP_COMPOSE_GLOO_*`` settings) and remembered after."""
-    route = _routes.get(group)
-    if route is None:
-        gloo = _gloo.serves_cpu_with_gloo(group)
-        route = Route(
-            gloo=gloo,
-            all_to_all_reduce_scatter=gloo and _use_all_to_all_reduce_scatter(group),
-            broadcast_all_gather=gloo and _broadcast_all_gather_enabled,
-        )
-        _routes[group] = route
-        if not gloo:
-            logger.debug(
-                "fsdp_compose: group of size %d (backend %s) uses the public collectives",
-                group.size(),
-                _backend_name(group),
-            )
-    return route
-
-
-def _use_all_to_all_reduce_scatter(group: dist.ProcessGroup) -> bool:
-    """Whether reduce-scatters on ``group`` go by all-to-all ([Note: reduce-scatter
-    on gloo]): a real gloo group, unless ``FSDP_COMPOSE_GLOO_REDUCE_SCATTER=native``.
-    Read by :func:`route_of`, once per group."""
-    mode = _env.choice("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", ("all_to_all", "native"), "all_to_all")
-    return mode != "native" and _gloo.serves_cpu_with_gloo(group)
-
-
 def _backend_name(group: dist.ProcessGroup) -> str:
     try:
         return _compat.process_group_backend(group)
@@ -565,24 +497,6 @@ def _backend_name(group: dist.ProcessGroup) -> str:
 # ---------------------------------------------------------------------------
 # The collectives
 # ---------------------------------------------------------------------------
-
-
-# Rows smaller than this gather with gloo's own all-gather: for tiny units one
-# collective costs less to issue than W broadcasts.
-_BROADCAST_ALL_GATHER_MIN_ROW_BYTES = 64 * 1024
-_broadcast_all_gather_enabled = (
-    _env.choice("FSDP_COMPOSE_GLOO_ALL_GATHER", ("broadcast", "native"), "broadcast") != "native"
-)
-
-
-def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.device) -> bool:
-    """Whether :func:`all_gather` wants its input to be this rank's row of the
-    output (else a separate buffer serves gloo's own all-gather, and CPU backends
-    that may not accept an aliased input, better). Fixed for a unit: decide once
-    and pass it as ``in_place``."""
-    if device.type != "cpu":
-        return True  # NCCL gathers in place
-    return route_of(group).broadcast_all_gather and row_bytes >= _BROADCAST_ALL_GATHER_MIN_ROW_BYTES
 
 
 def _real_view(tensor: torch.Tensor) -> torch.Tensor:

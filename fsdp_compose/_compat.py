@@ -268,3 +268,10 @@ def process_group_timeout(group: dist.ProcessGroup) -> float | None:
         return float(group._get_backend(device).options._timeout.total_seconds())
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return None
+
+
+def backend_name(group: dist.ProcessGroup) -> str:
+    try:
+        return process_group_backend(group)
+    except (RuntimeError, ValueError, KeyError):  # a group torch does not know
+        return "unknown"

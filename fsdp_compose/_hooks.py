@@ -27,12 +27,24 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from . import _compat, _misuse
+from . import _compat
 from ._policies import MixedPrecisionPolicy
 from ._scheduler import Scheduler, ScheduleSettings
 from ._unit import Unit
 
 _STATE_ATTR = "_fsdp_compose_state"
+
+#: Called with every unit of a root's tree once the root is initialized (its
+#: first forward), before any collective of that forward; extensions (the misuse
+#: checks) register here, the core does not import them.
+RootInitCheck = Callable[[list[Unit]], None]
+_root_init_checks: list[RootInitCheck] = []
+
+
+def add_root_init_check(check: RootInitCheck) -> None:
+    """Runs ``check(units)`` at the lazy init of every later root."""
+    if check not in _root_init_checks:
+        _root_init_checks.append(check)
 
 
 def state_of(module: nn.Module) -> UnitState | None:
@@ -194,8 +206,8 @@ class UnitState:
         self.all_states = states
         for unit in units:
             unit.lazy_init()
-        _misuse.verify_same_structure(units)
-        _misuse.register_units(units)
+        for check in _root_init_checks:
+            check(units)
 
     # ------------------------------------------------------------------
     # forward

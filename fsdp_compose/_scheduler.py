@@ -32,15 +32,36 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 import torch
 
 from . import _collectives
-from . import trace as _trace
 from ._shared import SharedUses
 from ._unit import PendingReduction, Phase, ShardState, Unit
 
 logger = logging.getLogger("fsdp_compose")
+
+
+class ScheduleObserver(Protocol):
+    """What an observer of every scheduler in the process is told (the timeline,
+    :mod:`fsdp_compose.trace`, is one); attached with :func:`set_observer`."""
+
+    def set_step(self, step: int) -> None: ...
+    def begin_span(self, kind: str, unit: str) -> None: ...
+    def end_span(self, kind: str, unit: str) -> None: ...
+    def instant(self, name: str, unit: str) -> None: ...
+    def memory_event(self, kind: str, unit: str, nbytes: int, total: int) -> None: ...
+
+
+_observer: ScheduleObserver | None = None  # read on the hot path: None costs one check
+
+
+def set_observer(observer: ScheduleObserver | None) -> None:
+    """Attaches ``observer`` to every scheduler (``None`` detaches it). The core
+    does not import its observers; they attach themselves."""
+    global _observer
+    _observer = observer
 
 
 @dataclass
@@ -131,13 +152,13 @@ class Scheduler:
             nbytes = unit.unsharded_nbytes
             self._holding[unit] = nbytes
             self._holding_bytes += nbytes
-            if _trace.ENABLED:
-                _trace.memory_event("alloc", unit.name, nbytes, self._holding_bytes)
+            if _observer is not None:
+                _observer.memory_event("alloc", unit.name, nbytes, self._holding_bytes)
         elif not holds and counted is not None:
             del self._holding[unit]
             self._holding_bytes -= counted
-            if _trace.ENABLED:
-                _trace.memory_event("free", unit.name, counted, self._holding_bytes)
+            if _observer is not None:
+                _observer.memory_event("free", unit.name, counted, self._holding_bytes)
 
     def _issue(self, unit: Unit) -> None:
         if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
@@ -153,11 +174,11 @@ class Scheduler:
         if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
             if unit not in self._deferred:
                 self._deferred.append(unit)
-                if _trace.ENABLED:
-                    _trace.instant("prefetch_deferred", unit.name)
+                if _observer is not None:
+                    _observer.instant("prefetch_deferred", unit.name)
             return
-        if _trace.ENABLED:
-            _trace.instant("prefetch", unit.name)
+        if _observer is not None:
+            _observer.instant("prefetch", unit.name)
         self._issue(unit)
 
     def _require(self, unit: Unit) -> None:
@@ -213,8 +234,8 @@ class Scheduler:
         self._complete_reductions()
         self.forward_active = True
         self.step_context.step += 1
-        if _trace.ENABLED:
-            _trace.set_step(self.step)
+        if _observer is not None:
+            _observer.set_step(self.step)
         if self._forward_order:
             self._prev_forward_order = self._forward_order
         self._forward_order = []
@@ -246,8 +267,8 @@ class Scheduler:
                     self._prefetch(target)
         for unit in units:
             self._require(unit)
-            if _trace.ENABLED:
-                _trace.begin_span("forward", unit.name)
+            if _observer is not None:
+                _observer.begin_span("forward", unit.name)
 
     def recompute_forward(self, unit: Unit) -> None:
         """Activation checkpointing re-runs ``unit``'s forward inside backward."""
@@ -268,8 +289,8 @@ class Scheduler:
         return []
 
     def post_forward(self, unit: Unit) -> None:
-        if _trace.ENABLED:
-            _trace.end_span("forward", unit.name)
+        if _observer is not None:
+            _observer.end_span("forward", unit.name)
         self._post_forward_order.append(unit)
         if self.shared.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
             self._reshard_after_forward(unit)
@@ -350,9 +371,9 @@ class Scheduler:
                     self._prefetch(target)
         for unit in gather:
             self._require(unit)
-        if _trace.ENABLED:
+        if _observer is not None:
             for unit in units:
-                _trace.begin_span("backward", unit.name)
+                _observer.begin_span("backward", unit.name)
 
     def _note_backward(self) -> None:
         if not self.backward_active:
@@ -412,8 +433,8 @@ class Scheduler:
         # its parameters and gradients (see [Note: shared parameters]).
 
     def _post_backward(self, unit: Unit, *, at_end: bool, drain: bool = True) -> None:
-        if unit.phase is Phase.PRE_BACKWARD and _trace.ENABLED:
-            _trace.end_span("backward", unit.name)
+        if unit.phase is Phase.PRE_BACKWARD and _observer is not None:
+            _observer.end_span("backward", unit.name)
         unit.phase = Phase.POST_BACKWARD
         if not unit.requires_gradient_sync:
             unit.accumulate_unsharded_grads()
