@@ -505,7 +505,23 @@ def _real_view(tensor: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(tensor).view(-1) if tensor.is_complex() else tensor
 
 
-class DefaultAllGather:
+class _DefaultComm:
+    """What fsdp_compose's own collectives share: plain buffers, which need no
+    checking, and the :class:`Route` of the group they run on."""
+
+    __slots__ = ("route",)
+    trusted = True
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+
+class DefaultAllGather(_DefaultComm):
     """fsdp_compose's own all-gather, with the :class:`AllGatherComm` interface
     that a custom one (``set_custom_all_gather``) replaces: one code path issues
     both. Made per unit and group, on the group's :class:`Route`.
@@ -516,17 +532,11 @@ class DefaultAllGather:
             :func:`gathers_in_place` decided); gloo then gathers by broadcasts.
     """
 
-    __slots__ = ("in_place", "route")
-    trusted = True  # its buffers need no checking
+    __slots__ = ("in_place",)
 
     def __init__(self, route: Route, in_place: bool) -> None:
-        self.route = route
+        super().__init__(route)
         self.in_place = in_place
-
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(
         self,
@@ -546,25 +556,14 @@ class DefaultAllGather:
         return _gloo.gloo_all_gather_into_tensor(output, input, group)
 
 
-class DefaultReduceScatter:
+class DefaultReduceScatter(_DefaultComm):
     """fsdp_compose's own reduce-scatter (a sum), with the
     :class:`ReduceScatterComm` interface that a custom one
     (``set_custom_reduce_scatter``) replaces; see [Note: reduce-scatter on gloo].
-
-    Args:
-        route: ``route_of(group)`` of the group it reduces on.
+    Made per unit and group, on the group's :class:`Route`.
     """
 
-    __slots__ = ("route",)
-    trusted = True
-
-    def __init__(self, route: Route) -> None:
-        self.route = route
-
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
+    __slots__ = ()
 
     def __call__(
         self,
