@@ -487,13 +487,6 @@ def _launch(
     )
 
 
-def _backend_name(group: dist.ProcessGroup) -> str:
-    try:
-        return _compat.process_group_backend(group)
-    except (RuntimeError, ValueError, KeyError):  # a group torch does not know
-        return "unknown"
-
-
 # ---------------------------------------------------------------------------
 # The collectives
 # ---------------------------------------------------------------------------

@@ -94,11 +94,6 @@ def concatenate_meshes(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
     return mesh
 
 
-def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh ``mesh`` was sliced from (itself if it is a root)."""
-    return mesh._get_root_mesh()
-
-
 def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as a plain tensor whose collective (if any) has completed.
 
@@ -120,11 +115,6 @@ def local_tensor(dtensor: torch.Tensor) -> torch.Tensor:
 def dtensor_spec(dtensor: DTensor) -> Any:
     """The (private) spec of ``dtensor``: mesh, placements and tensor metadata."""
     return dtensor._spec
-
-
-def set_local_tensor(dtensor: DTensor, tensor: torch.Tensor) -> None:
-    """Replaces the local shard object of ``dtensor`` in place."""
-    dtensor._local_tensor = tensor
 
 
 def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
