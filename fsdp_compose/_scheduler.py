@@ -94,6 +94,95 @@ class ScheduleSettings:
                 setattr(self, f.name, value)
 
 
+class RateLimiter:
+    """The memory rate limiter of one scheduler: which units hold unsharded
+    memory (allocated or in flight), and the gathers it issues, defers and
+    drains within ``settings.max_unsharded_bytes``. Every change of a unit's
+    shard state goes through it, so its count is always exact.
+
+    Args:
+        units: every unit of the scheduler's tree; those a user unsharded before
+            the first forward (``FSDPModule.unshard``) are counted at once.
+        settings: the tree's settings (read for the bound).
+    """
+
+    def __init__(self, units: list[Unit], settings: ScheduleSettings) -> None:
+        self.settings = settings
+        self.deferred: list[Unit] = []  # prefetches waiting for memory
+        self._holding: dict[Unit, int] = {}  # unit -> unsharded bytes it holds
+        self._holding_bytes = 0
+        for unit in units:
+            self.account(unit)
+
+    @property
+    def holding_bytes(self) -> int:
+        """Unsharded parameter bytes allocated or in flight now."""
+        return self._holding_bytes
+
+    def account(self, unit: Unit) -> None:
+        """Counts (or stops counting) ``unit``'s unsharded bytes after its state changed."""
+        holds = unit.state is ShardState.UNSHARDED or unit.gather_in_flight
+        counted = self._holding.get(unit)
+        if holds and counted is None:
+            nbytes = unit.unsharded_nbytes
+            self._holding[unit] = nbytes
+            self._holding_bytes += nbytes
+            if _observer is not None:
+                _observer.memory_event("alloc", unit.name, nbytes, self._holding_bytes)
+        elif not holds and counted is not None:
+            del self._holding[unit]
+            self._holding_bytes -= counted
+            if _observer is not None:
+                _observer.memory_event("free", unit.name, counted, self._holding_bytes)
+
+    def issue(self, unit: Unit) -> None:
+        if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
+            return
+        unit.unshard()
+        self.account(unit)
+
+    def prefetch(self, unit: Unit) -> None:
+        if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
+            return
+        unit.lazy_init()  # its size is known once initialized (after an invalidate too)
+        limit = self.settings.max_unsharded_bytes
+        if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
+            if unit not in self.deferred:
+                self.deferred.append(unit)
+                if _observer is not None:
+                    _observer.instant("prefetch_deferred", unit.name)
+            return
+        if _observer is not None:
+            _observer.instant("prefetch", unit.name)
+        self.issue(unit)
+
+    def require(self, unit: Unit) -> None:
+        """Makes ``unit``'s parameters available now (gather if needed, then wait)."""
+        if unit in self.deferred:
+            self.deferred.remove(unit)
+        self.issue(unit)
+        if unit.gather_in_flight:
+            unit.wait_unshard()
+        else:
+            unit.ensure_registered()
+
+    def reshard(self, unit: Unit, *, to_post_forward_group: bool = False) -> None:
+        unit.reshard(to_post_forward_group=to_post_forward_group)
+        self.account(unit)
+        if self.deferred:
+            self._drain_deferred()
+
+    def _drain_deferred(self) -> None:
+        limit = self.settings.max_unsharded_bytes
+        while self.deferred:
+            unit = self.deferred[0]
+            unit.lazy_init()
+            if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
+                return
+            self.deferred.pop(0)
+            self.issue(unit)
+
+
 class Scheduler:
     """Coordinates the units of one root module's tree.
 
@@ -122,102 +211,31 @@ class Scheduler:
         self._backward_cursor = 0
         self._reductions: list[PendingReduction] = []  # not yet handed to .grad
         self._scattering: list[PendingReduction] = []  # reduce-scatter not yet waited
-        self._deferred: list[Unit] = []
-        self._holding: dict[Unit, int] = {}  # unit -> unsharded bytes it holds
-        self._holding_bytes = 0
         # Versions of each unit's shards when its forward ran: backward must see the
         # same parameters as the forward that built the autograd graph.
         self._forward_versions: dict[Unit, list[int]] = {}
         # Units whose parameters other units share: freed and reduced after their
         # last use, see [Note: shared parameters].
         self.shared = SharedUses()
-        # Every later state change of a unit goes through this scheduler; units a
-        # user unsharded before the first forward (FSDPModule.unshard) are counted now.
-        for unit in units:
-            self._account(unit)
+        # Every later state change of a unit goes through this scheduler's limiter.
+        self.memory = RateLimiter(units, self.settings)
 
     @property
     def step(self) -> int:
         """Forward passes begun so far (the current training step)."""
         return self.step_context.step
 
-    # ------------------------------------------------------------------
-    # memory accounting (rate limiter) and issuing
-    # ------------------------------------------------------------------
-
-    def _account(self, unit: Unit) -> None:
-        holds = unit.state is ShardState.UNSHARDED or unit.gather_in_flight
-        counted = self._holding.get(unit)
-        if holds and counted is None:
-            nbytes = unit.unsharded_nbytes
-            self._holding[unit] = nbytes
-            self._holding_bytes += nbytes
-            if _observer is not None:
-                _observer.memory_event("alloc", unit.name, nbytes, self._holding_bytes)
-        elif not holds and counted is not None:
-            del self._holding[unit]
-            self._holding_bytes -= counted
-            if _observer is not None:
-                _observer.memory_event("free", unit.name, counted, self._holding_bytes)
-
-    def _issue(self, unit: Unit) -> None:
-        if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
-            return
-        unit.unshard()
-        self._account(unit)
-
-    def _prefetch(self, unit: Unit) -> None:
-        if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
-            return
-        unit.lazy_init()  # its size is known once initialized (after an invalidate too)
-        limit = self.settings.max_unsharded_bytes
-        if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
-            if unit not in self._deferred:
-                self._deferred.append(unit)
-                if _observer is not None:
-                    _observer.instant("prefetch_deferred", unit.name)
-            return
-        if _observer is not None:
-            _observer.instant("prefetch", unit.name)
-        self._issue(unit)
-
-    def _require(self, unit: Unit) -> None:
-        """Makes ``unit``'s parameters available now (gather if needed, then wait)."""
-        if unit in self._deferred:
-            self._deferred.remove(unit)
-        self._issue(unit)
-        if unit.gather_in_flight:
-            unit.wait_unshard()
-        else:
-            unit.ensure_registered()
-
     def prefetch(self, units: list[Unit]) -> None:
         """Explicit prefetch from a module that manages no parameters itself."""
         for unit in units:
-            self._prefetch(unit)
+            self.memory.prefetch(unit)
 
     def prefetch_now(self, unit: Unit) -> None:
         """A user's explicit ``unshard()``: issued at once, outside the limit."""
-        self._issue(unit)
+        self.memory.issue(unit)
 
     def reshard(self, unit: Unit) -> None:
-        self._reshard(unit)
-
-    def _reshard(self, unit: Unit, *, to_post_forward_group: bool = False) -> None:
-        unit.reshard(to_post_forward_group=to_post_forward_group)
-        self._account(unit)
-        if self._deferred:
-            self._drain_deferred()
-
-    def _drain_deferred(self) -> None:
-        limit = self.settings.max_unsharded_bytes
-        while self._deferred:
-            unit = self._deferred[0]
-            unit.lazy_init()
-            if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
-                return
-            self._deferred.pop(0)
-            self._issue(unit)
+        self.memory.reshard(unit)
 
     # ------------------------------------------------------------------
     # forward
@@ -241,13 +259,13 @@ class Scheduler:
         self._forward_order = []
         self._forward_cursor = 0
         self._post_forward_order = []
-        self._deferred.clear()
+        self.memory.deferred.clear()
         self.shared.begin_forward_pass()
         for unit in self.units:
             if unit.state is ShardState.UNSHARDED and unit.params_changed_since_unshard():
                 # The sharded parameters were updated (optimizer step) while this unit
                 # stayed unsharded (reshard_after_backward=False): gather fresh data.
-                self._reshard(unit)
+                self.memory.reshard(unit)
 
     def pre_forward(self, *units: Unit) -> None:
         """``units``: one unit, or the units of one call's meshes (see [Note:
@@ -260,19 +278,19 @@ class Scheduler:
             unit.lazy_init()
             self._forward_versions[unit] = [p.data_version() for p in unit.params]
             self.shared.forward_use_begin(unit)
-            self._issue(unit)
+            self.memory.issue(unit)
         for unit in units:
             for target in self._forward_prefetch_targets(unit):
                 if target not in units:
-                    self._prefetch(target)
+                    self.memory.prefetch(target)
         for unit in units:
-            self._require(unit)
+            self.memory.require(unit)
             if _observer is not None:
                 _observer.begin_span("forward", unit.name)
 
     def recompute_forward(self, unit: Unit) -> None:
         """Activation checkpointing re-runs ``unit``'s forward inside backward."""
-        self._require(unit)
+        self.memory.require(unit)
 
     def _forward_prefetch_targets(self, unit: Unit) -> list[Unit]:
         if unit.forward_prefetch is not None:  # explicit, [] included
@@ -299,7 +317,7 @@ class Scheduler:
     def _reshard_after_forward(self, unit: Unit) -> None:
         reshard = unit.reshard_after_forward
         if reshard is not False:
-            self._reshard(unit, to_post_forward_group=reshard is not True)
+            self.memory.reshard(unit, to_post_forward_group=reshard is not True)
 
     def borrow_forward(self, units: list[Unit]) -> None:
         """A module sharing the parameters of ``units`` (their owner units) starts
@@ -307,7 +325,7 @@ class Scheduler:
         for unit in units:
             self._forward_order.append(unit)
             self.shared.forward_use_begin(unit)
-            self._require(unit)
+            self.memory.require(unit)
 
     def return_forward(self, units: list[Unit]) -> None:
         """The forward that :meth:`borrow_forward` began is done."""
@@ -319,7 +337,7 @@ class Scheduler:
     def end_forward(self) -> None:
         """Called by the state that began the forward, after its post-forward."""
         self.forward_active = False
-        self._deferred.clear()
+        self.memory.deferred.clear()
         no_backward = not torch.is_grad_enabled()
         for unit in self.shared.end_forward_pass(record=not no_backward):
             self._reshard_after_forward(unit)  # shared units held for a later use
@@ -328,7 +346,7 @@ class Scheduler:
         ran = set(self._forward_order)
         for unit in self.units:
             if unit.gather_in_flight and unit not in ran:
-                self._reshard(unit)  # a prefetch the forward did not use
+                self.memory.reshard(unit)  # a prefetch the forward did not use
             elif no_backward and unit.state is ShardState.UNSHARDED:
                 # Units that stay unsharded (the root; reshard_after_forward=False
                 # for evaluation) keep their data across no-grad forwards, as in
@@ -362,15 +380,15 @@ class Scheduler:
                 )
         gather = [u for u in units if u.unshard_in_backward]
         for unit in gather:
-            self._issue(unit)
+            self.memory.issue(unit)
         for unit in gather:
             for target in self._backward_prefetch_targets(unit):
                 # As in FSDP2, a unit set not to unshard in backward is not
                 # prefetched there either (its backward does not need it).
                 if target not in units and target.unshard_in_backward:
-                    self._prefetch(target)
+                    self.memory.prefetch(target)
         for unit in gather:
-            self._require(unit)
+            self.memory.require(unit)
         if _observer is not None:
             for unit in units:
                 _observer.begin_span("backward", unit.name)
@@ -385,7 +403,7 @@ class Scheduler:
         run: they must be unsharded, whatever their ``unshard_in_backward``."""
         self._note_backward()
         for unit in units:
-            self._require(unit)
+            self.memory.require(unit)
 
     def return_backward(self, units: list[Unit]) -> None:
         """The backward that :meth:`borrow_backward` began is done: reduce the owner
@@ -439,13 +457,13 @@ class Scheduler:
         if not unit.requires_gradient_sync:
             unit.accumulate_unsharded_grads()
             if unit.reshard_after_backward:
-                self._reshard(unit)
+                self.memory.reshard(unit)
             return
         params, grads = unit.take_unsharded_grads()
         if unit.reshard_after_backward:
             # Gradients are separate tensors: free the parameters before the
             # reduction allocates its buffers, so the two never coexist.
-            self._reshard(unit)
+            self.memory.reshard(unit)
         if params:
             # Complete earlier reduce-scatters first: bounds full-size gradient
             # buffers, and they have had this unit's backward to finish. At the
@@ -482,7 +500,7 @@ class Scheduler:
         finally:
             for unit in self.units:
                 unit.phase = Phase.IDLE
-            self._deferred.clear()
+            self.memory.deferred.clear()
             self.shared.end_backward_pass()
             self.backward_active = False
 
@@ -513,11 +531,11 @@ class Scheduler:
         for unit in self.units:
             unit.discard_unsharded_grads()
             try:
-                self._reshard(unit)
+                self.memory.reshard(unit)
             except RuntimeError as exc:
                 failures.append(str(exc))
                 unit.abandon_gather()
-                self._reshard(unit)
+                self.memory.reshard(unit)
             unit.phase = Phase.IDLE
         self._forward_versions.clear()
         self.shared.reset()
@@ -527,7 +545,7 @@ class Scheduler:
                 len(failures),
                 failures[0],
             )
-        self._deferred.clear()
+        self.memory.deferred.clear()
         self.forward_active = False
         self.backward_active = False
         self._forward_order = []
