@@ -577,10 +577,11 @@ def allocate(
     numel: int,
     dtype: torch.dtype,
     device: torch.device,
-    what: str,
+    label: str,
+    kind: CollectiveKind,
 ) -> torch.Tensor:
     """A flat communication buffer from ``comm.allocate``; a custom comm's is
-    checked (``what`` names it in the error)."""
+    checked (the error names ``label``'s custom ``kind``)."""
     buffer = comm.allocate((numel,), dtype=dtype, device=device)
     if getattr(comm, "trusted", False):
         return buffer
@@ -598,7 +599,7 @@ def allocate(
             else type(buffer).__name__
         )
         raise ValueError(
-            f"{what}: allocate() returned {got}, but {numel} contiguous {dtype} elements "
+            f"{label}'s custom {kind.replace('_', '-')}: allocate() returned {got}, but {numel} contiguous {dtype} elements "
             f"on {device} were asked for"
         )
     return buffer.view(-1)

@@ -41,10 +41,6 @@ class GradientReduction:
     def trainable_params(self) -> list[ShardedParam]:
         return [p for p in self.params if p.sharded_param.requires_grad]
 
-    @property
-    def _rs_what(self) -> str:
-        return f"{self.name}'s custom reduce-scatter"
-
     def accumulate_unsharded_grads(self) -> None:
         """Without gradient sync, keeps gradients unsharded for the next backward,
         upcast to the reduce dtype if that differs from the compute dtype."""
@@ -144,7 +140,9 @@ class GradientReduction:
         comm = self._reduce_scatter
         if self.custom_reduce_scatter is not None and world > 1:
             comm = self.custom_reduce_scatter  # like FSDP2: both buffers come from the comm
-        packed = _collectives.allocate(comm, world * row, reduce_dtype, info.device, self._rs_what)
+        packed = _collectives.allocate(
+            comm, world * row, reduce_dtype, info.device, self.name, "reduce_scatter"
+        )
         # Gradients from autograd do not require grad: no no_grad context needed.
         chunks = [g if p.shard_dim == 0 else p.rank_chunks(g, world) for p, g in zip(params, grads)]
         if len({c.dtype for c in chunks}) > 1:
@@ -156,7 +154,9 @@ class GradientReduction:
         if world == 1:
             output, rs = packed, None
         else:
-            output = _collectives.allocate(comm, row, reduce_dtype, info.device, self._rs_what)
+            output = _collectives.allocate(
+                comm, row, reduce_dtype, info.device, self.name, "reduce_scatter"
+            )
             group = self._reduce_scatter_group or self.mesh_info.shard_group
             rs = _collectives.reduce_scatter(
                 output, packed, group, self.name, comm=comm, step=self.step_context.step

@@ -313,7 +313,7 @@ class Unit(FlatBuffer, GradientReduction):
             comm = self._all_gather
         if self.custom_all_gather is not None and self._world > 1:
             comm = self.custom_all_gather
-        out = _collectives.allocate(comm, world * row, dtype, device, self._ag_what)
+        out = _collectives.allocate(comm, world * row, dtype, device, self.name, "all_gather")
         # Like FSDP2, a custom all-gather takes this rank's row of its output as
         # input; so does the default one on NCCL, and on gloo by broadcasts.
         if getattr(comm, "in_place", True):
@@ -338,10 +338,6 @@ class Unit(FlatBuffer, GradientReduction):
             self._pending_gather = _collectives.all_gather(
                 out, send, group, self.name, comm=comm, step=self.step_context.step
             )
-
-    @property
-    def _ag_what(self) -> str:
-        return f"{self.name}'s custom all-gather"
 
     def wait_unshard(self) -> None:
         """Waits for the pending all-gather and registers the unsharded parameters."""
