@@ -82,7 +82,7 @@ def _worker(
     cpu: dict[bool, list[float]] = {True: [], False: []}
     for step in range(args.warmup + 2 * args.steps):
         on = step % 2 == 0
-        _guard.enabled = on
+        _guard.set_enabled(on)
         if step == args.warmup:
             _collectives.add_listener(listener)
             inside["wall"] = inside["cpu"] = 0.0

@@ -5,14 +5,22 @@ Annotate modules bottom-up with :func:`fully_shard`; parameters become sharded
 prefetch) and reduce-scatters gradients per unit. See the README for usage.
 """
 
-from . import debug, safetensors_io, trace, whole_matrix
-from ._fully_shard import (
+# Extensions that attach to the core's registration points when imported.
+from . import (  # noqa: F401
+    _guard,  # the collective guard, if FSDP_COMPOSE_COLLECTIVE_GUARD=1
+    _misuse,  # misuse checks at the root's lazy init and at optimizer steps
+    debug,
+    safetensors_io,
+    trace,
+    whole_matrix,
+)
+from ._fsdp_module import (
     FSDPModule,
     UnshardHandle,
-    fully_shard,
     register_fsdp_forward_method,
     share_comm_ctx,
 )
+from ._fully_shard import fully_shard
 from ._grad_scaler import ShardedGradScaler
 from ._mesh import DataParallelMeshDims
 from ._pipelining import PipelineStage

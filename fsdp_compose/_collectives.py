@@ -9,46 +9,47 @@ whose :meth:`~PendingCollective.wait` makes the result visible to the caller:
   stream that first waits for the compute stream; ``wait()`` makes the compute
   stream wait for an event, without blocking the CPU.
 
-[Note: reduce-scatter on gloo]
-gloo has no native reduce-scatter: torch emulates it with a full all-reduce, which
-sends (W-1)/W * 2 * N bytes per rank (ring) or more, instead of (W-1)/W * N. On gloo
-we instead exchange the gradient chunks with one ``all_to_all_single`` (each rank
-sends chunk r to rank r and receives everyone's chunk of its own shard) and sum the
-W received chunks locally, which moves exactly (W-1)/W * N bytes per rank.
-
-[Note: all-gather on gloo]
-gloo's all-gather gathers into a buffer of its own and then copies every row into
-the caller's output: one extra copy of the whole output (and an allocation) per
-call, on gloo's thread. Above a small size, fsdp_compose instead issues one
-broadcast per rank, each rooted at the rank whose row it carries and received
-straight into that row of the output; this rank's row is written in place before
-(the caller copies its shards there). Same bytes on the wire ((W-1)/W * N per
-rank), about half the CPU and wall time (measured at 2 and 4 ranks, 1.7-12 MiB
-rows, torch 2.13). ``FSDP_COMPOSE_GLOO_ALL_GATHER=native`` turns it off.
-
 [Note: collectives per backend]
-fsdp_compose runs on any c10d backend. The paths above (and issuing on the
-ProcessGroup object, [Note: issuing gloo collectives] in ``_compat.py``) are tuned
-for gloo and used only where a group's CPU backend really is ``ProcessGroupGloo``;
-every other backend -- torch's threaded test group, the ``fake`` backend of dry
+fsdp_compose runs on any c10d backend. The gloo paths ([Note: reduce-scatter on
+gloo], [Note: all-gather on gloo] and [Note: issuing gloo collectives], all in
+``_gloo.py``) are tuned for gloo and used only where a group's CPU backend
+really is ``ProcessGroupGloo``; every other backend -- torch's threaded test group, the ``fake`` backend of dry
 runs, MPI, UCC, vendor backends, NCCL -- gets torch.distributed's public
 collectives (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ...). Which
 applies is a :class:`Route`, decided once per group (:func:`route_of`, at the lazy
-init of the first unit on it) and kept by the unit, so issuing a collective costs
-no backend lookup.
+init of the first unit on it) and kept by the unit's default collectives
+(:class:`DefaultAllGather`, :class:`DefaultReduceScatter`: the same interface as a
+user's custom comm, one code path for both), so issuing costs no backend lookup.
 
-Listeners (the trace, tests counting collectives) subscribe with
-:func:`add_listener`; with none subscribed, issuing costs nothing extra.
+[Note: collective extensions]
+The core issues collectives; capabilities beyond FSDP2 attach here and the core
+never imports them. Two registration points, both per process:
+
+* :func:`add_listener`: observe every collective (``issue``, ``complete``,
+  ``wait_begin``, ``wait_end``), e.g. the timeline (``trace``) or tests counting
+  collectives;
+* :func:`add_launch_wrapper`: wrap the launch of every collective. A wrapper is
+  called as ``wrapper(call, issue)`` with the :class:`CollectiveCall` (kind,
+  label, group, element count, dtype, step, device) and the ``issue`` callable
+  that launches it; it returns what ``issue`` returns (the work to wait on, or a
+  work-like object with ``wait`` and ``get_future``), and may run checks before
+  or around it (debug fingerprints, the collective guard). A wrapper raising
+  :class:`~fsdp_compose._errors.CollectiveMismatchError` is re-raised as is; any
+  other ``RuntimeError`` is reported like a failure of the collective.
+
+With none registered, issuing costs nothing extra. The step a collective belongs
+to comes from the :class:`StepContext` of the root that issues it (each root's
+scheduler owns one), so two roots in one process do not mix their steps.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import itertools
 import logging
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -56,7 +57,14 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from . import _compat, _env, _guard, debug
+from . import _compat, _gloo
+from ._errors import CollectiveMismatchError
+
+# Which path each group's collectives take (used by units and tests from here).
+from ._gloo import PUBLIC_ROUTE as PUBLIC_ROUTE
+from ._gloo import Route as Route
+from ._gloo import gathers_in_place as gathers_in_place
+from ._gloo import route_of as route_of
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -122,10 +130,52 @@ class ReduceScatterComm(_CustomComm, Protocol):
     ) -> dist.Work | None: ...
 
 
+@dataclass
+class StepContext:
+    """The training step of one root's collectives: its scheduler advances
+    ``step`` at each forward, and the units it drives pass it to the collectives
+    they issue (named in errors, fingerprints and the guard)."""
+
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """A collective about to be launched, as a launch wrapper sees it."""
+
+    kind: CollectiveKind
+    label: str
+    group: dist.ProcessGroup
+    numel: int  # of the input
+    dtype: torch.dtype
+    step: int
+    device: torch.device
+
+
 Listener = Callable[[CollectiveEvent, CollectiveInfo], None]
+Issue = Callable[[], "dist.Work | None"]
+LaunchWrapper = Callable[[CollectiveCall, Issue], "dist.Work | None"]
 _listeners: list[Listener] = []
+_wrappers: list[LaunchWrapper] = []
 _seq = itertools.count()
-current_step = 0  # set by the scheduler; names the step in errors and fingerprints
+
+
+def add_launch_wrapper(wrapper: LaunchWrapper) -> None:
+    """Wraps the launch of every later collective with ``wrapper(call, issue)``
+    (see [Note: collective extensions]); the first added is the outermost."""
+    if wrapper not in _wrappers:
+        _wrappers.append(wrapper)
+
+
+def remove_launch_wrapper(wrapper: LaunchWrapper) -> None:
+    if wrapper in _wrappers:
+        _wrappers.remove(wrapper)
+
+
+def _wrapped(call: CollectiveCall, issue: Issue) -> dist.Work | None:
+    for wrapper in reversed(_wrappers):
+        issue = functools.partial(wrapper, call, issue)
+    return issue()
 
 
 def add_listener(listener: Listener) -> None:
@@ -336,7 +386,7 @@ def _local_cause(
     text = str(exc).lower()
     backend = "process group's backend"
     if group is not None:
-        backend += f" ({_backend_name(group)})"
+        backend += f" ({_compat.backend_name(group)})"
     device = tensor.device.type if tensor is not None else "these"
     dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "this dtype"
     if "no backend type associated with device type" in text:
@@ -382,19 +432,6 @@ def _on_complete(work: dist.Work, info: CollectiveInfo) -> None:
         _notify("complete", info)
 
 
-def _guarded(
-    kind: CollectiveKind, label: str, group: dist.ProcessGroup, inp: torch.Tensor, step: int
-) -> None:
-    """See [Note: collective guard]; a guard that cannot complete (a peer gone or
-    timed out) fails like the collective it protects."""
-    try:
-        _guard.check(kind, label, group, inp.numel(), inp.dtype, step)
-    except debug.CollectiveMismatchError:
-        raise
-    except RuntimeError as exc:
-        raise _failure(f"{kind} for {label} (step {step})", exc, inp, group) from exc
-
-
 def _launch(
     kind: CollectiveKind,
     label: str,
@@ -402,40 +439,43 @@ def _launch(
     inp: torch.Tensor,
     out: torch.Tensor,
     issue: Callable[[bool], dist.Work | None],
-    finish: Callable[[], None] | None = None,
-    keepalive: tuple[torch.Tensor, ...] = (),
+    step: int = 0,
 ) -> PendingCollective:
-    if debug._checker is not None:
-        debug._check(kind, label, group, inp.numel(), inp.dtype, current_step)
-    elif _guard.enabled and out.device.type == "cpu":
-        _guarded(kind, label, group, inp, current_step)
     info = _info(kind, label, group.size(), inp, out)
-    if info is not None:
-        _notify("issue", info)
-    what = f"{kind} for {label} (step {current_step})"
-    if out.device.type == "cpu":
+    what = f"{kind} for {label} (step {step})"
+    cpu = out.device.type == "cpu"
+
+    def launch() -> dist.Work | None:
+        if info is not None:
+            _notify("issue", info)
+        return issue(cpu)
+
+    if _wrappers:
+        call = CollectiveCall(kind, label, group, inp.numel(), inp.dtype, step, out.device)
+        launch = functools.partial(_wrapped, call, launch)
+    if cpu:
         if not _exit_guard_registered:
             _register_exit_guard()
         try:
-            work = issue(True)
+            work = launch()
+        except CollectiveMismatchError:
+            raise
         except RuntimeError as exc:
             raise _failure(what, exc, out, group) from exc
         if info is not None and work is not None:
             _on_complete(work, info)
-        return PendingCollective(
-            info, work=work, finish=finish, tensors=(inp, out, *keepalive), what=what, group=group
-        )
+        return PendingCollective(info, work=work, tensors=(inp, out), what=what, group=group)
     streams = _device_streams(out.device)
     stream = streams.reduce_scatter if kind != "all_gather" else streams.all_gather
     current = streams.module.current_stream(out.device)
     stream.wait_stream(current)
     with streams.module.stream(stream):
         try:
-            issue(False)
+            launch()
+        except CollectiveMismatchError:
+            raise
         except RuntimeError as exc:
             raise _failure(what, exc, out, group) from exc
-        if finish is not None:
-            finish()
         event = stream.record_event()
     device = out.device
 
@@ -443,72 +483,8 @@ def _launch(
         streams.module.current_stream(device).wait_event(event)
 
     return PendingCollective(
-        info, stream_wait=stream_wait, tensors=(inp, out, *keepalive), what=what, group=group
+        info, stream_wait=stream_wait, tensors=(inp, out), what=what, group=group
     )
-
-
-# ---------------------------------------------------------------------------
-# Routes: which path each group's collectives take
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Route:
-    """How this process issues collectives of CPU tensors on one process group
-    (see [Note: collectives per backend]); the default is the public collectives.
-
-    Attributes:
-        gloo: the group's CPU backend is ``ProcessGroupGloo``: collectives are
-            issued on the group object directly.
-        all_to_all_reduce_scatter: reduce-scatter as one all-to-all and a local sum
-            ([Note: reduce-scatter on gloo]).
-        broadcast_all_gather: large all-gathers as one broadcast per rank
-            ([Note: all-gather on gloo]).
-    """
-
-    gloo: bool = False
-    all_to_all_reduce_scatter: bool = False
-    broadcast_all_gather: bool = False
-
-
-PUBLIC_ROUTE = Route()
-_routes: weakref.WeakKeyDictionary[dist.ProcessGroup, Route] = weakref.WeakKeyDictionary()
-
-
-def route_of(group: dist.ProcessGroup) -> Route:
-    """The :class:`Route` of ``group``, decided on the first call for the group
-    (backend and ``FSDP_COMPOSE_GLOO_*`` settings) and remembered after."""
-    route = _routes.get(group)
-    if route is None:
-        gloo = _compat.serves_cpu_with_gloo(group)
-        route = Route(
-            gloo=gloo,
-            all_to_all_reduce_scatter=gloo and _use_all_to_all_reduce_scatter(group),
-            broadcast_all_gather=gloo and _broadcast_all_gather_enabled,
-        )
-        _routes[group] = route
-        if not gloo:
-            logger.debug(
-                "fsdp_compose: group of size %d (backend %s) uses the public collectives",
-                group.size(),
-                _backend_name(group),
-            )
-    return route
-
-
-def _use_all_to_all_reduce_scatter(group: dist.ProcessGroup) -> bool:
-    """Whether reduce-scatters on ``group`` go by all-to-all ([Note: reduce-scatter
-    on gloo]): a real gloo group, unless ``FSDP_COMPOSE_GLOO_REDUCE_SCATTER=native``.
-    Read by :func:`route_of`, once per group."""
-    mode = _env.choice("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", ("all_to_all", "native"), "all_to_all")
-    return mode != "native" and _compat.serves_cpu_with_gloo(group)
-
-
-def _backend_name(group: dist.ProcessGroup) -> str:
-    try:
-        return _compat.process_group_backend(group)
-    except (RuntimeError, ValueError, KeyError):  # a group torch does not know
-        return "unknown"
 
 
 # ---------------------------------------------------------------------------
@@ -516,28 +492,117 @@ def _backend_name(group: dist.ProcessGroup) -> str:
 # ---------------------------------------------------------------------------
 
 
-# Rows smaller than this gather with gloo's own all-gather: for tiny units one
-# collective costs less to issue than W broadcasts.
-_BROADCAST_ALL_GATHER_MIN_ROW_BYTES = 64 * 1024
-_broadcast_all_gather_enabled = (
-    _env.choice("FSDP_COMPOSE_GLOO_ALL_GATHER", ("broadcast", "native"), "broadcast") != "native"
-)
-
-
-def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.device) -> bool:
-    """Whether :func:`all_gather` wants its input to be this rank's row of the
-    output (else a separate buffer serves gloo's own all-gather, and CPU backends
-    that may not accept an aliased input, better). Fixed for a unit: decide once
-    and pass it as ``in_place``."""
-    if device.type != "cpu":
-        return True  # NCCL gathers in place
-    return route_of(group).broadcast_all_gather and row_bytes >= _BROADCAST_ALL_GATHER_MIN_ROW_BYTES
-
-
 def _real_view(tensor: torch.Tensor) -> torch.Tensor:
     """A complex tensor as the flat real tensor of its (re, im) pairs: gloo has no
     complex types, and a sum or gather of the pairs is that of the numbers."""
     return torch.view_as_real(tensor).view(-1) if tensor.is_complex() else tensor
+
+
+class _DefaultComm:
+    """What fsdp_compose's own collectives share: plain buffers, which need no
+    checking, and the :class:`Route` of the group they run on."""
+
+    __slots__ = ("route",)
+    trusted = True
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+
+class DefaultAllGather(_DefaultComm):
+    """fsdp_compose's own all-gather, with the :class:`AllGatherComm` interface
+    that a custom one (``set_custom_all_gather``) replaces: one code path issues
+    both. Made per unit and group, on the group's :class:`Route`.
+
+    Args:
+        route: ``route_of(group)`` of the group it gathers on.
+        in_place: whether its input is this rank's row of its output (as
+            :func:`gathers_in_place` decided); gloo then gathers by broadcasts.
+    """
+
+    __slots__ = ("in_place",)
+
+    def __init__(self, route: Route, in_place: bool) -> None:
+        super().__init__(route)
+        self.in_place = in_place
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        output, input = _real_view(output_tensor), _real_view(input_tensor)
+        if output.device.type != "cpu":
+            return _compat.all_gather_into_tensor(output, input, group, async_op)
+        route = self.route
+        if not route.gloo:
+            return _compat.all_gather_into_tensor(output, input, group, True)
+        if self.in_place and route.broadcast_all_gather:
+            return _gloo.gloo_all_gather_by_broadcast(output, group)
+        return _gloo.gloo_all_gather_into_tensor(output, input, group)
+
+
+class DefaultReduceScatter(_DefaultComm):
+    """fsdp_compose's own reduce-scatter (a sum), with the
+    :class:`ReduceScatterComm` interface that a custom one
+    (``set_custom_reduce_scatter``) replaces; see [Note: reduce-scatter on gloo].
+    Made per unit and group, on the group's :class:`Route`.
+    """
+
+    __slots__ = ()
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        output, input = _real_view(output_tensor), _real_view(input_tensor)
+        if output.device.type == "cpu" and self.route.all_to_all_reduce_scatter:
+            return _gloo.reduce_scatter_by_all_to_all(output, input, group)
+        return _compat.reduce_scatter_tensor(output, input, group, async_op)
+
+
+def allocate(
+    comm: AllGatherComm | ReduceScatterComm,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    label: str,
+    kind: CollectiveKind,
+) -> torch.Tensor:
+    """A flat communication buffer from ``comm.allocate``; a custom comm's is
+    checked (the error names ``label``'s custom ``kind``)."""
+    buffer = comm.allocate((numel,), dtype=dtype, device=device)
+    if getattr(comm, "trusted", False):
+        return buffer
+    if (
+        not isinstance(buffer, torch.Tensor)
+        or buffer.numel() != numel
+        or buffer.dtype != dtype
+        or buffer.device != device
+        or not buffer.is_contiguous()
+    ):
+        got = (
+            f"a {'contiguous' if buffer.is_contiguous() else 'non-contiguous'} tensor of "
+            f"{buffer.numel()} {buffer.dtype} elements on {buffer.device}"
+            if isinstance(buffer, torch.Tensor)
+            else type(buffer).__name__
+        )
+        raise ValueError(
+            f"{label}'s custom {kind.replace('_', '-')}: allocate() returned {got}, but {numel} contiguous {dtype} elements "
+            f"on {device} were asked for"
+        )
+    return buffer.view(-1)
 
 
 def all_gather(
@@ -547,32 +612,23 @@ def all_gather(
     label: str,
     *,
     comm: AllGatherComm | None = None,
-    in_place: bool = False,
-    route: Route | None = None,
+    step: int = 0,
 ) -> PendingCollective:
-    """Gathers ``input`` from every rank of ``group`` into ``output`` (rank-major),
-    with ``comm`` if given. ``in_place``: ``input`` is this rank's row of
-    ``output``, as :func:`gathers_in_place` asked for (gloo then gathers by
-    broadcasts). ``route``: ``route_of(group)``, kept by the caller."""
-    if comm is None:
-        output, input = _real_view(output), _real_view(input)
-    issue: Callable[[bool], dist.Work | None]
-    if comm is not None:
-        issue = lambda async_op: comm(  # noqa: E731
+    """Gathers ``input`` from every rank of ``group`` into ``output`` (rank-major)
+    with ``comm`` (default: a :class:`DefaultAllGather` on the group's route, not
+    in place). ``step``: the issuing root's step (:class:`StepContext`)."""
+    gather = comm if comm is not None else DefaultAllGather(route_of(group), in_place=False)
+    return _launch(
+        "all_gather",
+        label,
+        group,
+        input,
+        output,
+        lambda async_op: gather(
             output_tensor=output, input_tensor=input, group=group, async_op=async_op
-        )
-    elif output.device.type == "cpu":
-        if route is None:
-            route = route_of(group)
-        if not route.gloo:
-            issue = lambda async_op: _compat.all_gather_into_tensor(output, input, group, True)  # noqa: E731
-        elif in_place and route.broadcast_all_gather:
-            issue = lambda async_op: _compat.gloo_all_gather_by_broadcast(output, group)  # noqa: E731
-        else:
-            issue = lambda async_op: _compat.gloo_all_gather_into_tensor(output, input, group)  # noqa: E731
-    else:
-        issue = lambda async_op: _compat.all_gather_into_tensor(output, input, group, async_op)  # noqa: E731
-    return _launch("all_gather", label, group, input, output, issue)
+        ),
+        step=step,
+    )
 
 
 def reduce_scatter(
@@ -582,54 +638,32 @@ def reduce_scatter(
     label: str,
     *,
     comm: ReduceScatterComm | None = None,
-    route: Route | None = None,
+    step: int = 0,
 ) -> PendingCollective:
-    """Sums ``input`` (``group.size()`` equal chunks) over ``group``; rank r receives
-    the sum of chunk r in ``output``. With ``comm`` if given, else see [Note:
-    reduce-scatter on gloo]. ``route``: ``route_of(group)``, kept by the caller."""
-    world = group.size()
-    if comm is None:
-        output, input = _real_view(output), _real_view(input)
-    if comm is not None:
-        issue = lambda async_op: comm(  # noqa: E731
-            output_tensor=output,
-            input_tensor=input,
-            group=group,
-            op=dist.ReduceOp.SUM,  # type: ignore[arg-type]  # (a RedOpType member)
-            async_op=async_op,
-        )
-        return _launch("reduce_scatter", label, group, input, output, issue)
-    if output.device.type == "cpu" and (route or route_of(group)).all_to_all_reduce_scatter:
-        received = torch.empty_like(input)
-
-        def finish() -> None:
-            rows = received.view(world, -1)
-            if world == 2:  # a binary add is about twice as fast as a 2-row sum (same bits)
-                torch.add(rows[0], rows[1], out=output)
-            else:
-                torch.sum(rows, dim=0, out=output)
-
-        return _launch(
-            "reduce_scatter",
-            label,
-            group,
-            input,
-            output,
-            lambda async_op: _compat.gloo_all_to_all_single(received, input, group),
-            finish=finish,
-            keepalive=(received,),
-        )
+    """Sums ``input`` (``group.size()`` equal chunks) over ``group`` with ``comm``
+    (default: a :class:`DefaultReduceScatter` on the group's route); rank r
+    receives the sum of chunk r in ``output``."""
+    scatter = comm if comm is not None else DefaultReduceScatter(route_of(group))
     return _launch(
         "reduce_scatter",
         label,
         group,
         input,
         output,
-        lambda async_op: _compat.reduce_scatter_tensor(output, input, group, async_op),
+        lambda async_op: scatter(
+            output_tensor=output,
+            input_tensor=input,
+            group=group,
+            op=dist.ReduceOp.SUM,  # type: ignore[arg-type]  # (a RedOpType member)
+            async_op=async_op,
+        ),
+        step=step,
     )
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> PendingCollective:
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, label: str, *, step: int = 0
+) -> PendingCollective:
     """Sums ``tensor`` in place over ``group``."""
     tensor = _real_view(tensor)
     return _launch(
@@ -639,4 +673,5 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> Pe
         tensor,
         tensor,
         lambda async_op: dist.all_reduce(tensor, group=group, async_op=async_op),
+        step=step,
     )

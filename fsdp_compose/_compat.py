@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,11 +94,6 @@ def concatenate_meshes(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
     return mesh
 
 
-def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh ``mesh`` was sliced from (itself if it is a root)."""
-    return mesh._get_root_mesh()
-
-
 def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as a plain tensor whose collective (if any) has completed.
 
@@ -120,11 +115,6 @@ def local_tensor(dtensor: torch.Tensor) -> torch.Tensor:
 def dtensor_spec(dtensor: DTensor) -> Any:
     """The (private) spec of ``dtensor``: mesh, placements and tensor metadata."""
     return dtensor._spec
-
-
-def set_local_tensor(dtensor: DTensor, tensor: torch.Tensor) -> None:
-    """Replaces the local shard object of ``dtensor`` in place."""
-    dtensor._local_tensor = tensor
 
 
 def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
@@ -177,7 +167,7 @@ def restore_version(tensor: torch.Tensor, version: int) -> None:
     """Sets ``tensor``'s version counter back to ``version``, read before an
     in-place write that is not a semantic modification: refilling an unsharded
     parameter's storage that autograd saved for backward (see [Note: unsharded
-    storage] in ``_unit.py``)."""
+    storage] in ``_flat_buffer.py``)."""
     torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
 
 
@@ -200,34 +190,6 @@ def all_gather_into_tensor(
     return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
 
 
-# [Note: issuing gloo collectives]
-# On the CPU, torch.distributed's Python wrappers (argument checks, group
-# translation, coalescing bookkeeping) cost about as much as the collective's own
-# issue for small tensors: 16-24 us of ~60 us per call (measured, torch 2.13).
-# With hundreds of small units per step that is most of the per-unit overhead, so
-# gloo collectives are issued on the ProcessGroup object directly. Accelerator
-# backends keep the wrappers: they decide which stream the collective runs on.
-# Only for groups whose CPU backend is a ProcessGroupGloo (serves_cpu_with_gloo):
-# a group without one (torch's threaded test group, a CUDA-only group) has nothing
-# to issue on, see [Note: collectives per backend] in _collectives.py.
-_direct_gloo_ok = True
-
-
-_W = TypeVar("_W")
-
-
-def _issue_gloo(direct: Callable[[], _W], fallback: Callable[[], _W | None]) -> _W:
-    global _direct_gloo_ok
-    if _direct_gloo_ok:
-        try:
-            return direct()
-        except (AttributeError, TypeError):  # pragma: no cover - binding changed
-            _direct_gloo_ok = False
-    work = fallback()
-    assert work is not None
-    return work
-
-
 def all_gather_bytes(payload: bytes, group: dist.ProcessGroup, device: torch.device) -> list[bytes]:
     """Gathers every rank's ``payload`` with tensor collectives. torch's object
     collectives (``all_gather_object``) need NumPy, which torch does not require;
@@ -244,73 +206,6 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup, device: torch.dev
     all_gather_into_tensor(gathered, padded, group, async_op=False)
     rows = gathered.view(group.size(), longest).cpu()
     return [bytes(rows[i, :n].tolist()) for i, n in enumerate(lengths)]
-
-
-def gloo_all_gather_into_tensor(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
-) -> dist.Work:
-    """Asynchronous all-gather on a gloo ``group`` (see [Note: issuing gloo collectives])."""
-    return _issue_gloo(
-        lambda: group._allgather_base(output, input),
-        lambda: all_gather_into_tensor(output, input, group, async_op=True),
-    )
-
-
-class WorkGroup:
-    """Several ``Work`` objects behaving as one: ``wait`` waits for all of them and
-    ``get_future`` completes when all have."""
-
-    __slots__ = ("_works",)
-
-    def __init__(self, works: list[dist.Work]) -> None:
-        self._works = works
-
-    def wait(self) -> bool:
-        for work in self._works:
-            work.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return torch.futures.collect_all([work.get_future() for work in self._works])
-
-
-def gloo_all_gather_by_broadcast(output: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
-    """Asynchronous all-gather on a gloo ``group`` as one broadcast per rank, each
-    straight into its row of ``output`` (this rank's row already holds its input).
-    See [Note: all-gather on gloo]."""
-    rows = output.view(group.size(), -1)
-
-    def direct() -> WorkGroup:
-        works = []
-        for root in range(group.size()):
-            opts = dist.BroadcastOptions()
-            opts.rootRank = root
-            opts.rootTensor = 0
-            works.append(group.broadcast([rows[root]], opts))
-        return WorkGroup(works)
-
-    def fallback() -> WorkGroup:
-        ranks = dist.get_process_group_ranks(group)
-        return WorkGroup(
-            [
-                dist.broadcast(rows[root], ranks[root], group=group, async_op=True)  # type: ignore[misc]
-                for root in range(group.size())
-            ]
-        )
-
-    # A WorkGroup has the part of Work's interface the collectives use (wait,
-    # get_future), so callers treat it as one.
-    return _issue_gloo(direct, fallback)  # type: ignore[return-value]
-
-
-def gloo_all_to_all_single(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
-) -> dist.Work:
-    """Asynchronous even all-to-all on a gloo ``group`` (see [Note: issuing gloo collectives])."""
-    return _issue_gloo(
-        lambda: group.alltoall_base(output, input, [], []),
-        lambda: dist.all_to_all_single(output, input, group=group, async_op=True),
-    )
 
 
 def reduce_scatter_tensor(
@@ -347,27 +242,6 @@ def process_group_backend(group: dist.ProcessGroup) -> str:
     return str(dist.get_backend(group)).lower()
 
 
-def serves_cpu_with_gloo(group: dist.ProcessGroup) -> bool:
-    """Whether CPU tensors on ``group`` go to a real ``ProcessGroupGloo`` (possibly
-    inside torch's debug wrapper), so that the gloo-only paths apply.
-
-    Asks the group for its CPU backend object rather than comparing names: the
-    threaded test group, the ``fake`` backend, MPI, UCC and vendor backends
-    register other classes (or no CPU backend at all), and a group created with
-    ``"cpu:gloo,cuda:nccl"`` is gloo for its CPU tensors.
-    """
-    gloo_class = getattr(dist, "ProcessGroupGloo", None)
-    if gloo_class is None:  # torch built without gloo
-        return False
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-    except (AttributeError, RuntimeError, TypeError, ValueError):
-        return False  # no backend object for the CPU (e.g. a Python-level ProcessGroup)
-    # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the backend to check collectives first
-    backend = getattr(backend, "wrapped_pg", backend)
-    return isinstance(backend, gloo_class)
-
-
 def is_fake_backend(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` is torch's ``fake`` backend, whose collectives return
     at once without communicating (dry runs of a large world in one process)."""
@@ -384,3 +258,10 @@ def process_group_timeout(group: dist.ProcessGroup) -> float | None:
         return float(group._get_backend(device).options._timeout.total_seconds())
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return None
+
+
+def backend_name(group: dist.ProcessGroup) -> str:
+    try:
+        return process_group_backend(group)
+    except (RuntimeError, ValueError, KeyError):  # a group torch does not know
+        return "unknown"

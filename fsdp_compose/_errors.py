@@ -21,3 +21,15 @@ class FSDPValueError(ValueError, AssertionError):
 
 class FSDPRuntimeError(RuntimeError, AssertionError):
     """A refused operation that torch's FSDP2 refuses with ``AssertionError``."""
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks of one process group issued different collectives (or some none).
+
+    Raised by the collective checks that attach to the collectives (see [Note:
+    collective extensions] in ``_collectives.py``); public as
+    ``fsdp_compose.debug.CollectiveMismatchError``.
+    """
+
+
+CollectiveMismatchError.__module__ = "fsdp_compose.debug"

@@ -8,7 +8,6 @@ module's class to a subclass of :class:`FSDPModule` and of its original class.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import weakref
@@ -20,32 +19,25 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, Shard
 
 from . import _compat
-from ._collectives import AllGatherComm, ReduceScatterComm
 from ._errors import FSDPRuntimeError, FSDPValueError
+from ._fsdp_module import FSDPModule, _fsdp_classes, _reshard_unit
+from ._hooks import UnitState, state_of
 from ._mesh import (
     DataParallelMeshDims,
     MeshInfo,
     default_mesh,
     resolve_mesh_info,
     resolve_spmd_mesh_info,
-    separate_reduce_scatter_group,
     validate_reshard_after_forward,
 )
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._sharded_param import IGNORED_BY, SHARDED_BY, ShardedParam
 from ._shared import borrow, collect_borrowed, link_shared, shared_link
-from ._state import UnitState, state_of
 from ._unit import Unit
 
 logger = logging.getLogger("fsdp_compose")
 
-__all__ = [
-    "FSDPModule",
-    "UnshardHandle",
-    "fully_shard",
-    "register_fsdp_forward_method",
-    "share_comm_ctx",
-]
+__all__ = ["fully_shard"]
 
 # Marks on parameter objects, so misuse is caught where it happens (and
 # SHARDED_BY, from _sharded_param, on the sharded DTensor parameters):
@@ -56,8 +48,6 @@ _REPLACED_BY = "_fsdp_compose_replaced_by"  # on an original parameter that was 
 _UNIT_OF = "_fsdp_compose_unit"
 _unit_modules: dict[int, tuple[weakref.ref[nn.Module], ...]] = {}
 _calls = itertools.count()
-
-_fsdp_classes: dict[type, type] = {}
 
 
 @overload
@@ -247,6 +237,7 @@ def fully_shard(
         auto_reshard_after_forward=reshard_after_forward is None,
     )
     state.extra_units = units[1:]
+    state.adopt_subtree_settings()
     for unit in units:
         _register_state_dict_hooks(unit, state)
     for (param, _), sharded_param in zip(owners.items(), sharded):
@@ -556,19 +547,13 @@ def _register_state_dict_hooks(
                         state_dict[key] = sharded
 
         def load_post_hook(*_: Any) -> None:
-            unit.invalidate()  # parameters may have been re-assigned (assign=True)
+            # Parameters may have been re-assigned (assign=True).
+            _reshard_unit(unit, state)
+            unit.invalidate()
 
         module.register_state_dict_pre_hook(reshard)
         _compat.register_load_state_dict_pre_hook(module, load_pre_hook)
         module.register_load_state_dict_post_hook(load_post_hook)
-
-
-def _reshard_unit(unit: Unit, state: UnitState) -> None:
-    scheduler = state.scheduler
-    if scheduler is not None:
-        scheduler.reshard(unit)
-    else:
-        unit.reshard()
 
 
 def _no_deepcopy(*_: Any) -> NoReturn:
@@ -576,474 +561,3 @@ def _no_deepcopy(*_: Any) -> NoReturn:
         "fully_shard modules cannot be deep-copied (their parameters are shards tied to "
         "process groups). Copy the model before fully_shard, or use state_dict()."
     )
-
-
-# ---------------------------------------------------------------------------
-# FSDPModule
-# ---------------------------------------------------------------------------
-
-
-class FSDPModule:
-    """The class a module gets mixed in by :func:`fully_shard`.
-
-    ``isinstance(module, FSDPModule)`` tells whether a module was annotated; the
-    methods below control a unit at runtime. Methods taking ``recurse`` apply to
-    every ``FSDPModule`` in the module's subtree when it is ``True``.
-    """
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # Containers build new instances of their own class (e.g. slicing an
-        # annotated nn.Sequential): those are plain modules, not units.
-        orig_cls = next(
-            c for c in cls.__mro__ if c not in _fsdp_classes.values() and c is not FSDPModule
-        )
-        instance = orig_cls.__new__(orig_cls)  # type: ignore[call-overload]
-        instance.__init__(*args, **kwargs)
-        return instance
-
-    def _fsdp_state(self) -> UnitState:
-        state = state_of(self)  # type: ignore[arg-type]
-        if state is None:
-            raise RuntimeError(f"{type(self).__name__} has no fully_shard state")
-        return state
-
-    def _units(self, recurse: bool) -> list[Unit]:
-        return self._fsdp_state().units_in_subtree(recurse)
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gathers this module's parameters (not recursive), in ``param_dtype``.
-
-        Args:
-            async_op (bool): if ``True``, returns an :class:`UnshardHandle` to wait
-                on; the module's next forward also waits for it. If ``False``,
-                waits before returning ``None``.
-        """
-        state = self._fsdp_state()
-        units = state.own_units
-        for unit in units:  # issue every mesh's all-gather before waiting on any
-            if state.scheduler is not None:
-                state.scheduler.prefetch_now(unit)
-            else:
-                unit.unshard()
-        handle = UnshardHandle(units, state)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def reshard(self) -> None:
-        """Frees this module's unsharded parameters (if any) and registers the
-        sharded ones. Not recursive."""
-        state = self._fsdp_state()
-        for unit in state.own_units:
-            _reshard_unit(unit, state)
-
-    def reset_iter_state(self) -> None:
-        """Recovers from an exception raised inside forward or backward.
-
-        Call on the root module after catching the exception: in-flight collectives
-        are completed and discarded, every unit is resharded and its per-iteration
-        state cleared, and the failed step's unreduced gradients are dropped. The
-        next forward then starts from a clean state.
-        """
-        self._fsdp_state().reset()
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Sets whether the next backward is the last of the step (the default).
-
-        Only the last backward waits for every gradient reduction to finish; earlier
-        ones (e.g. pipeline microbatches) leave them in flight.
-        """
-        self._set_schedule("is_last_backward", bool(is_last_backward))
-
-    def set_requires_gradient_sync(
-        self, requires_gradient_sync: bool, *, recurse: bool = True
-    ) -> None:
-        """Sets whether backward reduces gradients (``False`` accumulates unsharded
-        gradients locally, without communication, like ``no_sync``). For HSDP this
-        controls the reduce-scatter and the all-reduce together."""
-        for unit in self._units(recurse):
-            unit.requires_gradient_sync = requires_gradient_sync
-            unit.requires_all_reduce = requires_gradient_sync
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: sets whether gradients are all-reduced across replicas after the
-        reduce-scatter (``False`` accumulates reduce-scattered sums locally)."""
-        for unit in self._units(recurse):
-            unit.requires_all_reduce = requires_all_reduce
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Sets at runtime whether parameters are freed after forward (e.g. ``True``
-        for the root, or ``False`` during evaluation)."""
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(
-                f"reshard_after_forward must be a bool here, got {type(reshard_after_forward).__name__}"
-            )
-        for module in self._fsdp_modules(recurse):
-            state = module._fsdp_state()
-            state.auto_reshard_after_forward = False
-            for unit in state.own_units:
-                unit.set_reshard_after_forward(reshard_after_forward)
-
-    def set_reshard_after_backward(
-        self, reshard_after_backward: bool, *, recurse: bool = True
-    ) -> None:
-        """Sets whether parameters are freed after backward. ``False`` saves the
-        next forward's all-gather during gradient accumulation, at the cost of
-        memory."""
-        for unit in self._units(recurse):
-            unit.reshard_after_backward = reshard_after_backward
-
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Sets the modules whose parameters this module's forward all-gathers as
-        soon as it starts, instead of the implicit next unit(s) of the recorded
-        order. An empty list turns forward prefetch off for this module.
-
-        Args:
-            modules (List[FSDPModule]): modules to prefetch, in issue order.
-        """
-        self._set_explicit_prefetch("forward_prefetch", modules)
-
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Sets the modules whose parameters this module's backward all-gathers as
-        soon as it starts, instead of the implicit previous unit(s) of the forward
-        order. An empty list turns backward prefetch off for this module.
-
-        Args:
-            modules (List[FSDPModule]): modules to prefetch, in issue order.
-        """
-        self._set_explicit_prefetch("backward_prefetch", modules)
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divides reduced gradients by ``factor`` instead of the data-parallel size."""
-        for unit in self._units(False):
-            unit.gradient_divide_factor = float(factor)
-
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Deprecated alias of :meth:`set_gradient_divide_factor`."""
-        self.set_gradient_divide_factor(factor)
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """Sets whether backward needs this module's parameters at all (``False``
-        for e.g. an embedding whose backward does not read its weight)."""
-        for unit in self._units(False):
-            unit.unshard_in_backward = unshard_in_backward
-
-    def set_post_optim_event(self, event: torch.Event) -> None:
-        """Accepted for API compatibility. fsdp_compose always orders the next
-        all-gather after the optimizer step on the current stream, which is what
-        this event would establish."""
-        del event
-
-    def set_reduce_scatter_unused_params(
-        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
-    ) -> None:
-        """Sets whether parameters that got no gradient on this rank take part in
-        the reduce-scatter with zeros. Needed when ranks use different parameters
-        (conditional branches, mixture of experts), so that every rank issues the
-        same collective; like DDP's ``find_unused_parameters``."""
-        for unit in self._units(recurse):
-            unit.reduce_scatter_unused_params = reduce_scatter_unused_params
-
-    def set_all_reduce_hook(
-        self, hook: Callable[[torch.Tensor], None], *, stream: Any | None = None
-    ) -> None:
-        """Calls ``hook(reduce_output)`` on this unit's reduced gradient (the
-        reduce-scatter output, or with HSDP the all-reduce output), before the
-        averaging division. ``stream`` is accepted for API compatibility; the hook
-        runs where the reduction completes."""
-        del stream
-        _check_single_mesh(self._fsdp_state(), "set_all_reduce_hook")
-        for unit in self._units(False):
-            unit.all_reduce_hook = hook
-
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Sets whether gradient reductions use SUM and divide separately instead of
-        averaging. fsdp_compose always communicates with SUM; what this changes, as
-        in FSDP2, is what an all-reduce hook (:meth:`set_all_reduce_hook`) receives
-        for float32/bfloat16 gradients: the sum (then divided after the hook) when
-        enabled, the average (FSDP2's ``ReduceOp.AVG``) when not."""
-        for unit in self._units(False):
-            unit.force_sum_reduction = bool(enable)
-
-    def set_reduce_scatter_max_input_buffers(
-        self, max_input_buffers: int, *, recurse: bool = True
-    ) -> None:
-        """Sets how many reduce-scatters may hold their full-size gradient buffers at
-        once (default 1: a unit's reduce-scatter is completed when the next unit's
-        starts). More lets slow reduce-scatters overlap more backward compute, at
-        the cost of that many units' gradient buffers. Applies to the whole tree."""
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
-            raise TypeError(
-                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
-            )
-        if max_input_buffers < 1:
-            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        del recurse  # one scheduler serves the whole tree
-        self._set_schedule("max_inflight_reductions", max_input_buffers)
-
-    def set_separate_reduce_scatter_group(
-        self, enable: bool = True, *, recurse: bool = True
-    ) -> None:
-        """Runs gradient reduce-scatters on a process group of their own (one per
-        set of shard ranks, shared by the units), so that they can progress
-        concurrently with backward all-gathers instead of queueing behind them on
-        one communicator. Creating the group is collective over the shard ranks:
-        call it on every rank, with the same arguments.
-
-        Args:
-            enable (bool): ``True`` gives reduce-scatters their own group;
-                ``False`` returns them to the all-gather's group.
-            recurse (bool): apply to every FSDPModule in the subtree.
-        """
-        for unit in self._units(recurse):
-            unit.reduce_scatter_group = (
-                separate_reduce_scatter_group(unit.mesh_info) if enable else None
-            )
-
-    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Asks for communication staging buffers from the process group's own
-        allocator (NCCL: zero-copy transfers over SHARP).
-
-        Accepted on every backend so that one training script runs on CPU and
-        GPU alike, but fsdp_compose always allocates the buffers with the regular
-        allocator: with gloo on CPU there is no such allocator, and the CUDA path
-        is not implemented yet. ``True`` logs a one-time note saying so; the
-        collectives and results are those of the default path.
-
-        Args:
-            enable (bool): whether to use the process group's allocator.
-        """
-        if not isinstance(enable, bool):
-            raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
-        if enable:
-            _note_comm_buffers_unchanged(
-                "set_allocate_memory_from_process_group_for_comm(True)", self._fsdp_state()
-            )
-
-    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Asks for all-gather staging buffers in symmetric memory (``symm_mem``),
-        for NCCL's copy-engine or symmetric-kernel all-gathers.
-
-        Accepted on every backend so that one training script runs on CPU and
-        GPU alike, but fsdp_compose always allocates the buffers with the regular
-        allocator: gloo on CPU has no symmetric memory, and the CUDA path is not
-        implemented yet. The call logs a one-time note saying so; the
-        collectives and results are those of the default path.
-
-        Args:
-            backend (str): the symmetric memory backend; only ``"NCCL"``, as in FSDP2.
-        """
-        if backend != "NCCL":
-            raise ValueError(f'set_symm_mem_for_comm supports backend="NCCL" only, got {backend!r}')
-        _note_comm_buffers_unchanged("set_symm_mem_for_comm()", self._fsdp_state())
-
-    def set_custom_all_gather(self, comm: AllGatherComm | None) -> None:
-        """Issues this module's parameter all-gathers with ``comm`` instead of the
-        default collective.
-
-        ``comm`` follows FSDP2's ``AllGather`` interface:
-        ``comm.allocate(size, *, dtype, device)`` returns the all-gather output (a
-        contiguous tensor of ``size``), of which this rank's row is the input, and
-        ``comm(output_tensor, input_tensor, group, async_op)`` issues the
-        collective and returns its ``Work`` (or ``None`` once done). Called only
-        when there is something to gather (shard world size above 1). Applies to
-        this module's own parameters, not to its children's; ``None`` restores the
-        default.
-
-        Args:
-            comm (AllGather): the custom all-gather.
-        """
-        _check_comm(comm, "set_custom_all_gather")
-        _check_single_mesh(self._fsdp_state(), "set_custom_all_gather")
-        for unit in self._units(False):
-            unit.custom_all_gather = comm
-
-    def set_custom_reduce_scatter(self, comm: ReduceScatterComm | None) -> None:
-        """Issues this module's gradient reduce-scatters with ``comm`` instead of
-        the default collective.
-
-        ``comm`` follows FSDP2's ``ReduceScatter`` interface:
-        ``comm.allocate(size, *, dtype, device)`` returns the input and the output
-        buffers, and ``comm(output_tensor, input_tensor, group, op, async_op)``
-        issues the collective and returns its ``Work`` (or ``None`` once done).
-        ``op`` is always ``ReduceOp.SUM``: the averaging division is applied
-        separately. Called only when the shard world size is above 1. Applies to
-        this module's own parameters; ``None`` restores the default.
-
-        Args:
-            comm (ReduceScatter): the custom reduce-scatter.
-        """
-        _check_comm(comm, "set_custom_reduce_scatter")
-        _check_single_mesh(self._fsdp_state(), "set_custom_reduce_scatter")
-        for unit in self._units(False):
-            unit.custom_reduce_scatter = comm
-
-    # -- additions beyond FSDP2's API ----------------------------------------
-
-    def set_prefetch_depth(
-        self, *, forward: int | None = None, backward: int | None = None
-    ) -> None:
-        """Sets how many units ahead the implicit prefetch gathers (default 1 each;
-        0 disables it). Applies to the whole tree; call on the root module."""
-        for name, value in (("forward_depth", forward), ("backward_depth", backward)):
-            if value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"prefetch depth must be a non-negative int, got {value!r}")
-            self._set_schedule(name, value)
-
-    def set_unsharded_memory_limit(self, max_bytes: int | None) -> None:
-        """Bounds the unsharded parameter bytes allocated or in flight at once; a
-        prefetch that would exceed it waits until memory is freed (the unit needed
-        now is always gathered). ``None`` removes the bound. Call on the root."""
-        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
-            raise ValueError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
-        self._set_schedule("max_unsharded_bytes", max_bytes)
-
-    # -- internals -----------------------------------------------------------
-
-    def _set_schedule(self, name: str, value: Any) -> None:
-        state = self._fsdp_state()
-        if state.scheduler is not None:
-            setattr(state.scheduler, name, value)
-        (state.root_state or state).schedule_settings[name] = value
-
-    def _set_explicit_prefetch(self, attr: str, modules: list[FSDPModule]) -> None:
-        if not isinstance(modules, (list, tuple)):
-            raise TypeError(f"expected a list of FSDPModules, got {type(modules).__name__}")
-        targets = _units_of(list(modules))  # modules without parameters have nothing to gather
-        state = self._fsdp_state()
-        holders: list[Unit | UnitState] = [*state.own_units] or [state]
-        for holder in holders:
-            setattr(holder, attr, targets)
-
-    def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
-        if not recurse:
-            return [self]
-        return [m for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
-
-    def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # Conversions (.to(), to_empty(), .half()) must see the sharded parameters;
-        # afterwards the unit re-derives dtypes and buffers from them.
-        state = self._fsdp_state()
-        units = state.own_units + state.borrowed
-        for unit in units:
-            _reshard_unit(unit, state)
-        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        for unit in units:
-            unit.invalidate()
-        return result
-
-
-class UnshardHandle:
-    """A pending :meth:`FSDPModule.unshard`; :meth:`wait` makes the unsharded
-    parameters usable and registers them on the module."""
-
-    def __init__(self, units: list[Unit] | None = None, state: UnitState | None = None) -> None:
-        self._units = list(units or [])
-        self._state = state
-
-    def wait(self) -> None:
-        units, self._units = self._units, []
-        for unit in units:
-            if unit.gather_in_flight:
-                unit.wait_unshard()
-            else:
-                unit.ensure_registered()
-
-
-def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Accepted for API compatibility with FSDP2 (pipeline parallel stages share
-    CUDA streams there). fsdp_compose already uses one set of communication streams
-    per device for every root, so this only validates its argument."""
-    for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise ValueError(f"expected FSDPModules, got {type(m).__name__}")
-
-
-_noted_comm_settings: set[tuple[str, str]] = set()
-
-
-def _note_comm_buffers_unchanged(setting: str, state: UnitState) -> None:
-    """Logs once per process and device type that ``setting`` keeps the regular
-    allocator for communication buffers (see the two setters' docstrings)."""
-    units = state.units_in_subtree(False)
-    device_type = units[0].mesh_info.device.type if units else "cpu"
-    key = (setting, device_type)
-    if key in _noted_comm_settings:
-        return
-    _noted_comm_settings.add(key)
-    why = (
-        "gloo/CPU has no such allocator"
-        if device_type == "cpu"
-        else f"this path is not implemented for {device_type!r} yet"
-    )
-    logger.warning(
-        "fsdp_compose: %s accepted; communication buffers still come from the regular "
-        "allocator (%s). Collectives and results are unchanged.",
-        setting,
-        why,
-    )
-
-
-def _check_single_mesh(state: UnitState, method: str) -> None:
-    if len(state.own_units) > 1:  # ValueError, as FSDP2
-        raise ValueError(
-            f"{method} is not supported on a module whose parameters use several meshes "
-            "(per-parameter meshes from shard_placement_fn): it would be ambiguous which "
-            "mesh's collectives it applies to"
-        )
-
-
-def _check_comm(comm: object, method: str) -> None:
-    if comm is None:
-        return
-    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
-        raise TypeError(
-            f"{method} expects an object with an allocate(size, *, dtype, device) method "
-            f"that is also callable to issue the collective (FSDP2's Comm interface), got "
-            f"{type(comm).__name__}"
-        )
-
-
-def _units_of(modules: list[FSDPModule]) -> list[Unit]:
-    units = []
-    for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise ValueError(
-                f"expected FSDPModules (modules annotated by fully_shard), got {type(m).__name__}"
-            )
-        state = m._fsdp_state()
-        # A module that borrows a shared parameter needs its owner unit too.
-        for unit in [*state.own_units, *state.borrowed]:
-            if unit not in units:
-                units.append(unit)
-    return units
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Makes ``module.<method_name>`` gather and free parameters like ``forward``.
-
-    By default only ``forward`` runs the unit's hooks; use this for other entry
-    points such as ``generate``. The method counts as one forward of the module:
-    its parameters are gathered once before it and freed (per
-    ``reshard_after_forward``) once after it, even when it calls the module's own
-    ``forward`` several times. A no-op for modules that are not ``FSDPModule``.
-
-    Args:
-        module (nn.Module): the annotated module.
-        method_name (str): name of the method to wrap.
-    """
-    if not isinstance(module, FSDPModule) or method_name == "forward":
-        return  # forward already runs the unit's hooks
-    method = getattr(module, method_name, None)
-    if method is None or not callable(method):
-        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
-    state = module._fsdp_state()
-
-    @functools.wraps(method)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return state.run_registered_method(module, method, args, kwargs)
-
-    module.__dict__[method_name] = wrapped

@@ -39,13 +39,13 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import _compat, _env, debug
+from . import _collectives, _compat, _env, debug
 
 _FIELDS = 6  # label hash, kind, numel, dtype, step, per-group counter
 _KINDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
 
 # Off by default until it fits its cost budget (see the README); debug.enable_collective_guard().
-enabled = _env.flag("FSDP_COMPOSE_COLLECTIVE_GUARD", False)
+enabled = False
 _counters: dict[int, int] = {}  # id(group) -> collectives issued on it
 _unguarded: dict[int, bool] = {}  # id(group) -> backend without the guard
 
@@ -109,3 +109,25 @@ def _raise_mismatch(
         "rank, requires_grad or settings changed on one rank, unshard() called on one rank). "
         "Every rank must run the same fully_shard units in the same order."
     )
+
+
+def set_enabled(on: bool) -> None:
+    """Attaches the guard to (or detaches it from) the collectives' launch, see
+    [Note: collective extensions] in ``_collectives.py``."""
+    global enabled
+    enabled = on
+    if on:
+        _collectives.add_launch_wrapper(_guard_launch)
+    else:
+        _collectives.remove_launch_wrapper(_guard_launch)
+
+
+def _guard_launch(call: _collectives.CollectiveCall, issue: _collectives.Issue) -> dist.Work | None:
+    # The debug mode's own check replaces the guard; accelerator collectives are
+    # not guarded (see [Note: collective guard]).
+    if call.device.type == "cpu" and not debug.collective_checks_enabled():
+        check(call.kind, call.label, call.group, call.numel, call.dtype, call.step)
+    return issue()
+
+
+set_enabled(_env.flag("FSDP_COMPOSE_COLLECTIVE_GUARD", False))

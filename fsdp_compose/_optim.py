@@ -122,8 +122,10 @@ def accelerate(optimizer: torch.optim.Optimizer) -> None:
 
     Called from fsdp_compose's global step pre-hook, which runs before any
     per-optimizer hook, at every step: it keeps this module's pre-hook the last
-    and its post-hook the first of the optimizer's hooks."""
-    if _registration(optimizer) is None:
+    and its post-hook the first of the optimizer's hooks. Only an optimizer that
+    holds parameters sharded by fsdp_compose is touched: any other optimizer in
+    the process keeps torch's step and gets no hook."""
+    if _registration(optimizer) is None or not _manages(optimizer):
         return
     record = _records.get(optimizer)
     if record is None:
@@ -134,6 +136,27 @@ def accelerate(optimizer: torch.optim.Optimizer) -> None:
     _give_grads_back(record)  # a step that raised after the pre-hook never reached the post-hook
     _move(optimizer, "_optimizer_step_pre_hooks", record.pre_id, last=True)
     _move(optimizer, "_optimizer_step_post_hooks", record.post_id, last=False)
+
+
+# Per optimizer: (parameter count when looked at, holds a parameter of ours).
+_managed: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _manages(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds a parameter sharded by fsdp_compose (looked at
+    again only when its parameter count changes)."""
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    seen = _managed.get(optimizer)
+    if seen is None or seen[0] != count:
+        ours = any(
+            getattr(p, SHARDED_BY, None) is not None
+            for g in optimizer.param_groups
+            for p in g["params"]
+        )
+        seen = _managed[optimizer] = (count, ours)
+    return seen[1]
 
 
 def _move(optimizer: torch.optim.Optimizer, attr: str, key: int, *, last: bool) -> None:

@@ -31,15 +31,156 @@ the same order.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, fields
+from typing import Protocol
 
 import torch
 
 from . import _collectives
-from . import trace as _trace
 from ._shared import SharedUses
 from ._unit import PendingReduction, Phase, ShardState, Unit
 
 logger = logging.getLogger("fsdp_compose")
+
+
+class ScheduleObserver(Protocol):
+    """What an observer of every scheduler in the process is told (the timeline,
+    :mod:`fsdp_compose.trace`, is one); attached with :func:`set_observer`."""
+
+    def set_step(self, step: int) -> None: ...
+    def begin_span(self, kind: str, unit: str) -> None: ...
+    def end_span(self, kind: str, unit: str) -> None: ...
+    def instant(self, name: str, unit: str) -> None: ...
+    def memory_event(self, kind: str, unit: str, nbytes: int, total: int) -> None: ...
+
+
+_observer: ScheduleObserver | None = None  # read on the hot path: None costs one check
+
+
+def set_observer(observer: ScheduleObserver | None) -> None:
+    """Attaches ``observer`` to every scheduler (``None`` detaches it). The core
+    does not import its observers; they attach themselves."""
+    global _observer
+    _observer = observer
+
+
+@dataclass
+class ScheduleSettings:
+    """The settings of one root's schedule, shared by every ``fully_shard`` module
+    of its tree (the ``FSDPModule`` setters write them, the scheduler reads them).
+
+    Attributes:
+        forward_depth: units ahead the implicit forward prefetch gathers.
+        backward_depth: units ahead the implicit backward prefetch gathers.
+        max_unsharded_bytes: the rate limiter's bound (None: unbounded).
+        max_inflight_reductions: reduce-scatters whose full-size buffers may be
+            in flight at once (``set_reduce_scatter_max_input_buffers``); 1 bounds
+            memory to one unit.
+        is_last_backward: whether the next backward completes every reduction.
+    """
+
+    forward_depth: int = 1
+    backward_depth: int = 1
+    max_unsharded_bytes: int | None = None
+    max_inflight_reductions: int = 1
+    is_last_backward: bool = True
+
+    def adopt(self, other: ScheduleSettings) -> None:
+        """Takes over what was set on ``other`` (a subtree annotated earlier)."""
+        default = ScheduleSettings()
+        for f in fields(self):
+            value = getattr(other, f.name)
+            if value != getattr(default, f.name):
+                setattr(self, f.name, value)
+
+
+class RateLimiter:
+    """The memory rate limiter of one scheduler: which units hold unsharded
+    memory (allocated or in flight), and the gathers it issues, defers and
+    drains within ``settings.max_unsharded_bytes``. Every change of a unit's
+    shard state goes through it, so its count is always exact.
+
+    Args:
+        units: every unit of the scheduler's tree; those a user unsharded before
+            the first forward (``FSDPModule.unshard``) are counted at once.
+        settings: the tree's settings (read for the bound).
+    """
+
+    def __init__(self, units: list[Unit], settings: ScheduleSettings) -> None:
+        self.settings = settings
+        self.deferred: list[Unit] = []  # prefetches waiting for memory
+        self._holding: dict[Unit, int] = {}  # unit -> unsharded bytes it holds
+        self._holding_bytes = 0
+        for unit in units:
+            self.account(unit)
+
+    @property
+    def holding_bytes(self) -> int:
+        """Unsharded parameter bytes allocated or in flight now."""
+        return self._holding_bytes
+
+    def account(self, unit: Unit) -> None:
+        """Counts (or stops counting) ``unit``'s unsharded bytes after its state changed."""
+        holds = unit.state is ShardState.UNSHARDED or unit.gather_in_flight
+        counted = self._holding.get(unit)
+        if holds and counted is None:
+            nbytes = unit.unsharded_nbytes
+            self._holding[unit] = nbytes
+            self._holding_bytes += nbytes
+            if _observer is not None:
+                _observer.memory_event("alloc", unit.name, nbytes, self._holding_bytes)
+        elif not holds and counted is not None:
+            del self._holding[unit]
+            self._holding_bytes -= counted
+            if _observer is not None:
+                _observer.memory_event("free", unit.name, counted, self._holding_bytes)
+
+    def issue(self, unit: Unit) -> None:
+        if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
+            return
+        unit.unshard()
+        self.account(unit)
+
+    def prefetch(self, unit: Unit) -> None:
+        if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
+            return
+        unit.lazy_init()  # its size is known once initialized (after an invalidate too)
+        limit = self.settings.max_unsharded_bytes
+        if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
+            if unit not in self.deferred:
+                self.deferred.append(unit)
+                if _observer is not None:
+                    _observer.instant("prefetch_deferred", unit.name)
+            return
+        if _observer is not None:
+            _observer.instant("prefetch", unit.name)
+        self.issue(unit)
+
+    def require(self, unit: Unit) -> None:
+        """Makes ``unit``'s parameters available now (gather if needed, then wait)."""
+        if unit in self.deferred:
+            self.deferred.remove(unit)
+        self.issue(unit)
+        if unit.gather_in_flight:
+            unit.wait_unshard()
+        else:
+            unit.ensure_registered()
+
+    def reshard(self, unit: Unit, *, to_post_forward_group: bool = False) -> None:
+        unit.reshard(to_post_forward_group=to_post_forward_group)
+        self.account(unit)
+        if self.deferred:
+            self._drain_deferred()
+
+    def _drain_deferred(self) -> None:
+        limit = self.settings.max_unsharded_bytes
+        while self.deferred:
+            unit = self.deferred[0]
+            unit.lazy_init()
+            if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
+                return
+            self.deferred.pop(0)
+            self.issue(unit)
 
 
 class Scheduler:
@@ -47,18 +188,16 @@ class Scheduler:
 
     Args:
         units: every unit under the root, in module pre-order.
+        settings: the tree's settings (the same object its modules' setters write).
     """
 
-    def __init__(self, units: list[Unit]) -> None:
+    def __init__(self, units: list[Unit], settings: ScheduleSettings | None = None) -> None:
         self.units = units
-        self.forward_depth = 1
-        self.backward_depth = 1
-        self.max_unsharded_bytes: int | None = None
-        # Reduce-scatters whose full-size buffers may be in flight at once
-        # (set_reduce_scatter_max_input_buffers): 1 bounds memory to one unit.
-        self.max_inflight_reductions = 1
-        self.is_last_backward = True
-        self.step = 0
+        self.settings = settings if settings is not None else ScheduleSettings()
+        # This root's step, shared with its units for the collectives they issue.
+        self.step_context = _collectives.StepContext()
+        for unit in units:
+            unit.step_context = self.step_context
         self.forward_active = False
         self.backward_active = False
 
@@ -72,100 +211,31 @@ class Scheduler:
         self._backward_cursor = 0
         self._reductions: list[PendingReduction] = []  # not yet handed to .grad
         self._scattering: list[PendingReduction] = []  # reduce-scatter not yet waited
-        self._deferred: list[Unit] = []
-        self._holding: dict[Unit, int] = {}  # unit -> unsharded bytes it holds
-        self._holding_bytes = 0
         # Versions of each unit's shards when its forward ran: backward must see the
         # same parameters as the forward that built the autograd graph.
         self._forward_versions: dict[Unit, list[int]] = {}
         # Units whose parameters other units share: freed and reduced after their
         # last use, see [Note: shared parameters].
         self.shared = SharedUses()
+        # Every later state change of a unit goes through this scheduler's limiter.
+        self.memory = RateLimiter(units, self.settings)
 
-    # ------------------------------------------------------------------
-    # memory accounting (rate limiter) and issuing
-    # ------------------------------------------------------------------
-
-    def _account(self, unit: Unit) -> None:
-        holds = unit.state is ShardState.UNSHARDED or unit.gather_in_flight
-        counted = self._holding.get(unit)
-        if holds and counted is None:
-            nbytes = unit.unsharded_nbytes
-            self._holding[unit] = nbytes
-            self._holding_bytes += nbytes
-            if _trace.ENABLED:
-                _trace.memory_event("alloc", unit.name, nbytes, self._holding_bytes)
-        elif not holds and counted is not None:
-            del self._holding[unit]
-            self._holding_bytes -= counted
-            if _trace.ENABLED:
-                _trace.memory_event("free", unit.name, counted, self._holding_bytes)
-
-    def _recount_holdings(self) -> None:
-        # Users may unshard()/reshard() units directly, outside the scheduler.
-        self._holding.clear()
-        self._holding_bytes = 0
-        for unit in self.units:
-            if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
-                self._holding[unit] = unit.unsharded_nbytes
-                self._holding_bytes += self._holding[unit]
-
-    def _issue(self, unit: Unit) -> None:
-        if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
-            return
-        unit.unshard()
-        self._account(unit)
-
-    def _prefetch(self, unit: Unit) -> None:
-        if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
-            return
-        limit = self.max_unsharded_bytes
-        if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
-            if unit not in self._deferred:
-                self._deferred.append(unit)
-                if _trace.ENABLED:
-                    _trace.instant("prefetch_deferred", unit.name)
-            return
-        if _trace.ENABLED:
-            _trace.instant("prefetch", unit.name)
-        self._issue(unit)
-
-    def _require(self, unit: Unit) -> None:
-        """Makes ``unit``'s parameters available now (gather if needed, then wait)."""
-        if unit in self._deferred:
-            self._deferred.remove(unit)
-        self._issue(unit)
-        if unit.gather_in_flight:
-            unit.wait_unshard()
-        else:
-            unit.ensure_registered()
+    @property
+    def step(self) -> int:
+        """Forward passes begun so far (the current training step)."""
+        return self.step_context.step
 
     def prefetch(self, units: list[Unit]) -> None:
         """Explicit prefetch from a module that manages no parameters itself."""
         for unit in units:
-            self._prefetch(unit)
+            self.memory.prefetch(unit)
 
     def prefetch_now(self, unit: Unit) -> None:
         """A user's explicit ``unshard()``: issued at once, outside the limit."""
-        self._issue(unit)
+        self.memory.issue(unit)
 
     def reshard(self, unit: Unit) -> None:
-        self._reshard(unit)
-
-    def _reshard(self, unit: Unit, *, to_post_forward_group: bool = False) -> None:
-        unit.reshard(to_post_forward_group=to_post_forward_group)
-        self._account(unit)
-        if self._deferred:
-            self._drain_deferred()
-
-    def _drain_deferred(self) -> None:
-        limit = self.max_unsharded_bytes
-        while self._deferred:
-            unit = self._deferred[0]
-            if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
-                return
-            self._deferred.pop(0)
-            self._issue(unit)
+        self.memory.reshard(unit)
 
     # ------------------------------------------------------------------
     # forward
@@ -180,24 +250,22 @@ class Scheduler:
                 "reset_iter_state() on the root module after catching the exception."
             )
         self._complete_reductions()
-        self._recount_holdings()
         self.forward_active = True
-        self.step += 1
-        _collectives.current_step = self.step
-        if _trace.ENABLED:
-            _trace.set_step(self.step)
+        self.step_context.step += 1
+        if _observer is not None:
+            _observer.set_step(self.step)
         if self._forward_order:
             self._prev_forward_order = self._forward_order
         self._forward_order = []
         self._forward_cursor = 0
         self._post_forward_order = []
-        self._deferred.clear()
+        self.memory.deferred.clear()
         self.shared.begin_forward_pass()
         for unit in self.units:
             if unit.state is ShardState.UNSHARDED and unit.params_changed_since_unshard():
                 # The sharded parameters were updated (optimizer step) while this unit
                 # stayed unsharded (reshard_after_backward=False): gather fresh data.
-                self._reshard(unit)
+                self.memory.reshard(unit)
 
     def pre_forward(self, *units: Unit) -> None:
         """``units``: one unit, or the units of one call's meshes (see [Note:
@@ -210,24 +278,24 @@ class Scheduler:
             unit.lazy_init()
             self._forward_versions[unit] = [p.data_version() for p in unit.params]
             self.shared.forward_use_begin(unit)
-            self._issue(unit)
+            self.memory.issue(unit)
         for unit in units:
             for target in self._forward_prefetch_targets(unit):
                 if target not in units:
-                    self._prefetch(target)
+                    self.memory.prefetch(target)
         for unit in units:
-            self._require(unit)
-            if _trace.ENABLED:
-                _trace.begin_span("forward", unit.name)
+            self.memory.require(unit)
+            if _observer is not None:
+                _observer.begin_span("forward", unit.name)
 
     def recompute_forward(self, unit: Unit) -> None:
         """Activation checkpointing re-runs ``unit``'s forward inside backward."""
-        self._require(unit)
+        self.memory.require(unit)
 
     def _forward_prefetch_targets(self, unit: Unit) -> list[Unit]:
         if unit.forward_prefetch is not None:  # explicit, [] included
             return unit.forward_prefetch
-        order, depth = self._prev_forward_order, self.forward_depth
+        order, depth = self._prev_forward_order, self.settings.forward_depth
         if depth <= 0 or not order:
             return []
         # Find this unit in the previous order, scanning forward from where the
@@ -239,8 +307,8 @@ class Scheduler:
         return []
 
     def post_forward(self, unit: Unit) -> None:
-        if _trace.ENABLED:
-            _trace.end_span("forward", unit.name)
+        if _observer is not None:
+            _observer.end_span("forward", unit.name)
         self._post_forward_order.append(unit)
         if self.shared.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
             self._reshard_after_forward(unit)
@@ -249,7 +317,7 @@ class Scheduler:
     def _reshard_after_forward(self, unit: Unit) -> None:
         reshard = unit.reshard_after_forward
         if reshard is not False:
-            self._reshard(unit, to_post_forward_group=reshard is not True)
+            self.memory.reshard(unit, to_post_forward_group=reshard is not True)
 
     def borrow_forward(self, units: list[Unit]) -> None:
         """A module sharing the parameters of ``units`` (their owner units) starts
@@ -257,7 +325,7 @@ class Scheduler:
         for unit in units:
             self._forward_order.append(unit)
             self.shared.forward_use_begin(unit)
-            self._require(unit)
+            self.memory.require(unit)
 
     def return_forward(self, units: list[Unit]) -> None:
         """The forward that :meth:`borrow_forward` began is done."""
@@ -269,7 +337,7 @@ class Scheduler:
     def end_forward(self) -> None:
         """Called by the state that began the forward, after its post-forward."""
         self.forward_active = False
-        self._deferred.clear()
+        self.memory.deferred.clear()
         no_backward = not torch.is_grad_enabled()
         for unit in self.shared.end_forward_pass(record=not no_backward):
             self._reshard_after_forward(unit)  # shared units held for a later use
@@ -278,7 +346,7 @@ class Scheduler:
         ran = set(self._forward_order)
         for unit in self.units:
             if unit.gather_in_flight and unit not in ran:
-                self._reshard(unit)  # a prefetch the forward did not use
+                self.memory.reshard(unit)  # a prefetch the forward did not use
             elif no_backward and unit.state is ShardState.UNSHARDED:
                 # Units that stay unsharded (the root; reshard_after_forward=False
                 # for evaluation) keep their data across no-grad forwards, as in
@@ -312,18 +380,18 @@ class Scheduler:
                 )
         gather = [u for u in units if u.unshard_in_backward]
         for unit in gather:
-            self._issue(unit)
+            self.memory.issue(unit)
         for unit in gather:
             for target in self._backward_prefetch_targets(unit):
                 # As in FSDP2, a unit set not to unshard in backward is not
                 # prefetched there either (its backward does not need it).
                 if target not in units and target.unshard_in_backward:
-                    self._prefetch(target)
+                    self.memory.prefetch(target)
         for unit in gather:
-            self._require(unit)
-        if _trace.ENABLED:
+            self.memory.require(unit)
+        if _observer is not None:
             for unit in units:
-                _trace.begin_span("backward", unit.name)
+                _observer.begin_span("backward", unit.name)
 
     def _note_backward(self) -> None:
         if not self.backward_active:
@@ -335,7 +403,7 @@ class Scheduler:
         run: they must be unsharded, whatever their ``unshard_in_backward``."""
         self._note_backward()
         for unit in units:
-            self._require(unit)
+            self.memory.require(unit)
 
     def return_backward(self, units: list[Unit]) -> None:
         """The backward that :meth:`borrow_backward` began is done: reduce the owner
@@ -347,7 +415,7 @@ class Scheduler:
     def _backward_prefetch_targets(self, unit: Unit) -> list[Unit]:
         if unit.backward_prefetch is not None:  # explicit, [] included
             return unit.backward_prefetch
-        order, depth = self._backward_order, self.backward_depth
+        order, depth = self._backward_order, self.settings.backward_depth
         if depth <= 0 or not order:
             return []
         # This unit's latest post-forward below the cursor (a unit run several
@@ -383,25 +451,29 @@ class Scheduler:
         # its parameters and gradients (see [Note: shared parameters]).
 
     def _post_backward(self, unit: Unit, *, at_end: bool, drain: bool = True) -> None:
-        if unit.phase is Phase.PRE_BACKWARD and _trace.ENABLED:
-            _trace.end_span("backward", unit.name)
+        if unit.phase is Phase.PRE_BACKWARD and _observer is not None:
+            _observer.end_span("backward", unit.name)
         unit.phase = Phase.POST_BACKWARD
         if not unit.requires_gradient_sync:
             unit.accumulate_unsharded_grads()
             if unit.reshard_after_backward:
-                self._reshard(unit)
+                self.memory.reshard(unit)
             return
         params, grads = unit.take_unsharded_grads()
         if unit.reshard_after_backward:
             # Gradients are separate tensors: free the parameters before the
             # reduction allocates its buffers, so the two never coexist.
-            self._reshard(unit)
+            self.memory.reshard(unit)
         if params:
             # Complete earlier reduce-scatters first: bounds full-size gradient
             # buffers, and they have had this unit's backward to finish. At the
             # end of backward there is no compute left to overlap and activations
             # are freed: issue at once, so the last reductions run concurrently.
-            while drain and not at_end and len(self._scattering) >= self.max_inflight_reductions:
+            while (
+                drain
+                and not at_end
+                and len(self._scattering) >= self.settings.max_inflight_reductions
+            ):
                 self._scattering.pop(0).advance()
             reduction = unit.reduce_grads(params, grads, all_reduce=unit.requires_all_reduce)
             del grads  # packed into the reduction's buffer
@@ -423,12 +495,12 @@ class Scheduler:
                 ) or (unit in self.shared and unit.has_unsharded_grads()):
                     # (a shared unit may get gradients after an early reduction)
                     self.post_backward(unit, at_end=True)
-            if self.is_last_backward:
+            if self.settings.is_last_backward:
                 self._complete_reductions()
         finally:
             for unit in self.units:
                 unit.phase = Phase.IDLE
-            self._deferred.clear()
+            self.memory.deferred.clear()
             self.shared.end_backward_pass()
             self.backward_active = False
 
@@ -459,11 +531,11 @@ class Scheduler:
         for unit in self.units:
             unit.discard_unsharded_grads()
             try:
-                self._reshard(unit)
+                self.memory.reshard(unit)
             except RuntimeError as exc:
                 failures.append(str(exc))
                 unit.abandon_gather()
-                self._reshard(unit)
+                self.memory.reshard(unit)
             unit.phase = Phase.IDLE
         self._forward_versions.clear()
         self.shared.reset()
@@ -473,7 +545,7 @@ class Scheduler:
                 len(failures),
                 failures[0],
             )
-        self._deferred.clear()
+        self.memory.deferred.clear()
         self.forward_active = False
         self.backward_active = False
         self._forward_order = []

@@ -54,7 +54,7 @@ from ._sharded_param import ShardedParam
 from ._unit import Unit
 
 if TYPE_CHECKING:
-    from ._state import UnitState
+    from ._hooks import UnitState
 
 __all__ = ["SharedLink", "SharedUses", "collect_borrowed", "link_shared", "shared_link"]
 

@@ -46,7 +46,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import _compat, _env
+from . import _collectives, _compat, _env
+from ._errors import CollectiveMismatchError
 
 __all__ = [
     "CollectiveMismatchError",
@@ -56,10 +57,6 @@ __all__ = [
     "enable_collective_checks",
     "enable_collective_guard",
 ]
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks of one process group issued different collectives (or some none)."""
 
 
 class _FingerprintChecker:
@@ -126,6 +123,26 @@ def _env_enabled() -> bool:
     return _env.flag("FSDP_COMPOSE_DEBUG_COLLECTIVES", False)
 
 
+def _set_checker(checker: _FingerprintChecker | None) -> None:
+    """Installs ``checker`` (None: none) on the collectives' launch (see [Note:
+    collective extensions] in ``_collectives.py``)."""
+    global _checker
+    _checker = checker
+    if checker is None:
+        _collectives.remove_launch_wrapper(_check_before_launch)
+    else:
+        _collectives.add_launch_wrapper(_check_before_launch)
+
+
+def _check_before_launch(
+    call: _collectives.CollectiveCall, issue: _collectives.Issue
+) -> dist.Work | None:
+    checker = _checker
+    if checker is not None:
+        checker.check(call.kind, call.label, call.group, call.numel, call.dtype, call.step)
+    return issue()
+
+
 def enable_collective_checks(timeout: float | None = None) -> None:
     """Cross-checks every collective's fingerprint across ranks before it is issued.
 
@@ -135,16 +152,14 @@ def enable_collective_checks(timeout: float | None = None) -> None:
             ``FSDP_COMPOSE_DEBUG_TIMEOUT`` if set, else the timeout of the process
             group the collective runs on.
     """
-    global _checker
     if timeout is None:
         timeout = _env.seconds("FSDP_COMPOSE_DEBUG_TIMEOUT")
-    _checker = _FingerprintChecker(timeout)
+    _set_checker(_FingerprintChecker(timeout))
 
 
 def disable_collective_checks() -> None:
     """Turns the cross-rank collective checks off (the default)."""
-    global _checker
-    _checker = None
+    _set_checker(None)
 
 
 def collective_checks_enabled() -> bool:
@@ -159,7 +174,7 @@ def collective_checks(timeout: float | None = None) -> Iterator[None]:
     try:
         yield
     finally:
-        globals()["_checker"] = previous
+        _set_checker(previous)
 
 
 def enable_collective_guard(enabled: bool = True) -> None:
@@ -176,14 +191,7 @@ def enable_collective_guard(enabled: bool = True) -> None:
     """
     from . import _guard  # _guard imports this module
 
-    _guard.enabled = bool(enabled)
-
-
-def _check(
-    kind: str, label: str, group: dist.ProcessGroup, numel: int, dtype: torch.dtype, step: int
-) -> None:
-    if _checker is not None:
-        _checker.check(kind, label, group, numel, dtype, step)
+    _guard.set_enabled(bool(enabled))
 
 
 if _env_enabled():

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _collectives
+from . import _collectives, _scheduler
 
 __all__ = [
     "clear",
@@ -51,7 +52,7 @@ __all__ = [
     "to_chrome_trace",
 ]
 
-ENABLED = False  # read directly by the scheduler's hot path
+ENABLED = False
 
 _COMPUTE_TID = 0
 _COMM_TIDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
@@ -80,6 +81,7 @@ def enable() -> None:
     global ENABLED
     if not ENABLED:
         _collectives.add_listener(_on_collective)
+        _scheduler.set_observer(sys.modules[__name__])  # type: ignore[arg-type]
         ENABLED = True
 
 
@@ -88,6 +90,7 @@ def disable() -> None:
     global ENABLED
     ENABLED = False
     _collectives.remove_listener(_on_collective)
+    _scheduler.set_observer(None)
 
 
 def is_enabled() -> bool:

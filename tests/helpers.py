@@ -51,22 +51,22 @@ def all_gather_by_broadcast(min_row_bytes: int = 0) -> Iterator[Counter[str]]:
     """Makes gloo all-gathers of rows from ``min_row_bytes`` up go by broadcasts
     ([Note: all-gather on gloo]; test models are below the default size) and
     counts them."""
-    from fsdp_compose import _compat
+    from fsdp_compose import _gloo
 
     calls: Counter[str] = Counter()
-    real, threshold = _compat.gloo_all_gather_by_broadcast, _collectives._BROADCAST_ALL_GATHER_MIN_ROW_BYTES
+    real, threshold = _gloo.gloo_all_gather_by_broadcast, _gloo._BROADCAST_ALL_GATHER_MIN_ROW_BYTES
 
     def counting(output: torch.Tensor, group: dist.ProcessGroup) -> Any:
         calls["by_broadcast"] += 1
         return real(output, group)
 
-    _compat.gloo_all_gather_by_broadcast = counting
-    _collectives._BROADCAST_ALL_GATHER_MIN_ROW_BYTES = min_row_bytes
+    _gloo.gloo_all_gather_by_broadcast = counting
+    _gloo._BROADCAST_ALL_GATHER_MIN_ROW_BYTES = min_row_bytes
     try:
         yield calls
     finally:
-        _compat.gloo_all_gather_by_broadcast = real
-        _collectives._BROADCAST_ALL_GATHER_MIN_ROW_BYTES = threshold
+        _gloo.gloo_all_gather_by_broadcast = real
+        _gloo._BROADCAST_ALL_GATHER_MIN_ROW_BYTES = threshold
 
 
 @contextlib.contextmanager

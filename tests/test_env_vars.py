@@ -94,14 +94,14 @@ def test_invalid_values_read_at_import_fail_the_import() -> None:
 
 
 def test_invalid_values_read_at_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fsdp_compose import _collectives, _optim, debug
+    from fsdp_compose import _gloo, _optim, debug
 
     monkeypatch.setenv("FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP", "of")
     with pytest.raises(ValueError, match="FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP='of'"):
         _optim.enabled()
     monkeypatch.setenv("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", "alltoall")
     with pytest.raises(ValueError, match="use one of all_to_all, native"):
-        _collectives._use_all_to_all_reduce_scatter(None)  # type: ignore[arg-type]
+        _gloo._use_all_to_all_reduce_scatter(None)  # type: ignore[arg-type]
     monkeypatch.setenv("FSDP_COMPOSE_DEBUG_TIMEOUT", "5s")
     with pytest.raises(ValueError, match="FSDP_COMPOSE_DEBUG_TIMEOUT='5s'"):
         debug.enable_collective_checks()

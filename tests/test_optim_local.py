@@ -243,3 +243,17 @@ def test_lr_schedulers_hooks_and_closures(sched_name: str, optim_name: str) -> N
     for r in run_distributed(_scheduler_job, 2, sched_name, optim_name):
         assert r.pop("warnings") == [], r
         assert all(r.values()), r
+
+
+def test_optimizers_without_sharded_parameters_are_left_alone() -> None:
+    """The local step is switched on only for optimizers that hold parameters
+    sharded by fsdp_compose: an unrelated optimizer in the same process gets no
+    step hook and keeps torch's own step."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    pre_hooks = len(opt._optimizer_step_pre_hooks)
+    _optim.accelerate(opt)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    assert opt not in _optim._accelerated, "a plain optimizer was given the local step"
+    assert len(opt._optimizer_step_pre_hooks) == pre_hooks, opt._optimizer_step_pre_hooks

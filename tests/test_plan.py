@@ -201,7 +201,7 @@ def _auto_wrap_gpt_job() -> dict:
         "units": [u._fsdp_state().unit.name for u in units],
         "loss_diffs": diffs,
         "param_diff": param_diff,
-        "depth": model._fsdp_state().scheduler.forward_depth,
+        "depth": model._fsdp_state().scheduler.settings.forward_depth,
     }
 
 

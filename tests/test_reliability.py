@@ -353,7 +353,7 @@ def _reset_job(fail_in: str | None) -> dict:
             units = scheduler.units
             assert all(u.state is ShardState.SHARDED and not u.gather_in_flight for u in units)
             assert all(u._unsharded is None or u._unsharded.untyped_storage().size() == 0 for u in units)
-            assert scheduler._holding_bytes == 0 and not scheduler._reductions
+            assert scheduler.memory.holding_bytes == 0 and not scheduler._reductions
             continue
         loss = loss_fn(model(x), y)
         loss.backward()

@@ -197,7 +197,7 @@ def _settings_and_groups_job() -> dict:
         unit_module._collectives.all_gather, unit_module._collectives.reduce_scatter = real_ag, real_rs
     return {
         "diffs": diffs, "param_diff": max_param_diff(model, ref)[0],
-        "max_inflight": model._fsdp_state().scheduler.max_inflight_reductions,
+        "max_inflight": model._fsdp_state().scheduler.settings.max_inflight_reductions,
         "ag_groups": len(groups["all_gather"]), "rs_groups": len(groups["reduce_scatter"]),
         "disjoint": not groups["all_gather"] & groups["reduce_scatter"],
     }

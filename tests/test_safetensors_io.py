@@ -447,7 +447,8 @@ def test_core_does_not_import_the_extension() -> None:
     import fsdp_compose
 
     root = os.path.dirname(fsdp_compose.__file__)
-    core = ["_fully_shard.py", "_unit.py", "_scheduler.py", "_state.py", "_collectives.py",
+    core = ["_fully_shard.py", "_fsdp_module.py", "_unit.py", "_flat_buffer.py", "_reduce.py",
+            "_scheduler.py", "_hooks.py", "_collectives.py",
             "_sharded_param.py", "_mesh.py", "_policies.py", "_compat.py"]
     for name in core:
         with open(os.path.join(root, name)) as f:

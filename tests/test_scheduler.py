@@ -142,8 +142,10 @@ def _limit_job(limit_units: int | None) -> dict:
     fully_shard(model)
     units = model._fsdp_state().scheduler  # not created before the first forward
     assert units is None
-    unit_bytes = [m._fsdp_state().unit.unsharded_nbytes for m in
-                  [inner.tok_emb, *inner.blocks, inner.ln_f]]
+    measured = [m._fsdp_state().unit for m in [inner.tok_emb, *inner.blocks, inner.ln_f]]
+    for unit in measured:
+        unit.lazy_init()  # the size is known once the layout is (it reads no lazy state)
+    unit_bytes = [unit.unsharded_nbytes for unit in measured]
     if limit_units is not None:
         model.set_unsharded_memory_limit(max(unit_bytes) * limit_units)
     diffs = _train_traced(model, Wrapper(ref), cfg, steps=3)

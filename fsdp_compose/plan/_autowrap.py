@@ -9,7 +9,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, Shard
 
-from .._fully_shard import FSDPModule, fully_shard
+from .._fsdp_module import FSDPModule
+from .._fully_shard import fully_shard
 from .._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._policy import ShardingPlan, WrapPolicy, resolve_plan
 

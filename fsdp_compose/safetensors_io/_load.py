@@ -199,11 +199,10 @@ def _default_device(targets: list[Target]) -> torch.device:
 
 def _invalidate_units(module: nn.Module) -> None:
     # fsdp_compose units re-derive their buffers from the (new) sharded parameters.
+    from .._fsdp_module import invalidate_units
+
     for m in module.modules():
-        get_state = getattr(m, "_fsdp_state", None)
-        unit = getattr(get_state(), "unit", None) if callable(get_state) else None
-        if unit is not None:
-            unit.invalidate()
+        invalidate_units(m)
 
 
 @torch.no_grad()

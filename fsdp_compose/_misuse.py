@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _compat, _missing_root, _optim
+from . import _compat, _hooks, _missing_root, _optim
 from ._unit import Unit
 
 REPLACED_BY = "_fsdp_compose_replaced_by"  # set on original parameters by fully_shard
@@ -272,3 +272,11 @@ def warn_if_gradient_sync_left_off(optimizer: torch.optim.Optimizer) -> None:
         "(warned once).",
         stacklevel=3,
     )
+
+
+def _on_root_init(units: list[Unit]) -> None:
+    verify_same_structure(units)
+    register_units(units)
+
+
+_hooks.add_root_init_check(_on_root_init)

@@ -27,12 +27,24 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from . import _checks, _compat
+from . import _compat
 from ._policies import MixedPrecisionPolicy
-from ._scheduler import Scheduler
+from ._scheduler import Scheduler, ScheduleSettings
 from ._unit import Unit
 
 _STATE_ATTR = "_fsdp_compose_state"
+
+#: Called with every unit of a root's tree once the root is initialized (its
+#: first forward), before any collective of that forward; extensions (the misuse
+#: checks) register here, the core does not import them.
+RootInitCheck = Callable[[list[Unit]], None]
+_root_init_checks: list[RootInitCheck] = []
+
+
+def add_root_init_check(check: RootInitCheck) -> None:
+    """Runs ``check(units)`` at the lazy init of every later root."""
+    if check not in _root_init_checks:
+        _root_init_checks.append(check)
 
 
 def state_of(module: nn.Module) -> UnitState | None:
@@ -91,7 +103,8 @@ class UnitState:
         self.scheduler: Scheduler | None = None
         self.root_state: UnitState | None = None
         self.all_states: list[UnitState] = []  # root only: every state in its tree
-        self.schedule_settings: dict[str, Any] = {}  # applied to the scheduler at lazy init
+        # The schedule's settings: one object per tree, see adopt_subtree_settings.
+        self.settings = ScheduleSettings()
         # Explicit prefetch lists of a call that manages no parameters (a unit's own
         # lists live on the unit); None: nothing to prefetch.
         self.forward_prefetch: list[Unit] | None = None
@@ -118,6 +131,19 @@ class UnitState:
                 module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             )
             self._handles.append(module.register_forward_hook(self._post_forward, prepend=False))
+
+    def adopt_subtree_settings(self) -> None:
+        """Makes this state's :class:`ScheduleSettings` the one of every
+        ``fully_shard`` module below it (annotated earlier, bottom-up), taking over
+        what was set on them: a setting made on any module of a tree applies to
+        the tree's one scheduler."""
+        for module in self.modules:
+            for sub in module.modules():
+                state = state_of(sub)
+                if state is None or state.settings is self.settings:
+                    continue
+                self.settings.adopt(state.settings)
+                state.settings = self.settings
 
     @property
     def own_units(self) -> list[Unit]:
@@ -172,21 +198,16 @@ class UnitState:
         if self.auto_reshard_after_forward:
             for unit in self.own_units:
                 unit.set_reshard_after_forward(False)
-        scheduler = Scheduler(units)
+        scheduler = Scheduler(units, self.settings)
         _register_borrowers(scheduler, states, units, root_module)
-        # Settings made on any module of the tree before this first forward; the
-        # root's own are applied last, so they win.
-        for state in [*(s for s in states if s is not self), self]:
-            for key, value in state.schedule_settings.items():
-                setattr(scheduler, key, value)
         for state in states:
             state.scheduler = scheduler
             state.root_state = self
         self.all_states = states
         for unit in units:
             unit.lazy_init()
-        _checks.verify_same_structure(units)
-        _checks.register_units(units)
+        for check in _root_init_checks:
+            check(units)
 
     # ------------------------------------------------------------------
     # forward

@@ -1,0 +1,245 @@
+"""The flat communication buffer of a unit: its layout, and the copies in and out.
+
+Each unit owns one flat ``unsharded`` buffer of ``W * S`` elements (``S`` = one
+rank's padded row) laid out parameter-major: parameter p occupies ``W * slot_p``
+elements starting at ``W * offset_p``, and its unsharded ``nn.Parameter`` is a view
+of the first ``numel_p`` of them. The buffer is created once; resharding frees it
+by resizing its storage to zero bytes and unsharding resizes it back and refills
+it. Autograd may have saved the unsharded parameters for backward, and this keeps
+those saved references valid across a reshard/unshard cycle (the refill does not
+bump the version counter: it restores the same values).
+
+The all-gather output is rank-major (``(W, S)``: row r is rank r's slots), so one
+copy (``split_with_sizes_copy``) moves each parameter's ``(W, slot_p)`` block into
+place. Gradients go the other way with one ``chunk_cat``.
+
+With a shard world of one and no dtype cast, the unsharded parameter simply
+aliases the local shard (no buffer, no copy): a one-rank run costs what the
+unwrapped model costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import _collectives, _compat
+from ._mesh import MeshInfo
+from ._sharded_param import ShardedParam
+
+_BYTE_ALIGNMENT = 16  # slot alignment when a unit mixes dtypes and buffers are bytes
+
+
+@dataclass
+class _Slot:
+    param: ShardedParam | None  # None: alignment gap
+    offset: int  # within one rank's row, in buffer elements
+    size: int  # per-rank padded slot, in buffer elements
+
+
+class FlatBuffer:
+    """The part of a :class:`~fsdp_compose._unit.Unit` that lays its parameters
+    out in one flat buffer and copies shards in (before an all-gather) and
+    gathered rows out (after it); see [Note: unsharded storage]."""
+
+    # Set by Unit.__init__ / lazy init.
+    params: list[ShardedParam]
+    mesh_info: MeshInfo
+    offload: bool
+    _post_forward_group: dist.ProcessGroup | None
+    _post_forward_rank: int
+    _post_forward_size: int
+    _gathered_versions: list[int]
+    _gather_output: torch.Tensor | None
+    _gather_world: int
+    _unsharded: torch.Tensor | None
+    _alias: bool
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        return self.mesh_info.shard_group
+
+    def _init_layout(self) -> None:
+        info = self.mesh_info
+        world = info.shard_size
+        dtypes = {p.compute_dtype for p in self.params}
+        uniform = len(dtypes) == 1
+        self._uniform = uniform
+        self._buffer_dtype = next(iter(dtypes)) if uniform else torch.uint8
+        slots: list[_Slot] = []
+        row = 0
+        for p in self.params:
+            if uniform:
+                size = p.chunk_numel
+            else:
+                misalign = row % _BYTE_ALIGNMENT
+                if misalign:
+                    slots.append(_Slot(None, row, _BYTE_ALIGNMENT - misalign))
+                    row += _BYTE_ALIGNMENT - misalign
+                size = p.chunk_numel * p.compute_dtype.itemsize
+            slots.append(_Slot(p, row, size))
+            row += size
+        self._slots = slots
+        self._row = row
+        self._world = world
+        self._alias = (
+            world == 1
+            and not self.offload
+            and all(p.compute_dtype == p.orig_dtype for p in self.params)
+        )
+        self._fused_copy_out = all(p.shard_dim == 0 for p in self.params)
+        # Whether the all-gather over the shard group takes this rank's row of its
+        # output as input (NCCL; gloo by broadcasts) or a separate send buffer.
+        self._gather_in_place = world == 1 or _collectives.gathers_in_place(
+            self.shard_group, row * self._buffer_dtype.itemsize, info.device
+        )
+        # This rank's shards fill its row without gaps (same dtype, no padding in
+        # its slots): copy-in is one concatenation.
+        self._dense_copy_in = uniform and all(
+            s.param is not None and s.param.local_numel == s.size for s in slots
+        )
+        self._copy_out_sizes: dict[int, list[int]] = {}
+        device = info.device
+        if self._alias:
+            self._unsharded = None
+            for p in self.params:
+                p.unsharded_param = p.wrap_unsharded(p.local_shard)
+            return
+        # Views are created while the storage exists (slicing checks bounds), then
+        # the storage is freed until the first unshard.
+        flat = torch.empty(world * row, dtype=self._buffer_dtype, device=device)
+        self._unsharded = flat
+        for slot in slots:
+            sp = slot.param
+            if sp is None:
+                continue
+            start = world * slot.offset
+            if uniform:
+                view = flat[start : start + sp.orig_numel]
+            else:
+                view = flat[start : start + sp.orig_numel * sp.compute_dtype.itemsize].view(
+                    sp.compute_dtype
+                )
+            sp.unsharded_param = sp.wrap_unsharded(view.view(sp.orig_size))
+        # Persistent destination views of the copy-out, per gathering world size.
+        self._copy_out_targets: dict[int, list[torch.Tensor]] = {}
+        self._copy_out_views(world)
+        if self._post_forward_group is not None:
+            self._copy_out_views(self._post_forward_size)
+        _free_storage(flat)
+
+    def _copy_out_views(self, world: int) -> list[torch.Tensor]:
+        views = self._copy_out_targets.get(world)
+        if views is None:
+            assert self._unsharded is not None
+            scale = self._world // world
+            views = [
+                self._unsharded[self._world * s.offset : self._world * (s.offset + s.size)].view(
+                    world, s.size * scale
+                )
+                for s in self._slots
+            ]
+            self._copy_out_targets[world] = views
+        return views
+
+    def _copy_in(self, row: torch.Tensor) -> None:
+        """Writes each local shard (cast to its compute dtype) into its slot of
+        ``row``; padding is left as is (never read back). No autograd: neither
+        side requires grad, so no ``no_grad`` context is needed (hot path)."""
+        self._gathered_versions = [p.data_version() for p in self.params]
+        if self._dense_copy_in:
+            srcs = [self._copy_in_source(p).view(-1) for p in self.params]
+            torch.cat(srcs, out=row) if len(srcs) > 1 else row.copy_(srcs[0])
+            return
+        dsts, srcs = [], []
+        byte_mode = not self._uniform
+        for slot in self._slots:
+            p = slot.param
+            if p is None or p.local_numel == 0:
+                continue
+            if byte_mode:
+                item = p.compute_dtype.itemsize
+                dst = row[slot.offset : slot.offset + p.local_numel * item].view(p.compute_dtype)
+            else:
+                dst = row[slot.offset : slot.offset + p.local_numel]
+            dsts.append(dst)
+            srcs.append(self._copy_in_source(p).reshape(-1))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+    def _copy_in_source(self, p: ShardedParam) -> torch.Tensor:
+        src = p.local_shard
+        if self.offload:
+            src = src.to(self.mesh_info.device, non_blocking=True)
+        return src.contiguous()
+
+    def _copy_out(self) -> None:
+        out, world = self._gather_output, self._gather_world
+        self._gather_output = None
+        assert out is not None and self._unsharded is not None
+        _alloc_storage(self._unsharded)
+        scale = self._world // world
+        # Refilling storage autograd may have saved is not a modification: keep
+        # the version (see [Note: unsharded storage]). Nothing here requires grad.
+        version = self._unsharded._version
+        try:
+            rows = out.view(world, -1)
+            if self._fused_copy_out:
+                sizes = self._copy_out_sizes.get(world)
+                if sizes is None:
+                    sizes = self._copy_out_sizes[world] = [s.size * scale for s in self._slots]
+                torch.split_with_sizes_copy(rows, sizes, dim=1, out=self._copy_out_views(world))
+            else:  # some parameter is sharded on a dim > 0 (needs a permuted copy)
+                self._copy_out_per_param(rows, scale)
+        finally:
+            _compat.restore_version(self._unsharded, version)
+
+    def _copy_out_per_param(self, rows: torch.Tensor, scale: int) -> None:
+        with torch.no_grad():  # writes through the unsharded parameters (leaves)
+            for slot in self._slots:
+                p = slot.param
+                if p is None:
+                    continue
+                block = rows[:, slot.offset * scale : (slot.offset + slot.size) * scale]
+                if block.dtype != p.compute_dtype:  # byte buffers: reinterpret
+                    block = block.view(p.compute_dtype)
+                if p.shard_dim == 0:
+                    flat = p.unsharded_local.view(-1)
+                    full = p.orig_numel // p.chunk_numel
+                    flat[: full * p.chunk_numel].view(full, -1).copy_(block[:full])
+                    rest = p.orig_numel - full * p.chunk_numel
+                    if rest:
+                        flat[full * p.chunk_numel :].copy_(block[full, :rest])
+                else:
+                    p.unsharded_local.copy_(p.unsharded_from_rank_chunks(block))
+
+    def _pack_post_forward_shard(self) -> torch.Tensor:
+        # This rank keeps rows [i*k, (i+1)*k) of every parameter block, k = W / N:
+        # exactly what an all-gather over its N-rank group must contribute to
+        # rebuild the (W, S) rank-major gather layout in backward.
+        assert self._unsharded is not None
+        k = self._world // self._post_forward_size
+        i = self._post_forward_rank
+        pieces = [
+            self._unsharded[
+                self._world * s.offset + i * k * s.size : self._world * s.offset
+                + (i + 1) * k * s.size
+            ]
+            for s in self._slots
+        ]
+        return torch.cat(pieces)
+
+
+def _alloc_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+def _free_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)

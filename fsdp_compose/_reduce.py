@@ -1,0 +1,336 @@
+"""Gradient reduction of a unit: accumulation without sync, packing, the
+reduce-scatter, the HSDP all-reduce (or its partial sums kept for later), the
+averaging division, and the hand-off to the sharded parameters' ``.grad``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import _collectives, _compat
+from ._collectives import PendingCollective, ReduceScatterComm
+from ._mesh import MeshInfo
+from ._sharded_param import ShardedParam
+
+
+class GradientReduction:
+    """The part of a :class:`~fsdp_compose._unit.Unit` that turns unsharded
+    gradients into reduced sharded ones."""
+
+    # Set by Unit.__init__ / lazy init.
+    params: list[ShardedParam]
+    mesh_info: MeshInfo
+    name: str
+    reduce_dtype: torch.dtype | None
+    gradient_divide_factor: float | None
+    reduce_scatter_unused_params: bool
+    custom_reduce_scatter: ReduceScatterComm | None
+    all_reduce_hook: Callable[[torch.Tensor], None] | None
+    force_sum_reduction: bool
+    pin_memory: bool
+    _alias: bool
+    _reduce_scatter: ReduceScatterComm
+    _reduce_scatter_group: dist.ProcessGroup | None
+    _partial_reduce: dict[ShardedParam, torch.Tensor]
+    step_context: _collectives.StepContext
+
+    @property
+    def trainable_params(self) -> list[ShardedParam]:
+        return [p for p in self.params if p.sharded_param.requires_grad]
+
+    def accumulate_unsharded_grads(self) -> None:
+        """Without gradient sync, keeps gradients unsharded for the next backward,
+        upcast to the reduce dtype if that differs from the compute dtype."""
+        for p in self.trainable_params:
+            up = p.unsharded_param
+            if up is None or up.grad is None:
+                continue
+            if self.reduce_dtype is None or up.grad.dtype == self.reduce_dtype:
+                continue
+            grad = p.local_grad(up.grad)  # kept as a plain (TP-local) tensor
+            up.grad = None
+            if p.accumulated_grad is None:
+                p.accumulated_grad = grad.to(self.reduce_dtype)
+            else:
+                p.accumulated_grad.add_(grad)
+
+    def has_unsharded_grads(self) -> bool:
+        return any(
+            p.accumulated_grad is not None
+            or (p.unsharded_param is not None and p.unsharded_param.grad is not None)
+            for p in self.trainable_params
+        )
+
+    def discard_unsharded_grads(self) -> None:
+        for p in self.params:
+            p.accumulated_grad = None
+            if p.unsharded_param is not None:
+                p.unsharded_param.grad = None
+        self._partial_reduce.clear()
+
+    def merge_partial_reduce(
+        self, params: list[ShardedParam], sizes: list[int], output: torch.Tensor
+    ) -> None:
+        """Adds gradient sums kept from steps without all-reduce into ``output``."""
+        if not self._partial_reduce:
+            return
+        offset = 0
+        for p, size in zip(params, sizes):
+            kept = self._partial_reduce.pop(p, None)
+            if kept is not None:
+                output[offset : offset + p.local_numel].add_(kept)
+            offset += size
+
+    def keep_partial_reduce(
+        self, params: list[ShardedParam], sizes: list[int], output: torch.Tensor
+    ) -> None:
+        offset = 0
+        for p, size in zip(params, sizes):
+            piece = output[offset : offset + p.local_numel]
+            kept = self._partial_reduce.get(p)
+            self._partial_reduce[p] = piece.clone() if kept is None else kept.add_(piece)
+            offset += size
+
+    def take_unsharded_grads(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
+        """Removes and returns the unsharded gradients (including those accumulated
+        without sync) of the parameters that received one."""
+        params, grads = [], []
+        for p in self.trainable_params:
+            up = p.unsharded_param
+            grad = p.local_grad(up.grad) if up is not None and up.grad is not None else None
+            if p.accumulated_grad is not None:
+                if grad is not None:
+                    p.accumulated_grad.add_(grad)
+                grad, p.accumulated_grad = p.accumulated_grad, None
+            if grad is None:
+                if not self.reduce_scatter_unused_params or up is None:
+                    continue
+                # Keep the collective's size identical on ranks where this
+                # parameter got no gradient (conditional branches, MoE).
+                grad = torch.zeros(p.orig_size, dtype=p.compute_dtype, device=self.mesh_info.device)
+            if up is not None:
+                up.grad = None
+            params.append(p)
+            grads.append(grad)
+        return params, grads
+
+    def reduce_grads(
+        self, params: list[ShardedParam], grads: list[torch.Tensor], *, all_reduce: bool
+    ) -> PendingReduction | None:
+        """Packs ``grads`` and issues their reduce-scatter (one collective), then
+        (HSDP) all-reduce; returns the pending reduction, or None if nothing to do."""
+        if not params:
+            return None
+        info = self.mesh_info
+        world = info.shard_size
+        if self._alias and not info.is_hsdp and self.gradient_divide_factor is None:
+            # One rank, no casts: the unsharded gradient is the sharded gradient.
+            for p, g in zip(params, grads):
+                _assign_sharded_grad(p, g)
+            return None
+        reduce_dtype = self.reduce_dtype or grads[0].dtype
+        pre, post = _divide_factors(
+            info.data_parallel_size, reduce_dtype, self.gradient_divide_factor
+        )
+        sizes = [p.chunk_numel for p in params]
+        row = sum(sizes)
+        comm = self._reduce_scatter
+        if self.custom_reduce_scatter is not None and world > 1:
+            comm = self.custom_reduce_scatter  # like FSDP2: both buffers come from the comm
+        packed = _collectives.allocate(
+            comm, world * row, reduce_dtype, info.device, self.name, "reduce_scatter"
+        )
+        # Gradients from autograd do not require grad: no no_grad context needed.
+        chunks = [g if p.shard_dim == 0 else p.rank_chunks(g, world) for p, g in zip(params, grads)]
+        if len({c.dtype for c in chunks}) > 1:
+            # Mixed compute dtypes (reduce_dtype set): the fused pack takes one input dtype.
+            chunks = [c.to(reduce_dtype) for c in chunks]
+        _compat.chunk_cat(chunks, world, packed.view(world, row))
+        if pre != 1:
+            packed.div_(pre)
+        if world == 1:
+            output, rs = packed, None
+        else:
+            output = _collectives.allocate(
+                comm, row, reduce_dtype, info.device, self.name, "reduce_scatter"
+            )
+            group = self._reduce_scatter_group or self.mesh_info.shard_group
+            rs = _collectives.reduce_scatter(
+                output, packed, group, self.name, comm=comm, step=self.step_context.step
+            )
+        replicate_group = info.replicate_group if all_reduce else None
+        return PendingReduction(self, params, sizes, output, rs, replicate_group, post)
+
+
+class PendingReduction:
+    """A unit's gradients on their way: reduce-scatter, then (HSDP) all-reduce,
+    then division and hand-off to the sharded parameters' ``.grad``."""
+
+    def __init__(
+        self,
+        unit: GradientReduction,
+        params: list[ShardedParam],
+        sizes: list[int],
+        output: torch.Tensor,
+        reduce_scatter: PendingCollective | None,
+        replicate_group: dist.ProcessGroup | None,
+        post_divide: float,
+    ) -> None:
+        self.unit = unit
+        self._params = params
+        self._sizes = sizes
+        self._output: torch.Tensor | None = output
+        self._reduce_scatter = reduce_scatter
+        self._replicate_group = replicate_group
+        self._all_reduce: PendingCollective | None = None
+        self._post_divide = post_divide
+        self._scattered = False
+        # HSDP without all-reduce this step: keep the sums for a later all-reduce.
+        self._keep_partial = unit.mesh_info.is_hsdp and replicate_group is None
+        self.done = False
+
+    def _hook_sees_average(self, dtype: torch.dtype) -> bool:
+        # FSDP2 reduces float32/bfloat16 with ReduceOp.AVG unless a divide factor
+        # or force-sum is set, so its all-reduce hook receives the average; with
+        # SUM it receives the sum and divides after the hook. Same here.
+        unit = self.unit
+        return (
+            unit.gradient_divide_factor is None
+            and not unit.force_sum_reduction
+            and dtype in (torch.float32, torch.bfloat16)
+        )
+
+    def advance(self) -> None:
+        """Completes the reduce-scatter (freeing its full-size buffers) and starts
+        the replicate all-reduce if there is one, without waiting for the latter."""
+        if self._scattered or self.done:
+            return
+        if self._reduce_scatter is not None:
+            self._reduce_scatter.wait()
+            self._reduce_scatter = None
+        self._scattered = True
+        assert self._output is not None
+        if self._keep_partial:
+            return
+        self.unit.merge_partial_reduce(self._params, self._sizes, self._output)
+        if self._replicate_group is not None:
+            self._all_reduce = _collectives.all_reduce(
+                self._output,
+                self._replicate_group,
+                self.unit.name,
+                step=self.unit.step_context.step,
+            )
+
+    def finish(self) -> None:
+        """Completes the reduction and accumulates into the sharded ``.grad``."""
+        if self.done:
+            return
+        self.advance()
+        if self._all_reduce is not None:
+            self._all_reduce.wait()
+            self._all_reduce = None
+        output = self._output
+        assert output is not None
+        with torch.no_grad():
+            if self._keep_partial:
+                self.unit.keep_partial_reduce(self._params, self._sizes, output)
+            else:
+                hook, post = self.unit.all_reduce_hook, self._post_divide
+                if hook is not None and post != 1 and self._hook_sees_average(output.dtype):
+                    output.div_(post)
+                    post = 1
+                if hook is not None:
+                    hook(output)
+                if post != 1:
+                    output.div_(post)
+                offset, copies_in_flight = 0, False
+                for p, size in zip(self._params, self._sizes):
+                    local = output[offset : offset + p.local_numel].view(p.local_shape)
+                    copies_in_flight |= _assign_sharded_grad(p, local, self.unit.pin_memory)
+                    offset += size
+                if copies_in_flight:
+                    # The optimizer reads the offloaded gradients on the CPU right
+                    # after backward returns: block until the copies have landed.
+                    _device_sync_point(self.unit.mesh_info.device).synchronize()
+        self._release()
+
+    def discard(self) -> None:
+        """Waits for in-flight collectives (their buffers must outlive them) and
+        drops the result."""
+        for pending in (self._reduce_scatter, self._all_reduce):
+            if pending is not None:
+                pending.wait()
+        self._reduce_scatter = self._all_reduce = None
+        self._release()
+
+    def _release(self) -> None:
+        self.done = True
+        self._output = None
+        self._params = []
+
+
+def _assign_sharded_grad(
+    p: ShardedParam, local_grad: torch.Tensor, pin_memory: bool = False
+) -> bool:
+    """Stores (or accumulates) a reduced local gradient as ``p``'s sharded ``.grad``
+    in the parameter's original dtype, on the CPU when offloaded.
+
+    Returns True if an asynchronous device-to-host copy is still in flight; the
+    caller must synchronize before the CPU reads the gradient.
+    """
+    if local_grad.dtype != p.orig_dtype:
+        local_grad = local_grad.to(p.orig_dtype)  # cast on the device, before the copy
+    param = p.sharded_param
+    existing = param.grad
+    in_flight = False
+    if p.offload_device is not None:
+        # Asynchronous only into a fresh pinned gradient that nothing reads on the
+        # CPU before the caller's synchronization: accumulating into an existing
+        # gradient, or a post-accumulate-grad hook (optimizer in backward), would
+        # read the destination while the copy may still be running.
+        in_flight = (
+            pin_memory
+            and existing is None
+            and not getattr(param, "_post_accumulate_grad_hooks", None)
+        )
+        local_grad = local_grad.to(p.offload_device, non_blocking=in_flight)
+    if local_grad.shape != p.local_shape:
+        local_grad = local_grad.reshape(p.local_shape)
+    if existing is None:
+        param.grad = p.make_sharded_grad(local_grad)
+    else:
+        _compat.local_tensor(existing).add_(local_grad)
+    # Like autograd's AccumulateGrad, run the hooks registered with
+    # register_post_accumulate_grad_hook (e.g. optimizer-in-backward).
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    if hooks:
+        for hook in tuple(hooks.values()):
+            hook(param)
+    return in_flight
+
+
+def _device_sync_point(device: torch.device) -> torch.Event:
+    """An event recorded on ``device``'s current stream (after all work issued so far)."""
+    module = getattr(torch, device.type)
+    return module.current_stream(device).record_event()
+
+
+@functools.cache
+def _divide_factors(world: int, dtype: torch.dtype, custom: float | None) -> tuple[float, float]:
+    """How to average over ``world`` ranks: (divide before the sum, divide after).
+
+    Full precision divides once, after the sum (closest to a single-process mean).
+    Low precision splits the division around the sum to avoid both overflow and
+    underflow, using powers of two so the pre-division is exact.
+    """
+    if custom is not None:
+        return 1.0, float(custom)
+    if dtype.itemsize >= 4:
+        return 1.0, float(world)
+    pre = 1
+    while world % (pre * 2) == 0 and world / (pre * 2) >= pre * 2:
+        pre *= 2
+    return float(pre), world / pre
