@@ -123,6 +123,9 @@ class ReduceScatterComm(_CustomComm, Protocol):
 
 
 Listener = Callable[[CollectiveEvent, CollectiveInfo], None]
+# Issues one collective: ``issue(async_op, group)``. The group is the caller's, or
+# one with the same ranks that a launcher (the collective guard) issues on instead.
+Issue = Callable[[bool, dist.ProcessGroup], "dist.Work | None"]
 _listeners: list[Listener] = []
 _seq = itertools.count()
 current_step = 0  # set by the scheduler; names the step in errors and fingerprints
@@ -257,6 +260,8 @@ class PendingCollective:
         if self._work is not None:
             try:
                 self._work.wait()
+            except debug.CollectiveMismatchError:
+                raise
             except RuntimeError as exc:
                 tensor = self._tensors[1] if self._tensors else None
                 raise _failure(self._what, exc, tensor, self._group) from exc
@@ -382,33 +387,18 @@ def _on_complete(work: dist.Work, info: CollectiveInfo) -> None:
         _notify("complete", info)
 
 
-def _guarded(
-    kind: CollectiveKind, label: str, group: dist.ProcessGroup, inp: torch.Tensor, step: int
-) -> None:
-    """See [Note: collective guard]; a guard that cannot complete (a peer gone or
-    timed out) fails like the collective it protects."""
-    try:
-        _guard.check(kind, label, group, inp.numel(), inp.dtype, step)
-    except debug.CollectiveMismatchError:
-        raise
-    except RuntimeError as exc:
-        raise _failure(f"{kind} for {label} (step {step})", exc, inp, group) from exc
-
-
 def _launch(
     kind: CollectiveKind,
     label: str,
     group: dist.ProcessGroup,
     inp: torch.Tensor,
     out: torch.Tensor,
-    issue: Callable[[bool], dist.Work | None],
+    issue: Issue,
     finish: Callable[[], None] | None = None,
     keepalive: tuple[torch.Tensor, ...] = (),
 ) -> PendingCollective:
     if debug._checker is not None:
         debug._check(kind, label, group, inp.numel(), inp.dtype, current_step)
-    elif _guard.enabled and out.device.type == "cpu":
-        _guarded(kind, label, group, inp, current_step)
     info = _info(kind, label, group.size(), inp, out)
     if info is not None:
         _notify("issue", info)
@@ -417,7 +407,14 @@ def _launch(
         if not _exit_guard_registered:
             _register_exit_guard()
         try:
-            work = issue(True)
+            if _guard.enabled and debug._checker is None:  # see [Note: collective guard]
+                work = _guard.launch(
+                    kind, label, group, inp.numel(), inp.dtype, current_step, issue
+                )
+            else:
+                work = issue(True, group)
+        except debug.CollectiveMismatchError:
+            raise
         except RuntimeError as exc:
             raise _failure(what, exc, out, group) from exc
         if info is not None and work is not None:
@@ -431,7 +428,7 @@ def _launch(
     stream.wait_stream(current)
     with streams.module.stream(stream):
         try:
-            issue(False)
+            issue(False, group)
         except RuntimeError as exc:
             raise _failure(what, exc, out, group) from exc
         if finish is not None:
@@ -556,22 +553,22 @@ def all_gather(
     broadcasts). ``route``: ``route_of(group)``, kept by the caller."""
     if comm is None:
         output, input = _real_view(output), _real_view(input)
-    issue: Callable[[bool], dist.Work | None]
+    issue: Issue
     if comm is not None:
-        issue = lambda async_op: comm(  # noqa: E731
-            output_tensor=output, input_tensor=input, group=group, async_op=async_op
+        issue = lambda async_op, on: comm(  # noqa: E731
+            output_tensor=output, input_tensor=input, group=on, async_op=async_op
         )
     elif output.device.type == "cpu":
         if route is None:
             route = route_of(group)
         if not route.gloo:
-            issue = lambda async_op: _compat.all_gather_into_tensor(output, input, group, True)  # noqa: E731
+            issue = lambda async_op, on: _compat.all_gather_into_tensor(output, input, on, True)  # noqa: E731
         elif in_place and route.broadcast_all_gather:
-            issue = lambda async_op: _compat.gloo_all_gather_by_broadcast(output, group)  # noqa: E731
+            issue = lambda async_op, on: _compat.gloo_all_gather_by_broadcast(output, on)  # noqa: E731
         else:
-            issue = lambda async_op: _compat.gloo_all_gather_into_tensor(output, input, group)  # noqa: E731
+            issue = lambda async_op, on: _compat.gloo_all_gather_into_tensor(output, input, on)  # noqa: E731
     else:
-        issue = lambda async_op: _compat.all_gather_into_tensor(output, input, group, async_op)  # noqa: E731
+        issue = lambda async_op, on: _compat.all_gather_into_tensor(output, input, on, async_op)  # noqa: E731
     return _launch("all_gather", label, group, input, output, issue)
 
 
@@ -591,10 +588,10 @@ def reduce_scatter(
     if comm is None:
         output, input = _real_view(output), _real_view(input)
     if comm is not None:
-        issue = lambda async_op: comm(  # noqa: E731
+        issue = lambda async_op, on: comm(  # noqa: E731
             output_tensor=output,
             input_tensor=input,
-            group=group,
+            group=on,
             op=dist.ReduceOp.SUM,  # type: ignore[arg-type]  # (a RedOpType member)
             async_op=async_op,
         )
@@ -615,7 +612,7 @@ def reduce_scatter(
             group,
             input,
             output,
-            lambda async_op: _compat.gloo_all_to_all_single(received, input, group),
+            lambda async_op, on: _compat.gloo_all_to_all_single(received, input, on),
             finish=finish,
             keepalive=(received,),
         )
@@ -625,7 +622,7 @@ def reduce_scatter(
         group,
         input,
         output,
-        lambda async_op: _compat.reduce_scatter_tensor(output, input, group, async_op),
+        lambda async_op, on: _compat.reduce_scatter_tensor(output, input, on, async_op),
     )
 
 
@@ -638,5 +635,5 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> Pe
         group,
         tensor,
         tensor,
-        lambda async_op: dist.all_reduce(tensor, group=group, async_op=async_op),
+        lambda async_op, on: dist.all_reduce(tensor, group=on, async_op=async_op),
     )
