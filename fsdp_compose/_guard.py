@@ -123,6 +123,7 @@ class GuardedCollective:
         "_work",
         "description",
         "gathered",
+        "inference",
         "mine",
         "verdict",
     )
@@ -132,6 +133,9 @@ class GuardedCollective:
         self._issue: _Issue | None = issue
         self.mine = mine
         self.description = description
+        # Thread-local: the launch on gloo's thread must see the caller's mode
+        # (buffers made under inference_mode may only be written under it).
+        self.inference = torch.is_inference_mode_enabled()
         self.gathered = torch.empty(lane.size * _WORDS, dtype=torch.int64)
         self.verdict: object = None  # _OK or the exception the exchange ended with
         self._event = threading.Event()
@@ -242,7 +246,12 @@ class _Lane:
                 self.failure = cast(BaseException, entry.verdict)
             if self.failure is None:
                 try:
-                    entry._work = cast(_Issue, entry._issue)(True, self.data)
+                    issue = cast(_Issue, entry._issue)
+                    if entry.inference:
+                        with torch.inference_mode():
+                            entry._work = issue(True, self.data)
+                    else:
+                        entry._work = issue(True, self.data)
                     if launched is not None:
                         launched.append(entry.description)
                 except BaseException as exc:  # raised at wait

@@ -1,11 +1,11 @@
-"""Desyncs end as Python exceptions on every rank with the collective guard on
-(``debug.enable_collective_guard()``; off by default for its cost) and the
-structure check at the first forward: no rank is aborted inside gloo, and no
-rank consumes another unit's data.
+"""Desyncs end as Python exceptions on every rank with the collective guard in
+its default state (on) and the structure check at the first forward: no rank is
+aborted inside gloo, and no rank consumes another unit's data.
 
 Each case catches the error inside the job and returns it, then both ranks call
 ``reset_iter_state()``: the guard raises before the mismatched collective is
-issued, so the process group stays usable and the next case reuses it.
+issued, so the process group stays usable and the next case reuses it (the
+guard starts a fresh lane, see [Note: collective guard]).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from helpers import rank_world
 from models import TINY_GPT
 from torch import nn
 
-from fsdp_compose import MixedPrecisionPolicy, fully_shard
-from fsdp_compose.debug import CollectiveMismatchError, enable_collective_guard
+from fsdp_compose import MixedPrecisionPolicy, _guard, fully_shard
+from fsdp_compose.debug import CollectiveMismatchError
 
 TINY = TINY_GPT
 
@@ -59,16 +59,27 @@ def _bad_batch(*_: object) -> None:
     raise ValueError("bad batch")
 
 
-def _desync_case(case: str) -> str:
-    """Runs 3 steps with a desync on rank 1 (or 0) at step 1; returns the error."""
-    enable_collective_guard()
+def _desync_case(case: str, recover: bool = False) -> tuple[str, list[str], float | None]:
+    """Runs 3 steps with a desync on rank 1 (or 0) at step 1; returns the error,
+    the data collectives this rank really issued, and (``recover``) the loss of
+    one more step that every rank runs alike after the error."""
+    assert _guard.enabled, "the guard is on by default"
+    _guard.launched = []
     try:
-        return _desync_steps(case)
+        message, model = _desync_steps(case)
+        launched = list(_guard.launched)
+        loss = None
+        if recover:
+            x, y = make_batch(GPTConfig(**TINY), 2, 5)
+            loss_t = loss_fn(model(x), y)
+            loss_t.backward()
+            loss = loss_t.item()
+        return message, launched, loss
     finally:
-        enable_collective_guard(False)
+        _guard.launched = None
 
 
-def _desync_steps(case: str) -> str:
+def _desync_steps(case: str) -> tuple[str, nn.Module]:
     rank, _ = rank_world()
     cfg = GPTConfig(**TINY)
     model = _net(MixedPrecisionPolicy(param_dtype=torch.bfloat16) if case == "mp_policy" else None)
@@ -111,8 +122,8 @@ def _desync_steps(case: str) -> str:
         message = f"{type(exc).__name__}: {exc}"
         model.reset_iter_state()
         dist.barrier()
-        return message
-    return "no error"
+        return message, model
+    return "no error", model
 
 
 CASES = [
@@ -127,7 +138,13 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES)
 def test_desync_raises_on_every_rank(case: str) -> None:
-    messages = run_distributed(_desync_case, 2, case, timeout=90)
+    results = run_distributed(_desync_case, 2, case, timeout=90)
+    messages = [message for message, _, _ in results]
+    # No rank consumed another unit's data: the data collectives the ranks really
+    # issued pair one to one (same unit, kind, size, dtype and step).
+    launched = [issued for _, issued, _ in results]
+    assert launched[0] == launched[1], launched
+    assert launched[0], "the ranks trained before the desync"
     for rank, message in enumerate(messages):
         if case == "mp_policy":  # caught at the first forward, naming the unit's setting
             assert "built different models" in message, message
@@ -142,6 +159,15 @@ def test_desync_raises_on_every_rank(case: str) -> None:
             assert "caught before any data moved" in message, message
     if case == "same_size_reduce_scatter":
         assert "reduce_scatter for gpt.blocks." in messages[0], messages[0]
+
+
+def test_training_goes_on_after_a_desync_on_every_rank() -> None:
+    """After the error and reset_iter_state() on every rank, the next step runs
+    on a fresh guard lane and gives every rank the same loss."""
+    results = run_distributed(_desync_case, 2, "skip_block", True, timeout=90)
+    (message0, _, loss0), (message1, _, loss1) = results
+    assert "collective mismatch" in message0 and "collective mismatch" in message1
+    assert loss0 is not None and loss0 == loss1, (loss0, loss1)
 
 
 def _reshard_setting_job() -> str:
