@@ -100,8 +100,22 @@ def _code(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _describe(kind: str, label: str, numel: int, dtype: torch.dtype, step: int) -> str:
-    return f"{kind} for {label} ({numel} x {str(dtype).replace('torch.', '')}, step {step})"
+@functools.lru_cache(maxsize=4096)
+def _fingerprint_parts(
+    kind: str, label: str, numel: int, dtype: torch.dtype
+) -> tuple[list[int], list[int]]:
+    """The fields before step and counter, and the readable description (without
+    the step) as int64 words; the same every step, so cached."""
+    text = f"{kind} for {label} ({numel} x {str(dtype).replace('torch.', '')}"
+    padded = text.encode()[:_TEXT_BYTES].ljust(_TEXT_BYTES, b"\0")
+    words = torch.frombuffer(bytearray(padded), dtype=torch.int64).tolist()
+    return [_code(label), _KINDS[kind], numel, _code(str(dtype))], words
+
+
+def _description(row: list[int]) -> str:
+    """What a fingerprint row says, for messages: the text and the step."""
+    text = torch.tensor(row[_FIELDS:], dtype=torch.int64).numpy().tobytes()
+    return f"{text.rstrip(bytes(1)).decode(errors='replace')}, step {row[_FIELDS - 2]})"
 
 
 # ``issue(async_op, group)``, as _collectives hands it over.
@@ -121,18 +135,16 @@ class GuardedCollective:
         "_issue",
         "_lane",
         "_work",
-        "description",
         "gathered",
         "inference",
         "mine",
         "verdict",
     )
 
-    def __init__(self, lane: _Lane, issue: _Issue, mine: torch.Tensor, description: str) -> None:
+    def __init__(self, lane: _Lane, issue: _Issue, mine: list[int]) -> None:
         self._lane = lane
         self._issue: _Issue | None = issue
         self.mine = mine
-        self.description = description
         # Thread-local: the launch on gloo's thread must see the caller's mode
         # (buffers made under inference_mode may only be written under it).
         self.inference = torch.is_inference_mode_enabled()
@@ -207,17 +219,14 @@ class _Lane:
             raise _copy(self.failure)
         seq = self.seq
         self.seq = seq + 1
-        description = _describe(kind, label, numel, dtype, step)
-        text = description.encode()[:_TEXT_BYTES].ljust(_TEXT_BYTES, b"\0")
-        mine = torch.empty(_WORDS, dtype=torch.int64)
-        mine[:_FIELDS] = torch.tensor(
-            [_code(label), _KINDS[kind], numel, _code(str(dtype)), step, seq], dtype=torch.int64
-        )
-        mine[_FIELDS:] = torch.frombuffer(bytearray(text), dtype=torch.int64)
-        entry = GuardedCollective(self, issue, mine, description)
+        fields, words = _fingerprint_parts(kind, label, numel, dtype)
+        mine = [*fields, step, seq, *words]
+        entry = GuardedCollective(self, issue, mine)
         with self.lock:
             self.queue.append(entry)
-        work = self.fingerprints._allgather_base(entry.gathered, mine)
+        work = self.fingerprints._allgather_base(
+            entry.gathered, torch.tensor(mine, dtype=torch.int64)
+        )
         # Runs on gloo's thread when the exchange completes (or here, if it has).
         work.get_future().add_done_callback(functools.partial(self._on_fingerprint, entry))
         return entry
@@ -253,7 +262,7 @@ class _Lane:
                     else:
                         entry._work = issue(True, self.data)
                     if launched is not None:
-                        launched.append(entry.description)
+                        launched.append(_description(entry.mine))
                 except BaseException as exc:  # raised at wait
                     self.failure = exc
             if self.failure is not None:
@@ -273,14 +282,12 @@ def _complete(future: torch.futures.Future, _done: torch.futures.Future) -> None
 
 
 def _verdict(entry: GuardedCollective, lane: _Lane) -> object:
-    rows = entry.gathered.view(lane.size, _WORDS)
-    if bool((rows[:, :_FIELDS] == entry.mine[:_FIELDS]).all()):
+    mine = entry.mine
+    rows = entry.gathered.view(lane.size, _WORDS).tolist()
+    if all(row == mine for row in rows):
         return _OK
-    lines = []
-    for rank, row in zip(lane.ranks, rows):
-        text = bytes(row[_FIELDS:].numpy().tobytes()).rstrip(b"\0").decode(errors="replace")
-        lines.append(f"  rank {rank} issued {text}")
-    seq = int(entry.mine[_FIELDS - 1])
+    lines = [f"  rank {rank} issued {_description(row)}" for rank, row in zip(lane.ranks, rows)]
+    seq = mine[_FIELDS - 1]
     return debug.CollectiveMismatchError(
         f"fsdp_compose collective mismatch on group {lane.ranks} (collective #{seq}), caught "
         "before any data moved:\n" + "\n".join(lines) + "\nThe ranks ran different units "
