@@ -328,6 +328,13 @@ def _lane_of(group: dist.ProcessGroup) -> _Lane | None:
     if not _compat.serves_cpu_with_gloo(group) or group.size() == 1:
         _unguarded[group] = True
         return None
+    try:
+        _compat.default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        # No default process group, so no store to meet in: unguarded.
+        logger.debug("fsdp_compose: no default store; collective guard off for this group")
+        _unguarded[group] = True
+        return None
     base = getattr(group, "group_name", None) or "-".join(
         map(str, dist.get_process_group_ranks(group))
     )
