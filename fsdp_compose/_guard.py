@@ -68,6 +68,7 @@ import collections
 import functools
 import logging
 import threading
+import time
 import weakref
 import zlib
 from collections.abc import Callable
@@ -224,9 +225,17 @@ class _Lane:
         entry = GuardedCollective(self, issue, mine)
         with self.lock:
             self.queue.append(entry)
-        work = self.fingerprints._allgather_base(
-            entry.gathered, torch.tensor(mine, dtype=torch.int64)
-        )
+        try:
+            work = self.fingerprints._allgather_base(
+                entry.gathered, torch.tensor(mine, dtype=torch.int64)
+            )
+        except BaseException as exc:
+            # Not issued: fail the lane rather than leave the queue blocked.
+            with self.lock:
+                entry.verdict = exc
+                self._drain()
+            self.retire()
+            raise
         # Runs on gloo's thread when the exchange completes (or here, if it has).
         work.get_future().add_done_callback(functools.partial(self._on_fingerprint, entry))
         return entry
@@ -376,9 +385,10 @@ _EXIT_WAIT_S = 2.0
 
 
 def _drain_at_exit() -> None:
+    deadline = time.monotonic() + _EXIT_WAIT_S
     for lane in [*_lanes.values(), *_retired]:
         for entry in list(lane.queue):
-            entry._event.wait(_EXIT_WAIT_S / 4)
+            entry._event.wait(max(0.0, deadline - time.monotonic()))
 
 
 def _register_exit_hook() -> None:

@@ -10,6 +10,12 @@ guard starts a fresh lane, see [Note: collective guard]).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -210,3 +216,48 @@ def test_hsdp_replicas_with_different_values_are_reported() -> None:
         assert "HSDP replicas" in message and "hold different parameter values" in message, message
         assert "'blocks.0'" in message, message  # GPT is the root here
     assert run_distributed(_replicas_job, 4, True) == ["no error"] * 4
+
+
+_EXIT_SCRIPT = """
+import sys, tempfile, time
+from datetime import timedelta
+import torch.distributed as dist, torch.multiprocessing as mp
+
+def rank_main(rank, init_file):
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    import test_desync_guard
+    message, _ = test_desync_guard._desync_steps("skip_block")
+    print(rank, message.splitlines()[0], flush=True)
+    # exits with the guard's lanes (and maybe a fingerprint only this rank
+    # issued) still alive: no destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(rank_main, args=(tempfile.mktemp(),), nprocs=2)
+    print("clean exit", flush=True)
+"""
+
+
+def test_ranks_exit_promptly_after_a_desync(tmp_path: Path) -> None:
+    """[Note: guard at interpreter exit]: processes that end right after the
+    guard raised exit cleanly, long before the process group's 60 s timeout."""
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent / "examples"), *sys.path])
+    script = tmp_path / "desync_then_exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"{rank} CollectiveMismatchError: fsdp_compose collective mismatch" in result.stdout
+    assert "clean exit" in result.stdout, result.stdout
+    assert elapsed < 45, elapsed
