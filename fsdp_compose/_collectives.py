@@ -396,7 +396,10 @@ def _launch(
     issue: Issue,
     finish: Callable[[], None] | None = None,
     keepalive: tuple[torch.Tensor, ...] = (),
+    movable: bool = True,
 ) -> PendingCollective:
+    """Issues ``issue``; ``movable=False``: it must run on ``group`` itself (a
+    user-supplied comm), not on a private group with the same ranks."""
     if debug._checker is not None:
         debug._check(kind, label, group, inp.numel(), inp.dtype, current_step)
     info = _info(kind, label, group.size(), inp, out)
@@ -409,7 +412,7 @@ def _launch(
         try:
             if _guard.enabled and debug._checker is None:  # see [Note: collective guard]
                 work = _guard.launch(
-                    kind, label, group, inp.numel(), inp.dtype, current_step, issue
+                    kind, label, group, inp.numel(), inp.dtype, current_step, issue, movable
                 )
             else:
                 work = issue(True, group)
@@ -569,7 +572,7 @@ def all_gather(
             issue = lambda async_op, on: _compat.gloo_all_gather_into_tensor(output, input, on)  # noqa: E731
     else:
         issue = lambda async_op, on: _compat.all_gather_into_tensor(output, input, on, async_op)  # noqa: E731
-    return _launch("all_gather", label, group, input, output, issue)
+    return _launch("all_gather", label, group, input, output, issue, movable=comm is None)
 
 
 def reduce_scatter(
@@ -595,7 +598,7 @@ def reduce_scatter(
             op=dist.ReduceOp.SUM,  # type: ignore[arg-type]  # (a RedOpType member)
             async_op=async_op,
         )
-        return _launch("reduce_scatter", label, group, input, output, issue)
+        return _launch("reduce_scatter", label, group, input, output, issue, movable=False)
     if output.device.type == "cpu" and (route or route_of(group)).all_to_all_reduce_scatter:
         received = torch.empty_like(input)
 

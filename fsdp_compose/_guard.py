@@ -42,6 +42,11 @@ unit, then all-reduced its loss) leaves the others waiting in the guard until
 the group's timeout -- a Python exception -- instead of pairing a fingerprint
 with the user's all-reduce.
 
+A user-supplied comm (``set_custom_all_gather`` / ``set_custom_reduce_scatter``)
+must be called with the caller's group (it may ask the group for its ranks); it
+is issued on the training thread once its fingerprint matched (synchronous,
+like the old guard, but still in order with the others).
+
 On a mismatch (or a failed exchange: a peer crashed, the timeout expired) the
 lane fails: that collective and every later one queued on it raise at
 ``wait`` (a new one raises at once), and the data group stays consistent
@@ -156,14 +161,18 @@ class GuardedCollective:
         self._error: BaseException | None = None
         self._future: torch.futures.Future | None = None
 
-    def wait(self) -> bool:
-        """Waits for the launch (or the lane's failure: a mismatch, or an exchange
-        that failed or timed out), then for the data collective."""
+    def settle(self) -> None:
+        """Waits for the launch; raises the lane's failure (a mismatch, or an
+        exchange that failed or timed out) if there was none."""
         while not self._event.wait(1.0):  # set by the callback; short waits stay interruptible
             pass
         if self._error is not None:
             self._lane.retire()
             raise _copy(self._error)
+
+    def wait(self) -> bool:
+        """Waits for the launch, then for the data collective."""
+        self.settle()
         assert self._work is not None
         return bool(self._work.wait())
 
@@ -355,6 +364,10 @@ def _lane_of(group: dist.ProcessGroup) -> _Lane | None:
     return lane
 
 
+def _issue_nothing(async_op: bool, group: dist.ProcessGroup) -> None:
+    return None
+
+
 def launch(
     kind: str,
     label: str,
@@ -363,13 +376,21 @@ def launch(
     dtype: torch.dtype,
     step: int,
     issue: _Issue,
+    movable: bool = True,
 ) -> dist.Work | None:
     """Issues ``issue`` (a CPU collective on ``group``) behind the guard: returns
     a work-like object at once; the collective itself is issued, on a private
     group with ``group``'s ranks, once every rank's fingerprint matched. See
-    [Note: collective guard]. Groups the guard does not cover are issued directly."""
+    [Note: collective guard]. Groups the guard does not cover are issued directly.
+    ``movable=False``: ``issue`` must run on ``group`` itself (a user-supplied
+    comm); it is issued on the calling thread after its fingerprint matched."""
     lane = _lane_of(group)
     if lane is None:
+        return issue(True, group)
+    if not movable:
+        # A user's comm gets the caller's group (it may ask it for ranks), so it is
+        # issued here, once its fingerprint matched: synchronous, but ordered.
+        lane.submit(kind, label, numel, dtype, step, _issue_nothing).settle()
         return issue(True, group)
     # A GuardedCollective has the part of Work's interface the collectives use.
     return cast(dist.Work, lane.submit(kind, label, numel, dtype, step, issue))
