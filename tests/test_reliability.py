@@ -53,7 +53,7 @@ class _SkipOnRank(nn.Module):
 def _desync_job(
     debug_on: bool, uneven_batches: bool, debug_timeout: float | None = 5.0, guard: bool = True
 ) -> None:
-    previous = _guard.enabled  # on by default
+    previous = _guard.enabled
     debug.enable_collective_guard(guard)
     try:
         _desync_steps(debug_on, uneven_batches, debug_timeout)
