@@ -18,12 +18,13 @@ and a rank still reading it then fails with ``DistNetworkError`` instead)::
 and a rank that stops issuing collectives makes the others raise after
 ``timeout`` seconds, naming the ranks they waited for.
 
-Default mode already compares a fixed-size fingerprint of every collective on a
-CPU gloo group across the group before issuing it, asynchronously (the
-collective guard, see [Note: collective guard] in ``_guard.py``), which catches
-mismatched collectives; debug mode goes through the key-value store instead, so
-it also names a rank that stopped issuing collectives altogether, and it covers
-accelerator collectives and every backend. It replaces the guard while on.
+The collective guard (:func:`enable_collective_guard`, off by default for now)
+compares a fixed-size fingerprint of every collective on a CPU gloo group across
+the group before issuing it, asynchronously (see [Note: collective guard] in
+``_guard.py``), which catches mismatched collectives; debug mode goes through the
+key-value store instead, so it also names a rank that stopped issuing
+collectives altogether, and it covers accelerator collectives and every backend.
+It replaces the guard while on.
 
 Turn it on with the environment variable ``FSDP_COMPOSE_DEBUG_COLLECTIVES=1``
 (``FSDP_COMPOSE_DEBUG_TIMEOUT`` sets the timeout; by default it is the process
@@ -164,14 +165,14 @@ def collective_checks(timeout: float | None = None) -> Iterator[None]:
 
 
 def enable_collective_guard(enabled: bool = True) -> None:
-    """Turns the collective guard on (the default) or off: before each collective
-    on a CPU gloo group, its ranks exchange a fixed-size fingerprint of it, so that
-    ranks about to issue different collectives all raise
-    :class:`CollectiveMismatchError` instead of exchanging the wrong data or
-    aborting inside gloo (see [Note: collective guard] in ``_guard.py``). The
-    exchange runs off the training thread and the collective is launched when it
-    matched, so overlap is kept (cost: README, "Debugging hangs and errors").
-    ``FSDP_COMPOSE_COLLECTIVE_GUARD=0`` turns it off for the whole process.
+    """Turns the collective guard on (or off): before each collective on a CPU
+    gloo group, its ranks exchange a fixed-size fingerprint of it, so that ranks
+    about to issue different collectives all raise :class:`CollectiveMismatchError`
+    instead of exchanging the wrong data or aborting inside gloo (see [Note:
+    collective guard] in ``_guard.py``). The exchange runs off the training thread
+    and the collective is launched once it matched, so overlap is kept. Off by
+    default until its step cost is shown within 2% (README, "Debugging hangs and
+    errors"); ``FSDP_COMPOSE_COLLECTIVE_GUARD=1`` turns it on for the whole process.
 
     Args:
         enabled (bool): ``True`` to guard every later collective, ``False`` to stop.
