@@ -6,13 +6,15 @@ Two measurements, each with the guard on and off *in the same processes*,
 alternating step by step (so load from other processes on a shared machine hits
 both sides alike):
 
-* per collective: the guard's own fingerprint exchange on the default group,
-  timed over ``--calls`` calls on loopback (microseconds);
+* per collective: a small all-gather (4,160 floats, one tiny unit) issued and
+  waited with and without the guard, alternating call by call over ``--calls``
+  calls each on loopback: the latency the guard adds (its fingerprint exchange
+  and the launch from gloo's thread) and the on-CPU time of all threads;
 * per step: the benchmark's training step (``workloads.py``: the examples' GPT,
   one unit per block plus the root, AdamW), median wall and on-CPU time of the
   steps with the guard on and with it off, how many collectives a step issues,
-  and the share of the guarded steps' time spent inside the guard (waiting for
-  the other rank included, which on an overloaded machine is mostly scheduling).
+  and the share of the guarded steps' time the training thread spends issuing
+  guarded collectives (the rest of the guard runs on gloo's threads).
 """
 
 from __future__ import annotations
@@ -45,31 +47,52 @@ def _worker(
     )
     import workloads
 
-    from fsdp_compose import _collectives, _guard
+    from fsdp_compose import _collectives, _compat, _guard
 
     group = dist.group.WORLD
+    # Per collective: a 4160-float all-gather (a tiny unit) issued and waited,
+    # with and without the guard, alternating call by call.
+    inp = torch.randn(4160)
+    out = torch.empty(world * 4160)
+
+    def issue(async_op: bool, on: dist.ProcessGroup) -> dist.Work:
+        return _compat.gloo_all_gather_into_tensor(out, inp, on)
+
+    def one(guarded: bool) -> None:
+        if guarded:
+            work = _guard.launch("all_gather", "blocks.3", group, 4160, torch.float32, 1, issue)
+        else:
+            work = issue(True, group)
+        assert work is not None
+        work.wait()
+
     for _ in range(20):
-        _guard.check("all_gather", "blocks.3", group, 4160, torch.float32, 1)
+        one(True)
+        one(False)
     per_call: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(args.calls):
+    per_call_cpu: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(2 * args.calls):
+        guarded = i % 2 == 0
         dist.barrier()
-        start = time.perf_counter()
-        _guard.check("all_gather", "blocks.3", group, 4160, torch.float32, 1)
-        per_call[True].append(time.perf_counter() - start)
-
-    # Time spent inside the guard during the guarded steps (wall and on-CPU).
-    inside = {"wall": 0.0, "cpu": 0.0}
-    check = _guard.check
-
-    def timed_check(*a: object) -> None:
         start, start_cpu = time.perf_counter(), time.process_time()
+        one(guarded)
+        per_call[guarded].append(time.perf_counter() - start)
+        per_call_cpu[guarded].append(time.process_time() - start_cpu)
+
+    # Time the training thread spends issuing guarded collectives (the rest of
+    # the guard runs on gloo's threads, inside the step's on-CPU time).
+    inside = {"wall": 0.0, "cpu": 0.0}
+    launch = _guard.launch
+
+    def timed_launch(*a: object) -> object:
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
-            check(*a)  # type: ignore[arg-type]
+            return launch(*a)  # type: ignore[arg-type]
         finally:
             inside["wall"] += time.perf_counter() - start
-            inside["cpu"] += time.process_time() - start_cpu
+            inside["cpu"] += time.thread_time() - start_cpu
 
-    _guard.check = timed_check  # type: ignore[assignment]
+    _guard.launch = timed_launch  # type: ignore[assignment]
     model = workloads.build_gpt(args.preset, "fsdp_compose")
     optim = workloads.make_optimizer(model)
     batches = workloads.Batches(workloads.PRESETS[args.preset], args.global_batch, rank, world)
@@ -96,7 +119,8 @@ def _worker(
     if rank == 0:
         queue.put(
             {
-                "guard_us_per_call": 1e6 * statistics.median(per_call[True]),
+                "us_per_call": {k: 1e6 * statistics.median(v) for k, v in per_call.items()},
+                "cpu_us_per_call": {k: 1e6 * statistics.median(v) for k, v in per_call_cpu.items()},
                 "collectives_per_step": count[0] / (2 * args.steps),
                 "step_wall_s": {k: statistics.median(v) for k, v in wall.items()},
                 "step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
@@ -139,9 +163,14 @@ def main() -> None:
     on, off = result["step_wall_s"][True], result["step_wall_s"][False]
     cpu_on, cpu_off = result["step_cpu_s"][True], result["step_cpu_s"][False]
     n = result["collectives_per_step"]
-    us = result["guard_us_per_call"]
-    print(f"guard per collective (loopback, W={args.world_size}): {us:.0f} us")
-    print(f"collectives per step: {n:.0f} -> {n * us / 1e3:.1f} ms of guard per step")
+    us, cpu_us = result["us_per_call"], result["cpu_us_per_call"]
+    added = us[True] - us[False]
+    print(
+        f"4160-float all-gather issued and waited (loopback, W={args.world_size}, median): "
+        f"guarded {us[True]:.0f} us, unguarded {us[False]:.0f} us -> the guard adds {added:.0f} us "
+        f"of latency; on-CPU (rank 0, all threads) {cpu_us[True]:.0f} vs {cpu_us[False]:.0f} us"
+    )
+    print(f"collectives per step: {n:.0f}")
     print(
         f"step wall time, median of {args.steps}: guard on {on:.3f} s, off {off:.3f} s, ratio {on / off:.3f}"
     )
@@ -150,8 +179,8 @@ def main() -> None:
     )
     share = result["inside_guard_share"]
     print(
-        f"time inside the guard during guarded steps: {share['wall']:.2%} of their wall time, "
-        f"{share['cpu']:.2%} of their on-CPU time (rank 0)"
+        f"training thread inside the guard's launch during guarded steps: {share['wall']:.2%} "
+        f"of their wall time, {share['cpu']:.2%} of their on-CPU time (rank 0)"
     )
     print(f"raw step wall times (s), on: {[round(t, 3) for t in result['raw_wall_s'][True]]}")
     print(f"raw step wall times (s), off: {[round(t, 3) for t in result['raw_wall_s'][False]]}")

@@ -150,10 +150,15 @@ class CollectiveCall:
     dtype: torch.dtype
     step: int
     device: torch.device
+    # False for a user-supplied comm: it must be issued on ``group`` itself (it
+    # may ask the group for its ranks), not on another group with the same ranks.
+    movable: bool = True
 
 
 Listener = Callable[[CollectiveEvent, CollectiveInfo], None]
-Issue = Callable[[], "dist.Work | None"]
+# Launches one collective on the group it is given: the caller's, or one with the
+# same ranks that a launch wrapper issues on instead (the collective guard).
+Issue = Callable[[dist.ProcessGroup], "dist.Work | None"]
 LaunchWrapper = Callable[[CollectiveCall, Issue], "dist.Work | None"]
 _listeners: list[Listener] = []
 _wrappers: list[LaunchWrapper] = []
@@ -175,7 +180,7 @@ def remove_launch_wrapper(wrapper: LaunchWrapper) -> None:
 def _wrapped(call: CollectiveCall, issue: Issue) -> dist.Work | None:
     for wrapper in reversed(_wrappers):
         issue = functools.partial(wrapper, call, issue)
-    return issue()
+    return issue(call.group)
 
 
 def add_listener(listener: Listener) -> None:
@@ -307,6 +312,8 @@ class PendingCollective:
         if self._work is not None:
             try:
                 self._work.wait()
+            except CollectiveMismatchError:
+                raise
             except RuntimeError as exc:
                 tensor = self._tensors[1] if self._tensors else None
                 raise _failure(self._what, exc, tensor, self._group) from exc
@@ -438,20 +445,23 @@ def _launch(
     group: dist.ProcessGroup,
     inp: torch.Tensor,
     out: torch.Tensor,
-    issue: Callable[[bool], dist.Work | None],
+    issue: Callable[[bool, dist.ProcessGroup], dist.Work | None],
     step: int = 0,
+    movable: bool = True,
 ) -> PendingCollective:
+    """Launches ``issue(async_op, group)`` through the launch wrappers;
+    ``movable``: see :class:`CollectiveCall`."""
     info = _info(kind, label, group.size(), inp, out)
     what = f"{kind} for {label} (step {step})"
     cpu = out.device.type == "cpu"
 
-    def launch() -> dist.Work | None:
+    def launch(on: dist.ProcessGroup = group) -> dist.Work | None:
         if info is not None:
             _notify("issue", info)
-        return issue(cpu)
+        return issue(cpu, on)
 
     if _wrappers:
-        call = CollectiveCall(kind, label, group, inp.numel(), inp.dtype, step, out.device)
+        call = CollectiveCall(kind, label, group, inp.numel(), inp.dtype, step, out.device, movable)
         launch = functools.partial(_wrapped, call, launch)
     if cpu:
         if not _exit_guard_registered:
@@ -624,10 +634,11 @@ def all_gather(
         group,
         input,
         output,
-        lambda async_op: gather(
-            output_tensor=output, input_tensor=input, group=group, async_op=async_op
+        lambda async_op, on: gather(
+            output_tensor=output, input_tensor=input, group=on, async_op=async_op
         ),
         step=step,
+        movable=isinstance(gather, _DefaultComm),
     )
 
 
@@ -650,14 +661,15 @@ def reduce_scatter(
         group,
         input,
         output,
-        lambda async_op: scatter(
+        lambda async_op, on: scatter(
             output_tensor=output,
             input_tensor=input,
-            group=group,
+            group=on,
             op=dist.ReduceOp.SUM,  # type: ignore[arg-type]  # (a RedOpType member)
             async_op=async_op,
         ),
         step=step,
+        movable=isinstance(scatter, _DefaultComm),
     )
 
 
@@ -672,6 +684,6 @@ def all_reduce(
         group,
         tensor,
         tensor,
-        lambda async_op: dist.all_reduce(tensor, group=group, async_op=async_op),
+        lambda async_op, on: dist.all_reduce(tensor, group=on, async_op=async_op),
         step=step,
     )

@@ -18,11 +18,13 @@ and a rank still reading it then fails with ``DistNetworkError`` instead)::
 and a rank that stops issuing collectives makes the others raise after
 ``timeout`` seconds, naming the ranks they waited for.
 
-Default mode already compares a fixed-size fingerprint of every CPU collective
-across its group before issuing it (see [Note: collective guard] in
-``_guard.py``), which catches mismatched collectives; debug mode goes through
-the key-value store instead, so it also names a rank that stopped issuing
-collectives altogether, and it covers accelerator collectives.
+The collective guard (:func:`enable_collective_guard`, off by default for now)
+compares a fixed-size fingerprint of every collective on a CPU gloo group across
+the group before issuing it, asynchronously (see [Note: collective guard] in
+``_guard.py``), which catches mismatched collectives; debug mode goes through the
+key-value store instead, so it also names a rank that stopped issuing
+collectives altogether, and it covers accelerator collectives and every backend.
+It replaces the guard while on.
 
 Turn it on with the environment variable ``FSDP_COMPOSE_DEBUG_COLLECTIVES=1``
 (``FSDP_COMPOSE_DEBUG_TIMEOUT`` sets the timeout; by default it is the process
@@ -140,7 +142,7 @@ def _check_before_launch(
     checker = _checker
     if checker is not None:
         checker.check(call.kind, call.label, call.group, call.numel, call.dtype, call.step)
-    return issue()
+    return issue(call.group)
 
 
 def enable_collective_checks(timeout: float | None = None) -> None:
@@ -179,12 +181,13 @@ def collective_checks(timeout: float | None = None) -> Iterator[None]:
 
 def enable_collective_guard(enabled: bool = True) -> None:
     """Turns the collective guard on (or off): before each collective on a CPU
-    (gloo) group, its ranks exchange a fixed-size fingerprint of it, so that ranks
+    gloo group, its ranks exchange a fixed-size fingerprint of it, so that ranks
     about to issue different collectives all raise :class:`CollectiveMismatchError`
     instead of exchanging the wrong data or aborting inside gloo (see [Note:
-    collective guard] in ``_guard.py``). Off by default: it costs 7-15% of a step on
-    the benchmark's small preset at W=2 (one synchronous exchange per collective).
-    ``FSDP_COMPOSE_COLLECTIVE_GUARD=1`` turns it on for the whole process.
+    collective guard] in ``_guard.py``). The exchange runs off the training thread
+    and the collective is launched once it matched, so overlap is kept. Off by
+    default until its step cost is shown within 2% (README, "Debugging hangs and
+    errors"); ``FSDP_COMPOSE_COLLECTIVE_GUARD=1`` turns it on for the whole process.
 
     Args:
         enabled (bool): ``True`` to guard every later collective, ``False`` to stop.

@@ -154,7 +154,7 @@ def test_two_roots_keep_their_own_steps() -> None:
 
     def record(call: _collectives.CollectiveCall, issue: _collectives.Issue) -> object:
         seen.append((call.label, call.step))
-        return issue()
+        return issue(call.group)
 
     with fake_process_group(4, 1):
         torch.manual_seed(0)

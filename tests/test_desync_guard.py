@@ -1,14 +1,21 @@
 """Desyncs end as Python exceptions on every rank with the collective guard on
-(``debug.enable_collective_guard()``; off by default for its cost) and the
-structure check at the first forward: no rank is aborted inside gloo, and no
-rank consumes another unit's data.
+(``debug.enable_collective_guard()``; off by default until an idle machine shows
+it within its 2% budget) and the structure check at the first forward: no rank
+is aborted inside gloo, and no rank consumes another unit's data.
 
 Each case catches the error inside the job and returns it, then both ranks call
 ``reset_iter_state()``: the guard raises before the mismatched collective is
-issued, so the process group stays usable and the next case reuses it.
+issued, so the process group stays usable and the next case reuses it (the
+guard starts a fresh lane, see [Note: collective guard]).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +26,7 @@ from helpers import rank_world
 from models import TINY_GPT
 from torch import nn
 
-from fsdp_compose import MixedPrecisionPolicy, fully_shard
+from fsdp_compose import MixedPrecisionPolicy, _guard, fully_shard
 from fsdp_compose.debug import CollectiveMismatchError, enable_collective_guard
 
 TINY = TINY_GPT
@@ -59,16 +66,29 @@ def _bad_batch(*_: object) -> None:
     raise ValueError("bad batch")
 
 
-def _desync_case(case: str) -> str:
-    """Runs 3 steps with a desync on rank 1 (or 0) at step 1; returns the error."""
+def _desync_case(case: str, recover: bool = False) -> tuple[str, list[str], float | None]:
+    """Runs 3 steps with a desync on rank 1 (or 0) at step 1; returns the error,
+    the data collectives this rank really issued, and (``recover``) the loss of
+    one more step that every rank runs alike after the error."""
+    previous = _guard.enabled
     enable_collective_guard()
+    _guard.launched = []
     try:
-        return _desync_steps(case)
+        message, model = _desync_steps(case)
+        launched = list(_guard.launched)
+        loss = None
+        if recover:
+            x, y = make_batch(GPTConfig(**TINY), 2, 5)
+            loss_t = loss_fn(model(x), y)
+            loss_t.backward()
+            loss = loss_t.item()
+        return message, launched, loss
     finally:
-        enable_collective_guard(False)
+        _guard.launched = None
+        enable_collective_guard(previous)
 
 
-def _desync_steps(case: str) -> str:
+def _desync_steps(case: str) -> tuple[str, nn.Module]:
     rank, _ = rank_world()
     cfg = GPTConfig(**TINY)
     model = _net(MixedPrecisionPolicy(param_dtype=torch.bfloat16) if case == "mp_policy" else None)
@@ -111,8 +131,8 @@ def _desync_steps(case: str) -> str:
         message = f"{type(exc).__name__}: {exc}"
         model.reset_iter_state()
         dist.barrier()
-        return message
-    return "no error"
+        return message, model
+    return "no error", model
 
 
 CASES = [
@@ -127,7 +147,14 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES)
 def test_desync_raises_on_every_rank(case: str) -> None:
-    messages = run_distributed(_desync_case, 2, case, timeout=90)
+    results = run_distributed(_desync_case, 2, case, timeout=90)
+    messages = [message for message, _, _ in results]
+    # No rank consumed another unit's data: the data collectives the ranks really
+    # issued pair one to one (same unit, kind, size, dtype and step).
+    launched = [issued for _, issued, _ in results]
+    assert launched[0] == launched[1], launched
+    # (mp_policy is caught at the first forward, before any collective)
+    assert bool(launched[0]) == (case != "mp_policy"), launched
     for rank, message in enumerate(messages):
         if case == "mp_policy":  # caught at the first forward, naming the unit's setting
             assert "built different models" in message, message
@@ -142,6 +169,15 @@ def test_desync_raises_on_every_rank(case: str) -> None:
             assert "caught before any data moved" in message, message
     if case == "same_size_reduce_scatter":
         assert "reduce_scatter for gpt.blocks." in messages[0], messages[0]
+
+
+def test_training_goes_on_after_a_desync_on_every_rank() -> None:
+    """After the error and reset_iter_state() on every rank, the next step runs
+    on a fresh guard lane and gives every rank the same loss."""
+    results = run_distributed(_desync_case, 2, "skip_block", True, timeout=90)
+    (message0, _, loss0), (message1, _, loss1) = results
+    assert "collective mismatch" in message0 and "collective mismatch" in message1
+    assert loss0 is not None and loss0 == loss1, (loss0, loss1)
 
 
 def _reshard_setting_job() -> str:
@@ -183,3 +219,80 @@ def test_hsdp_replicas_with_different_values_are_reported() -> None:
         assert "HSDP replicas" in message and "hold different parameter values" in message, message
         assert "'blocks.0'" in message, message  # GPT is the root here
     assert run_distributed(_replicas_job, 4, True) == ["no error"] * 4
+
+
+_EXIT_SCRIPT = """
+import sys, tempfile, time
+from datetime import timedelta
+import torch.distributed as dist, torch.multiprocessing as mp
+
+def rank_main(rank, init_file):
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=2, timeout=timedelta(seconds=300))
+    import test_desync_guard
+    from fsdp_compose import debug
+    debug.enable_collective_guard()
+    message, _ = test_desync_guard._desync_steps("skip_block")
+    print(rank, message.splitlines()[0], flush=True)
+    # exits with the guard's lanes (and maybe a fingerprint only this rank
+    # issued) still alive: no destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(rank_main, args=(tempfile.mktemp(),), nprocs=2)
+    print("clean exit", flush=True)
+"""
+
+
+def test_ranks_exit_promptly_after_a_desync(tmp_path: Path) -> None:
+    """[Note: guard at interpreter exit]: processes that end right after the
+    guard raised exit cleanly (no abort inside gloo), long before the process
+    group's 300 s timeout (normally in seconds; the bound leaves room for load)."""
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent / "examples"), *sys.path])
+    script = tmp_path / "desync_then_exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=250,
+        check=False,
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"{rank} CollectiveMismatchError: fsdp_compose collective mismatch" in result.stdout
+    assert "clean exit" in result.stdout, result.stdout
+    assert elapsed < 150, elapsed
+
+
+def _train_job(guard: bool) -> tuple[list[float], list[torch.Tensor]]:
+    previous = _guard.enabled
+    enable_collective_guard(guard)
+    try:
+        model = _net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            x, y = make_batch(GPTConfig(**TINY), 2, step)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, [p.detach().full_tensor() for p in model.parameters()]
+    finally:
+        enable_collective_guard(previous)
+
+
+def test_guarded_training_is_bit_identical_to_unguarded() -> None:
+    """The guard only delays collectives (issued on a private group with the same
+    ranks): training results do not change by a bit."""
+    guarded = run_distributed(_train_job, 2, True)
+    plain = run_distributed(_train_job, 2, False)
+    for (losses_g, params_g), (losses_p, params_p) in zip(guarded, plain):
+        assert losses_g == losses_p, (losses_g, losses_p)
+        assert all(torch.equal(a, b) for a, b in zip(params_g, params_p))

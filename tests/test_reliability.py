@@ -17,7 +17,7 @@ from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import local_slice, rank_world, tensor_diff
 from models import TINY_GPT
 
-from fsdp_compose import _collectives, debug, fully_shard
+from fsdp_compose import _collectives, _guard, debug, fully_shard
 from fsdp_compose._unit import ShardState
 
 TINY = TINY_GPT
@@ -51,13 +51,14 @@ class _SkipOnRank(nn.Module):
 
 
 def _desync_job(
-    debug_on: bool, uneven_batches: bool, debug_timeout: float | None = 5.0, guard: bool = False
+    debug_on: bool, uneven_batches: bool, debug_timeout: float | None = 5.0, guard: bool = True
 ) -> None:
+    previous = _guard.enabled
     debug.enable_collective_guard(guard)
     try:
         _desync_steps(debug_on, uneven_batches, debug_timeout)
     finally:
-        debug.enable_collective_guard(False)
+        debug.enable_collective_guard(previous)
 
 
 def _desync_steps(debug_on: bool, uneven_batches: bool, debug_timeout: float | None) -> None:
@@ -134,8 +135,11 @@ def test_desync_without_debug_is_caught_by_the_guard() -> None:
     assert elapsed < 5.0 + 20, elapsed
 
 
-def test_uneven_batches_without_debug_fails_within_pg_timeout() -> None:
-    message, elapsed = _run_expecting_failure(_desync_job, False, True, pg_timeout=5.0)
+@pytest.mark.parametrize("guard", [True, False], ids=["guard", "no_guard"])
+def test_uneven_batches_without_debug_fails_within_pg_timeout(guard: bool) -> None:
+    """A rank that stops issuing collectives: the others' next collective (with
+    the guard: its fingerprint exchange) fails within the process-group timeout."""
+    message, elapsed = _run_expecting_failure(_desync_job, False, True, 5.0, guard, pg_timeout=5.0)
     assert "failed on ranks [1]" in message, message
     assert "fsdp_compose: all_gather for root (step 4) failed on rank 1" in message, message
     assert elapsed < 5.0 + 20, elapsed  # the process-group timeout, plus start-up slack
