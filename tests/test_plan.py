@@ -589,7 +589,7 @@ def test_recompute_in_the_allocation_trace() -> None:
     what it saved at the end of its forward and allocates it again (recomputed)
     when its backward starts; its recomputed output and what it did not save
     are dropped at once."""
-    from fsdp_compose.plan._estimate import _with_recompute
+    from fsdp_compose.plan._events import with_recompute
 
     events = [
         ("fp", "b"),
@@ -603,8 +603,8 @@ def test_recompute_in_the_allocation_trace() -> None:
         ("f", 1),
         ("f", 3),
     ]
-    assert _with_recompute(events, set()) == events
-    assert _with_recompute(events, {"b"}) == [
+    assert with_recompute(events, set()) == events
+    assert with_recompute(events, {"b"}) == [
         ("fp", "b"),
         ("a", 1, 100),
         ("a", 2, 10),

@@ -29,7 +29,7 @@ the order and sizes of every allocation.
 This module replays one step's allocation sequence through a small model of
 that policy:
 
-* the sequence (``_estimate._step_events``): every storage the model's forward
+* the sequence (``_events.step_events``): every storage the model's forward
   and backward allocate and free, traced on the meta device at tensor
   granularity (``[Note: the allocation trace]``), with fsdp_compose's own
   buffers inserted at the unit boundaries (all-gather output, then the unsharded
