@@ -45,6 +45,7 @@ scheduler owns one), so two roots in one process do not mix their steps.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import gc
 import itertools
@@ -179,8 +180,18 @@ def remove_launch_wrapper(wrapper: LaunchWrapper) -> None:
 
 def _wrapped(call: CollectiveCall, issue: Issue) -> dist.Work | None:
     for wrapper in reversed(_wrappers):
-        issue = functools.partial(wrapper, call, issue)
+        issue = _through(wrapper, call, issue)
     return issue(call.group)
+
+
+def _through(wrapper: LaunchWrapper, call: CollectiveCall, inner: Issue) -> Issue:
+    """``inner`` behind ``wrapper``: the group an outer wrapper issues on reaches
+    ``wrapper`` (in its call) and ``inner``."""
+
+    def issue(on: dist.ProcessGroup) -> dist.Work | None:
+        return wrapper(call if on is call.group else dataclasses.replace(call, group=on), inner)
+
+    return issue
 
 
 def add_listener(listener: Listener) -> None:
