@@ -44,13 +44,10 @@ scheduler owns one), so two roots in one process do not mix their steps.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
-import gc
 import itertools
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -210,36 +207,6 @@ def remove_listener(listener: Listener) -> None:
 def _notify(event: CollectiveEvent, info: CollectiveInfo) -> None:
     for listener in tuple(_listeners):
         listener(event, info)
-
-
-# ---------------------------------------------------------------------------
-# gloo work at interpreter exit
-# ---------------------------------------------------------------------------
-
-# [Note: gloo work at interpreter exit]
-# A gloo worker thread marks a collective complete (waking the waiting caller) a
-# moment before it drops its own reference to the work and the tensors it holds. If
-# Python dropped those tensors first, the worker must take the GIL to free them; if
-# the interpreter is already finalizing by then, the thread is torn down inside a
-# destructor and the process aborts with "terminate called without an active
-# exception" -- after training finished, on a loaded machine, a few percent of runs
-# (any gloo program can hit it; DTensor's ``full_tensor()`` right before exit is a
-# common trigger). An exit handler, registered on the first gloo collective, frees
-# unreachable objects and releases the GIL briefly while the interpreter is still
-# alive, so such a worker finishes first.
-_EXIT_GRACE_S = 0.1
-_exit_guard_registered = False
-
-
-def _let_gloo_workers_finish() -> None:
-    gc.collect()
-    time.sleep(_EXIT_GRACE_S)
-
-
-def _register_exit_guard() -> None:
-    global _exit_guard_registered
-    _exit_guard_registered = True
-    atexit.register(_let_gloo_workers_finish)
 
 
 # ---------------------------------------------------------------------------
@@ -467,16 +434,18 @@ def _launch(
     cpu = out.device.type == "cpu"
 
     def launch(on: dist.ProcessGroup = group) -> dist.Work | None:
-        if info is not None:
-            _notify("issue", info)
         return issue(cpu, on)
+
+    # "issue" is when the training thread issues it, even where a launch wrapper
+    # (the guard) launches it later from another thread.
+    if info is not None:
+        _notify("issue", info)
 
     if _wrappers:
         call = CollectiveCall(kind, label, group, inp.numel(), inp.dtype, step, out.device, movable)
         launch = functools.partial(_wrapped, call, launch)
     if cpu:
-        if not _exit_guard_registered:
-            _register_exit_guard()
+        _gloo.ensure_exit_grace()
         try:
             work = launch()
         except CollectiveMismatchError:

@@ -25,7 +25,10 @@ see [Note: collectives per backend] in ``_collectives.py``.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -263,3 +266,32 @@ def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.dev
     if device.type != "cpu":
         return True  # NCCL gathers in place
     return route_of(group).broadcast_all_gather and row_bytes >= _BROADCAST_ALL_GATHER_MIN_ROW_BYTES
+
+
+# [Note: gloo work at interpreter exit]
+# A gloo worker thread marks a collective complete (waking the waiting caller) a
+# moment before it drops its own reference to the work and the tensors it holds. If
+# Python dropped those tensors first, the worker must take the GIL to free them; if
+# the interpreter is already finalizing by then, the thread is torn down inside a
+# destructor and the process aborts with "terminate called without an active
+# exception" -- after training finished, on a loaded machine, a few percent of runs
+# (any gloo program can hit it; DTensor's ``full_tensor()`` right before exit is a
+# common trigger). An exit handler, registered on the first gloo collective, frees
+# unreachable objects and releases the GIL briefly while the interpreter is still
+# alive, so such a worker finishes first.
+_EXIT_GRACE_S = 0.1
+_exit_grace_registered = False
+
+
+def _let_gloo_workers_finish() -> None:
+    gc.collect()
+    time.sleep(_EXIT_GRACE_S)
+
+
+def ensure_exit_grace() -> None:
+    """Registers the exit handler of [Note: gloo work at interpreter exit] once
+    (called before every CPU collective)."""
+    global _exit_grace_registered
+    if not _exit_grace_registered:
+        _exit_grace_registered = True
+        atexit.register(_let_gloo_workers_finish)

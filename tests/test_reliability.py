@@ -3,7 +3,6 @@ silently wrong training; a failed step can be recovered from."""
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 import time
@@ -17,7 +16,7 @@ from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import local_slice, rank_world, tensor_diff
 from models import TINY_GPT
 
-from fsdp_compose import _collectives, _guard, debug, fully_shard
+from fsdp_compose import _gloo, _guard, debug, fully_shard
 from fsdp_compose._unit import ShardState
 
 TINY = TINY_GPT
@@ -395,7 +394,7 @@ def _determinism_job() -> dict:
     return {
         "losses": losses,
         "params": [p.detach().full_tensor() for p in model.parameters()],
-        "exit_guard": _collectives._exit_guard_registered,
+        "exit_guard": _gloo._exit_grace_registered,
     }
 
 
