@@ -47,7 +47,7 @@ def _worker(
     )
     import workloads
 
-    from fsdp_compose import _collectives, _compat, _guard
+    from fsdp_compose import _collectives, _gloo, _guard
 
     group = dist.group.WORLD
     # Per collective: a 4160-float all-gather (a tiny unit) issued and waited,
@@ -56,7 +56,7 @@ def _worker(
     out = torch.empty(world * 4160)
 
     def issue(async_op: bool, on: dist.ProcessGroup) -> dist.Work:
-        return _compat.gloo_all_gather_into_tensor(out, inp, on)
+        return _gloo.gloo_all_gather_into_tensor(out, inp, on)
 
     def one(guarded: bool) -> None:
         if guarded:
