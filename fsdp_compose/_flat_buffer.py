@@ -1,5 +1,6 @@
 """The flat communication buffer of a unit: its layout, and the copies in and out.
 
+[Note: unsharded storage]
 Each unit owns one flat ``unsharded`` buffer of ``W * S`` elements (``S`` = one
 rank's padded row) laid out parameter-major: parameter p occupies ``W * slot_p``
 elements starting at ``W * offset_p``, and its unsharded ``nn.Parameter`` is a view
