@@ -222,7 +222,7 @@ def test_hsdp_replicas_with_different_values_are_reported() -> None:
 
 
 _EXIT_SCRIPT = """
-import sys, tempfile, time
+import os, sys, tempfile, time
 from datetime import timedelta
 import torch.distributed as dist, torch.multiprocessing as mp
 
@@ -233,7 +233,8 @@ def rank_main(rank, init_file):
     from fsdp_compose import debug
     debug.enable_collective_guard()
     message, _ = test_desync_guard._desync_steps("skip_block")
-    print(rank, message.splitlines()[0], flush=True)
+    # one write per line: the ranks share the pipe, unbuffered under PYTHONUNBUFFERED
+    os.write(1, f"{rank} {message.splitlines()[0]}\\n".encode())
     # exits with the guard's lanes (and maybe a fingerprint only this rank
     # issued) still alive: no destroy_process_group()
 
