@@ -55,14 +55,18 @@ def _worker(
     inp = torch.randn(4160)
     out = torch.empty(world * 4160)
 
-    def issue(async_op: bool, on: dist.ProcessGroup) -> dist.Work:
+    def issue(on: dist.ProcessGroup) -> dist.Work:
         return _gloo.gloo_all_gather_into_tensor(out, inp, on)
+
+    call = _collectives.CollectiveCall(
+        "all_gather", "blocks.3", group, 4160, torch.float32, 1, torch.device("cpu")
+    )
 
     def one(guarded: bool) -> None:
         if guarded:
-            work = _guard.launch("all_gather", "blocks.3", group, 4160, torch.float32, 1, issue)
+            work = _guard.launch(call, issue)
         else:
-            work = issue(True, group)
+            work = issue(group)
         assert work is not None
         work.wait()
 

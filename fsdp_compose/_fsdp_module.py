@@ -169,7 +169,9 @@ class FSDPModule:
         Args:
             modules (List[FSDPModule]): modules to prefetch, in issue order.
         """
-        self._set_explicit_prefetch("forward_prefetch", modules)
+        targets, holders = self._prefetch_targets_and_holders(modules)
+        for holder in holders:
+            holder.forward_prefetch = targets
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Sets the modules whose parameters this module's backward all-gathers as
@@ -179,7 +181,9 @@ class FSDPModule:
         Args:
             modules (List[FSDPModule]): modules to prefetch, in issue order.
         """
-        self._set_explicit_prefetch("backward_prefetch", modules)
+        targets, holders = self._prefetch_targets_and_holders(modules)
+        for holder in holders:
+            holder.backward_prefetch = targets
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divides reduced gradients by ``factor`` instead of the data-parallel size."""
@@ -374,14 +378,16 @@ class FSDPModule:
 
     # -- internals -----------------------------------------------------------
 
-    def _set_explicit_prefetch(self, attr: str, modules: list[FSDPModule]) -> None:
+    def _prefetch_targets_and_holders(
+        self, modules: list[FSDPModule]
+    ) -> tuple[list[Unit], list[Unit | UnitState]]:
+        """The units an explicit prefetch list gathers, and what holds the list:
+        this module's own units, or its state when it has none."""
         if not isinstance(modules, (list, tuple)):
             raise TypeError(f"expected a list of FSDPModules, got {type(modules).__name__}")
         targets = _units_of(list(modules))  # modules without parameters have nothing to gather
         state = self._fsdp_state()
-        holders: list[Unit | UnitState] = [*state.own_units] or [state]
-        for holder in holders:
-            setattr(holder, attr, targets)
+        return targets, [*state.own_units] or [state]
 
     def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
         if not recurse:

@@ -78,7 +78,6 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Callable
 from datetime import timedelta
 from typing import cast
 
@@ -128,9 +127,6 @@ def _description(row: list[int]) -> str:
     return f"{text.rstrip(bytes(1)).decode(errors='replace')}, step {row[_FIELDS - 2]})"
 
 
-# ``issue(async_op, group)``, as _collectives hands it over.
-_Issue = Callable[[bool, dist.ProcessGroup], "dist.Work | None"]
-
 _OK = object()  # verdict of a fingerprint that matched on every rank
 
 
@@ -151,9 +147,9 @@ class GuardedCollective:
         "verdict",
     )
 
-    def __init__(self, lane: _Lane, issue: _Issue, mine: list[int]) -> None:
+    def __init__(self, lane: _Lane, issue: _collectives.Issue, mine: list[int]) -> None:
         self._lane = lane
-        self._issue: _Issue | None = issue
+        self._issue: _collectives.Issue | None = issue
         self.mine = mine
         # Thread-local: the launch on gloo's thread must see the caller's mode
         # (buffers made under inference_mode may only be written under it).
@@ -227,15 +223,15 @@ class _Lane:
             _retired.append(self)
 
     def submit(
-        self, kind: str, label: str, numel: int, dtype: torch.dtype, step: int, issue: _Issue
+        self, call: _collectives.CollectiveCall, issue: _collectives.Issue
     ) -> GuardedCollective:
         if self.failure is not None:
             self.retire()
             raise _copy(self.failure)
         seq = self.seq
         self.seq = seq + 1
-        fields, words = _fingerprint_parts(kind, label, numel, dtype)
-        mine = [*fields, step, seq, *words]
+        fields, words = _fingerprint_parts(call.kind, call.label, call.numel, call.dtype)
+        mine = [*fields, call.step, seq, *words]
         entry = GuardedCollective(self, issue, mine)
         with self.lock:
             self.queue.append(entry)
@@ -281,12 +277,12 @@ class _Lane:
                 self.failure = cast(BaseException, entry.verdict)
             if self.failure is None:
                 try:
-                    issue = cast(_Issue, entry._issue)
+                    issue = cast(_collectives.Issue, entry._issue)
                     if entry.inference:
                         with torch.inference_mode():
-                            entry._work = issue(True, self.data)
+                            entry._work = issue(self.data)
                     else:
-                        entry._work = issue(True, self.data)
+                        entry._work = issue(self.data)
                     if launched is not None:
                         launched.append(_description(entry.mine))
                 except BaseException as exc:  # raised at wait
@@ -372,36 +368,29 @@ def _lane_of(group: dist.ProcessGroup) -> _Lane | None:
     return lane
 
 
-def _issue_nothing(async_op: bool, group: dist.ProcessGroup) -> None:
+def _issue_nothing(group: dist.ProcessGroup) -> None:
     return None
 
 
-def launch(
-    kind: str,
-    label: str,
-    group: dist.ProcessGroup,
-    numel: int,
-    dtype: torch.dtype,
-    step: int,
-    issue: _Issue,
-    movable: bool = True,
-) -> dist.Work | None:
-    """Issues ``issue`` (a CPU collective on ``group``) behind the guard: returns
-    a work-like object at once; the collective itself is issued, on a private
-    group with ``group``'s ranks, once every rank's fingerprint matched. See
+def launch(call: _collectives.CollectiveCall, issue: _collectives.Issue) -> dist.Work | None:
+    """Issues ``issue`` (a CPU collective on ``call.group``) behind the guard:
+    returns a work-like object at once; the collective itself is issued, on a
+    private group with the same ranks, once every rank's fingerprint matched. See
     [Note: collective guard]. Groups the guard does not cover are issued directly.
-    ``movable=False``: ``issue`` must run on ``group`` itself (a user-supplied
-    comm); it is issued on the calling thread after its fingerprint matched."""
+    A collective that is not ``call.movable`` (a user-supplied comm) must run on
+    ``call.group`` itself; it is issued on the calling thread after its
+    fingerprint matched."""
+    group = call.group
     lane = _lane_of(group)
     if lane is None:
-        return issue(True, group)
-    if not movable:
+        return issue(group)
+    if not call.movable:
         # A user's comm gets the caller's group (it may ask it for ranks), so it is
         # issued here, once its fingerprint matched: synchronous, but ordered.
-        lane.submit(kind, label, numel, dtype, step, _issue_nothing).settle()
-        return issue(True, group)
+        lane.submit(call, _issue_nothing).settle()
+        return issue(group)
     # A GuardedCollective has the part of Work's interface the collectives use.
-    return cast(dist.Work, lane.submit(kind, label, numel, dtype, step, issue))
+    return cast(dist.Work, lane.submit(call, issue))
 
 
 # [Note: guard at interpreter exit]
@@ -444,16 +433,7 @@ def _guard_launch(call: _collectives.CollectiveCall, issue: _collectives.Issue) 
     # not guarded (see [Note: collective guard]).
     if call.device.type != "cpu" or debug.collective_checks_enabled():
         return issue(call.group)
-    return launch(
-        call.kind,
-        call.label,
-        call.group,
-        call.numel,
-        call.dtype,
-        call.step,
-        lambda _async_op, on: issue(on),
-        call.movable,
-    )
+    return launch(call, issue)
 
 
 set_enabled(_env.flag("FSDP_COMPOSE_COLLECTIVE_GUARD", False))

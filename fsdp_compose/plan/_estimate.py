@@ -357,11 +357,10 @@ def estimate(
         host = sum(per_unit_states.values())
         per_unit_states = dict.fromkeys(per_unit_states, 0)
     peak, at, terms = _simulate(units, profile, plan.prefetch_depth)
-    if optimizer == "muon":
-        owner = _muon_owner_bytes(units)
-        if owner > peak:
-            peak, at = owner, "optimizer step (Muon owner)"
-            terms = {"unsharded": owner, "activations": 0, "comm_buffers": 0}
+    owner = _muon_owner_bytes(units) if optimizer == "muon" else 0
+    if owner > peak:
+        peak, at = owner, "optimizer step (Muon owner)"
+        terms = {"unsharded": owner, "activations": 0, "comm_buffers": 0}
     terms["allocator"] = 0
     if device == "cpu" and host_allocator == "glibc":
         resident, resident_at = replay(
@@ -370,7 +369,7 @@ def estimate(
                 plan,
                 profile,
                 shard,
-                muon_owner_bytes=_muon_owner_bytes(units) if optimizer == "muon" else 0,
+                muon_owner_bytes=owner,
                 adam_like=OPTIMIZERS[optimizer] == 2,
             )
         )
