@@ -27,8 +27,8 @@ import time
 
 import pytest
 import torch
-from gpt import GPT, Block, GPTConfig, loss_fn, make_batch
-from helpers import full, local_slice, mean_across_ranks, rank_world
+from gpt import GPT, Block, GPTConfig, loss_fn
+from helpers import gpt_batches, local_slice, mean_across_ranks, rank_world, train_side_by_side
 from torch import nn
 
 from fsdp_compose import MixedPrecisionPolicy
@@ -166,7 +166,6 @@ def test_comm_bytes_and_sharded_state_closed_form() -> None:
 
 
 def _auto_wrap_gpt_job() -> dict:
-    rank, world = rank_world()
     torch.manual_seed(0)
     cfg = GPTConfig(**TINY)  # type: ignore[arg-type]
     ref = GPT(cfg)
@@ -180,27 +179,11 @@ def _auto_wrap_gpt_job() -> dict:
         prefetch_depth=2,
     )
     units = auto_wrap(model, plan=plan)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    diffs = []
-    for step in range(3):
-        x, y = make_batch(cfg, 2 * world, step)
-        ref_loss = loss_fn(ref(x), y)
-        ref_loss.backward()
-        loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
-        loss.backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-        diffs.append(abs(mean_across_ranks(loss.item()) - ref_loss.item()))
-    ref_params = dict(ref.named_parameters())
-    param_diff = max(
-        (full(p.detach()) - ref_params[n]).abs().max().item() for n, p in model.named_parameters()
-    )
+    parity = train_side_by_side(model, ref, 3, gpt_batches(cfg), loss_fn)
     return {
         "units": [u._fsdp_state().unit.name for u in units],
-        "loss_diffs": diffs,
-        "param_diff": param_diff,
+        "loss_diffs": parity["loss_diffs"],
+        "param_diff": parity["param_diff"],
         "depth": model._fsdp_state().scheduler.settings.forward_depth,
     }
 
