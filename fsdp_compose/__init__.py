@@ -9,6 +9,7 @@ prefetch) and reduce-scatters gradients per unit. See the README for usage.
 from . import (  # noqa: F401
     _guard,  # the collective guard, if FSDP_COMPOSE_COLLECTIVE_GUARD=1
     _misuse,  # misuse checks at the root's lazy init and at optimizer steps
+    _shared,  # parameters shared across units (tied weights)
     debug,
     safetensors_io,
     trace,

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, Shard
 
-from . import _compat
+from . import _compat, _hooks
 from ._errors import FSDPRuntimeError, FSDPValueError
 from ._fsdp_module import FSDPModule, _fsdp_classes, _reshard_unit
 from ._hooks import UnitState, state_of
@@ -32,7 +32,6 @@ from ._mesh import (
 )
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._sharded_param import IGNORED_BY, SHARDED_BY, ShardedParam
-from ._shared import borrow, collect_borrowed, link_shared, shared_link
 from ._unit import Unit
 
 logger = logging.getLogger("fsdp_compose")
@@ -178,8 +177,11 @@ def fully_shard(
     # retry (with the fix the error names) starts from a clean module.
     managed_modules = _managed_modules(modules)
     owners = _managed_params(managed_modules, ignored, modules)
-    # Parameters another unit already sharded: borrowed, see [Note: shared parameters].
-    borrowed = collect_borrowed(managed_modules, ignored, mesh_info, mp_policy, offload_policy)
+    # Parameters another unit already sharded: borrowed (the extension _shared).
+    sharing = _hooks.param_sharing
+    borrowed = sharing and sharing.collect(
+        managed_modules, ignored, mesh_info, mp_policy, offload_policy
+    )
     device = mesh_info.device
     offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
     _check_devices(owners, device)
@@ -239,12 +241,10 @@ def fully_shard(
     state.extra_units = units[1:]
     state.adopt_subtree_settings()
     for unit in units:
-        _register_state_dict_hooks(unit, state)
-    for (param, _), sharded_param in zip(owners.items(), sharded):
-        link_shared(param, sharded_param, unit_of[id(sharded_param)], state)
-    borrow(state, borrowed)
-    for link, pairs in borrowed.items():
-        _register_state_dict_hooks(link.unit, link.state, [(m, n, link.param) for m, n in pairs])
+        register_state_dict_hooks(unit, state)
+    if sharing is not None:
+        replaced = [(p, sp, unit_of[id(sp)]) for p, sp in zip(owners, sharded)]
+        sharing.install(state, replaced, borrowed)
     for m in modules:
         cls = type(m)
         fsdp_cls = _fsdp_classes.get(cls)
@@ -357,8 +357,9 @@ def _managed_params(
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     for m in modules:
         for name, p in m._parameters.items():
-            if p is None or p in ignored or shared_link(p, m, name) is not None:
-                continue  # shared with an earlier unit: collect_borrowed handles it
+            sharing = _hooks.param_sharing
+            if p is None or p in ignored or (sharing and sharing.is_borrowed(p, m, name)):
+                continue  # shared with an earlier unit: the extension _shared handles it
             if getattr(p, SHARDED_BY, None) is not None:
                 _reject_module_shared_by_sibling_units(p, name, m, targets)
                 raise ValueError(
@@ -509,14 +510,14 @@ def _describe(modules: tuple[nn.Module, ...]) -> str:
     return ", ".join(type(m).__name__ for m in modules)
 
 
-def _register_state_dict_hooks(
+def register_state_dict_hooks(
     unit: Unit, state: UnitState, owners: list[tuple[nn.Module, str, ShardedParam]] | None = None
 ) -> None:
     """``state_dict()`` and ``load_state_dict()`` always see the sharded parameters,
     and a full (plain tensor) state dict is sharded on the fly when loaded.
 
     ``owners`` limits the hooks to these registrations of ``unit``'s parameters
-    (a borrower's, see [Note: shared parameters]); default: all of them."""
+    (a borrower's, see [Note: shared parameters] in ``_shared``); default: all."""
     if owners is None:
         owners = [(module, name, p) for p in unit.params for module, name in p.owners]
     owner_params: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}

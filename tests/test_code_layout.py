@@ -47,7 +47,6 @@ CORE = (
     "_policies",
     "_reduce",
     "_scheduler",
-    "_shared",
     "_sharded_param",
     "_unit",
 )
@@ -59,6 +58,7 @@ EXTENSIONS = (
     "_misuse",
     "_optim",
     "_pipelining",
+    "_shared",
     "debug",
     "plan",
     "safetensors_io",
