@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, Shard
 
-from . import _compat, _hooks
+from . import _hooks
 from ._errors import FSDPRuntimeError, FSDPValueError
 from ._fsdp_module import FSDPModule, _fsdp_classes, _reshard_unit
 from ._hooks import UnitState, state_of
@@ -47,6 +47,18 @@ _REPLACED_BY = "_fsdp_compose_replaced_by"  # on an original parameter that was 
 _UNIT_OF = "_fsdp_compose_unit"
 _unit_modules: dict[int, tuple[weakref.ref[nn.Module], ...]] = {}
 _calls = itertools.count()
+
+#: ``convert(state_dict, prefix, [(name, param)], assign)``: rewrites the values a
+#: module's ``load_state_dict`` gets for its sharded parameters in place (the
+#: extension ``_full_state_dict`` loads full tensors this way).
+LoadConversion = Callable[[dict[str, Any], str, list[tuple[str, ShardedParam]], bool], None]
+_load_conversion: LoadConversion | None = None
+
+
+def set_load_conversion(convert: LoadConversion | None) -> None:
+    """Attaches the conversion of loaded state-dict values (``None`` detaches)."""
+    global _load_conversion
+    _load_conversion = convert
 
 
 @overload
@@ -513,8 +525,9 @@ def _describe(modules: tuple[nn.Module, ...]) -> str:
 def register_state_dict_hooks(
     unit: Unit, state: UnitState, owners: list[tuple[nn.Module, str, ShardedParam]] | None = None
 ) -> None:
-    """``state_dict()`` and ``load_state_dict()`` always see the sharded parameters,
-    and a full (plain tensor) state dict is sharded on the fly when loaded.
+    """``state_dict()`` and ``load_state_dict()`` always see the sharded parameters
+    (and a full state dict is sharded on the fly when loaded, see
+    :func:`set_load_conversion`).
 
     ``owners`` limits the hooks to these registrations of ``unit``'s parameters
     (a borrower's, see [Note: shared parameters] in ``_shared``); default: all."""
@@ -538,14 +551,9 @@ def register_state_dict_hooks(
             _params: list[tuple[str, ShardedParam]] = params,
         ) -> None:
             reshard()
-            assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
-            for name, p in _params:
-                key = prefix + name
-                value = state_dict.get(key)
-                if isinstance(value, torch.Tensor):
-                    sharded = p.sharded_from_state(value, own=assign)  # full or TP-only values
-                    if sharded is not None:
-                        state_dict[key] = sharded
+            if _load_conversion is not None:  # full or TP-only values, see the setter
+                assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
+                _load_conversion(state_dict, prefix, _params, assign)
 
         def load_post_hook(*_: Any) -> None:
             # Parameters may have been re-assigned (assign=True).
@@ -553,7 +561,7 @@ def register_state_dict_hooks(
             unit.invalidate()
 
         module.register_state_dict_pre_hook(reshard)
-        _compat.register_load_state_dict_pre_hook(module, load_pre_hook)
+        module.register_load_state_dict_pre_hook(load_pre_hook)
         module.register_load_state_dict_post_hook(load_post_hook)
 
 

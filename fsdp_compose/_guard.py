@@ -84,7 +84,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from . import _collectives, _compat, _env, _gloo, debug
+from . import _collectives, _env, _gloo, debug
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -202,7 +202,7 @@ class _Lane:
     def __init__(self, group: dist.ProcessGroup, name: str) -> None:
         self.ranks = dist.get_process_group_ranks(group)
         self.size = group.size()
-        timeout = timedelta(seconds=_compat.process_group_timeout(group) or _DEFAULT_TIMEOUT_S)
+        timeout = timedelta(seconds=debug.process_group_timeout(group) or _DEFAULT_TIMEOUT_S)
         self.fingerprints = _private_gloo_group(group, f"{name}/fingerprints", timeout)
         self.data = _private_gloo_group(group, f"{name}/data", timeout)
         self.lock = threading.Lock()
@@ -326,7 +326,7 @@ def _private_gloo_group(
     rendezvousing in the default store under ``name``: only the member ranks
     take part, and torch's group registry (and so the names of the groups the
     user creates later) is untouched."""
-    store = dist.PrefixStore(f"fsdp_compose/guard/{name}/", _compat.default_store())
+    store = dist.PrefixStore(f"fsdp_compose/guard/{name}/", debug.default_store())
     rank, size = group.rank(), group.size()
     backend = dist.ProcessGroupGloo(store, rank, size, timeout)
     private = dist.ProcessGroup(store, rank, size)
@@ -351,7 +351,7 @@ def _lane_of(group: dist.ProcessGroup) -> _Lane | None:
         _unguarded[group] = True
         return None
     try:
-        _compat.default_store()
+        debug.default_store()
     except (RuntimeError, ValueError, AttributeError):
         # No default process group, so no store to meet in: unguarded.
         logger.debug("fsdp_compose: no default store; collective guard off for this group")

@@ -52,6 +52,7 @@ CORE = (
 )
 #: Capabilities beyond FSDP2 (modules and subpackages of ``fsdp_compose``).
 EXTENSIONS = (
+    "_full_state_dict",
     "_grad_scaler",
     "_guard",
     "_missing_root",
