@@ -11,6 +11,7 @@ from . import (  # noqa: F401
     _guard,  # the collective guard, if FSDP_COMPOSE_COLLECTIVE_GUARD=1
     _misuse,  # misuse checks at the root's lazy init and at optimizer steps
     _shared,  # parameters shared across units (tied weights)
+    _validation,  # checks of fully_shard's arguments beyond FSDP2's
     debug,
     safetensors_io,
     trace,

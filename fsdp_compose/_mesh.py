@@ -203,12 +203,12 @@ def resolve_spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
             'mesh[("dp_shard", "cp")]._flatten("dp_shard_cp").'
         )
     dp_mesh = _compat.concatenate_meshes(mesh[rep[0]], mesh[shard[0]]) if rep else mesh[shard[0]]
-    info = resolve_mesh_info(dp_mesh, check_names=False)
+    info = resolve_mesh_info(dp_mesh)
     layout = SpmdLayout(mesh, names.index(shard[0]), names.index(rep[0]) if rep else None)
     return replace(info, spmd=layout)
 
 
-def resolve_mesh_info(mesh: DeviceMesh, *, check_names: bool = True) -> MeshInfo:
+def resolve_mesh_info(mesh: DeviceMesh) -> MeshInfo:
     """Validates ``mesh`` for fully_shard and resolves its groups for this rank."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
@@ -222,9 +222,6 @@ def resolve_mesh_info(mesh: DeviceMesh, *, check_names: bool = True) -> MeshInfo
         )
     if mesh.get_coordinate() is None:
         raise ValueError(f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
-    names = mesh.mesh_dim_names
-    if mesh.ndim == 2 and names is not None and check_names:
-        _check_hsdp_dim_names(tuple(names))
     device = device_of_mesh(mesh)
     shard_dim = mesh.ndim - 1
     shard_group = mesh.get_group(shard_dim)
@@ -245,32 +242,6 @@ def resolve_mesh_info(mesh: DeviceMesh, *, check_names: bool = True) -> MeshInfo
         replicate_size=replicate_size,
         replicate_rank=replicate_rank,
     )
-
-
-# Mesh dim names that denote a parallelism other than data parallel: a 2-D mesh
-# carrying one of them is almost certainly a whole dp x tp (etc.) mesh passed where
-# its data-parallel sub-mesh was meant, which would silently train as HSDP.
-_NON_DATA_PARALLEL_DIMS = ("tp", "tensor", "cp", "context", "ep", "expert", "pp", "pipe", "model")
-
-
-def _check_hsdp_dim_names(names: tuple[str, ...]) -> None:
-    """Rejects a named 2-D mesh that is not laid out (replicate, shard)."""
-    first, second = (n.lower() for n in names)
-    if ("shard" in first and "shard" not in second) or ("rep" in second and "rep" not in first):
-        raise ValueError(
-            "fully_shard expects an HSDP mesh ordered (replicate, shard): dim 0 replicates "
-            f"and dim 1 shards, but got mesh_dim_names={names}. Build the mesh as "
-            "init_device_mesh(device, (num_replicas, shard_size), "
-            'mesh_dim_names=("replicate", "shard")).'
-        )
-    other = [n for n in names if n.lower() in _NON_DATA_PARALLEL_DIMS]
-    if other:
-        raise ValueError(
-            f"fully_shard got a 2-D mesh with mesh_dim_names={names}, but a 2-D mesh means "
-            f"HSDP (replicate, shard) and {other} is not a data-parallel dim. Pass the "
-            f'data-parallel sub-mesh instead (e.g. mesh["dp"]), or name the dims of an HSDP '
-            'mesh ("replicate", "shard").'
-        )
 
 
 def validate_reshard_after_forward(value: object, shard_size: int) -> bool | int:

@@ -60,6 +60,7 @@ EXTENSIONS = (
     "_optim",
     "_pipelining",
     "_shared",
+    "_validation",
     "debug",
     "plan",
     "safetensors_io",
