@@ -36,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-from . import _collectives
+from . import _collectives, _unit
 from ._unit import PendingReduction, Phase, ShardState, Unit
 
 logger = logging.getLogger("fsdp_compose")
@@ -228,9 +228,6 @@ class Scheduler:
         self._backward_cursor = 0
         self._reductions: list[PendingReduction] = []  # not yet handed to .grad
         self._scattering: list[PendingReduction] = []  # reduce-scatter not yet waited
-        # Versions of each unit's shards when its forward ran: backward must see the
-        # same parameters as the forward that built the autograd graph.
-        self._forward_versions: dict[Unit, list[int]] = {}
         # Set when units of this tree share parameters (see SharedUseCounter).
         self.shared: SharedUseCounter | None = None
         # Every later state change of a unit goes through this scheduler's limiter.
@@ -289,9 +286,10 @@ class Scheduler:
             unit.phase = Phase.FORWARD
             self._forward_order.append(unit)
             # Adopt parameters replaced since the last step (load_state_dict(assign=True))
-            # before recording the versions backward compares against.
+            # before the checks see them.
             unit.lazy_init()
-            self._forward_versions[unit] = [p.data_version() for p in unit.params]
+            if _unit.unit_checks is not None:
+                _unit.unit_checks.forward(unit)
             if self.shared is not None:
                 self.shared.forward_use_begin(unit)
             self.memory.issue(unit)
@@ -371,16 +369,8 @@ class Scheduler:
         self._note_backward()
         for unit in units:
             unit.phase = Phase.PRE_BACKWARD
-            versions = self._forward_versions.get(unit)
-            if versions is not None and any(
-                p.data_version() != v for p, v in zip(unit.params, versions)
-            ):
-                raise RuntimeError(
-                    f"fsdp_compose: backward reached unit {unit.name!r}, but its parameters were "
-                    "modified (e.g. by optimizer.step()) after the forward that built this autograd "
-                    "graph, so backward would combine new parameters with old activations. Run a new "
-                    "forward before each backward, and step the optimizer after all backwards."
-                )
+            if _unit.unit_checks is not None:
+                _unit.unit_checks.backward(unit)
         gather = [u for u in units if u.unshard_in_backward]
         for unit in gather:
             self.memory.issue(unit)
@@ -529,7 +519,6 @@ class Scheduler:
                 unit.abandon_gather()
                 self.memory.reshard(unit)
             unit.phase = Phase.IDLE
-        self._forward_versions.clear()
         if self.shared is not None:
             self.shared.reset()
         if failures:

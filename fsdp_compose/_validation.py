@@ -12,19 +12,26 @@ fully_shard] in ``_fully_shard.py``):
 * a submodule under two sibling units (a module shared by two units);
 * parameters on different devices (e.g. a module partly on the meta device).
 
+and, at run time, a unit whose parameters are on the meta or another device at
+its first use, parameters modified in place while unsharded (the change would be
+lost), and a backward through parameters modified after its forward.
+
 This module is an extension: it registers with
-:func:`fsdp_compose._fully_shard.add_shard_check`.
+:func:`fsdp_compose._fully_shard.add_shard_check` and
+:func:`fsdp_compose._unit.set_unit_checks`.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch.nn as nn
 
-from . import _fully_shard, _hooks
+from . import _fully_shard, _hooks, _unit
 from ._mesh import MeshInfo
 from ._sharded_param import SHARDED_BY
+from ._unit import Unit
 
 __all__: list[str] = []
 
@@ -173,4 +180,70 @@ def _check_call(
     _check_devices(managed, ignored)
 
 
+class _UnitChecks:
+    """The run-time checks (:class:`fsdp_compose._unit.UnitChecks`)."""
+
+    def __init__(self) -> None:
+        # Version of each unit's flat buffer right after its last copy-out.
+        self._gathered: weakref.WeakKeyDictionary[Unit, int] = weakref.WeakKeyDictionary()
+        # Versions of each unit's shards when its forward ran: backward must see
+        # the same parameters as the forward that built the autograd graph.
+        self._forward: weakref.WeakKeyDictionary[Unit, list[int]] = weakref.WeakKeyDictionary()
+
+    def initializing(self, unit: Unit) -> None:
+        on_meta = [p.fqn for p in unit.params if p.sharded_param.is_meta]
+        if on_meta:
+            raise RuntimeError(
+                f"fully_shard unit {unit.name!r} has parameters on the meta device: {on_meta} "
+                "(built there and never materialized, or moved there after fully_shard). "
+                "Materialize them before the first forward, e.g. "
+                "model.to_empty(device=...) and then re-initialize the parameters "
+                "(reset_parameters() / your init function) or load a state dict."
+            )
+        wrong = [
+            (p.fqn, str(p.local_shard.device))
+            for p in unit.params
+            if p.local_shard.device.type != (p.offload_device or unit.mesh_info.device).type
+        ]
+        if wrong:
+            raise RuntimeError(
+                f"fully_shard unit {unit.name!r} expects its sharded parameters on "
+                f"{unit.mesh_info.device} (the mesh's device"
+                f"{', or the CPU when offloaded' if unit.offload else ''}) but found {wrong}. "
+                "Do not move a sharded module to another device after fully_shard; build the "
+                "mesh on the intended device instead."
+            )
+
+    def gathered(self, unit: Unit) -> None:
+        assert unit._unsharded is not None
+        self._gathered[unit] = unit._unsharded._version
+
+    def resharding(self, unit: Unit) -> None:
+        flat = unit._unsharded
+        if flat is not None and flat._version != self._gathered.get(unit, 0):
+            warnings.warn(
+                f"fsdp_compose: parameters of unit {unit.name!r} were modified in place while "
+                "unsharded (e.g. under torch.no_grad() during forward); resharding discards the "
+                "change. Modify parameters outside forward/backward, where they are the sharded "
+                "DTensors that the optimizer updates.",
+                stacklevel=4,
+            )
+
+    def forward(self, unit: Unit) -> None:
+        self._forward[unit] = [p.data_version() for p in unit.params]
+
+    def backward(self, unit: Unit) -> None:
+        versions = self._forward.get(unit)
+        if versions is not None and any(
+            p.data_version() != v for p, v in zip(unit.params, versions)
+        ):
+            raise RuntimeError(
+                f"fsdp_compose: backward reached unit {unit.name!r}, but its parameters were "
+                "modified (e.g. by optimizer.step()) after the forward that built this autograd "
+                "graph, so backward would combine new parameters with old activations. Run a new "
+                "forward before each backward, and step the optimizer after all backwards."
+            )
+
+
 _fully_shard.add_shard_check(_check_call)
+_unit.set_unit_checks(_UnitChecks())
