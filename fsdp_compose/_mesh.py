@@ -286,23 +286,24 @@ def post_forward_subgroup(info: MeshInfo, group_size: int) -> tuple[dist.Process
     """
     shard_ranks = dist.get_process_group_ranks(info.shard_group)
     start = (info.shard_rank // group_size) * group_size
-    members = tuple(shard_ranks[start : start + group_size])
-    cache, key = _cache(), ("post_forward", *members)
-    group = cache.get(key)
-    if group is None:
-        group = cache[key] = dist.new_group(list(members), use_local_synchronization=True)
-    assert isinstance(group, dist.ProcessGroup)
-    return group, info.shard_rank - start
+    return _subgroup(
+        "post_forward", shard_ranks[start : start + group_size]
+    ), info.shard_rank - start
 
 
 def separate_reduce_scatter_group(info: MeshInfo) -> dist.ProcessGroup:
     """A second process group over this unit's shard ranks, for reduce-scatters
     only (``set_separate_reduce_scatter_group``), shared by every unit with the
     same shard ranks. Created with local synchronization: only member ranks call."""
-    members = tuple(dist.get_process_group_ranks(info.shard_group))
-    cache, key = _cache(), ("reduce_scatter", *members)
+    return _subgroup("reduce_scatter", dist.get_process_group_ranks(info.shard_group))
+
+
+def _subgroup(purpose: str, members: list[int]) -> dist.ProcessGroup:
+    """The cached group of ``members`` made for ``purpose`` (local synchronization:
+    only member ranks call)."""
+    cache, key = _cache(), (purpose, *members)
     group = cache.get(key)
     if group is None:
-        group = cache[key] = dist.new_group(list(members), use_local_synchronization=True)
+        group = cache[key] = dist.new_group(members, use_local_synchronization=True)
     assert isinstance(group, dist.ProcessGroup)
     return group

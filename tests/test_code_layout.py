@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_compose
-from fsdp_compose import _collectives, fully_shard
+from fsdp_compose import MixedPrecisionPolicy, _collectives, fully_shard
 from fsdp_compose.debug import CollectiveMismatchError
 
 PACKAGE = os.path.dirname(fsdp_compose.__file__)
@@ -120,7 +120,8 @@ def test_core_imports_no_extension() -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="the core is about 5,600 lines: the 4,000-line target of issue 17 is not met yet",
+    reason="the core is about 5,100 lines (4,150 outside _collectives and _gloo): the "
+    "4,000-line target of issue 17 is not met yet",
 )
 def test_core_within_its_line_budget() -> None:
     counts = {name: _lines(os.path.join(PACKAGE, name + ".py")) for name in CORE}
@@ -215,3 +216,52 @@ def test_launch_wrapper_errors() -> None:
             finally:
                 _collectives.remove_launch_wrapper(wrapper)
         _collectives.all_gather(torch.empty(4), torch.ones(2), group, "probe").wait()
+
+
+def test_core_trains_with_the_extensions_detached() -> None:
+    """The core alone (parameter sharing, full-state-dict loading and the checks
+    beyond FSDP2 detached from their registration points) trains like the
+    unwrapped model; a weight tied across units then gets one copy per unit, as
+    in FSDP2."""
+    import copy
+
+    from fsdp_compose import _fully_shard, _hooks, _unit
+
+    attached = (_hooks.param_sharing, _unit.unit_checks, _fully_shard._load_conversion)
+    checks = list(_fully_shard._shard_checks)
+    _hooks.set_param_sharing(None)
+    _unit.set_unit_checks(None)
+    _fully_shard.set_load_conversion(None)
+    _fully_shard._shard_checks.clear()
+    try:
+        with fake_process_group(1, 0):
+            torch.manual_seed(0)
+            ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+            model = copy.deepcopy(ref)
+            fully_shard(
+                model[0], mp_policy=MixedPrecisionPolicy(torch.float64, output_dtype=torch.float32)
+            )
+            fully_shard(model[2])
+            fully_shard(model)
+            opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+            for _ in range(3):
+                x = torch.randn(4, 8)
+                for m, opt in zip((model, ref), opts):
+                    m(x).square().sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+            diff = max(
+                (p.full_tensor() - q).abs().max().item()
+                for p, q in zip(model.parameters(), ref.parameters())
+            )
+            assert diff < 1e-5, diff
+            tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+            tied[1].weight = tied[0].weight
+            fully_shard(tied[0])
+            fully_shard(tied[1])  # without _shared: a second copy, as in FSDP2
+            assert tied[0].weight is not tied[1].weight
+    finally:
+        _hooks.set_param_sharing(attached[0])
+        _unit.set_unit_checks(attached[1])
+        _fully_shard.set_load_conversion(attached[2])
+        _fully_shard._shard_checks[:] = checks
