@@ -180,15 +180,15 @@ def _check_call(
     _check_devices(managed, ignored)
 
 
+# On a unit (hot path: an attribute, not a weak mapping): the version of its flat
+# buffer right after its last copy-out, and the versions of its shards when its
+# forward ran (backward must see the parameters of the forward that built the graph).
+_GATHERED = "_fsdp_compose_gathered_version"
+_FORWARD = "_fsdp_compose_forward_versions"
+
+
 class _UnitChecks:
     """The run-time checks (:class:`fsdp_compose._unit.UnitChecks`)."""
-
-    def __init__(self) -> None:
-        # Version of each unit's flat buffer right after its last copy-out.
-        self._gathered: weakref.WeakKeyDictionary[Unit, int] = weakref.WeakKeyDictionary()
-        # Versions of each unit's shards when its forward ran: backward must see
-        # the same parameters as the forward that built the autograd graph.
-        self._forward: weakref.WeakKeyDictionary[Unit, list[int]] = weakref.WeakKeyDictionary()
 
     def initializing(self, unit: Unit) -> None:
         on_meta = [p.fqn for p in unit.params if p.sharded_param.is_meta]
@@ -216,11 +216,11 @@ class _UnitChecks:
 
     def gathered(self, unit: Unit) -> None:
         assert unit._unsharded is not None
-        self._gathered[unit] = unit._unsharded._version
+        setattr(unit, _GATHERED, unit._unsharded._version)
 
     def resharding(self, unit: Unit) -> None:
         flat = unit._unsharded
-        if flat is not None and flat._version != self._gathered.get(unit, 0):
+        if flat is not None and flat._version != getattr(unit, _GATHERED, 0):
             warnings.warn(
                 f"fsdp_compose: parameters of unit {unit.name!r} were modified in place while "
                 "unsharded (e.g. under torch.no_grad() during forward); resharding discards the "
@@ -230,10 +230,10 @@ class _UnitChecks:
             )
 
     def forward(self, unit: Unit) -> None:
-        self._forward[unit] = [p.data_version() for p in unit.params]
+        setattr(unit, _FORWARD, [p.data_version() for p in unit.params])
 
     def backward(self, unit: Unit) -> None:
-        versions = self._forward.get(unit)
+        versions = getattr(unit, _FORWARD, None)
         if versions is not None and any(
             p.data_version() != v for p, v in zip(unit.params, versions)
         ):
