@@ -185,7 +185,9 @@ def fully_shard(
     # [Note: atomic fully_shard] Everything that can fail runs before the module is
     # changed: shards are built aside and installed only once every parameter and
     # the unit are valid, so a failed call leaves the module as it was and a
-    # retry (with the fix the error names) starts from a clean module.
+    # retry (with the fix the error names) starts from a clean module. The checks
+    # extensions register (add_shard_check) and the sharing extension's collect
+    # run in this phase too.
     managed_modules = _managed_modules(modules)
     for check in _shard_checks:
         check(modules, managed_modules, ignored, mesh_info)
