@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -55,14 +56,8 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from . import _compat, _gloo
+from . import _compat
 from ._errors import CollectiveMismatchError
-
-# Which path each group's collectives take (used by units and tests from here).
-from ._gloo import PUBLIC_ROUTE as PUBLIC_ROUTE
-from ._gloo import Route as Route
-from ._gloo import gathers_in_place as gathers_in_place
-from ._gloo import route_of as route_of
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -210,6 +205,100 @@ def _notify(event: CollectiveEvent, info: CollectiveInfo) -> None:
 
 
 # ---------------------------------------------------------------------------
+# Routes: how each group's CPU collectives are issued
+# ---------------------------------------------------------------------------
+
+
+class Route:
+    """How this process issues the collectives of CPU tensors on one process group
+    (see [Note: collectives per backend]). This base class issues
+    torch.distributed's public collectives, which every backend has; an extension
+    registers a route of its own for the groups of a backend it knows
+    (:func:`add_route_provider`; gloo's is in ``_gloo.py``).
+
+    Each method issues one collective asynchronously and returns the work to wait
+    on (an object with ``wait``). ``label`` (the unit) and ``step`` (the issuing
+    root's step) name the collective; a route may use them to pair collectives
+    across ranks.
+    """
+
+    __slots__ = ()
+    name = "public"
+
+    def gathers_in_place(self, row_bytes: int) -> bool:
+        """Whether an all-gather with rows of ``row_bytes`` wants its input to be
+        this rank's row of its output (else a separate buffer, which CPU backends
+        that may not accept an aliased input need)."""
+        return False
+
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        label: str,
+        step: int,
+    ) -> dist.Work | None:
+        return _compat.all_gather_into_tensor(output, input, group, True)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        label: str,
+        step: int,
+    ) -> dist.Work | None:
+        return _compat.reduce_scatter_tensor(output, input, group, True)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, label: str, step: int
+    ) -> dist.Work | None:
+        return dist.all_reduce(tensor, group=group, async_op=True)
+
+
+PUBLIC_ROUTE = Route()
+RouteProvider = Callable[[dist.ProcessGroup], "Route | None"]
+_route_providers: list[RouteProvider] = []
+_routes: weakref.WeakKeyDictionary[dist.ProcessGroup, Route] = weakref.WeakKeyDictionary()
+
+
+def add_route_provider(provider: RouteProvider) -> None:
+    """Registers ``provider(group)``, which returns the :class:`Route` for a group
+    it serves and ``None`` for the others; asked (the latest added first) once per
+    group, at the first collective on it."""
+    if provider not in _route_providers:
+        _route_providers.append(provider)
+
+
+def route_of(group: dist.ProcessGroup) -> Route:
+    """The :class:`Route` of ``group``: decided on the first call for the group and
+    remembered after (units decide theirs at lazy init, so issuing costs no lookup)."""
+    route = _routes.get(group)
+    if route is None:
+        for provider in reversed(_route_providers):
+            route = provider(group)
+            if route is not None:
+                break
+        else:
+            route = PUBLIC_ROUTE
+            logger.debug(
+                "fsdp_compose: group of size %d (backend %s) uses the public collectives",
+                group.size(),
+                _compat.backend_name(group),
+            )
+        _routes[group] = route
+    return route
+
+
+def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.device) -> bool:
+    """Whether all-gathers on ``group`` want their input to be this rank's row of
+    the output (see :meth:`Route.gathers_in_place`; NCCL always gathers in place).
+    Fixed for a unit: decide once and pass it as ``in_place``."""
+    return device.type != "cpu" or route_of(group).gathers_in_place(row_bytes)
+
+
+# ---------------------------------------------------------------------------
 # Streams (accelerators only)
 # ---------------------------------------------------------------------------
 
@@ -248,6 +337,7 @@ class PendingCollective:
     """
 
     __slots__ = (
+        "_complete_at_wait",
         "_done",
         "_finish",
         "_group",
@@ -267,8 +357,11 @@ class PendingCollective:
         tensors: tuple[torch.Tensor, ...] = (),
         what: str = "",
         group: dist.ProcessGroup | None = None,
+        complete_at_wait: bool = True,
     ) -> None:
         self._what = what
+        # listeners learn of the completion at wait (no future to report it earlier)
+        self._complete_at_wait = complete_at_wait
         self._group = group  # names the backend if the collective fails
         self._work = work
         self._stream_wait = stream_wait
@@ -300,7 +393,7 @@ class PendingCollective:
         if self._finish is not None:
             self._finish()
         if info is not None and _listeners:
-            if self._work is None:  # accelerator: completion observed at wait
+            if self._complete_at_wait:
                 _notify("complete", info)
             _notify("wait_end", info)
         self._done = True
@@ -308,97 +401,29 @@ class PendingCollective:
         self._tensors = ()
 
 
-# [Note: why a collective failed]
-# A collective fails either because of the other ranks -- one crashed (its
-# connections close or reset), or stopped issuing or issued something else (this
-# rank times out waiting, or a checking backend reports the mismatch) -- or
-# because of this rank's own call: a dtype the backend does not support, no
-# backend for the tensors' device. Only the first kind gets the hint about peers
-# and mismatched collectives; the second says what the backend refused, so that
-# nobody hunts for a crashed peer that does not exist.
-# Backends word these differently (gloo: "Connection closed by peer", "Timed out
-# waiting ... for recv"; NCCL: "ncclRemoteError", "Watchdog caught collective
-# operation timeout", "communicator was aborted"); the signs below cover them.
-_PEER_SIGNS = (
-    "closed by peer",
-    "reset by peer",
-    "connection closed",
-    "connection reset",
-    "connection refused",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "remote process",
-    "remote worker",
-    "remoteerror",
-    "network error",
-    "communicator was aborted",
-    # the ranks issued different collectives (TORCH_DISTRIBUTED_DEBUG=DETAIL, gloo)
-    "mismatch",
-    "doesn't match expected size",
-)
-
-
-def peer_may_have_failed(exc: BaseException) -> bool:
-    """Whether ``exc`` (raised by a collective) can come from another rank: a lost
-    connection or a timeout, see [Note: why a collective failed]."""
-    text = str(exc).lower()
-    return any(sign in text for sign in _PEER_SIGNS)
-
-
-def _failure(
+def _plain_failure(
     what: str,
     exc: BaseException,
     tensor: torch.Tensor | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> RuntimeError:
-    """The error to raise for a failed collective ``what``; ``tensor`` and ``group``
-    (where known) name the dtype, device and backend involved."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    head = f"fsdp_compose: {what} failed on rank {rank}: {exc}\n"
-    if peer_may_have_failed(exc):
-        return RuntimeError(
-            head + "A peer rank may have crashed or timed out, or the ranks issued different "
-            "collectives; run with FSDP_COMPOSE_DEBUG_COLLECTIVES=1 to compare the ranks' "
-            "collectives."
-        )
-    return RuntimeError(head + _local_cause(exc, tensor, group))
+    return RuntimeError(f"fsdp_compose: {what} failed on rank {rank}: {exc}")
 
 
-def _local_cause(
-    exc: BaseException, tensor: torch.Tensor | None, group: dist.ProcessGroup | None
-) -> str:
-    text = str(exc).lower()
-    backend = "process group's backend"
-    if group is not None:
-        backend += f" ({_compat.backend_name(group)})"
-    device = tensor.device.type if tensor is not None else "these"
-    dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "this dtype"
-    if "no backend type associated with device type" in text:
-        return (
-            f"This rank's call was refused, not a peer's: the {backend} has no backend for "
-            f"{device} tensors. Create the process group with a backend for that device (e.g. "
-            'init_process_group("gloo") for CPU, "cpu:gloo,cuda:nccl" for both) or build the '
-            "mesh on a device its backend serves."
-        )
-    if "scalar type" in text or "dtype" in text or "data type" in text:
-        return (
-            f"This rank's call was refused, not a peer's: the {backend} does not support this "
-            f"collective on {dtype} tensors. Use a dtype it supports for communication, e.g. "
-            "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...), or a backend that supports "
-            f"{dtype}."
-        )
-    if any(sign in text for sign in ("support", "not implemented", "unimplemented")):
-        return (
-            f"This rank's call was refused, not a peer's: the {backend} does not implement this "
-            f"collective ({dtype} tensors on {device}). fsdp_compose needs all-gather into one "
-            "tensor, reduce-scatter of one tensor and all-reduce (gloo, NCCL and UCC have them); "
-            "or supply your own with set_custom_all_gather / set_custom_reduce_scatter."
-        )
-    return (
-        f"The {backend} raised this on this rank ({dtype} tensors on {device}); it does not "
-        "look like a lost connection or a timeout, so a failed peer is an unlikely cause."
-    )
+FailureExplainer = Callable[
+    [str, BaseException, "torch.Tensor | None", "dist.ProcessGroup | None"], RuntimeError
+]
+# The error raised for a failed collective ``what`` (``tensor`` and ``group``, where
+# known, are the ones involved); ``_failures.py`` sets one that says why.
+_failure: FailureExplainer = _plain_failure
+
+
+def set_failure_explainer(explainer: FailureExplainer) -> None:
+    """Makes ``explainer(what, exc, tensor, group)`` the error raised when a
+    collective fails (see [Note: collective extensions])."""
+    global _failure
+    _failure = explainer
 
 
 def _info(
@@ -409,12 +434,15 @@ def _info(
     return CollectiveInfo(kind, label, group_size, inp.numel(), out.numel(), inp.dtype, next(_seq))
 
 
-def _on_complete(work: dist.Work, info: CollectiveInfo) -> None:
-    """Reports the completion time of gloo work from gloo's own thread."""
+def _on_complete(work: dist.Work, info: CollectiveInfo) -> bool:
+    """Reports the completion time of ``work`` from the communication thread;
+    False where the work has no future (then it is reported at wait)."""
     try:
-        work.get_future().add_done_callback(lambda _f: _notify("complete", info))
-    except RuntimeError:  # backends without futures: report at wait time instead
-        _notify("complete", info)
+        future = work.get_future()
+    except (AttributeError, RuntimeError):
+        return False
+    future.add_done_callback(lambda _f: _notify("complete", info))
+    return True
 
 
 def _launch(
@@ -445,16 +473,21 @@ def _launch(
         call = CollectiveCall(kind, label, group, inp.numel(), inp.dtype, step, out.device, movable)
         launch = functools.partial(_wrapped, call, launch)
     if cpu:
-        _gloo.ensure_exit_grace()
         try:
             work = launch()
         except CollectiveMismatchError:
             raise
         except RuntimeError as exc:
             raise _failure(what, exc, out, group) from exc
-        if info is not None and work is not None:
-            _on_complete(work, info)
-        return PendingCollective(info, work=work, tensors=(inp, out), what=what, group=group)
+        at_wait = info is None or work is None or not _on_complete(work, info)
+        return PendingCollective(
+            info,
+            work=work,
+            tensors=(inp, out),
+            what=what,
+            group=group,
+            complete_at_wait=at_wait,
+        )
     streams = _device_streams(out.device)
     stream = streams.reduce_scatter if kind != "all_gather" else streams.all_gather
     current = streams.module.current_stream(out.device)
@@ -512,7 +545,7 @@ class DefaultAllGather(_DefaultComm):
     Args:
         route: ``route_of(group)`` of the group it gathers on.
         in_place: whether its input is this rank's row of its output (as
-            :func:`gathers_in_place` decided); gloo then gathers by broadcasts.
+            :func:`gathers_in_place` decided), else a buffer of its own.
     """
 
     __slots__ = ("in_place",)
@@ -527,23 +560,21 @@ class DefaultAllGather(_DefaultComm):
         input_tensor: torch.Tensor,
         group: dist.ProcessGroup,
         async_op: bool = False,
+        *,
+        label: str = "",
+        step: int = 0,
     ) -> dist.Work | None:
         output, input = _real_view(output_tensor), _real_view(input_tensor)
         if output.device.type != "cpu":
             return _compat.all_gather_into_tensor(output, input, group, async_op)
-        route = self.route
-        if not route.gloo:
-            return _compat.all_gather_into_tensor(output, input, group, True)
-        if self.in_place and route.broadcast_all_gather:
-            return _gloo.gloo_all_gather_by_broadcast(output, group)
-        return _gloo.gloo_all_gather_into_tensor(output, input, group)
+        return self.route.all_gather(output, input, group, label, step)
 
 
 class DefaultReduceScatter(_DefaultComm):
     """fsdp_compose's own reduce-scatter (a sum), with the
     :class:`ReduceScatterComm` interface that a custom one
-    (``set_custom_reduce_scatter``) replaces; see [Note: reduce-scatter on gloo].
-    Made per unit and group, on the group's :class:`Route`.
+    (``set_custom_reduce_scatter``) replaces. Made per unit and group, on the
+    group's :class:`Route`.
     """
 
     __slots__ = ()
@@ -555,11 +586,17 @@ class DefaultReduceScatter(_DefaultComm):
         group: dist.ProcessGroup,
         op: dist.ReduceOp,
         async_op: bool = False,
+        *,
+        label: str = "",
+        step: int = 0,
     ) -> dist.Work | None:
         output, input = _real_view(output_tensor), _real_view(input_tensor)
-        if output.device.type == "cpu" and self.route.all_to_all_reduce_scatter:
-            return _gloo.reduce_scatter_by_all_to_all(output, input, group)
-        return _compat.reduce_scatter_tensor(output, input, group, async_op)
+        if output.device.type != "cpu":
+            return _compat.reduce_scatter_tensor(output, input, group, async_op)
+        return self.route.reduce_scatter(output, input, group, label, step)
+
+
+_SUM: dist.ReduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # (a RedOpType member)
 
 
 def allocate(
@@ -608,17 +645,22 @@ def all_gather(
     with ``comm`` (default: a :class:`DefaultAllGather` on the group's route, not
     in place). ``step``: the issuing root's step (:class:`StepContext`)."""
     gather = comm if comm is not None else DefaultAllGather(route_of(group), in_place=False)
+    own = gather if isinstance(gather, DefaultAllGather) else None
+
+    def issue(async_op: bool, on: dist.ProcessGroup) -> dist.Work | None:
+        if own is not None:  # fsdp_compose's own: named for its route
+            return own(output, input, on, async_op, label=label, step=step)
+        return gather(output_tensor=output, input_tensor=input, group=on, async_op=async_op)
+
     return _launch(
         "all_gather",
         label,
         group,
         input,
         output,
-        lambda async_op, on: gather(
-            output_tensor=output, input_tensor=input, group=on, async_op=async_op
-        ),
+        issue,
         step=step,
-        movable=isinstance(gather, _DefaultComm),
+        movable=own is not None,
     )
 
 
@@ -635,21 +677,24 @@ def reduce_scatter(
     (default: a :class:`DefaultReduceScatter` on the group's route); rank r
     receives the sum of chunk r in ``output``."""
     scatter = comm if comm is not None else DefaultReduceScatter(route_of(group))
+    own = scatter if isinstance(scatter, DefaultReduceScatter) else None
+
+    def issue(async_op: bool, on: dist.ProcessGroup) -> dist.Work | None:
+        if own is not None:  # fsdp_compose's own: named for its route
+            return own(output, input, on, _SUM, async_op, label=label, step=step)
+        return scatter(
+            output_tensor=output, input_tensor=input, group=on, op=_SUM, async_op=async_op
+        )
+
     return _launch(
         "reduce_scatter",
         label,
         group,
         input,
         output,
-        lambda async_op, on: scatter(
-            output_tensor=output,
-            input_tensor=input,
-            group=on,
-            op=dist.ReduceOp.SUM,  # type: ignore[arg-type]  # (a RedOpType member)
-            async_op=async_op,
-        ),
+        issue,
         step=step,
-        movable=isinstance(scatter, _DefaultComm),
+        movable=own is not None,
     )
 
 
@@ -664,6 +709,10 @@ def all_reduce(
         group,
         tensor,
         tensor,
-        lambda async_op, on: dist.all_reduce(tensor, group=on, async_op=async_op),
+        lambda async_op, on: (
+            route_of(group).all_reduce(tensor, on, label, step)
+            if tensor.device.type == "cpu"
+            else dist.all_reduce(tensor, group=on, async_op=async_op)
+        ),
         step=step,
     )

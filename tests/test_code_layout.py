@@ -2,10 +2,11 @@
 
 The core (``CORE``) is what torch's FSDP2 also has: the annotator, ``FSDPModule``,
 the hooks, the scheduler, the unit (state machine, flat buffer, gradient
-reduction), the sharded parameter, the collectives (with their gloo backend),
+reduction), the sharded parameter, the collectives (public ones; gloo's exchanges
+register as a route),
 the mesh, the policies, and the small shared modules they need. Every
 capability beyond FSDP2 is an extension: it imports the core and attaches to its
-registration points (collective listeners and launch wrappers in
+registration points (routes, collective listeners and launch wrappers in
 ``_collectives``, the schedule observer in ``_scheduler``, root-init checks in
 ``_hooks``, step handlers in ``_optim``), and no core module imports it.
 
@@ -41,7 +42,6 @@ CORE = (
     "_flat_buffer",
     "_fsdp_module",
     "_fully_shard",
-    "_gloo",
     "_hooks",
     "_mesh",
     "_policies",
@@ -53,12 +53,15 @@ CORE = (
 )
 #: Capabilities beyond FSDP2 (modules and subpackages of ``fsdp_compose``).
 EXTENSIONS = (
+    "_failures",
+    "_gloo",
     "_grad_scaler",
     "_guard",
     "_missing_root",
     "_misuse",
     "_optim",
     "_pipelining",
+    "_stall",
     "debug",
     "plan",
     "safetensors_io",
