@@ -47,7 +47,7 @@ def _worker(
     )
     import workloads
 
-    from fsdp_compose import _collectives, _gloo, _guard
+    from fsdp_compose import _collectives, _guard
 
     group = dist.group.WORLD
     # Per collective: a 4160-float all-gather (a tiny unit) issued and waited,
@@ -56,7 +56,7 @@ def _worker(
     out = torch.empty(world * 4160)
 
     def issue(on: dist.ProcessGroup) -> dist.Work:
-        return _gloo.gloo_all_gather_into_tensor(out, inp, on)
+        return on._allgather_base(out, inp)
 
     call = _collectives.CollectiveCall(
         "all_gather", "blocks.3", group, 4160, torch.float32, 1, torch.device("cpu")

@@ -10,20 +10,24 @@ whose :meth:`~PendingCollective.wait` makes the result visible to the caller:
   stream wait for an event, without blocking the CPU.
 
 [Note: collectives per backend]
-fsdp_compose runs on any c10d backend. The gloo paths ([Note: reduce-scatter on
-gloo], [Note: all-gather on gloo] and [Note: issuing gloo collectives], all in
-``_gloo.py``) are tuned for gloo and used only where a group's CPU backend
-really is ``ProcessGroupGloo``; every other backend -- torch's threaded test group, the ``fake`` backend of dry
-runs, MPI, UCC, vendor backends, NCCL -- gets torch.distributed's public
-collectives (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ...). Which
-applies is a :class:`Route`, decided once per group (:func:`route_of`, at the lazy
-init of the first unit on it) and kept by the unit's default collectives
+fsdp_compose runs on any c10d backend. Which path a group's CPU collectives take
+is its :class:`Route`, decided once per group (:func:`route_of`, at the lazy init
+of the first unit on it) and kept by the unit's default collectives
 (:class:`DefaultAllGather`, :class:`DefaultReduceScatter`: the same interface as a
 user's custom comm, one code path for both), so issuing costs no backend lookup.
+The core's route issues torch.distributed's public collectives
+(``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``), which
+every backend has: torch's threaded test group, the ``fake`` backend of dry runs,
+MPI, UCC, vendor backends. Extensions register routes for the backends they know
+(:func:`add_route_provider`): gloo's (``_gloo.py``, [Note: collectives matched by
+what they are]) serves groups whose CPU backend really is ``ProcessGroupGloo``.
+Accelerator tensors (NCCL) always take the public collectives, on side streams.
 
 [Note: collective extensions]
 The core issues collectives; capabilities beyond FSDP2 attach here and the core
-never imports them. Two registration points, both per process:
+never imports them. Registration points, all per process: routes
+(:func:`add_route_provider`, above), the error raised for a failed collective
+(:func:`set_failure_explainer`, ``_failures.py``), and
 
 * :func:`add_listener`: observe every collective (``issue``, ``complete``,
   ``wait_begin``, ``wait_end``), e.g. the timeline (``trace``) or tests counting

@@ -227,8 +227,10 @@ class GlooRoute(_collectives.Route):
             mine.copy_(input)
         numel = mine.numel()
         tag = peers.tag("all_gather", label, numel, mine.dtype, step)
-        recvs = [group.recv([rows[peer]], peer, tag) for peer in peers.others]
+        # Sends first: posted before the receives, a transfer needs fewer round
+        # trips of gloo's event loop (1 MiB rows at W=2: ~0.9 vs ~1.4-2 ms loaded).
         sends = [group.send([mine], peer, tag) for peer in peers.others]
+        recvs = [group.recv([rows[peer]], peer, tag) for peer in peers.others]
         return Exchange(peers, tag, ("all_gather", label, step, numel, mine.dtype), recvs, sends)
 
     def reduce_scatter(
@@ -248,8 +250,8 @@ class GlooRoute(_collectives.Route):
         # Every rank's copy of this rank's chunk, in rank order (the sum's order).
         received = torch.empty_like(chunks)
         tag = peers.tag("reduce_scatter", label, input.numel(), input.dtype, step)
-        recvs = [group.recv([received[peer]], peer, tag) for peer in peers.others]
         sends = [group.send([chunks[peer]], peer, tag) for peer in peers.others]
+        recvs = [group.recv([received[peer]], peer, tag) for peer in peers.others]
         me = peers.rank
 
         def finish() -> None:
@@ -271,8 +273,8 @@ class GlooRoute(_collectives.Route):
         theirs = torch.empty_like(tensor)
         peer = peers.others[0]
         tag = peers.tag("all_reduce", label, tensor.numel(), tensor.dtype, step)
-        recvs = [group.recv([theirs], peer, tag)]
         sends = [group.send([tensor], peer, tag)]
+        recvs = [group.recv([theirs], peer, tag)]
 
         def finish() -> None:
             tensor.add_(theirs)  # a + b == b + a: both ranks get the same bits
