@@ -65,6 +65,7 @@ from ._errors import CollectiveMismatchError
 
 logger = logging.getLogger("fsdp_compose")
 
+Group = dist.ProcessGroup
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 CollectiveEvent = Literal["issue", "complete", "wait_begin", "wait_end"]
 
@@ -208,55 +209,35 @@ def _notify(event: CollectiveEvent, info: CollectiveInfo) -> None:
         listener(event, info)
 
 
-# ---------------------------------------------------------------------------
-# Routes: how each group's CPU collectives are issued
-# ---------------------------------------------------------------------------
+# --- Routes: how each group's CPU collectives are issued ---
 
 
 class Route:
     """How this process issues the collectives of CPU tensors on one process group
-    (see [Note: collectives per backend]). This base class issues
-    torch.distributed's public collectives, which every backend has; an extension
-    registers a route of its own for the groups of a backend it knows
-    (:func:`add_route_provider`; gloo's is in ``_gloo.py``).
-
+    (see [Note: collectives per backend]): here torch.distributed's public ones.
     Each method issues one collective asynchronously and returns the work to wait
-    on (an object with ``wait``). ``label`` (the unit) and ``step`` (the issuing
-    root's step) name the collective; a route may use them to pair collectives
-    across ranks.
-    """
+    on; ``label`` (the unit) and ``step`` (the root's step) name it."""
 
     __slots__ = ()
     name = "public"
 
     def gathers_in_place(self, row_bytes: int) -> bool:
-        """Whether an all-gather with rows of ``row_bytes`` wants its input to be
-        this rank's row of its output (else a separate buffer, which CPU backends
-        that may not accept an aliased input need)."""
+        """Whether all-gathers of ``row_bytes`` rows take this rank's row of the
+        output as input (else a buffer of its own: not every backend allows aliasing)."""
         return False
 
     def all_gather(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        group: dist.ProcessGroup,
-        label: str,
-        step: int,
+        self, output: torch.Tensor, input: torch.Tensor, group: Group, label: str, step: int
     ) -> dist.Work | None:
         return _compat.all_gather_into_tensor(output, input, group, True)
 
     def reduce_scatter(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        group: dist.ProcessGroup,
-        label: str,
-        step: int,
+        self, output: torch.Tensor, input: torch.Tensor, group: Group, label: str, step: int
     ) -> dist.Work | None:
         return _compat.reduce_scatter_tensor(output, input, group, True)
 
     def all_reduce(
-        self, tensor: torch.Tensor, group: dist.ProcessGroup, label: str, step: int
+        self, tensor: torch.Tensor, group: Group, label: str, step: int
     ) -> dist.Work | None:
         return dist.all_reduce(tensor, group=group, async_op=True)
 
@@ -302,9 +283,7 @@ def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.dev
     return device.type != "cpu" or route_of(group).gathers_in_place(row_bytes)
 
 
-# ---------------------------------------------------------------------------
-# Streams (accelerators only)
-# ---------------------------------------------------------------------------
+# --- Streams (accelerators only) ---
 
 
 class _DeviceStreams:
@@ -328,9 +307,7 @@ def _device_streams(device: torch.device) -> _DeviceStreams:
     return streams
 
 
-# ---------------------------------------------------------------------------
-# Pending collectives
-# ---------------------------------------------------------------------------
+# --- Pending collectives ---
 
 
 class PendingCollective:
@@ -406,17 +383,14 @@ class PendingCollective:
 
 
 def _plain_failure(
-    what: str,
-    exc: BaseException,
-    tensor: torch.Tensor | None = None,
-    group: dist.ProcessGroup | None = None,
+    what: str, exc: BaseException, tensor: torch.Tensor | None, group: Group | None
 ) -> RuntimeError:
     rank = dist.get_rank() if dist.is_initialized() else 0
     return RuntimeError(f"fsdp_compose: {what} failed on rank {rank}: {exc}")
 
 
 FailureExplainer = Callable[
-    [str, BaseException, "torch.Tensor | None", "dist.ProcessGroup | None"], RuntimeError
+    [str, BaseException, "torch.Tensor | None", "Group | None"], RuntimeError
 ]
 # The error raised for a failed collective ``what`` (``tensor`` and ``group``, where
 # known, are the ones involved); ``_failures.py`` sets one that says why.
@@ -514,9 +488,7 @@ def _launch(
     )
 
 
-# ---------------------------------------------------------------------------
-# The collectives
-# ---------------------------------------------------------------------------
+# --- The collectives ---
 
 
 def _real_view(tensor: torch.Tensor) -> torch.Tensor:
