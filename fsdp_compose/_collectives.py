@@ -25,32 +25,22 @@ Accelerator tensors (NCCL) always take the public collectives, on side streams.
 
 [Note: collective extensions]
 The core issues collectives; capabilities beyond FSDP2 attach here and the core
-never imports them. Registration points, all per process: routes
-(:func:`add_route_provider`, above), the error raised for a failed collective
-(:func:`set_failure_explainer`, ``_failures.py``), and
+never imports them. Three registration points, all per process: routes
+(:func:`add_route_provider`, above); the error raised for a failed collective
+(:func:`set_failure_explainer`, filled by ``_failures.py``); and one hook around
+every launch (:func:`set_hook`), which ``_collective_hooks.py`` fills while
+listeners (the timeline, tests counting collectives) or launch wrappers (debug
+fingerprints, the collective guard) are registered. A hook raising
+:class:`~fsdp_compose._errors.CollectiveMismatchError` is re-raised as is; any
+other ``RuntimeError`` is reported like a failure of the collective.
 
-* :func:`add_listener`: observe every collective (``issue``, ``complete``,
-  ``wait_begin``, ``wait_end``), e.g. the timeline (``trace``) or tests counting
-  collectives;
-* :func:`add_launch_wrapper`: wrap the launch of every collective. A wrapper is
-  called as ``wrapper(call, issue)`` with the :class:`CollectiveCall` (kind,
-  label, group, element count, dtype, step, device) and the ``issue`` callable
-  that launches it; it returns what ``issue`` returns (the work to wait on, or a
-  work-like object with ``wait`` and ``get_future``), and may run checks before
-  or around it (debug fingerprints, the collective guard). A wrapper raising
-  :class:`~fsdp_compose._errors.CollectiveMismatchError` is re-raised as is; any
-  other ``RuntimeError`` is reported like a failure of the collective.
-
-With none registered, issuing costs nothing extra. The step a collective belongs
+With none set, issuing costs one ``None`` check. The step a collective belongs
 to comes from the :class:`StepContext` of the root that issues it (each root's
 scheduler owns one), so two roots in one process do not mix their steps.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import itertools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -67,28 +57,6 @@ logger = logging.getLogger("fsdp_compose")
 
 Group = dist.ProcessGroup
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
-CollectiveEvent = Literal["issue", "complete", "wait_begin", "wait_end"]
-
-
-@dataclass(frozen=True)
-class CollectiveInfo:
-    """What one rank issued: enough to count, size and cross-check collectives."""
-
-    kind: CollectiveKind
-    label: str
-    group_size: int
-    input_numel: int
-    output_numel: int
-    dtype: torch.dtype
-    seq: int
-
-    @property
-    def input_bytes(self) -> int:
-        return self.input_numel * self.dtype.itemsize
-
-    @property
-    def output_bytes(self) -> int:
-        return self.output_numel * self.dtype.itemsize
 
 
 class _CustomComm(Protocol):
@@ -137,76 +105,44 @@ class StepContext:
     step: int = 0
 
 
-@dataclass(frozen=True)
-class CollectiveCall:
-    """A collective about to be launched, as a launch wrapper sees it."""
+class WaitObserver(Protocol):
+    """Told when the training thread waits for one collective."""
 
-    kind: CollectiveKind
-    label: str
-    group: dist.ProcessGroup
-    numel: int  # of the input
-    dtype: torch.dtype
-    step: int
-    device: torch.device
-    # False for a user-supplied comm: it must be issued on ``group`` itself (it
-    # may ask the group for its ranks), not on another group with the same ranks.
-    movable: bool = True
+    def wait_begin(self) -> None: ...
+
+    def wait_end(self) -> None: ...
 
 
-Listener = Callable[[CollectiveEvent, CollectiveInfo], None]
+class CollectiveHook(Protocol):
+    """What an extension attaches to every collective (``_collective_hooks.py``:
+    listeners and launch wrappers, see [Note: collective extensions]): ``launch``
+    issues the collective through ``issue(group)`` -- on ``group`` or on another
+    group with the same ranks where ``movable`` -- and returns the work and an
+    observer of the waits (or ``None``)."""
+
+    def launch(
+        self,
+        kind: CollectiveKind,
+        label: str,
+        group: Group,
+        inp: torch.Tensor,
+        out: torch.Tensor,
+        step: int,
+        movable: bool,
+        issue: Issue,
+    ) -> tuple[dist.Work | None, WaitObserver | None]: ...
+
+
 # Launches one collective on the group it is given: the caller's, or one with the
-# same ranks that a launch wrapper issues on instead (the collective guard).
-Issue = Callable[[dist.ProcessGroup], "dist.Work | None"]
-LaunchWrapper = Callable[[CollectiveCall, Issue], "dist.Work | None"]
-_listeners: list[Listener] = []
-_wrappers: list[LaunchWrapper] = []
-_seq = itertools.count()
+# same ranks that a hook issues on instead (the collective guard).
+Issue = Callable[[Group], "dist.Work | None"]
+_hook: CollectiveHook | None = None
 
 
-def add_launch_wrapper(wrapper: LaunchWrapper) -> None:
-    """Wraps the launch of every later collective with ``wrapper(call, issue)``
-    (see [Note: collective extensions]); the first added is the outermost."""
-    if wrapper not in _wrappers:
-        _wrappers.append(wrapper)
-
-
-def remove_launch_wrapper(wrapper: LaunchWrapper) -> None:
-    if wrapper in _wrappers:
-        _wrappers.remove(wrapper)
-
-
-def _wrapped(call: CollectiveCall, issue: Issue) -> dist.Work | None:
-    for wrapper in reversed(_wrappers):
-        issue = _through(wrapper, call, issue)
-    return issue(call.group)
-
-
-def _through(wrapper: LaunchWrapper, call: CollectiveCall, inner: Issue) -> Issue:
-    """``inner`` behind ``wrapper``: the group an outer wrapper issues on reaches
-    ``wrapper`` (in its call) and ``inner``."""
-
-    def issue(on: dist.ProcessGroup) -> dist.Work | None:
-        return wrapper(call if on is call.group else dataclasses.replace(call, group=on), inner)
-
-    return issue
-
-
-def add_listener(listener: Listener) -> None:
-    """Subscribes ``listener(event, info)`` to every collective this process issues.
-
-    ``"complete"`` may be delivered from a communication thread.
-    """
-    _listeners.append(listener)
-
-
-def remove_listener(listener: Listener) -> None:
-    if listener in _listeners:
-        _listeners.remove(listener)
-
-
-def _notify(event: CollectiveEvent, info: CollectiveInfo) -> None:
-    for listener in tuple(_listeners):
-        listener(event, info)
+def set_hook(hook: CollectiveHook | None) -> None:
+    """Attaches ``hook`` to every later collective (``None``: none, which costs nothing)."""
+    global _hook
+    _hook = hook
 
 
 # --- Routes: how each group's CPU collectives are issued ---
@@ -317,38 +253,23 @@ class PendingCollective:
     cannot be reused while the communication may still touch it.
     """
 
-    __slots__ = (
-        "_complete_at_wait",
-        "_done",
-        "_finish",
-        "_group",
-        "_info",
-        "_stream_wait",
-        "_tensors",
-        "_what",
-        "_work",
-    )
+    __slots__ = ("_done", "_group", "_observer", "_stream_wait", "_tensors", "_what", "_work")
 
     def __init__(
         self,
-        info: CollectiveInfo | None,
-        work: dist.Work | None = None,
-        stream_wait: Callable[[], None] | None = None,
-        finish: Callable[[], None] | None = None,
+        work: dist.Work | None,
+        observer: WaitObserver | None = None,
         tensors: tuple[torch.Tensor, ...] = (),
         what: str = "",
-        group: dist.ProcessGroup | None = None,
-        complete_at_wait: bool = True,
+        group: Group | None = None,
+        stream_wait: Callable[[], None] | None = None,
     ) -> None:
-        self._what = what
-        # listeners learn of the completion at wait (no future to report it earlier)
-        self._complete_at_wait = complete_at_wait
-        self._group = group  # names the backend if the collective fails
         self._work = work
-        self._stream_wait = stream_wait
-        self._finish = finish
-        self._info = info
+        self._observer = observer
         self._tensors = tensors
+        self._what = what
+        self._group = group  # names the backend if the collective fails
+        self._stream_wait = stream_wait
         self._done = False
 
     @property
@@ -358,27 +279,22 @@ class PendingCollective:
     def wait(self) -> None:
         if self._done:
             return
-        info = self._info
-        if info is not None and _listeners:
-            _notify("wait_begin", info)
+        observer = self._observer
+        if observer is not None:
+            observer.wait_begin()
         if self._work is not None:
             try:
                 self._work.wait()
             except CollectiveMismatchError:
                 raise
             except RuntimeError as exc:
-                tensor = self._tensors[1] if self._tensors else None
-                raise _failure(self._what, exc, tensor, self._group) from exc
+                raise _failure(self._what, exc, self._tensors[1], self._group) from exc
         if self._stream_wait is not None:
             self._stream_wait()
-        if self._finish is not None:
-            self._finish()
-        if info is not None and _listeners:
-            if self._complete_at_wait:
-                _notify("complete", info)
-            _notify("wait_end", info)
+        if observer is not None:
+            observer.wait_end()
         self._done = True
-        self._work = self._stream_wait = self._finish = self._group = None
+        self._work = self._stream_wait = self._group = self._observer = None
         self._tensors = ()
 
 
@@ -404,88 +320,60 @@ def set_failure_explainer(explainer: FailureExplainer) -> None:
     _failure = explainer
 
 
-def _info(
-    kind: CollectiveKind, label: str, group_size: int, inp: torch.Tensor, out: torch.Tensor
-) -> CollectiveInfo | None:
-    if not _listeners:
-        return None
-    return CollectiveInfo(kind, label, group_size, inp.numel(), out.numel(), inp.dtype, next(_seq))
-
-
-def _on_complete(work: dist.Work, info: CollectiveInfo) -> bool:
-    """Reports the completion time of ``work`` from the communication thread;
-    False where the work has no future (then it is reported at wait)."""
-    try:
-        future = work.get_future()
-    except (AttributeError, RuntimeError):
-        return False
-    future.add_done_callback(lambda _f: _notify("complete", info))
-    return True
-
-
 def _launch(
     kind: CollectiveKind,
     label: str,
-    group: dist.ProcessGroup,
+    group: Group,
     inp: torch.Tensor,
     out: torch.Tensor,
-    issue: Callable[[bool, dist.ProcessGroup], dist.Work | None],
+    issue: Callable[[bool, Group], dist.Work | None],
     step: int = 0,
     movable: bool = True,
 ) -> PendingCollective:
-    """Launches ``issue(async_op, group)`` through the launch wrappers;
-    ``movable``: see :class:`CollectiveCall`."""
-    info = _info(kind, label, group.size(), inp, out)
+    """Launches ``issue(async_op, group)`` (through the hook, if any); ``movable``:
+    whether a hook may issue it on another group with the same ranks (not a
+    user-supplied comm, which may ask its group for its ranks)."""
     what = f"{kind} for {label} (step {step})"
-    cpu = out.device.type == "cpu"
-
-    def launch(on: dist.ProcessGroup = group) -> dist.Work | None:
-        return issue(cpu, on)
-
-    # "issue" is when the training thread issues it, even where a launch wrapper
-    # (the guard) launches it later from another thread.
-    if info is not None:
-        _notify("issue", info)
-
-    if _wrappers:
-        call = CollectiveCall(kind, label, group, inp.numel(), inp.dtype, step, out.device, movable)
-        launch = functools.partial(_wrapped, call, launch)
-    if cpu:
-        try:
-            work = launch()
-        except CollectiveMismatchError:
-            raise
-        except RuntimeError as exc:
-            raise _failure(what, exc, out, group) from exc
-        at_wait = info is None or work is None or not _on_complete(work, info)
-        return PendingCollective(
-            info,
-            work=work,
-            tensors=(inp, out),
-            what=what,
-            group=group,
-            complete_at_wait=at_wait,
-        )
+    if out.device.type == "cpu":
+        work, observer = _issue(kind, label, group, inp, out, step, movable, issue, True, what)
+        return PendingCollective(work, observer, (inp, out), what, group)
     streams = _device_streams(out.device)
     stream = streams.reduce_scatter if kind != "all_gather" else streams.all_gather
-    current = streams.module.current_stream(out.device)
-    stream.wait_stream(current)
+    stream.wait_stream(streams.module.current_stream(out.device))
     with streams.module.stream(stream):
-        try:
-            launch()
-        except CollectiveMismatchError:
-            raise
-        except RuntimeError as exc:
-            raise _failure(what, exc, out, group) from exc
+        _, observer = _issue(kind, label, group, inp, out, step, movable, issue, False, what)
         event = stream.record_event()
     device = out.device
 
     def stream_wait() -> None:
         streams.module.current_stream(device).wait_event(event)
 
-    return PendingCollective(
-        info, stream_wait=stream_wait, tensors=(inp, out), what=what, group=group
-    )
+    return PendingCollective(None, observer, (inp, out), what, group, stream_wait)
+
+
+def _issue(
+    kind: CollectiveKind,
+    label: str,
+    group: Group,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    step: int,
+    movable: bool,
+    issue: Callable[[bool, Group], dist.Work | None],
+    async_op: bool,
+    what: str,
+) -> tuple[dist.Work | None, WaitObserver | None]:
+    try:
+        hook = _hook
+        if hook is None:
+            return issue(async_op, group), None
+        return hook.launch(
+            kind, label, group, inp, out, step, movable, lambda on: issue(async_op, on)
+        )
+    except CollectiveMismatchError:
+        raise
+    except RuntimeError as exc:
+        raise _failure(what, exc, out, group) from exc
 
 
 # --- The collectives ---

@@ -13,16 +13,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_compose import _collectives
+from fsdp_compose import _collective_hooks, _collectives
 
 
 class CollectiveLog:
     """Records every collective fsdp_compose issues while active."""
 
     def __init__(self) -> None:
-        self.issued: list[_collectives.CollectiveInfo] = []
+        self.issued: list[_collective_hooks.CollectiveInfo] = []
 
-    def __call__(self, event: str, info: _collectives.CollectiveInfo) -> None:
+    def __call__(self, event: str, info: _collective_hooks.CollectiveInfo) -> None:
         if event == "issue":
             self.issued.append(info)
 
@@ -39,11 +39,11 @@ class CollectiveLog:
 @contextlib.contextmanager
 def collective_log() -> Iterator[CollectiveLog]:
     log = CollectiveLog()
-    _collectives.add_listener(log)
+    _collective_hooks.add_listener(log)
     try:
         yield log
     finally:
-        _collectives.remove_listener(log)
+        _collective_hooks.remove_listener(log)
 
 
 @contextlib.contextmanager

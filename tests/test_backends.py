@@ -30,7 +30,7 @@ from models import TINY_GPT
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fsdp_compose import _collectives, _failures, fully_shard
+from fsdp_compose import _collective_hooks, _collectives, _failures, fully_shard
 
 TINY = TINY_GPT
 LOSS_TOL = 1e-5
@@ -101,19 +101,19 @@ def run_threaded(
 
 
 @contextmanager
-def _this_threads_collectives() -> Iterator[list[_collectives.CollectiveInfo]]:
+def _this_threads_collectives() -> Iterator[list[_collective_hooks.CollectiveInfo]]:
     """Collectives issued by the calling thread (listeners are process-wide)."""
     me, issued = threading.get_ident(), []
 
-    def listener(event: str, info: _collectives.CollectiveInfo) -> None:
+    def listener(event: str, info: _collective_hooks.CollectiveInfo) -> None:
         if event == "issue" and threading.get_ident() == me:
             issued.append(info)
 
-    _collectives.add_listener(listener)
+    _collective_hooks.add_listener(listener)
     try:
         yield issued
     finally:
-        _collectives.remove_listener(listener)
+        _collective_hooks.remove_listener(listener)
 
 
 def _reference_run(cfg: GPTConfig, model: GPT, world: int, steps: int) -> tuple[list[float], GPT]:
