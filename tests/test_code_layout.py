@@ -37,7 +37,6 @@ PACKAGE = os.path.dirname(fsdp_compose.__file__)
 CORE = (
     "_collectives",
     "_compat",
-    "_env",
     "_errors",
     "_flat_buffer",
     "_fsdp_module",
@@ -54,6 +53,7 @@ CORE = (
 #: Capabilities beyond FSDP2 (modules and subpackages of ``fsdp_compose``).
 EXTENSIONS = (
     "_collective_hooks",
+    "_env",  # the FSDP_COMPOSE_* variables: only extensions read any
     "_failures",
     "_gloo",
     "_grad_scaler",
