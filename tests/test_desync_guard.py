@@ -216,6 +216,34 @@ def test_desync_in_default_mode_raises_on_every_rank(case: str) -> None:
         assert "The process group was closed" in message, message
 
 
+def _slow_peer_job() -> tuple[list[float], bool]:
+    """Rank 1 is 2.5 s late for step 1 (well past the 1 s stall check): rank 0's
+    wait is published and compared, but a late peer publishes nothing, so the step
+    completes; what rank 0 published is withdrawn."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdp_compose import _stall
+
+    rank, _ = rank_world()
+    group = dist.new_group(backend="gloo")
+    model = _net(mesh=DeviceMesh.from_group(group, "cpu"))
+    losses = []
+    for step in range(2):
+        x, y = make_batch(GPTConfig(**TINY), 2, step)
+        if step == 1 and rank == 1:
+            time.sleep(2.5)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+    return losses, _stall.watch.published is None
+
+
+def test_a_slow_peer_is_not_a_desync() -> None:
+    (losses0, clean0), (losses1, clean1) = run_distributed(_slow_peer_job, 2, timeout=90)
+    assert len(losses0) == len(losses1) == 2, (losses0, losses1)
+    assert clean0 and clean1
+
+
 def test_training_goes_on_after_a_desync_on_every_rank() -> None:
     """After the error and reset_iter_state() on every rank, the next step runs
     on a fresh guard lane and gives every rank the same loss."""
