@@ -84,7 +84,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from . import _collectives, _env, _gloo, debug
+from . import _collective_hooks, _collectives, _env, _gloo, debug
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -223,7 +223,7 @@ class _Lane:
             _retired.append(self)
 
     def submit(
-        self, call: _collectives.CollectiveCall, issue: _collectives.Issue
+        self, call: _collective_hooks.CollectiveCall, issue: _collectives.Issue
     ) -> GuardedCollective:
         if self.failure is not None:
             self.retire()
@@ -372,7 +372,7 @@ def _issue_nothing(group: dist.ProcessGroup) -> None:
     return None
 
 
-def launch(call: _collectives.CollectiveCall, issue: _collectives.Issue) -> dist.Work | None:
+def launch(call: _collective_hooks.CollectiveCall, issue: _collectives.Issue) -> dist.Work | None:
     """Issues ``issue`` (a CPU collective on ``call.group``) behind the guard:
     returns a work-like object at once; the collective itself is issued, on a
     private group with the same ranks, once every rank's fingerprint matched. See
@@ -423,12 +423,14 @@ def set_enabled(on: bool) -> None:
     global enabled
     enabled = on
     if on:
-        _collectives.add_launch_wrapper(_guard_launch)
+        _collective_hooks.add_launch_wrapper(_guard_launch)
     else:
-        _collectives.remove_launch_wrapper(_guard_launch)
+        _collective_hooks.remove_launch_wrapper(_guard_launch)
 
 
-def _guard_launch(call: _collectives.CollectiveCall, issue: _collectives.Issue) -> dist.Work | None:
+def _guard_launch(
+    call: _collective_hooks.CollectiveCall, issue: _collectives.Issue
+) -> dist.Work | None:
     # The debug mode's own check replaces the guard; accelerator collectives are
     # not guarded (see [Note: collective guard]).
     if call.device.type != "cpu" or debug.collective_checks_enabled():

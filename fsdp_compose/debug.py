@@ -48,7 +48,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import _collectives, _compat, _env
+from . import _collective_hooks, _collectives, _compat, _env
 from ._errors import CollectiveMismatchError
 
 __all__ = [
@@ -151,13 +151,13 @@ def _set_checker(checker: _FingerprintChecker | None) -> None:
     global _checker
     _checker = checker
     if checker is None:
-        _collectives.remove_launch_wrapper(_check_before_launch)
+        _collective_hooks.remove_launch_wrapper(_check_before_launch)
     else:
-        _collectives.add_launch_wrapper(_check_before_launch)
+        _collective_hooks.add_launch_wrapper(_check_before_launch)
 
 
 def _check_before_launch(
-    call: _collectives.CollectiveCall, issue: _collectives.Issue
+    call: _collective_hooks.CollectiveCall, issue: _collectives.Issue
 ) -> dist.Work | None:
     checker = _checker
     if checker is not None:

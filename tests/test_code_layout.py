@@ -2,10 +2,11 @@
 
 The core (``CORE``) is what torch's FSDP2 also has: the annotator, ``FSDPModule``,
 the hooks, the scheduler, the unit (state machine, flat buffer, gradient
-reduction), the sharded parameter, the collectives (with their gloo backend),
+reduction), the sharded parameter, the collectives (public ones; gloo's exchanges
+register as a route),
 the mesh, the policies, and the small shared modules they need. Every
 capability beyond FSDP2 is an extension: it imports the core and attaches to its
-registration points (collective listeners and launch wrappers in
+registration points (routes, the failure explainer and the collective hook in
 ``_collectives``, the schedule observer in ``_scheduler``, root-init checks in
 ``_hooks``, step handlers in ``_optim``), and no core module imports it.
 
@@ -27,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_compose
-from fsdp_compose import MixedPrecisionPolicy, _collectives, fully_shard
+from fsdp_compose import MixedPrecisionPolicy, _collective_hooks, _collectives, fully_shard
 from fsdp_compose.debug import CollectiveMismatchError
 
 PACKAGE = os.path.dirname(fsdp_compose.__file__)
@@ -36,12 +37,10 @@ PACKAGE = os.path.dirname(fsdp_compose.__file__)
 CORE = (
     "_collectives",
     "_compat",
-    "_env",
     "_errors",
     "_flat_buffer",
     "_fsdp_module",
     "_fully_shard",
-    "_gloo",
     "_hooks",
     "_mesh",
     "_policies",
@@ -52,7 +51,11 @@ CORE = (
 )
 #: Capabilities beyond FSDP2 (modules and subpackages of ``fsdp_compose``).
 EXTENSIONS = (
+    "_collective_hooks",
+    "_env",  # the FSDP_COMPOSE_* variables: only extensions read any
+    "_failures",
     "_full_state_dict",
+    "_gloo",
     "_grad_scaler",
     "_guard",
     "_missing_root",
@@ -60,6 +63,7 @@ EXTENSIONS = (
     "_optim",
     "_pipelining",
     "_shared",
+    "_stall",
     "_validation",
     "debug",
     "plan",
@@ -155,20 +159,20 @@ def test_two_roots_keep_their_own_steps() -> None:
     in their collectives; a launch wrapper sees them."""
     seen: list[tuple[str, int]] = []
 
-    def record(call: _collectives.CollectiveCall, issue: _collectives.Issue) -> object:
+    def record(call: _collective_hooks.CollectiveCall, issue: _collectives.Issue) -> object:
         seen.append((call.label, call.step))
         return issue(call.group)
 
     with fake_process_group(4, 1):
         torch.manual_seed(0)
         first, second = _tiny(), _tiny()
-        _collectives.add_launch_wrapper(record)
+        _collective_hooks.add_launch_wrapper(record)
         try:
             for _ in range(3):
                 first(torch.randn(2, 8)).sum().backward()
             second(torch.randn(2, 8)).sum().backward()
         finally:
-            _collectives.remove_launch_wrapper(record)
+            _collective_hooks.remove_launch_wrapper(record)
     assert first._fsdp_state().scheduler.step == 3, first._fsdp_state().scheduler.step
     assert second._fsdp_state().scheduler.step == 1, second._fsdp_state().scheduler.step
     steps = [step for _, step in seen]
@@ -197,10 +201,10 @@ def test_launch_wrapper_errors() -> None:
     """A wrapper's CollectiveMismatchError reaches the caller as is; any other
     RuntimeError is reported as a failure of the collective it wrapped."""
 
-    def mismatch(call: _collectives.CollectiveCall, issue: _collectives.Issue) -> object:
+    def mismatch(call: _collective_hooks.CollectiveCall, issue: _collectives.Issue) -> object:
         raise CollectiveMismatchError(f"ranks disagree on {call.kind} for {call.label}")
 
-    def broken(call: _collectives.CollectiveCall, issue: _collectives.Issue) -> object:
+    def broken(call: _collective_hooks.CollectiveCall, issue: _collectives.Issue) -> object:
         raise RuntimeError("Connection closed by peer")
 
     with fake_process_group(2, 0):
@@ -209,12 +213,12 @@ def test_launch_wrapper_errors() -> None:
             (mismatch, CollectiveMismatchError, "ranks disagree on all_gather for probe"),
             (broken, RuntimeError, r"all_gather for probe \(step 7\) failed on rank 0"),
         ):
-            _collectives.add_launch_wrapper(wrapper)
+            _collective_hooks.add_launch_wrapper(wrapper)
             try:
                 with pytest.raises(error, match=text):
                     _collectives.all_gather(torch.empty(4), torch.ones(2), group, "probe", step=7)
             finally:
-                _collectives.remove_launch_wrapper(wrapper)
+                _collective_hooks.remove_launch_wrapper(wrapper)
         _collectives.all_gather(torch.empty(4), torch.ones(2), group, "probe").wait()
 
 
