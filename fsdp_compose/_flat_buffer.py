@@ -92,7 +92,7 @@ class FlatBuffer:
         )
         self._fused_copy_out = all(p.shard_dim == 0 for p in self.params)
         # Whether the all-gather over the shard group takes this rank's row of its
-        # output as input (NCCL; gloo by broadcasts) or a separate send buffer.
+        # output as input (NCCL; gloo's exchanges) or a separate send buffer.
         self._gather_in_place = world == 1 or _collectives.gathers_in_place(
             self.shard_group, row * self._buffer_dtype.itemsize, info.device
         )

@@ -142,6 +142,11 @@ def _check(current: Exchange) -> None:
             key = _key(peers, peers.rank)
             store.set(key, json.dumps(_record(current)))
             watch.published = (current, store, key)
+    if watch.current is not current:
+        # The wait ended while this was published; its thread may have looked for
+        # a publication before there was one, so withdraw it here.
+        unpublish(current)
+        return
     message = _diagnose(current, store)
     if message is not None and watch.current is current:
         watch.verdict = (current, message)

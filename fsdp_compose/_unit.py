@@ -316,7 +316,7 @@ class Unit(FlatBuffer, GradientReduction):
             comm = self.custom_all_gather
         out = _collectives.allocate(comm, world * row, dtype, device, self.name, "all_gather")
         # Like FSDP2, a custom all-gather takes this rank's row of its output as
-        # input; so does the default one on NCCL, and on gloo by broadcasts.
+        # input; so does the default one on NCCL, and gloo's exchanges.
         if getattr(comm, "in_place", True):
             send = out.view(world, row)[rank]
             if partial:
