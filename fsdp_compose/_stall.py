@@ -20,9 +20,12 @@ error:
   saving a checkpoint) publishes nothing, and a peer whose data is still in flight
   waits for a collective this rank did issue: both keep waiting, for as long as the
   process group's timeout allows.
-* On a desync the watchdog closes the group's connections (a receive that times
-  out at once makes gloo close the group's pairs), which wakes every rank's waiting
-  thread with an error; :func:`explain` turns it into a
+* On a desync the watchdog records in the store that the group is closed and why,
+  and closes this rank's connections on the group (a receive that times out at
+  once makes gloo close its pair), which wakes the waiting threads here and on the
+  peers with an error. A rank whose wait fails, and a stalled rank that finds the
+  record, close their connections in turn, so the closing reaches every rank of
+  the group; :func:`explain` turns it into a
   :class:`~fsdp_compose.debug.CollectiveMismatchError` naming, on every rank, the
   unit, kind, size and step each side waits for. The group cannot be used after
   that (other groups, such as the default one, are unaffected). To stop before any
@@ -147,15 +150,37 @@ def _check(current: Exchange) -> None:
         # a publication before there was one, so withdraw it here.
         unpublish(current)
         return
-    message = _diagnose(current, store)
-    if message is not None and watch.current is current:
-        watch.verdict = (current, message)
-        break_group(peers.group, peers.others[0])
+    sides = _closed_by(current, store) or _diagnose(current, store)
+    if sides is not None and watch.current is current:
+        _close(current, store, sides)
 
 
-def _diagnose(exchange: Exchange, store: Any) -> str | None:
-    """The mismatch message if a peer of ``exchange``'s group waits for a collective
-    this rank never issued while this rank waits for one that peer never issued."""
+def _close(exchange: Exchange, store: Any, sides: list[Any]) -> None:
+    """Ends the desync ``sides`` on this rank: records why the group is closed (for
+    the ranks that were not part of it), keeps the verdict for :func:`explain`, and
+    closes this rank's connections."""
+    peers = exchange.peers
+    closed = _closed_key(peers)
+    if not store.check([closed]):
+        store.set(closed, json.dumps(sides))
+    watch.verdict = (exchange, _message(peers.global_ranks[peers.rank], sides))
+    break_group(peers)
+
+
+def _closed_key(peers: _Peers) -> str:
+    return f"{_KEY}/{peers.name}/closed"
+
+
+def _closed_by(exchange: Exchange, store: Any) -> list[Any] | None:
+    """The desync another rank of the group found and closed the group for, if any."""
+    key = _closed_key(exchange.peers)
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
+def _diagnose(exchange: Exchange, store: Any) -> list[Any] | None:
+    """``[rank, what it waits for, peer, what the peer waits for]`` if a peer of
+    ``exchange``'s group waits for a collective this rank never issued while this
+    rank waits for one that peer never issued."""
     peers = exchange.peers
     mine = list(peers.issued)
     occurrence = _occurrence(exchange, mine)
@@ -168,7 +193,8 @@ def _diagnose(exchange: Exchange, store: Any) -> str | None:
             theirs["issued"].count(exchange.tag) < occurrence
             and mine.count(theirs["wait"]) < theirs["occurrence"]
         ):
-            return _message(exchange, peers.global_ranks[peer], theirs["what"])
+            me = peers.global_ranks[peers.rank]
+            return [me, _record(exchange)["what"], peers.global_ranks[peer], theirs["what"]]
     return None
 
 
@@ -177,15 +203,13 @@ def _describe(what: list[Any]) -> str:
     return f"{kind} for {label} (step {step}, {numel:,} {dtype} elements)"
 
 
-def _message(exchange: Exchange, peer_rank: int, theirs: list[Any]) -> str:
-    rank = exchange.peers.global_ranks[exchange.peers.rank]
-    kind, label, step, numel, dtype = exchange.name
-    mine = _describe([kind, label, step, numel, str(dtype).removeprefix("torch.")])
+def _message(rank: int, sides: list[Any]) -> str:
+    a, what_a, b, what_b = sides
     return (
         f"fsdp_compose collective mismatch on rank {rank}: the ranks issued different "
-        f"collectives, and each waits for one the other never issued.\n"
-        f"  rank {rank} waits for {mine}\n"
-        f"  rank {peer_rank} waits for {_describe(theirs)}\n"
+        f"collectives, and ranks {a} and {b} each wait for one the other never issued.\n"
+        f"  rank {a} waits for {_describe(what_a)}\n"
+        f"  rank {b} waits for {_describe(what_b)}\n"
         "Usual causes: control flow that differs between ranks (a module or a batch skipped "
         "on one rank), requires_grad or fsdp_compose settings changed on one rank only, or a "
         "different number of batches per rank. No data was exchanged between different "
@@ -195,12 +219,17 @@ def _message(exchange: Exchange, peer_rank: int, theirs: list[Any]) -> str:
     )
 
 
-def break_group(group: dist.ProcessGroup, peer: int) -> None:
-    """Closes ``group``'s connections: a receive that times out makes gloo close
-    the group's pairs, which wakes every thread waiting on the group (here and on
-    the peers) with an error. The tag is never a collective's."""
+def break_group(peers: _Peers) -> None:
+    """Closes this rank's connections on ``peers``' group: a receive that times out
+    makes gloo close all of them, which wakes the threads waiting on them here and
+    on the peers with an error. A wait that began on a pair that was still open,
+    for a peer that waits elsewhere, is not woken that way: every rank closes its
+    own connections (see [Note: stalled exchanges]), and no later wait on a closed
+    group blocks (:attr:`_Peers.closed`). The tag is never a collective's."""
+    peers.closed = True
     with contextlib.suppress(RuntimeError):
-        group.recv([torch.empty(1)], peer, BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
+        work = peers.group.recv([torch.empty(1)], peers.others[0], BREAK_TAG)
+        work.wait(datetime.timedelta(milliseconds=1))
 
 
 def explain(exchange: Exchange) -> CollectiveMismatchError | None:
@@ -208,16 +237,19 @@ def explain(exchange: Exchange) -> CollectiveMismatchError | None:
     mismatch error if this was a desync (decided by this rank's watchdog, or by a
     peer's that published its wait), else ``None`` (the failure is reported as is)."""
     verdict = watch.verdict
-    if verdict is not None and verdict[0] is exchange:
-        return CollectiveMismatchError(verdict[1])
-    store = _store()
-    if store is None:
-        return None
-    try:
-        message = _diagnose(exchange, store)
-    except (RuntimeError, ValueError, KeyError):
-        return None
-    return CollectiveMismatchError(message) if message is not None else None
+    if verdict is None or verdict[0] is not exchange:
+        store = _store()
+        if store is None:
+            return None
+        try:
+            sides = _diagnose(exchange, store) or _closed_by(exchange, store)
+            if sides is None:
+                return None
+            _close(exchange, store, sides)
+        except (RuntimeError, ValueError, KeyError):
+            return None
+    assert watch.verdict is not None
+    return CollectiveMismatchError(watch.verdict[1])
 
 
 def unpublish(exchange: Exchange) -> None:
