@@ -43,6 +43,7 @@ CORE = (
     "_fully_shard",
     "_gloo",
     "_hooks",
+    "_host_memory",
     "_mesh",
     "_policies",
     "_reduce",

@@ -87,6 +87,8 @@ TCACHE_COUNT = 7
 TCACHE_MAX = 1032  # the largest chunk the tcache takes (64 bins)
 FASTBIN_CONSOLIDATION_THRESHOLD = 64 * 1024
 
+OWN_MAPPING = -2  # address of a buffer mapped by fsdp_compose itself (-1: by glibc)
+
 #: Allocator modes :func:`~fsdp_compose.plan.estimate` knows (``host_allocator``).
 HOST_ALLOCATORS = ("glibc", "mmap")
 
@@ -101,8 +103,11 @@ class GlibcHeap:
     """A best-fit heap with glibc's dynamic mmap threshold and top trimming.
 
     Addresses are offsets from the heap start. ``resident`` is the touched heap
-    bytes (whole pages) plus the live mapped bytes.
+    bytes (whole pages) plus the live mapped bytes. ``trim_top=False``: a free
+    top is never given back between ``malloc_trim`` calls (see ``replay``).
     """
+
+    trim_top: bool = True
 
     mmap_threshold: int = MMAP_THRESHOLD_START
     trim_threshold: int = TRIM_THRESHOLD_START
@@ -174,6 +179,13 @@ class GlibcHeap:
         if tail:
             self._free_small(addr + lead + nb, tail)
 
+    def map(self, key: Any, nbytes: int) -> None:
+        """A buffer on an anonymous mapping of its own (not glibc's): resident
+        while alive (its pages are all written), gone when freed."""
+        pages = (nbytes + PAGE - 1) // PAGE * PAGE
+        self.used[key] = (OWN_MAPPING, pages)
+        self.mapped += pages
+
     def _take(self, size: int) -> tuple[int, int] | None:
         """Best fit among the free chunks below the top (glibc's bins)."""
         best = -1
@@ -214,6 +226,9 @@ class GlibcHeap:
         if entry is None:
             return
         addr, size = entry
+        if addr == OWN_MAPPING:
+            self.mapped -= size
+            return
         if addr < 0:
             self.mapped -= size
             if self.mmap_threshold < size <= MMAP_THRESHOLD_MAX:
@@ -229,7 +244,7 @@ class GlibcHeap:
         self._release_chunk(addr, size)
         if size >= FASTBIN_CONSOLIDATION_THRESHOLD:
             self._consolidate()
-            if self.brk - self.top > self.trim_threshold:
+            if self.trim_top and self.brk - self.top > self.trim_threshold:
                 self._release(self.top + TOP_PAD, self.brk)
                 self.brk = self.top + TOP_PAD
 
@@ -264,14 +279,23 @@ class GlibcHeap:
         self.brk = self.top
 
 
-def replay(events: Sequence[tuple[Any, ...]], passes: int = 2) -> tuple[int, str]:
-    """Replays ``events`` (``("a", key, nbytes)``, ``("f", key)``, ``("m", where)``)
+def replay(
+    events: Sequence[tuple[Any, ...]], passes: int = 2, *, trim_top: bool = False
+) -> tuple[int, str]:
+    """Replays ``events`` (``("a", key, nbytes)``: ``posix_memalign``; ``("map", key,
+    nbytes)``: a mapping of fsdp_compose's own; ``("f", key)``, ``("m", where)``)
     ``passes`` times, with ``malloc_trim(0)`` before the last pass.
+
+    ``trim_top``: whether a free top above the trim threshold is given back
+    during the step, as glibc does for a sequence of tensors alone. The
+    estimator replays without it: in a real step, objects too small to trace
+    are allocated from the top between the tensors and keep it from shrinking
+    (``[Note: resident memory under glibc's default allocator]``).
 
     Returns:
         (the largest resident bytes of the last pass, the last mark before it).
     """
-    heap = GlibcHeap()
+    heap = GlibcHeap(trim_top=trim_top)
     peak, at, where = -1, "", ""
     for n in range(passes):
         last = n == passes - 1
@@ -279,8 +303,11 @@ def replay(events: Sequence[tuple[Any, ...]], passes: int = 2) -> tuple[int, str
             heap.malloc_trim()
         for ev in events:
             kind = ev[0]
-            if kind == "a":
-                heap.malloc((n, ev[1]), ev[2])
+            if kind in ("a", "map"):
+                if kind == "a":
+                    heap.malloc((n, ev[1]), ev[2])
+                else:
+                    heap.map((n, ev[1]), ev[2])
                 if last and heap.resident > peak:
                     peak, at = heap.resident, where
             elif kind == "f":
