@@ -46,7 +46,13 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < MIN_BYTES:
         return torch.empty(numel, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel)
+    return torch.frombuffer(_private_mapping(nbytes), dtype=dtype, count=numel)
+
+
+def _private_mapping(nbytes: int) -> mmap.mmap:
+    # Private: Python's default for anonymous maps is MAP_SHARED, whose pages
+    # live on in shared memory after MADV_DONTNEED (and across fork).
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def comm_buffer(
@@ -70,7 +76,7 @@ class PageBackedBuffer:
     the next writes fault fresh zeroed pages in."""
 
     def __init__(self, numel: int, dtype: torch.dtype) -> None:
-        self._map = mmap.mmap(-1, numel * dtype.itemsize)
+        self._map = _private_mapping(numel * dtype.itemsize)
         self.tensor = torch.frombuffer(self._map, dtype=dtype, count=numel)
 
     @staticmethod

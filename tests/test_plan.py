@@ -445,7 +445,7 @@ for n in range(passes):
             libc.memset(p, 1, ev[2])
             live[json.dumps(ev[1])] = p.value
         elif ev[0] == "map":  # a mapping of fsdp_compose's own, all written
-            m = mmap.mmap(-1, ev[2])
+            m = mmap.mmap(-1, ev[2], flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             m.write(b"\1" * ev[2])
             live[json.dumps(ev[1])] = m
         elif ev[0] == "f":
