@@ -80,3 +80,36 @@ def test_comm_buffer_uses_a_custom_comms_allocate() -> None:
     n = _host_memory.MIN_BYTES  # large enough for a mapping of fsdp_compose's own
     out = _host_memory.comm_buffer(Custom(), n, torch.uint8, CPU, "blocks.0", "all_gather")  # type: ignore[arg-type]
     assert calls == [(n,)] and out.numel() == n and out.abs().sum().item() == 0
+
+
+def _parity_job() -> dict:
+    import copy
+
+    from gpt import GPT, GPTConfig, loss_fn
+    from helpers import gpt_batches, train_side_by_side
+
+    from fsdp_compose import fully_shard
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=128)
+    ref = GPT(cfg)
+    model = copy.deepcopy(ref)
+    fully_shard(model.blocks[0])  # resharded after forward: released and refilled
+    fully_shard(model.blocks[1], reshard_after_forward=False)
+    fully_shard(model)
+    parity = train_side_by_side(model, ref, 3, gpt_batches(cfg), loss_fn)
+    units = model._fsdp_state().scheduler.units
+    return {
+        **parity,
+        "page_backed": [u.name for u in units if u._pages is not None],
+    }
+
+
+def test_training_parity_with_page_backed_units() -> None:
+    """Units whose buffers are on mappings of their own train as one process does."""
+    from dist_utils import run_distributed
+
+    for r in run_distributed(_parity_job, 2):
+        assert r["page_backed"] == ["blocks.0", "blocks.1"], r["page_backed"]
+        assert max(r["loss_diffs"]) <= 1e-5, r["loss_diffs"]
+        assert r["param_diff"] <= 1e-4, (r["param_diff"], r["where"])
