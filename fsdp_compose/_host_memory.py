@@ -24,11 +24,13 @@ one-rank step also allocates (activations, autograd's gradients), and
 ``fsdp_compose.plan.estimate`` replays these buffers as mappings.
 
 The price is the first write to each page of a fresh mapping (the kernel zeroes
-it); buffers below :data:`MIN_BYTES`, where that would show, stay in the heap.
+it): large buffers ask for transparent huge pages to keep that small, and buffers
+below :data:`MIN_BYTES`, where the system call would show, stay in the heap.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 import torch
@@ -38,6 +40,7 @@ from . import _collectives
 #: Host buffers of at least this many bytes get their own mapping (glibc's own
 #: initial mmap threshold).
 MIN_BYTES = 128 * 1024
+_HUGE_PAGE = 2 * 1024 * 1024  # x86-64's transparent huge page
 
 
 def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -46,13 +49,32 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < MIN_BYTES:
         return torch.empty(numel, dtype=dtype, device=device)
-    return torch.frombuffer(_private_mapping(nbytes), dtype=dtype, count=numel)
+    mapping, offset = _private_mapping(nbytes)
+    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset)
 
 
-def _private_mapping(nbytes: int) -> mmap.mmap:
-    # Private: Python's default for anonymous maps is MAP_SHARED, whose pages
-    # live on in shared memory after MADV_DONTNEED (and across fork).
-    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+def _private_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A private anonymous mapping and the offset of the ``nbytes`` buffer in it.
+
+    Private: Python's default for anonymous maps is MAP_SHARED, whose pages live
+    on in shared memory after ``MADV_DONTNEED`` (and across fork). From 2 MiB on,
+    the buffer starts on a 2 MiB boundary, the mapping ends where the buffer does,
+    and it is marked for transparent huge pages: the kernel faults it in (and
+    zeroes it) 2 MiB at a time instead of 4 KiB (a third of the CPU time per
+    buffer here), and no huge page reaches past the buffer, so the resident
+    bytes are still the bytes written.
+    """
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < _HUGE_PAGE or advice is None:
+        return mmap.mmap(-1, nbytes, flags=flags), 0
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=flags)
+    view = ctypes.c_char.from_buffer(mapping)
+    offset = -ctypes.addressof(view) % _HUGE_PAGE
+    del view  # an exported buffer forbids the resize
+    mapping.resize(offset + nbytes)
+    mapping.madvise(advice)
+    return mapping, offset
 
 
 def comm_buffer(
@@ -76,8 +98,8 @@ class PageBackedBuffer:
     the next writes fault fresh zeroed pages in."""
 
     def __init__(self, numel: int, dtype: torch.dtype) -> None:
-        self._map = _private_mapping(numel * dtype.itemsize)
-        self.tensor = torch.frombuffer(self._map, dtype=dtype, count=numel)
+        self._map, offset = _private_mapping(numel * dtype.itemsize)
+        self.tensor = torch.frombuffer(self._map, dtype=dtype, count=numel, offset=offset)
 
     @staticmethod
     def wanted(numel: int, dtype: torch.dtype, device: torch.device) -> bool:
