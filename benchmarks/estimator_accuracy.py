@@ -241,7 +241,7 @@ def _ideal_bytes_sent_per_step(step: Any) -> float:
     every collective fsdp_compose issued (``probes.ideal_bytes_sent``)."""
     from probes import ideal_bytes_sent
 
-    from fsdp_compose import _collectives
+    from fsdp_compose import _collective_hooks
 
     sent = [0.0]
 
@@ -251,11 +251,11 @@ def _ideal_bytes_sent_per_step(step: Any) -> float:
                 info.kind, info.group_size, info.input_bytes, info.output_bytes
             )
 
-    _collectives.add_listener(listener)
+    _collective_hooks.add_listener(listener)
     try:
         step()
     finally:
-        _collectives.remove_listener(listener)
+        _collective_hooks.remove_listener(listener)
     return sent[0]
 
 

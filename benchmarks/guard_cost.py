@@ -47,7 +47,7 @@ def _worker(
     )
     import workloads
 
-    from fsdp_compose import _collectives, _gloo, _guard
+    from fsdp_compose import _collective_hooks, _guard
 
     group = dist.group.WORLD
     # Per collective: a 4160-float all-gather (a tiny unit) issued and waited,
@@ -56,9 +56,9 @@ def _worker(
     out = torch.empty(world * 4160)
 
     def issue(on: dist.ProcessGroup) -> dist.Work:
-        return _gloo.gloo_all_gather_into_tensor(out, inp, on)
+        return on._allgather_base(out, inp)
 
-    call = _collectives.CollectiveCall(
+    call = _collective_hooks.CollectiveCall(
         "all_gather", "blocks.3", group, 4160, torch.float32, 1, torch.device("cpu")
     )
 
@@ -111,7 +111,7 @@ def _worker(
         on = step % 2 == 0
         _guard.set_enabled(on)
         if step == args.warmup:
-            _collectives.add_listener(listener)
+            _collective_hooks.add_listener(listener)
             inside["wall"] = inside["cpu"] = 0.0
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
@@ -119,7 +119,7 @@ def _worker(
         if step >= args.warmup:
             wall[on].append(time.perf_counter() - start)
             cpu[on].append(time.process_time() - start_cpu)
-    _collectives.remove_listener(listener)
+    _collective_hooks.remove_listener(listener)
     if rank == 0:
         queue.put(
             {

@@ -13,6 +13,11 @@ alone on fsdp_compose, and the same optimizer steps on one process to get
 single-device Muon's extra cost. The exchange's bytes come from the plan (what
 each rank sends to the others) against ``2·(W-1)/W`` of the fp32 matrix bytes.
 
+``--profile`` adds where one optimizer step's time goes (Linux: per-thread CPU
+from ``/proc/self/task``): Newton–Schulz and everything else on the main thread,
+gloo's threads (transfers), and the wall time no thread of the rank used; the
+same split of one process's step.
+
     python benchmarks/muon.py --worlds 2 4 --models square gpt
 """
 
@@ -96,6 +101,67 @@ def _timed(fn: Any, steps: int, sync: bool = True, label: str | None = None) -> 
     return statistics.median(times)
 
 
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds used so far by this process's threads: the main thread, gloo's
+    threads (its work queue and TCP loop) and the others (Linux only)."""
+    out = {"main": 0.0, "gloo": 0.0, "other": 0.0}
+    task = "/proc/self/task"
+    for tid in os.listdir(task):
+        try:
+            with open(f"{task}/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"{task}/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except OSError:  # the thread ended meanwhile
+            continue
+        kind = "main" if int(tid) == os.getpid() else "gloo" if "gloo" in name else "other"
+        out[kind] += ns / 1e9
+    return out
+
+
+def _profile_steps(
+    step: Any, steps: int, ns_module: Any, ns_name: str, sync: bool = True
+) -> dict[str, float]:
+    """Median per-step split of ``step`` (seconds): Newton–Schulz on the main
+    thread (``ns_module.ns_name`` timed), the rest of the main thread, gloo's
+    threads, and the wall time not spent on the main thread's CPU."""
+    import torch.distributed as dist
+
+    original = getattr(ns_module, ns_name)
+    ns_cpu = [0.0]
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        c0 = time.thread_time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            ns_cpu[0] += time.thread_time() - c0
+
+    rows: list[dict[str, float]] = []
+    setattr(ns_module, ns_name, timed)
+    try:
+        for _ in range(steps):
+            if sync:
+                dist.barrier()
+            ns_cpu[0] = 0.0
+            before, t0 = _thread_cpu(), time.perf_counter()
+            step()
+            wall, after = time.perf_counter() - t0, _thread_cpu()
+            main = after["main"] - before["main"]
+            rows.append(
+                {
+                    "wall": wall,
+                    "newton_schulz": ns_cpu[0],
+                    "main_rest": main - ns_cpu[0],
+                    "gloo_threads": after["gloo"] - before["gloo"],
+                    "main_not_on_cpu": wall - main,
+                }
+            )
+    finally:
+        setattr(ns_module, ns_name, original)
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
 def _max_over_ranks(value: float) -> float:
     import torch
     import torch.distributed as dist
@@ -106,7 +172,14 @@ def _max_over_ranks(value: float) -> float:
 
 
 def _rank_main(
-    rank: int, world: int, store: str, kind: str, steps: int, repeats: int, out: str
+    rank: int,
+    world: int,
+    store: str,
+    kind: str,
+    steps: int,
+    repeats: int,
+    out: str,
+    profile: bool = False,
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     sys.path[:0] = [_REPO, os.path.join(_REPO, "examples"), os.path.join(_REPO, "benchmarks")]
@@ -162,6 +235,29 @@ def _rank_main(
     result["matrix_fp32_bytes"] = matrix_bytes
     result["ideal_fp32_bytes"] = 2 * (world - 1) / world * matrix_bytes
     result["rounds"] = len(plan.rounds)
+    if profile:
+        # One process's step (rank 0; torch's private Newton-Schulz function is
+        # timed, benchmark only), then the sharded step on every rank.
+        import torch.optim._muon as torch_muon
+
+        dist.barrier()
+        single_split = (
+            _profile_steps(
+                opts["single"].step,
+                3 * steps,
+                torch_muon,
+                "_zeropower_via_newtonschulz",
+                sync=False,
+            )
+            if rank == 0
+            else {}
+        )
+        dist.barrier()
+        split = _profile_steps(opts["fsdp_compose"].step, 3 * steps, _muon, "newton_schulz")
+        result["profile"] = {
+            "single": single_split,
+            "fsdp_compose": {k: _max_over_ranks(v) for k, v in split.items()},
+        }
     del models["fsdp2"], opts["fsdp2"]
 
     # Whole training steps on fsdp_compose: Muon for the matrices + AdamW for the rest vs AdamW alone.
@@ -206,14 +302,14 @@ def _rank_main(
     dist.destroy_process_group()
 
 
-def run(kind: str, world: int, steps: int, repeats: int) -> dict[str, Any]:
+def run(kind: str, world: int, steps: int, repeats: int, profile: bool = False) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     workdir = tempfile.mkdtemp(prefix="fsdp_compose_muon_")
     store, out = os.path.join(workdir, "store"), os.path.join(workdir, "out.json")
     mp.start_processes(
         _rank_main,
-        args=(world, store, kind, steps, repeats, out),
+        args=(world, store, kind, steps, repeats, out, profile),
         nprocs=world,
         start_method="spawn",
     )
@@ -244,6 +340,7 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
         "train_ratio": train["muon"] / train["adamw"],
         "muon_extra_per_rank_ms": 1e3 * (train["muon"] - train["adamw"]),
         "single_extra_over_W_ms": 1e3 * single_extra / r["world"],
+        **({"profile": r["profile"]} if "profile" in r else {}),
     }
 
 
@@ -271,7 +368,24 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         f"{r['train_ratio']:.2f} | {r['muon_extra_per_rank_ms']:.0f} | {r['single_extra_over_W_ms']:.0f} |\n"
         for r in rows
     )
-    return head + body + head2 + body2
+    profiled = [r for r in rows if "profile" in r]
+    if not profiled:
+        return head + body + head2 + body2
+    head3 = (
+        "\n| model | W | step (ms) | Newton-Schulz (ms) | rest of the main thread (ms) "
+        "| gloo's threads (ms) | main thread off CPU (ms) | one process: Newton-Schulz / rest (ms) |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
+    body3 = ""
+    for r in profiled:
+        ours, one = r["profile"]["fsdp_compose"], r["profile"]["single"]
+        body3 += (
+            f"| {r['model']} | {r['W']} | {1e3 * ours['wall']:.1f} | {1e3 * ours['newton_schulz']:.1f} | "
+            f"{1e3 * ours['main_rest']:.1f} | {1e3 * ours['gloo_threads']:.1f} | "
+            f"{1e3 * ours['main_not_on_cpu']:.1f} | {1e3 * one['newton_schulz']:.1f} / "
+            f"{1e3 * one['main_rest']:.1f} |\n"
+        )
+    return head + body + head2 + body2 + head3 + body3
 
 
 def main() -> None:
@@ -281,6 +395,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per sample (median)")
     parser.add_argument(
         "--repeats", type=int, default=2, help="alternating samples per implementation"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also split one optimizer step's time by thread and phase (Linux)",
     )
     parser.add_argument("--table", help="print the markdown tables of this results file and exit")
     parser.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results", "muon.json"))
@@ -292,7 +411,7 @@ def main() -> None:
     rows = []
     for kind in args.models:
         for world in args.worlds:
-            row = summarize(run(kind, world, args.steps, args.repeats))
+            row = summarize(run(kind, world, args.steps, args.repeats, args.profile))
             rows.append(row)
             print(
                 json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),

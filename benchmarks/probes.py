@@ -5,7 +5,7 @@ probe that records what the implementation itself says about its communication:
 
 * ``fsdp_compose``: its timeline (``fsdp_compose.trace``, which measures the time
   the training thread waited on collectives) and its collective listener
-  (``fsdp_compose._collectives.add_listener``: kind and size of every collective).
+  (``fsdp_compose._collective_hooks.add_listener``: kind and size of every collective).
 * ``fsdp2``: torch FSDP2 issues its collectives through ``dist.all_gather_single``,
   ``dist.reduce_scatter_single`` and ``dist.all_reduce``; the probe wraps those
   module attributes to record sizes (and restores them afterwards).
@@ -91,18 +91,18 @@ def probe(impl: str) -> Iterator[Probe]:
 
 @contextlib.contextmanager
 def _fsdp_compose_probe(result: Probe) -> Iterator[None]:
-    from fsdp_compose import _collectives, trace
+    from fsdp_compose import _collective_hooks, trace
 
     def listener(event: str, info: Any) -> None:
         if event == "issue":
             result.record(info.kind, info.group_size, info.input_bytes, info.output_bytes)
 
-    _collectives.add_listener(listener)
+    _collective_hooks.add_listener(listener)
     try:
         with trace.recording():
             yield
     finally:
-        _collectives.remove_listener(listener)
+        _collective_hooks.remove_listener(listener)
     result.exposed_by_step = list(trace.exposed_communication().values())
 
 

@@ -62,7 +62,7 @@ def _rank_main(
     from gpt import GPT, PRESETS, loss_fn, make_batch
     from measure import loopback_tx_bytes, peak_rss_bytes, reset_peak_rss
 
-    from fsdp_compose import _collectives, _scheduler
+    from fsdp_compose import _collective_hooks, _scheduler
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -116,9 +116,9 @@ def _rank_main(
     dist.barrier()
     base = reset_peak_rss()
     lo_before = loopback_tx_bytes() if rank == 0 else 0
-    _collectives.add_listener(listener)
+    _collective_hooks.add_listener(listener)
     losses = [step(i) for i in range(1, 1 + steps)]
-    _collectives.remove_listener(listener)
+    _collective_hooks.remove_listener(listener)
     dist.barrier()
     lo = (loopback_tx_bytes() - lo_before) / world / steps if rank == 0 else 0.0
     queue.put(

@@ -7,8 +7,13 @@ prefetch) and reduce-scatters gradients per unit. See the README for usage.
 
 # Extensions that attach to the core's registration points when imported.
 from . import (  # noqa: F401
+    _failures,  # errors of failed collectives that say why
+    _full_state_dict,  # load_state_dict of full (unsharded) tensors
+    _gloo,  # gloo's collectives as exchanges matched by what they are
     _guard,  # the collective guard, if FSDP_COMPOSE_COLLECTIVE_GUARD=1
     _misuse,  # misuse checks at the root's lazy init and at optimizer steps
+    _shared,  # parameters shared across units (tied weights)
+    _validation,  # checks of fully_shard's arguments beyond FSDP2's
     debug,
     safetensors_io,
     trace,

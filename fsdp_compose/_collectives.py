@@ -10,44 +10,39 @@ whose :meth:`~PendingCollective.wait` makes the result visible to the caller:
   stream wait for an event, without blocking the CPU.
 
 [Note: collectives per backend]
-fsdp_compose runs on any c10d backend. The gloo paths ([Note: reduce-scatter on
-gloo], [Note: all-gather on gloo] and [Note: issuing gloo collectives], all in
-``_gloo.py``) are tuned for gloo and used only where a group's CPU backend
-really is ``ProcessGroupGloo``; every other backend -- torch's threaded test group, the ``fake`` backend of dry
-runs, MPI, UCC, vendor backends, NCCL -- gets torch.distributed's public
-collectives (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ...). Which
-applies is a :class:`Route`, decided once per group (:func:`route_of`, at the lazy
-init of the first unit on it) and kept by the unit's default collectives
+fsdp_compose runs on any c10d backend. Which path a group's CPU collectives take
+is its :class:`Route`, decided once per group (:func:`route_of`, at the lazy init
+of the first unit on it) and kept by the unit's default collectives
 (:class:`DefaultAllGather`, :class:`DefaultReduceScatter`: the same interface as a
 user's custom comm, one code path for both), so issuing costs no backend lookup.
+The core's route issues torch.distributed's public collectives
+(``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``), which
+every backend has: torch's threaded test group, the ``fake`` backend of dry runs,
+MPI, UCC, vendor backends. Extensions register routes for the backends they know
+(:func:`add_route_provider`): gloo's (``_gloo.py``, [Note: collectives matched by
+what they are]) serves groups whose CPU backend really is ``ProcessGroupGloo``.
+Accelerator tensors (NCCL) always take the public collectives, on side streams.
 
 [Note: collective extensions]
 The core issues collectives; capabilities beyond FSDP2 attach here and the core
-never imports them. Two registration points, both per process:
+never imports them. Three registration points, all per process: routes
+(:func:`add_route_provider`, above); the error raised for a failed collective
+(:func:`set_failure_explainer`, filled by ``_failures.py``); and one hook around
+every launch (:func:`set_hook`), which ``_collective_hooks.py`` fills while
+listeners (the timeline, tests counting collectives) or launch wrappers (debug
+fingerprints, the collective guard) are registered. A hook raising
+:class:`~fsdp_compose._errors.CollectiveMismatchError` is re-raised as is; any
+other ``RuntimeError`` is reported like a failure of the collective.
 
-* :func:`add_listener`: observe every collective (``issue``, ``complete``,
-  ``wait_begin``, ``wait_end``), e.g. the timeline (``trace``) or tests counting
-  collectives;
-* :func:`add_launch_wrapper`: wrap the launch of every collective. A wrapper is
-  called as ``wrapper(call, issue)`` with the :class:`CollectiveCall` (kind,
-  label, group, element count, dtype, step, device) and the ``issue`` callable
-  that launches it; it returns what ``issue`` returns (the work to wait on, or a
-  work-like object with ``wait`` and ``get_future``), and may run checks before
-  or around it (debug fingerprints, the collective guard). A wrapper raising
-  :class:`~fsdp_compose._errors.CollectiveMismatchError` is re-raised as is; any
-  other ``RuntimeError`` is reported like a failure of the collective.
-
-With none registered, issuing costs nothing extra. The step a collective belongs
+With none set, issuing costs one ``None`` check. The step a collective belongs
 to comes from the :class:`StepContext` of the root that issues it (each root's
 scheduler owns one), so two roots in one process do not mix their steps.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import itertools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -55,40 +50,13 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from . import _compat, _gloo
+from . import _compat
 from ._errors import CollectiveMismatchError
-
-# Which path each group's collectives take (used by units and tests from here).
-from ._gloo import PUBLIC_ROUTE as PUBLIC_ROUTE
-from ._gloo import Route as Route
-from ._gloo import gathers_in_place as gathers_in_place
-from ._gloo import route_of as route_of
 
 logger = logging.getLogger("fsdp_compose")
 
+Group = dist.ProcessGroup
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
-CollectiveEvent = Literal["issue", "complete", "wait_begin", "wait_end"]
-
-
-@dataclass(frozen=True)
-class CollectiveInfo:
-    """What one rank issued: enough to count, size and cross-check collectives."""
-
-    kind: CollectiveKind
-    label: str
-    group_size: int
-    input_numel: int
-    output_numel: int
-    dtype: torch.dtype
-    seq: int
-
-    @property
-    def input_bytes(self) -> int:
-        return self.input_numel * self.dtype.itemsize
-
-    @property
-    def output_bytes(self) -> int:
-        return self.output_numel * self.dtype.itemsize
 
 
 class _CustomComm(Protocol):
@@ -137,81 +105,121 @@ class StepContext:
     step: int = 0
 
 
-@dataclass(frozen=True)
-class CollectiveCall:
-    """A collective about to be launched, as a launch wrapper sees it."""
+class WaitObserver(Protocol):
+    """Told when the training thread waits for one collective."""
 
-    kind: CollectiveKind
-    label: str
-    group: dist.ProcessGroup
-    numel: int  # of the input
-    dtype: torch.dtype
-    step: int
-    device: torch.device
-    # False for a user-supplied comm: it must be issued on ``group`` itself (it
-    # may ask the group for its ranks), not on another group with the same ranks.
-    movable: bool = True
+    def wait_begin(self) -> None: ...
+
+    def wait_end(self) -> None: ...
 
 
-Listener = Callable[[CollectiveEvent, CollectiveInfo], None]
+class CollectiveHook(Protocol):
+    """What an extension attaches to every collective (``_collective_hooks.py``:
+    listeners and launch wrappers, see [Note: collective extensions]): ``launch``
+    issues the collective through ``issue(group)`` -- on ``group`` or on another
+    group with the same ranks where ``movable`` -- and returns the work and an
+    observer of the waits (or ``None``)."""
+
+    def launch(
+        self,
+        kind: CollectiveKind,
+        label: str,
+        group: Group,
+        inp: torch.Tensor,
+        out: torch.Tensor,
+        step: int,
+        movable: bool,
+        issue: Issue,
+    ) -> tuple[dist.Work | None, WaitObserver | None]: ...
+
+
 # Launches one collective on the group it is given: the caller's, or one with the
-# same ranks that a launch wrapper issues on instead (the collective guard).
-Issue = Callable[[dist.ProcessGroup], "dist.Work | None"]
-LaunchWrapper = Callable[[CollectiveCall, Issue], "dist.Work | None"]
-_listeners: list[Listener] = []
-_wrappers: list[LaunchWrapper] = []
-_seq = itertools.count()
+# same ranks that a hook issues on instead (the collective guard).
+Issue = Callable[[Group], "dist.Work | None"]
+_hook: CollectiveHook | None = None
 
 
-def add_launch_wrapper(wrapper: LaunchWrapper) -> None:
-    """Wraps the launch of every later collective with ``wrapper(call, issue)``
-    (see [Note: collective extensions]); the first added is the outermost."""
-    if wrapper not in _wrappers:
-        _wrappers.append(wrapper)
+def set_hook(hook: CollectiveHook | None) -> None:
+    """Attaches ``hook`` to every later collective (``None``: none, which costs nothing)."""
+    global _hook
+    _hook = hook
 
 
-def remove_launch_wrapper(wrapper: LaunchWrapper) -> None:
-    if wrapper in _wrappers:
-        _wrappers.remove(wrapper)
+# --- Routes: how each group's CPU collectives are issued ---
 
 
-def _wrapped(call: CollectiveCall, issue: Issue) -> dist.Work | None:
-    for wrapper in reversed(_wrappers):
-        issue = _through(wrapper, call, issue)
-    return issue(call.group)
+class Route:
+    """How this process issues the collectives of CPU tensors on one process group
+    (see [Note: collectives per backend]): here torch.distributed's public ones.
+    Each method issues one collective asynchronously and returns the work to wait
+    on; ``label`` (the unit) and ``step`` (the root's step) name it."""
+
+    __slots__ = ()
+    name = "public"
+
+    def gathers_in_place(self, row_bytes: int) -> bool:
+        """Whether all-gathers of ``row_bytes`` rows take this rank's row of the
+        output as input (else a buffer of its own: not every backend allows aliasing)."""
+        return False
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group: Group, label: str, step: int
+    ) -> dist.Work | None:
+        return _compat.all_gather_into_tensor(output, input, group, True)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, group: Group, label: str, step: int
+    ) -> dist.Work | None:
+        return _compat.reduce_scatter_tensor(output, input, group, True)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: Group, label: str, step: int
+    ) -> dist.Work | None:
+        return dist.all_reduce(tensor, group=group, async_op=True)
 
 
-def _through(wrapper: LaunchWrapper, call: CollectiveCall, inner: Issue) -> Issue:
-    """``inner`` behind ``wrapper``: the group an outer wrapper issues on reaches
-    ``wrapper`` (in its call) and ``inner``."""
-
-    def issue(on: dist.ProcessGroup) -> dist.Work | None:
-        return wrapper(call if on is call.group else dataclasses.replace(call, group=on), inner)
-
-    return issue
+PUBLIC_ROUTE = Route()
+RouteProvider = Callable[[dist.ProcessGroup], "Route | None"]
+_route_providers: list[RouteProvider] = []
+_routes: weakref.WeakKeyDictionary[dist.ProcessGroup, Route] = weakref.WeakKeyDictionary()
 
 
-def add_listener(listener: Listener) -> None:
-    """Subscribes ``listener(event, info)`` to every collective this process issues.
-
-    ``"complete"`` may be delivered from a communication thread.
-    """
-    _listeners.append(listener)
-
-
-def remove_listener(listener: Listener) -> None:
-    if listener in _listeners:
-        _listeners.remove(listener)
+def add_route_provider(provider: RouteProvider) -> None:
+    """Registers ``provider(group)``, which returns the :class:`Route` for a group
+    it serves and ``None`` for the others; asked (the latest added first) once per
+    group, at the first collective on it."""
+    if provider not in _route_providers:
+        _route_providers.append(provider)
 
 
-def _notify(event: CollectiveEvent, info: CollectiveInfo) -> None:
-    for listener in tuple(_listeners):
-        listener(event, info)
+def route_of(group: dist.ProcessGroup) -> Route:
+    """The :class:`Route` of ``group``: decided on the first call for the group and
+    remembered after (units decide theirs at lazy init, so issuing costs no lookup)."""
+    route = _routes.get(group)
+    if route is None:
+        for provider in reversed(_route_providers):
+            route = provider(group)
+            if route is not None:
+                break
+        else:
+            route = PUBLIC_ROUTE
+            logger.debug(
+                "fsdp_compose: group of size %d (backend %s) uses the public collectives",
+                group.size(),
+                _compat.backend_name(group),
+            )
+        _routes[group] = route
+    return route
 
 
-# ---------------------------------------------------------------------------
-# Streams (accelerators only)
-# ---------------------------------------------------------------------------
+def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.device) -> bool:
+    """Whether all-gathers on ``group`` want their input to be this rank's row of
+    the output (see :meth:`Route.gathers_in_place`; NCCL always gathers in place).
+    Fixed for a unit: decide once and pass it as ``in_place``."""
+    return device.type != "cpu" or route_of(group).gathers_in_place(row_bytes)
+
+
+# --- Streams (accelerators only) ---
 
 
 class _DeviceStreams:
@@ -235,9 +243,7 @@ def _device_streams(device: torch.device) -> _DeviceStreams:
     return streams
 
 
-# ---------------------------------------------------------------------------
-# Pending collectives
-# ---------------------------------------------------------------------------
+# --- Pending collectives ---
 
 
 class PendingCollective:
@@ -247,34 +253,23 @@ class PendingCollective:
     cannot be reused while the communication may still touch it.
     """
 
-    __slots__ = (
-        "_done",
-        "_finish",
-        "_group",
-        "_info",
-        "_stream_wait",
-        "_tensors",
-        "_what",
-        "_work",
-    )
+    __slots__ = ("_done", "_group", "_observer", "_stream_wait", "_tensors", "_what", "_work")
 
     def __init__(
         self,
-        info: CollectiveInfo | None,
-        work: dist.Work | None = None,
-        stream_wait: Callable[[], None] | None = None,
-        finish: Callable[[], None] | None = None,
+        work: dist.Work | None,
+        observer: WaitObserver | None = None,
         tensors: tuple[torch.Tensor, ...] = (),
         what: str = "",
-        group: dist.ProcessGroup | None = None,
+        group: Group | None = None,
+        stream_wait: Callable[[], None] | None = None,
     ) -> None:
+        self._work = work
+        self._observer = observer
+        self._tensors = tensors
         self._what = what
         self._group = group  # names the backend if the collective fails
-        self._work = work
         self._stream_wait = stream_wait
-        self._finish = finish
-        self._info = info
-        self._tensors = tensors
         self._done = False
 
     @property
@@ -284,202 +279,104 @@ class PendingCollective:
     def wait(self) -> None:
         if self._done:
             return
-        info = self._info
-        if info is not None and _listeners:
-            _notify("wait_begin", info)
+        observer = self._observer
+        if observer is not None:
+            observer.wait_begin()
         if self._work is not None:
             try:
                 self._work.wait()
             except CollectiveMismatchError:
                 raise
             except RuntimeError as exc:
-                tensor = self._tensors[1] if self._tensors else None
-                raise _failure(self._what, exc, tensor, self._group) from exc
+                raise _failure(self._what, exc, self._tensors[1], self._group) from exc
         if self._stream_wait is not None:
             self._stream_wait()
-        if self._finish is not None:
-            self._finish()
-        if info is not None and _listeners:
-            if self._work is None:  # accelerator: completion observed at wait
-                _notify("complete", info)
-            _notify("wait_end", info)
+        if observer is not None:
+            observer.wait_end()
         self._done = True
-        self._work = self._stream_wait = self._finish = self._group = None
+        self._work = self._stream_wait = self._group = self._observer = None
         self._tensors = ()
 
 
-# [Note: why a collective failed]
-# A collective fails either because of the other ranks -- one crashed (its
-# connections close or reset), or stopped issuing or issued something else (this
-# rank times out waiting, or a checking backend reports the mismatch) -- or
-# because of this rank's own call: a dtype the backend does not support, no
-# backend for the tensors' device. Only the first kind gets the hint about peers
-# and mismatched collectives; the second says what the backend refused, so that
-# nobody hunts for a crashed peer that does not exist.
-# Backends word these differently (gloo: "Connection closed by peer", "Timed out
-# waiting ... for recv"; NCCL: "ncclRemoteError", "Watchdog caught collective
-# operation timeout", "communicator was aborted"); the signs below cover them.
-_PEER_SIGNS = (
-    "closed by peer",
-    "reset by peer",
-    "connection closed",
-    "connection reset",
-    "connection refused",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "remote process",
-    "remote worker",
-    "remoteerror",
-    "network error",
-    "communicator was aborted",
-    # the ranks issued different collectives (TORCH_DISTRIBUTED_DEBUG=DETAIL, gloo)
-    "mismatch",
-    "doesn't match expected size",
-)
-
-
-def peer_may_have_failed(exc: BaseException) -> bool:
-    """Whether ``exc`` (raised by a collective) can come from another rank: a lost
-    connection or a timeout, see [Note: why a collective failed]."""
-    text = str(exc).lower()
-    return any(sign in text for sign in _PEER_SIGNS)
-
-
-def _failure(
-    what: str,
-    exc: BaseException,
-    tensor: torch.Tensor | None = None,
-    group: dist.ProcessGroup | None = None,
+def _plain_failure(
+    what: str, exc: BaseException, tensor: torch.Tensor | None, group: Group | None
 ) -> RuntimeError:
-    """The error to raise for a failed collective ``what``; ``tensor`` and ``group``
-    (where known) name the dtype, device and backend involved."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    head = f"fsdp_compose: {what} failed on rank {rank}: {exc}\n"
-    if peer_may_have_failed(exc):
-        return RuntimeError(
-            head + "A peer rank may have crashed or timed out, or the ranks issued different "
-            "collectives; run with FSDP_COMPOSE_DEBUG_COLLECTIVES=1 to compare the ranks' "
-            "collectives."
-        )
-    return RuntimeError(head + _local_cause(exc, tensor, group))
+    return RuntimeError(f"fsdp_compose: {what} failed on rank {rank}: {exc}")
 
 
-def _local_cause(
-    exc: BaseException, tensor: torch.Tensor | None, group: dist.ProcessGroup | None
-) -> str:
-    text = str(exc).lower()
-    backend = "process group's backend"
-    if group is not None:
-        backend += f" ({_compat.backend_name(group)})"
-    device = tensor.device.type if tensor is not None else "these"
-    dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "this dtype"
-    if "no backend type associated with device type" in text:
-        return (
-            f"This rank's call was refused, not a peer's: the {backend} has no backend for "
-            f"{device} tensors. Create the process group with a backend for that device (e.g. "
-            'init_process_group("gloo") for CPU, "cpu:gloo,cuda:nccl" for both) or build the '
-            "mesh on a device its backend serves."
-        )
-    if "scalar type" in text or "dtype" in text or "data type" in text:
-        return (
-            f"This rank's call was refused, not a peer's: the {backend} does not support this "
-            f"collective on {dtype} tensors. Use a dtype it supports for communication, e.g. "
-            "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...), or a backend that supports "
-            f"{dtype}."
-        )
-    if any(sign in text for sign in ("support", "not implemented", "unimplemented")):
-        return (
-            f"This rank's call was refused, not a peer's: the {backend} does not implement this "
-            f"collective ({dtype} tensors on {device}). fsdp_compose needs all-gather into one "
-            "tensor, reduce-scatter of one tensor and all-reduce (gloo, NCCL and UCC have them); "
-            "or supply your own with set_custom_all_gather / set_custom_reduce_scatter."
-        )
-    return (
-        f"The {backend} raised this on this rank ({dtype} tensors on {device}); it does not "
-        "look like a lost connection or a timeout, so a failed peer is an unlikely cause."
-    )
+FailureExplainer = Callable[
+    [str, BaseException, "torch.Tensor | None", "Group | None"], RuntimeError
+]
+# The error raised for a failed collective ``what`` (``tensor`` and ``group``, where
+# known, are the ones involved); ``_failures.py`` sets one that says why.
+_failure: FailureExplainer = _plain_failure
 
 
-def _info(
-    kind: CollectiveKind, label: str, group_size: int, inp: torch.Tensor, out: torch.Tensor
-) -> CollectiveInfo | None:
-    if not _listeners:
-        return None
-    return CollectiveInfo(kind, label, group_size, inp.numel(), out.numel(), inp.dtype, next(_seq))
-
-
-def _on_complete(work: dist.Work, info: CollectiveInfo) -> None:
-    """Reports the completion time of gloo work from gloo's own thread."""
-    try:
-        work.get_future().add_done_callback(lambda _f: _notify("complete", info))
-    except RuntimeError:  # backends without futures: report at wait time instead
-        _notify("complete", info)
+def set_failure_explainer(explainer: FailureExplainer) -> None:
+    """Makes ``explainer(what, exc, tensor, group)`` the error raised when a
+    collective fails (see [Note: collective extensions])."""
+    global _failure
+    _failure = explainer
 
 
 def _launch(
     kind: CollectiveKind,
     label: str,
-    group: dist.ProcessGroup,
+    group: Group,
     inp: torch.Tensor,
     out: torch.Tensor,
-    issue: Callable[[bool, dist.ProcessGroup], dist.Work | None],
+    issue: Callable[[bool, Group], dist.Work | None],
     step: int = 0,
     movable: bool = True,
 ) -> PendingCollective:
-    """Launches ``issue(async_op, group)`` through the launch wrappers;
-    ``movable``: see :class:`CollectiveCall`."""
-    info = _info(kind, label, group.size(), inp, out)
+    """Launches ``issue(async_op, group)`` (through the hook, if any); ``movable``:
+    whether a hook may issue it on another group with the same ranks (not a
+    user-supplied comm, which may ask its group for its ranks)."""
     what = f"{kind} for {label} (step {step})"
-    cpu = out.device.type == "cpu"
-
-    def launch(on: dist.ProcessGroup = group) -> dist.Work | None:
-        return issue(cpu, on)
-
-    # "issue" is when the training thread issues it, even where a launch wrapper
-    # (the guard) launches it later from another thread.
-    if info is not None:
-        _notify("issue", info)
-
-    if _wrappers:
-        call = CollectiveCall(kind, label, group, inp.numel(), inp.dtype, step, out.device, movable)
-        launch = functools.partial(_wrapped, call, launch)
-    if cpu:
-        _gloo.ensure_exit_grace()
-        try:
-            work = launch()
-        except CollectiveMismatchError:
-            raise
-        except RuntimeError as exc:
-            raise _failure(what, exc, out, group) from exc
-        if info is not None and work is not None:
-            _on_complete(work, info)
-        return PendingCollective(info, work=work, tensors=(inp, out), what=what, group=group)
+    if out.device.type == "cpu":
+        work, observer = _issue(kind, label, group, inp, out, step, movable, issue, True, what)
+        return PendingCollective(work, observer, (inp, out), what, group)
     streams = _device_streams(out.device)
     stream = streams.reduce_scatter if kind != "all_gather" else streams.all_gather
-    current = streams.module.current_stream(out.device)
-    stream.wait_stream(current)
+    stream.wait_stream(streams.module.current_stream(out.device))
     with streams.module.stream(stream):
-        try:
-            launch()
-        except CollectiveMismatchError:
-            raise
-        except RuntimeError as exc:
-            raise _failure(what, exc, out, group) from exc
+        _, observer = _issue(kind, label, group, inp, out, step, movable, issue, False, what)
         event = stream.record_event()
     device = out.device
 
     def stream_wait() -> None:
         streams.module.current_stream(device).wait_event(event)
 
-    return PendingCollective(
-        info, stream_wait=stream_wait, tensors=(inp, out), what=what, group=group
-    )
+    return PendingCollective(None, observer, (inp, out), what, group, stream_wait)
 
 
-# ---------------------------------------------------------------------------
-# The collectives
-# ---------------------------------------------------------------------------
+def _issue(
+    kind: CollectiveKind,
+    label: str,
+    group: Group,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    step: int,
+    movable: bool,
+    issue: Callable[[bool, Group], dist.Work | None],
+    async_op: bool,
+    what: str,
+) -> tuple[dist.Work | None, WaitObserver | None]:
+    try:
+        hook = _hook
+        if hook is None:
+            return issue(async_op, group), None
+        return hook.launch(
+            kind, label, group, inp, out, step, movable, lambda on: issue(async_op, on)
+        )
+    except CollectiveMismatchError:
+        raise
+    except RuntimeError as exc:
+        raise _failure(what, exc, out, group) from exc
+
+
+# --- The collectives ---
 
 
 def _real_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -512,7 +409,7 @@ class DefaultAllGather(_DefaultComm):
     Args:
         route: ``route_of(group)`` of the group it gathers on.
         in_place: whether its input is this rank's row of its output (as
-            :func:`gathers_in_place` decided); gloo then gathers by broadcasts.
+            :func:`gathers_in_place` decided), else a buffer of its own.
     """
 
     __slots__ = ("in_place",)
@@ -527,23 +424,21 @@ class DefaultAllGather(_DefaultComm):
         input_tensor: torch.Tensor,
         group: dist.ProcessGroup,
         async_op: bool = False,
+        *,
+        label: str = "",
+        step: int = 0,
     ) -> dist.Work | None:
         output, input = _real_view(output_tensor), _real_view(input_tensor)
         if output.device.type != "cpu":
             return _compat.all_gather_into_tensor(output, input, group, async_op)
-        route = self.route
-        if not route.gloo:
-            return _compat.all_gather_into_tensor(output, input, group, True)
-        if self.in_place and route.broadcast_all_gather:
-            return _gloo.gloo_all_gather_by_broadcast(output, group)
-        return _gloo.gloo_all_gather_into_tensor(output, input, group)
+        return self.route.all_gather(output, input, group, label, step)
 
 
 class DefaultReduceScatter(_DefaultComm):
     """fsdp_compose's own reduce-scatter (a sum), with the
     :class:`ReduceScatterComm` interface that a custom one
-    (``set_custom_reduce_scatter``) replaces; see [Note: reduce-scatter on gloo].
-    Made per unit and group, on the group's :class:`Route`.
+    (``set_custom_reduce_scatter``) replaces. Made per unit and group, on the
+    group's :class:`Route`.
     """
 
     __slots__ = ()
@@ -555,11 +450,17 @@ class DefaultReduceScatter(_DefaultComm):
         group: dist.ProcessGroup,
         op: dist.ReduceOp,
         async_op: bool = False,
+        *,
+        label: str = "",
+        step: int = 0,
     ) -> dist.Work | None:
         output, input = _real_view(output_tensor), _real_view(input_tensor)
-        if output.device.type == "cpu" and self.route.all_to_all_reduce_scatter:
-            return _gloo.reduce_scatter_by_all_to_all(output, input, group)
-        return _compat.reduce_scatter_tensor(output, input, group, async_op)
+        if output.device.type != "cpu":
+            return _compat.reduce_scatter_tensor(output, input, group, async_op)
+        return self.route.reduce_scatter(output, input, group, label, step)
+
+
+_SUM: dist.ReduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # (a RedOpType member)
 
 
 def allocate(
@@ -608,17 +509,22 @@ def all_gather(
     with ``comm`` (default: a :class:`DefaultAllGather` on the group's route, not
     in place). ``step``: the issuing root's step (:class:`StepContext`)."""
     gather = comm if comm is not None else DefaultAllGather(route_of(group), in_place=False)
+    own = gather if isinstance(gather, DefaultAllGather) else None
+
+    def issue(async_op: bool, on: dist.ProcessGroup) -> dist.Work | None:
+        if own is not None:  # fsdp_compose's own: named for its route
+            return own(output, input, on, async_op, label=label, step=step)
+        return gather(output_tensor=output, input_tensor=input, group=on, async_op=async_op)
+
     return _launch(
         "all_gather",
         label,
         group,
         input,
         output,
-        lambda async_op, on: gather(
-            output_tensor=output, input_tensor=input, group=on, async_op=async_op
-        ),
+        issue,
         step=step,
-        movable=isinstance(gather, _DefaultComm),
+        movable=own is not None,
     )
 
 
@@ -635,21 +541,24 @@ def reduce_scatter(
     (default: a :class:`DefaultReduceScatter` on the group's route); rank r
     receives the sum of chunk r in ``output``."""
     scatter = comm if comm is not None else DefaultReduceScatter(route_of(group))
+    own = scatter if isinstance(scatter, DefaultReduceScatter) else None
+
+    def issue(async_op: bool, on: dist.ProcessGroup) -> dist.Work | None:
+        if own is not None:  # fsdp_compose's own: named for its route
+            return own(output, input, on, _SUM, async_op, label=label, step=step)
+        return scatter(
+            output_tensor=output, input_tensor=input, group=on, op=_SUM, async_op=async_op
+        )
+
     return _launch(
         "reduce_scatter",
         label,
         group,
         input,
         output,
-        lambda async_op, on: scatter(
-            output_tensor=output,
-            input_tensor=input,
-            group=on,
-            op=dist.ReduceOp.SUM,  # type: ignore[arg-type]  # (a RedOpType member)
-            async_op=async_op,
-        ),
+        issue,
         step=step,
-        movable=isinstance(scatter, _DefaultComm),
+        movable=own is not None,
     )
 
 
@@ -664,6 +573,10 @@ def all_reduce(
         group,
         tensor,
         tensor,
-        lambda async_op, on: dist.all_reduce(tensor, group=on, async_op=async_op),
+        lambda async_op, on: (
+            route_of(group).all_reduce(tensor, on, label, step)
+            if tensor.device.type == "cpu"
+            else dist.all_reduce(tensor, group=on, async_op=async_op)
+        ),
         step=step,
     )

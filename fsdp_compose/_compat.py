@@ -39,19 +39,9 @@ def dtensor_from_local(local: torch.Tensor, spec: Any) -> DTensor:
     """Wraps ``local`` as a DTensor described by ``spec``.
 
     This runs once per parameter per step (sharded gradients), so it bypasses
-    ``DTensor.from_local``'s argument handling and autograd; the public API is the
-    fallback when the private constructor is unavailable.
+    ``DTensor.from_local``'s argument handling and autograd.
     """
-    try:
-        return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
-    except TypeError:  # pragma: no cover - constructor signature changed
-        pass
-    meta = spec.tensor_meta
-    mesh, placements, shape, stride = spec.mesh, spec.placements, meta.shape, meta.stride
-    with torch.no_grad():
-        return DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=shape, stride=stride
-        )
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 
 
 def dtensor_spec_with_dtype(spec: Any, dtype: torch.dtype) -> Any:
@@ -133,17 +123,7 @@ def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
 def dynamo_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Keeps torch.compile from tracing into ``fn`` (our hooks mutate Python state
     and issue collectives); a compiled forward graph-breaks around it instead."""
-    try:
-        import torch._dynamo
-
-        return torch._dynamo.disable(fn, recursive=True)
-    except Exception:  # pragma: no cover - builds without dynamo
-        return fn
-
-
-def is_compiling() -> bool:
-    """True while torch.compile traces the calling code."""
-    return torch.compiler.is_compiling()
+    return torch._dynamo.disable(fn, recursive=True)
 
 
 # ---------------------------------------------------------------------------
@@ -190,24 +170,6 @@ def all_gather_into_tensor(
     return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
 
 
-def all_gather_bytes(payload: bytes, group: dist.ProcessGroup, device: torch.device) -> list[bytes]:
-    """Gathers every rank's ``payload`` with tensor collectives. torch's object
-    collectives (``all_gather_object``) need NumPy, which torch does not require;
-    the error they would raise here would hide the one being reported."""
-    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    sizes = torch.empty(group.size(), dtype=torch.int64, device=device)
-    size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
-    all_gather_into_tensor(sizes, size, group, async_op=False)
-    lengths = [int(n) for n in sizes.tolist()]
-    longest = max(lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: mine.numel()] = mine
-    gathered = torch.empty(group.size() * longest, dtype=torch.uint8, device=device)
-    all_gather_into_tensor(gathered, padded, group, async_op=False)
-    rows = gathered.view(group.size(), longest).cpu()
-    return [bytes(rows[i, :n].tolist()) for i, n in enumerate(lengths)]
-
-
 def reduce_scatter_tensor(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> dist.Work | None:
@@ -227,37 +189,9 @@ def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tenso
     torch._chunk_cat(list(tensors), dim=0, num_chunks=num_chunks, out=out)
 
 
-def register_load_state_dict_pre_hook(module: torch.nn.Module, hook: Callable[..., None]) -> Any:
-    """``hook(module, state_dict, prefix, *args)`` before ``module`` loads its state."""
-    return module.register_load_state_dict_pre_hook(hook)
-
-
-def default_store() -> dist.Store:
-    """The key-value store of the default process group (used by debug checks)."""
-    return dist.distributed_c10d._get_default_store()
-
-
 def process_group_backend(group: dist.ProcessGroup) -> str:
     """Lower-case backend name of ``group`` (``"gloo"``, ``"nccl"``, ...)."""
     return str(dist.get_backend(group)).lower()
-
-
-def is_fake_backend(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` is torch's ``fake`` backend, whose collectives return
-    at once without communicating (dry runs of a large world in one process)."""
-    return process_group_backend(group) == "fake"
-
-
-def process_group_timeout(group: dist.ProcessGroup) -> float | None:
-    """The timeout (seconds) ``group`` was created with, or None if this torch
-    version does not expose it (read through the backend's private options)."""
-    try:
-        device = (
-            torch.device("cpu") if process_group_backend(group) == "gloo" else torch.device("cuda")
-        )
-        return float(group._get_backend(device).options._timeout.total_seconds())
-    except (AttributeError, RuntimeError, TypeError, ValueError):
-        return None
 
 
 def backend_name(group: dist.ProcessGroup) -> str:

@@ -8,9 +8,7 @@ module's class to a subclass of :class:`FSDPModule` and of its original class.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn, overload
 
@@ -18,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, Shard
 
-from . import _compat
+from . import _hooks
 from ._errors import FSDPRuntimeError, FSDPValueError
 from ._fsdp_module import FSDPModule, _fsdp_classes, _reshard_unit
 from ._hooks import UnitState, state_of
@@ -32,22 +30,41 @@ from ._mesh import (
 )
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._sharded_param import IGNORED_BY, SHARDED_BY, ShardedParam
-from ._shared import borrow, collect_borrowed, link_shared, shared_link
 from ._unit import Unit
 
 logger = logging.getLogger("fsdp_compose")
 
 __all__ = ["fully_shard"]
 
-# Marks on parameter objects, so misuse is caught where it happens (and
-# SHARDED_BY, from _sharded_param, on the sharded DTensor parameters):
-_REPLACED_BY = "_fsdp_compose_replaced_by"  # on an original parameter that was sharded
-# The modules of each fully_shard call, weakly, by call number; a sharded parameter
-# carries its call's number (_UNIT_OF), not the modules, which deepcopy and pickle
-# of the parameter would follow. One small entry per call.
-_UNIT_OF = "_fsdp_compose_unit"
-_unit_modules: dict[int, tuple[weakref.ref[nn.Module], ...]] = {}
-_calls = itertools.count()
+# On an original parameter that was sharded, so misuse is caught where it happens
+# (and SHARDED_BY, from _sharded_param, on the sharded DTensor parameters).
+REPLACED_BY = "_fsdp_compose_replaced_by"
+
+#: Checks of a ``fully_shard`` call beyond FSDP2's, run before anything is modified
+#: (see [Note: atomic fully_shard]): ``check(modules, managed_modules,
+#: ignored_params, mesh_info)`` raises to refuse the call. The extension
+#: ``_validation`` adds them with :func:`add_shard_check`.
+ShardCheck = Callable[[tuple[nn.Module, ...], list[nn.Module], set[nn.Parameter], MeshInfo], None]
+_shard_checks: list[ShardCheck] = []
+
+
+def add_shard_check(check: ShardCheck) -> None:
+    """Runs ``check`` in every later ``fully_shard`` call, before it modifies anything."""
+    if check not in _shard_checks:
+        _shard_checks.append(check)
+
+
+#: ``convert(state_dict, prefix, [(name, param)], assign)``: rewrites the values a
+#: module's ``load_state_dict`` gets for its sharded parameters in place (the
+#: extension ``_full_state_dict`` loads full tensors this way).
+LoadConversion = Callable[[dict[str, Any], str, list[tuple[str, ShardedParam]], bool], None]
+_load_conversion: LoadConversion | None = None
+
+
+def set_load_conversion(convert: LoadConversion | None) -> None:
+    """Attaches the conversion of loaded state-dict values (``None`` detaches)."""
+    global _load_conversion
+    _load_conversion = convert
 
 
 @overload
@@ -152,7 +169,7 @@ def fully_shard(
         )
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError("shard_placement_fn must be callable (param -> Shard | None)")
-    ignored = _validate_ignored_params(ignored_params, modules)
+    ignored = _validate_ignored_params(ignored_params)
     mesh = default_mesh() if mesh is None else mesh
     if dp_mesh_dims is None:
         mesh_info = resolve_mesh_info(mesh)
@@ -163,26 +180,25 @@ def fully_shard(
                 "reshard_after_forward as an int is not supported with dp_mesh_dims (as in "
                 "FSDP2); pass True or False"
             )
-    if mesh_info.device.type == "meta":
-        raise ValueError(
-            f"fully_shard got a mesh on the meta device ({mesh}): the sharded parameters would "
-            "move to meta and lose their values. Build the mesh on the device training runs "
-            "on, e.g. init_device_mesh('cpu', ...) or init_device_mesh('cuda', ...); to defer "
-            "initialization, build the *model* under torch.device('meta') instead."
-        )
     reshard = validate_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
 
     # [Note: atomic fully_shard] Everything that can fail runs before the module is
     # changed: shards are built aside and installed only once every parameter and
     # the unit are valid, so a failed call leaves the module as it was and a
-    # retry (with the fix the error names) starts from a clean module.
+    # retry (with the fix the error names) starts from a clean module. The checks
+    # extensions register (add_shard_check) and the sharing extension's collect
+    # run in this phase too.
     managed_modules = _managed_modules(modules)
-    owners = _managed_params(managed_modules, ignored, modules)
-    # Parameters another unit already sharded: borrowed, see [Note: shared parameters].
-    borrowed = collect_borrowed(managed_modules, ignored, mesh_info, mp_policy, offload_policy)
+    for check in _shard_checks:
+        check(modules, managed_modules, ignored, mesh_info)
+    owners = _managed_params(managed_modules, ignored)
+    # Parameters another unit already sharded: borrowed (the extension _shared).
+    sharing = _hooks.param_sharing
+    borrowed = sharing and sharing.collect(
+        managed_modules, ignored, mesh_info, mp_policy, offload_policy
+    )
     device = mesh_info.device
     offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
-    _check_devices(owners, device)
 
     unit_label = _describe(modules)
     sharded: list[ShardedParam] = []
@@ -221,15 +237,12 @@ def fully_shard(
     unit_of = {id(p): u for u in units for p in u.params}
     # Validated: from here on the module changes.
     _move_buffers(managed_modules, device)
-    call = next(_calls)
-    _unit_modules[call] = tuple(weakref.ref(m) for m in modules)
     for param in ignored:  # left plain on purpose: not a forgotten root (_missing_root)
         setattr(param, IGNORED_BY, unit_label)
     for param, sharded_param in zip(owners, sharded):
         sharded_param.register(sharded_param.sharded_param)
         sharded_param.mark_owned(unit_label)
-        setattr(sharded_param.sharded_param, _UNIT_OF, call)
-        setattr(param, _REPLACED_BY, unit_label)
+        setattr(param, REPLACED_BY, unit_label)
     state = UnitState(
         modules,
         units[0] if units else None,
@@ -239,12 +252,10 @@ def fully_shard(
     state.extra_units = units[1:]
     state.adopt_subtree_settings()
     for unit in units:
-        _register_state_dict_hooks(unit, state)
-    for (param, _), sharded_param in zip(owners.items(), sharded):
-        link_shared(param, sharded_param, unit_of[id(sharded_param)], state)
-    borrow(state, borrowed)
-    for link, pairs in borrowed.items():
-        _register_state_dict_hooks(link.unit, link.state, [(m, n, link.param) for m, n in pairs])
+        register_state_dict_hooks(unit, state)
+    if sharing is not None:
+        replaced = [(p, sp, unit_of[id(sp)]) for p, sp in zip(owners, sharded)]
+        sharing.install(state, replaced, borrowed)
     for m in modules:
         cls = type(m)
         fsdp_cls = _fsdp_classes.get(cls)
@@ -276,20 +287,10 @@ def _validate_modules(module: object) -> tuple[nn.Module, ...]:
     for m in candidates:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__} in the list")
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
-            raise ValueError(
-                f"fully_shard cannot annotate a {type(m).__name__} container: it has no forward, "
-                "so no hook would ever run. Annotate its elements (e.g. each block) instead."
-            )
         if state_of(m) is not None:
             raise FSDPValueError(  # see [Note: FSDP2's exception types]
                 f"{type(m).__name__} already has fully_shard applied; each module can be "
                 "annotated once (use FSDPModule.set_* methods to change its settings)."
-            )
-        if _is_torch_fsdp_module(m):
-            raise ValueError(
-                f"{type(m).__name__} was already sharded by torch.distributed.fsdp.fully_shard; "
-                "use one FSDP implementation per model."
             )
     modules: list[nn.Module] = list(dict.fromkeys(candidates))  # type: ignore[arg-type]
     # Drop modules nested inside other listed modules (their parent covers them).
@@ -297,15 +298,7 @@ def _validate_modules(module: object) -> tuple[nn.Module, ...]:
     return tuple(m for m in modules if id(m) not in nested)
 
 
-def _is_torch_fsdp_module(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(module, TorchFSDPModule)
-
-
-def _validate_ignored_params(ignored: object, modules: tuple[nn.Module, ...]) -> set[nn.Parameter]:
+def _validate_ignored_params(ignored: object) -> set[nn.Parameter]:
     if ignored is None:
         return set()
     if not isinstance(ignored, Iterable) or isinstance(ignored, torch.Tensor):
@@ -314,19 +307,6 @@ def _validate_ignored_params(ignored: object, modules: tuple[nn.Module, ...]) ->
     for p in result:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"ignored_params must contain parameters, got {type(p).__name__}")
-    if not result:
-        return result
-    # Originals of parameters that a nested unit already replaced count as the module's.
-    known = {p for m in modules for p in m.parameters()}
-    for p in result:
-        if p not in known and getattr(p, _REPLACED_BY, None) is None:
-            where = ", ".join(type(m).__name__ for m in modules)
-            raise ValueError(
-                f"ignored_params contains a parameter of shape {tuple(p.shape)} ({p.dtype}) that "
-                f"is not a parameter of {where} or its submodules, so ignoring it would have no "
-                "effect. Pass only the parameters of the module being sharded, e.g. "
-                "ignored_params={module.some_layer.weight}."
-            )
     return result
 
 
@@ -352,15 +332,15 @@ def _managed_modules(modules: tuple[nn.Module, ...]) -> list[nn.Module]:
 
 
 def _managed_params(
-    modules: list[nn.Module], ignored: set[nn.Parameter], targets: tuple[nn.Module, ...] = ()
+    modules: list[nn.Module], ignored: set[nn.Parameter]
 ) -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     for m in modules:
         for name, p in m._parameters.items():
-            if p is None or p in ignored or shared_link(p, m, name) is not None:
-                continue  # shared with an earlier unit: collect_borrowed handles it
+            sharing = _hooks.param_sharing
+            if p is None or p in ignored or (sharing and sharing.is_borrowed(p, m, name)):
+                continue  # shared with an earlier unit: the extension _shared handles it
             if getattr(p, SHARDED_BY, None) is not None:
-                _reject_module_shared_by_sibling_units(p, name, m, targets)
                 raise ValueError(
                     f"parameter {name!r} of {type(m).__name__} is already sharded by "
                     f"fully_shard({getattr(p, SHARDED_BY)}): fully_shard must be applied "
@@ -369,50 +349,6 @@ def _managed_params(
             # DTensor parameters (tensor parallel) are validated by ShardedParam.
             owners.setdefault(p, []).append((m, name))
     return owners
-
-
-def _reject_module_shared_by_sibling_units(
-    p: nn.Parameter, name: str, module: nn.Module, targets: tuple[nn.Module, ...]
-) -> None:
-    """Raises if ``module`` (reached from this call's ``targets``) belongs to an
-    earlier unit that is not an ancestor of the targets: the calls were bottom-up,
-    but the same submodule hangs under two sibling units."""
-    refs = _unit_modules.get(getattr(p, _UNIT_OF, -1), ())
-    earlier = [m for m in (r() for r in refs) if m is not None]
-    if not earlier or not targets:
-        return
-    if any(t is e or any(t is sub for sub in e.modules()) for e in earlier for t in targets):
-        return  # a target sits inside the earlier unit: a parent annotated first
-    raise ValueError(
-        f"parameter {name!r} of {type(module).__name__} is already sharded by "
-        f"fully_shard({getattr(p, SHARDED_BY)}), a sibling of {_describe(targets)}: the same "
-        f"{type(module).__name__} module is a submodule of both units (a module shared by two "
-        "fully_shard units is not supported). Annotate the shared module on its own first, "
-        "e.g. fully_shard(shared_module), or put the modules that share it in one unit, e.g. "
-        "fully_shard([module_a, module_b])."
-    )
-
-
-def _check_devices(
-    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]],
-    device: torch.device,
-) -> None:
-    devices = {p.device for p in owners}
-    if len(devices) > 1:
-        where = {
-            f"{owner[0][1]} ({type(owner[0][0]).__name__})": str(p.device)
-            for p, owner in owners.items()
-        }
-        hint = (
-            " Materialize the whole module (to_empty) or none of it: a module partly on the "
-            "meta device would lose its real parameters when materialized later."
-            if any(d.type == "meta" for d in devices)
-            else " Move the module to one device first."
-        )
-        raise ValueError(
-            f"fully_shard found parameters on different devices {sorted(map(str, devices))}: "
-            f"{where}.{hint}"
-        )
 
 
 def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
@@ -467,7 +403,7 @@ class _ParamMeshes:
                 "or a 2-D (replicate, shard) mesh per parameter, got shard_mesh_dim="
                 f"{shard_dim}, replicate_mesh_dim={replicate_dim} on {mesh}"
             )
-        info = resolve_mesh_info(mesh, check_names=False)
+        info = resolve_mesh_info(mesh)
         if info.device != self.default.device:
             raise ValueError(
                 f"shard_placement_fn for {where}: its mesh is on {info.device} but fully_shard's "
@@ -509,14 +445,15 @@ def _describe(modules: tuple[nn.Module, ...]) -> str:
     return ", ".join(type(m).__name__ for m in modules)
 
 
-def _register_state_dict_hooks(
+def register_state_dict_hooks(
     unit: Unit, state: UnitState, owners: list[tuple[nn.Module, str, ShardedParam]] | None = None
 ) -> None:
-    """``state_dict()`` and ``load_state_dict()`` always see the sharded parameters,
-    and a full (plain tensor) state dict is sharded on the fly when loaded.
+    """``state_dict()`` and ``load_state_dict()`` always see the sharded parameters
+    (and a full state dict is sharded on the fly when loaded, see
+    :func:`set_load_conversion`).
 
     ``owners`` limits the hooks to these registrations of ``unit``'s parameters
-    (a borrower's, see [Note: shared parameters]); default: all of them."""
+    (a borrower's, see [Note: shared parameters] in ``_shared``); default: all."""
     if owners is None:
         owners = [(module, name, p) for p in unit.params for module, name in p.owners]
     owner_params: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
@@ -537,14 +474,9 @@ def _register_state_dict_hooks(
             _params: list[tuple[str, ShardedParam]] = params,
         ) -> None:
             reshard()
-            assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
-            for name, p in _params:
-                key = prefix + name
-                value = state_dict.get(key)
-                if isinstance(value, torch.Tensor):
-                    sharded = p.sharded_from_state(value, own=assign)  # full or TP-only values
-                    if sharded is not None:
-                        state_dict[key] = sharded
+            if _load_conversion is not None:  # full or TP-only values, see the setter
+                assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
+                _load_conversion(state_dict, prefix, _params, assign)
 
         def load_post_hook(*_: Any) -> None:
             # Parameters may have been re-assigned (assign=True).
@@ -552,7 +484,7 @@ def _register_state_dict_hooks(
             unit.invalidate()
 
         module.register_state_dict_pre_hook(reshard)
-        _compat.register_load_state_dict_pre_hook(module, load_pre_hook)
+        module.register_load_state_dict_pre_hook(load_pre_hook)
         module.register_load_state_dict_post_hook(load_post_hook)
 
 

@@ -1,139 +1,65 @@
-"""gloo's collectives issued fast: on the ProcessGroup object directly, an
-all-gather as one broadcast per rank, and a reduce-scatter as one all-to-all.
+"""gloo's collectives, issued as point-to-point exchanges tagged with what they are.
 
-[Note: reduce-scatter on gloo]
-gloo has no native reduce-scatter: torch emulates it with a full all-reduce, which
-sends (W-1)/W * 2 * N bytes per rank (ring) or more, instead of (W-1)/W * N. On gloo
-we instead exchange the gradient chunks with one ``all_to_all_single`` (each rank
-sends chunk r to rank r and receives everyone's chunk of its own shard) and sum the
-W received chunks locally, which moves exactly (W-1)/W * N bytes per rank.
+An extension: it registers the :class:`GlooRoute` of every group whose CPU backend
+is a real ``ProcessGroupGloo`` (:func:`serves_cpu_with_gloo`) with
+``_collectives.add_route_provider``; every other backend keeps the public
+collectives (see [Note: collectives per backend] in ``_collectives.py``).
 
-[Note: all-gather on gloo]
-gloo's all-gather gathers into a buffer of its own and then copies every row into
-the caller's output: one extra copy of the whole output (and an allocation) per
-call, on gloo's thread. Above a small size, fsdp_compose instead issues one
-broadcast per rank, each rooted at the rank whose row it carries and received
-straight into that row of the output; this rank's row is written in place before
-(the caller copies its shards there). Same bytes on the wire ((W-1)/W * N per
-rank), about half the CPU and wall time (measured at 2 and 4 ranks, 1.7-12 MiB
-rows, torch 2.13). ``FSDP_COMPOSE_GLOO_ALL_GATHER=native`` turns it off.
+[Note: collectives matched by what they are]
+gloo pairs collectives by their order on a group: if ranks issue different
+collectives (control flow that differs between ranks, ``requires_grad`` changed
+on one rank, a batch skipped on one rank), the n-th collective of one rank meets
+the n-th of another. Equal sizes silently exchange the wrong unit's data; different
+sizes abort the process inside gloo (``gloo::EnforceNotMet ... Received data size
+doesn't match expected size``, SIGABRT: no Python exception, no clean-up).
 
-Used only for groups whose CPU backend really is ``ProcessGroupGloo``
-(:func:`serves_cpu_with_gloo`); which path a group takes is its :class:`Route`,
-see [Note: collectives per backend] in ``_collectives.py``.
+fsdp_compose therefore issues its gloo collectives as point-to-point sends and
+receives whose tag is a hash of what the collective is: kind, unit, element
+count, dtype and the issuing root's step (:meth:`_Peers.tag`). gloo matches a
+receive only with a send of the same tag, so different collectives never pair:
+a mismatch waits instead of exchanging or aborting, and
+``_stall.py`` turns that wait into a :class:`~fsdp_compose.debug.CollectiveMismatchError`
+on every rank involved ([Note: stalled exchanges]). Collectives that agree pair
+whatever order they were issued in.
+
+It costs nothing: the exchanges move the same bytes as the collectives they
+replace ((W-1)/W * N per rank for an all-gather or a reduce-scatter, N for a
+2-rank all-reduce) and skip gloo's worker queue, so they are as fast or faster
+(measured: ``benchmarks/guard_cost.py``, BENCHMARKS.md).
+
+* all-gather: each rank sends its row of the output to every other rank and
+  receives theirs straight into their rows (in place: no extra buffer or copy).
+* reduce-scatter: each rank sends chunk r of its input to rank r and receives
+  every rank's copy of its own chunk, then sums them in rank order (as gloo's
+  own reduce-scatter would need a full all-reduce: twice the bytes).
+* all-reduce (HSDP's replicas): with 2 ranks, each sends its tensor to the other
+  and adds what it receives; with more, gloo's own all-reduce (not tagged).
+
+``FSDP_COMPOSE_GLOO_ALL_GATHER=native`` / ``FSDP_COMPOSE_GLOO_REDUCE_SCATTER=native``
+use gloo's own all-gather / torch's reduce-scatter instead (not tagged: the
+protection above is lost).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import gc
-import logging
 import time
-import weakref
+import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import _compat, _env
+from . import _collectives, _compat, _env, _stall
 
-logger = logging.getLogger("fsdp_compose")
-
-# [Note: issuing gloo collectives]
-# On the CPU, torch.distributed's Python wrappers (argument checks, group
-# translation, coalescing bookkeeping) cost about as much as the collective's own
-# issue for small tensors: 16-24 us of ~60 us per call (measured, torch 2.13).
-# With hundreds of small units per step that is most of the per-unit overhead, so
-# gloo collectives are issued on the ProcessGroup object directly. Accelerator
-# backends keep the wrappers: they decide which stream the collective runs on.
-# Only for groups whose CPU backend is a ProcessGroupGloo (serves_cpu_with_gloo):
-# a group without one (torch's threaded test group, a CUDA-only group) has nothing
-# to issue on, see [Note: collectives per backend] in _collectives.py.
-_direct_gloo_ok = True
-
-
-_W = TypeVar("_W")
-
-
-def _issue_gloo(direct: Callable[[], _W], fallback: Callable[[], _W | None]) -> _W:
-    global _direct_gloo_ok
-    if _direct_gloo_ok:
-        try:
-            return direct()
-        except (AttributeError, TypeError):  # pragma: no cover - binding changed
-            _direct_gloo_ok = False
-    work = fallback()
-    assert work is not None
-    return work
-
-
-def gloo_all_gather_into_tensor(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
-) -> dist.Work:
-    """Asynchronous all-gather on a gloo ``group`` (see [Note: issuing gloo collectives])."""
-    return _issue_gloo(
-        lambda: group._allgather_base(output, input),
-        lambda: _compat.all_gather_into_tensor(output, input, group, async_op=True),
-    )
-
-
-class WorkGroup:
-    """Several ``Work`` objects behaving as one: ``wait`` waits for all of them and
-    ``get_future`` completes when all have."""
-
-    __slots__ = ("_works",)
-
-    def __init__(self, works: list[dist.Work]) -> None:
-        self._works = works
-
-    def wait(self) -> bool:
-        for work in self._works:
-            work.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return torch.futures.collect_all([work.get_future() for work in self._works])
-
-
-def gloo_all_gather_by_broadcast(output: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
-    """Asynchronous all-gather on a gloo ``group`` as one broadcast per rank, each
-    straight into its row of ``output`` (this rank's row already holds its input).
-    See [Note: all-gather on gloo]."""
-    rows = output.view(group.size(), -1)
-
-    def direct() -> WorkGroup:
-        works = []
-        for root in range(group.size()):
-            opts = dist.BroadcastOptions()
-            opts.rootRank = root
-            opts.rootTensor = 0
-            works.append(group.broadcast([rows[root]], opts))
-        return WorkGroup(works)
-
-    def fallback() -> WorkGroup:
-        ranks = dist.get_process_group_ranks(group)
-        return WorkGroup(
-            [
-                dist.broadcast(rows[root], ranks[root], group=group, async_op=True)  # type: ignore[misc]
-                for root in range(group.size())
-            ]
-        )
-
-    # A WorkGroup has the part of Work's interface the collectives use (wait,
-    # get_future), so callers treat it as one.
-    return _issue_gloo(direct, fallback)  # type: ignore[return-value]
-
-
-def gloo_all_to_all_single(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
-) -> dist.Work:
-    """Asynchronous even all-to-all on a gloo ``group`` (see [Note: issuing gloo collectives])."""
-    return _issue_gloo(
-        lambda: group.alltoall_base(output, input, [], []),
-        lambda: dist.all_to_all_single(output, input, group=group, async_op=True),
-    )
+_TAG_MODULUS = _stall.BREAK_TAG  # tags are below it
+_STEP_MIX = 0x9E3779B1  # spreads consecutive steps over the tag space
+# How many tags a rank remembers per group: far more than can be in flight, so a
+# stalled exchange can be told apart from one whose data is still coming.
+_HISTORY = 16384
 
 
 def serves_cpu_with_gloo(group: dist.ProcessGroup) -> bool:
@@ -157,8 +83,208 @@ def serves_cpu_with_gloo(group: dist.ProcessGroup) -> bool:
     return isinstance(backend, gloo_class)
 
 
+class _Peers:
+    """This rank's view of one gloo group: its rank, the others, and the tags of
+    the exchanges it issued on the group (the last ``_HISTORY``, newest last, of
+    ``count`` in all)."""
+
+    __slots__ = ("count", "global_ranks", "group", "issued", "name", "others", "rank", "size")
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        self.others = [r for r in range(self.size) if r != self.rank]
+        self.global_ranks = dist.get_process_group_ranks(group)
+        self.name = getattr(group, "group_name", "") or str(self.global_ranks)
+        self.issued: collections.deque[int] = collections.deque(maxlen=_HISTORY)
+        self.count = 0
+
+    def tag(self, kind: str, label: str, numel: int, dtype: torch.dtype, step: int) -> int:
+        """The tag of a collective: the same on every rank that issues it, and
+        (but for a hash collision) different for any other collective."""
+        key = (kind, label, numel, dtype)
+        base = _tag_bases.get(key)
+        if base is None:
+            base = _tag_bases[key] = zlib.crc32(f"{kind}|{label}|{numel}|{dtype}".encode())
+        tag = (base + step * _STEP_MIX) % _TAG_MODULUS
+        self.issued.append(tag)
+        self.count += 1
+        return tag
+
+
+_tag_bases: dict[tuple[str, str, int, torch.dtype], int] = {}
+
+
+class Exchange:
+    """The sends and receives of one tagged collective, waited on as one work;
+    ``finish`` (if any) runs after they completed (the sum of a reduce-scatter).
+
+    ``name``: (kind, label, step, element count, dtype), for error messages;
+    ``seq``: how many exchanges the group had issued before this one.
+    """
+
+    __slots__ = ("_done", "_finish", "_recvs", "_sends", "name", "peers", "seq", "tag")
+
+    def __init__(
+        self,
+        peers: _Peers,
+        tag: int,
+        name: tuple[str, str, int, int, torch.dtype],
+        recvs: list[dist.Work],
+        sends: list[dist.Work],
+        finish: Callable[[], None] | None = None,
+    ) -> None:
+        self.peers = peers
+        self.tag = tag
+        self.seq = peers.count - 1
+        self.name = name
+        self._recvs = recvs
+        self._sends = sends
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> bool:
+        if self._done:
+            return True
+        watch = _stall.watch
+        watch.current, watch.since = self, time.monotonic()
+        try:
+            for work in self._recvs:
+                work.wait()
+            for work in self._sends:
+                work.wait()
+        except RuntimeError as exc:
+            watch.current = None
+            mismatch = _stall.explain(self)
+            if mismatch is not None:
+                raise mismatch from exc
+            raise
+        watch.current = None
+        if watch.published is not None:
+            _stall.unpublish(self)
+        self._done = True
+        if self._finish is not None:
+            self._finish()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        # listeners then learn of the completion at wait (_collectives._on_complete)
+        raise RuntimeError("a point-to-point exchange has no future")
+
+    def __del__(self) -> None:
+        if not self._done:
+            # Dropped unwaited (a step abandoned after an error): gloo may still
+            # write into the receive buffers, so they must outlive the transfer.
+            _abandoned[:] = [works for works in _abandoned if not _finished(works)]
+            _abandoned.append((self._recvs, self._sends))
+
+
+def _finished(works: tuple[list[dist.Work], list[dist.Work]]) -> bool:
+    return all(work.is_completed() for side in works for work in side)
+
+
+# Works dropped before they completed, kept alive (with their tensors) for gloo.
+_abandoned: list[tuple[list[dist.Work], list[dist.Work]]] = []
+
+
+class GlooRoute(_collectives.Route):
+    """The :class:`~fsdp_compose._collectives.Route` of a gloo group: tagged
+    exchanges (see [Note: collectives matched by what they are]).
+
+    A collective a launch wrapper moved to another group with the same ranks
+    (the collective guard's lanes, which pair collectives themselves) is issued
+    as gloo's own collective on that group.
+    """
+
+    __slots__ = ("exchange_all_gather", "exchange_reduce_scatter", "peers")
+    name = "gloo"
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.peers = _Peers(group)
+        self.exchange_all_gather = _exchange_all_gather
+        self.exchange_reduce_scatter = _exchanges_reduce_scatter()
+
+    def gathers_in_place(self, row_bytes: int) -> bool:
+        # gloo's own all-gather is slower with its input inside its output (6.3 ms
+        # vs 4.5 ms for 7 MiB at W=2): it gets a buffer of its own.
+        return self.exchange_all_gather
+
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        label: str,
+        step: int,
+    ) -> Any:
+        peers = self.peers
+        if group is not peers.group or not self.exchange_all_gather:
+            return group._allgather_base(output, input)
+        rows = output.view(peers.size, -1)
+        mine = rows[peers.rank]
+        if input.data_ptr() != mine.data_ptr():
+            mine.copy_(input)
+        numel = mine.numel()
+        tag = peers.tag("all_gather", label, numel, mine.dtype, step)
+        # Sends first: posted before the receives, a transfer needs fewer round
+        # trips of gloo's event loop (1 MiB rows at W=2: ~0.9 vs ~1.4-2 ms loaded).
+        sends = [group.send([mine], peer, tag) for peer in peers.others]
+        recvs = [group.recv([rows[peer]], peer, tag) for peer in peers.others]
+        return Exchange(peers, tag, ("all_gather", label, step, numel, mine.dtype), recvs, sends)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        label: str,
+        step: int,
+    ) -> Any:
+        peers = self.peers
+        if group is not peers.group or not self.exchange_reduce_scatter:
+            if group is not peers.group and self.exchange_reduce_scatter:
+                return _reduce_scatter_by_all_to_all(output, input, group)
+            return _compat.reduce_scatter_tensor(output, input, group, True)
+        chunks = input.view(peers.size, -1)
+        # Every rank's copy of this rank's chunk, in rank order (the sum's order).
+        received = torch.empty_like(chunks)
+        tag = peers.tag("reduce_scatter", label, input.numel(), input.dtype, step)
+        sends = [group.send([chunks[peer]], peer, tag) for peer in peers.others]
+        recvs = [group.recv([received[peer]], peer, tag) for peer in peers.others]
+        me = peers.rank
+
+        def finish() -> None:
+            if peers.size == 2:  # a binary add: twice as fast as a 2-row sum (same bits)
+                torch.add(chunks[me], received[1 - me], out=output)
+            else:
+                received[me].copy_(chunks[me])
+                torch.sum(received, dim=0, out=output)
+
+        name = ("reduce_scatter", label, step, input.numel(), input.dtype)
+        return Exchange(peers, tag, name, recvs, sends, finish)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, label: str, step: int
+    ) -> Any:
+        peers = self.peers
+        if group is not peers.group or peers.size != 2:
+            return dist.all_reduce(tensor, group=group, async_op=True)
+        theirs = torch.empty_like(tensor)
+        peer = peers.others[0]
+        tag = peers.tag("all_reduce", label, tensor.numel(), tensor.dtype, step)
+        sends = [group.send([tensor], peer, tag)]
+        recvs = [group.recv([theirs], peer, tag)]
+
+        def finish() -> None:
+            tensor.add_(theirs)  # a + b == b + a: both ranks get the same bits
+
+        name = ("all_reduce", label, step, tensor.numel(), tensor.dtype)
+        return Exchange(peers, tag, name, recvs, sends, finish)
+
+
 class _SumAfter:
-    """The all-to-all of a reduce-scatter (see [Note: reduce-scatter on gloo]):
+    """gloo's all-to-all of a reduce-scatter on a lane of the collective guard:
     ``wait`` waits for it and sums the received chunks into the output."""
 
     __slots__ = ("_output", "_received", "_work")
@@ -170,102 +296,44 @@ class _SumAfter:
 
     def wait(self) -> bool:
         self._work.wait()
-        output = self._output
-        rows = self._received.view(-1, output.numel())
-        if rows.size(0) == 2:  # a binary add is about twice as fast as a 2-row sum (same bits)
-            torch.add(rows[0], rows[1], out=output)
-        else:
-            torch.sum(rows, dim=0, out=output)
+        torch.sum(self._received.view(-1, self._output.numel()), dim=0, out=self._output)
         return True
 
     def get_future(self) -> torch.futures.Future:
         return self._work.get_future()
 
 
-def reduce_scatter_by_all_to_all(
+def _reduce_scatter_by_all_to_all(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
-) -> dist.Work:
-    """Asynchronous sum reduce-scatter on a gloo ``group`` as one all-to-all and a
-    local sum at ``wait`` (see [Note: reduce-scatter on gloo])."""
+) -> Any:
     received = torch.empty_like(input)
-    work = gloo_all_to_all_single(received, input, group)
-    # Has the part of Work's interface the collectives use (wait, get_future).
-    return _SumAfter(work, received, output)  # type: ignore[return-value]
+    work = group.alltoall_base(received, input, [], [])
+    return _SumAfter(work, received, output)
 
 
-# ---------------------------------------------------------------------------
-# Routes: which path each group's collectives take
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Route:
-    """How this process issues collectives of CPU tensors on one process group
-    (see [Note: collectives per backend]); the default is the public collectives.
-
-    Attributes:
-        gloo: the group's CPU backend is ``ProcessGroupGloo``: collectives are
-            issued on the group object directly.
-        all_to_all_reduce_scatter: reduce-scatter as one all-to-all and a local sum
-            ([Note: reduce-scatter on gloo]).
-        broadcast_all_gather: large all-gathers as one broadcast per rank
-            ([Note: all-gather on gloo]).
-    """
-
-    gloo: bool = False
-    all_to_all_reduce_scatter: bool = False
-    broadcast_all_gather: bool = False
-
-
-PUBLIC_ROUTE = Route()
-_routes: weakref.WeakKeyDictionary[dist.ProcessGroup, Route] = weakref.WeakKeyDictionary()
-
-
-def route_of(group: dist.ProcessGroup) -> Route:
-    """The :class:`Route` of ``group``, decided on the first call for the group
-    (backend and ``FSDP_COMPOSE_GLOO_*`` settings) and remembered after."""
-    route = _routes.get(group)
-    if route is None:
-        gloo = serves_cpu_with_gloo(group)
-        route = Route(
-            gloo=gloo,
-            all_to_all_reduce_scatter=gloo and _use_all_to_all_reduce_scatter(group),
-            broadcast_all_gather=gloo and _broadcast_all_gather_enabled,
-        )
-        _routes[group] = route
-        if not gloo:
-            logger.debug(
-                "fsdp_compose: group of size %d (backend %s) uses the public collectives",
-                group.size(),
-                _compat.backend_name(group),
-            )
-    return route
-
-
-def _use_all_to_all_reduce_scatter(group: dist.ProcessGroup) -> bool:
-    """Whether reduce-scatters on ``group`` go by all-to-all ([Note: reduce-scatter
-    on gloo]): a real gloo group, unless ``FSDP_COMPOSE_GLOO_REDUCE_SCATTER=native``.
-    Read by :func:`route_of`, once per group."""
-    mode = _env.choice("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", ("all_to_all", "native"), "all_to_all")
-    return mode != "native" and serves_cpu_with_gloo(group)
-
-
-# Rows smaller than this gather with gloo's own all-gather: for tiny units one
-# collective costs less to issue than W broadcasts.
-_BROADCAST_ALL_GATHER_MIN_ROW_BYTES = 64 * 1024
-_broadcast_all_gather_enabled = (
-    _env.choice("FSDP_COMPOSE_GLOO_ALL_GATHER", ("broadcast", "native"), "broadcast") != "native"
+# "broadcast" and "all_to_all" (the exchanges' predecessors) are still accepted.
+_exchange_all_gather = (
+    _env.choice("FSDP_COMPOSE_GLOO_ALL_GATHER", ("exchange", "broadcast", "native"), "exchange")
+    != "native"
 )
 
 
-def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.device) -> bool:
-    """Whether :func:`all_gather` wants its input to be this rank's row of the
-    output (else a separate buffer serves gloo's own all-gather, and CPU backends
-    that may not accept an aliased input, better). Fixed for a unit: decide once
-    and pass it as ``in_place``."""
-    if device.type != "cpu":
-        return True  # NCCL gathers in place
-    return route_of(group).broadcast_all_gather and row_bytes >= _BROADCAST_ALL_GATHER_MIN_ROW_BYTES
+def _exchanges_reduce_scatter() -> bool:
+    """``FSDP_COMPOSE_GLOO_REDUCE_SCATTER``, read for each new gloo route."""
+    choices = ("exchange", "all_to_all", "native")
+    return _env.choice("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", choices, "exchange") != "native"
+
+
+def _route(group: dist.ProcessGroup) -> GlooRoute | None:
+    """The route provider: a :class:`GlooRoute` for gloo groups of 2 ranks or more."""
+    if not serves_cpu_with_gloo(group) or group.size() < 2:
+        return None
+    _ensure_exit_grace()
+    _stall.start()
+    return GlooRoute(group)
+
+
+_collectives.add_route_provider(_route)
 
 
 # [Note: gloo work at interpreter exit]
@@ -276,7 +344,7 @@ def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.dev
 # destructor and the process aborts with "terminate called without an active
 # exception" -- after training finished, on a loaded machine, a few percent of runs
 # (any gloo program can hit it; DTensor's ``full_tensor()`` right before exit is a
-# common trigger). An exit handler, registered on the first gloo collective, frees
+# common trigger). An exit handler, registered with the first gloo route, frees
 # unreachable objects and releases the GIL briefly while the interpreter is still
 # alive, so such a worker finishes first.
 _EXIT_GRACE_S = 0.1
@@ -288,9 +356,7 @@ def _let_gloo_workers_finish() -> None:
     time.sleep(_EXIT_GRACE_S)
 
 
-def ensure_exit_grace() -> None:
-    """Registers the exit handler of [Note: gloo work at interpreter exit] once
-    (called before every CPU collective)."""
+def _ensure_exit_grace() -> None:
     global _exit_grace_registered
     if not _exit_grace_registered:
         _exit_grace_registered = True

@@ -84,7 +84,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from . import _collectives, _compat, _env, _gloo, debug
+from . import _collective_hooks, _collectives, _env, _gloo, debug
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -202,7 +202,7 @@ class _Lane:
     def __init__(self, group: dist.ProcessGroup, name: str) -> None:
         self.ranks = dist.get_process_group_ranks(group)
         self.size = group.size()
-        timeout = timedelta(seconds=_compat.process_group_timeout(group) or _DEFAULT_TIMEOUT_S)
+        timeout = timedelta(seconds=debug.process_group_timeout(group) or _DEFAULT_TIMEOUT_S)
         self.fingerprints = _private_gloo_group(group, f"{name}/fingerprints", timeout)
         self.data = _private_gloo_group(group, f"{name}/data", timeout)
         self.lock = threading.Lock()
@@ -223,7 +223,7 @@ class _Lane:
             _retired.append(self)
 
     def submit(
-        self, call: _collectives.CollectiveCall, issue: _collectives.Issue
+        self, call: _collective_hooks.CollectiveCall, issue: _collectives.Issue
     ) -> GuardedCollective:
         if self.failure is not None:
             self.retire()
@@ -326,7 +326,7 @@ def _private_gloo_group(
     rendezvousing in the default store under ``name``: only the member ranks
     take part, and torch's group registry (and so the names of the groups the
     user creates later) is untouched."""
-    store = dist.PrefixStore(f"fsdp_compose/guard/{name}/", _compat.default_store())
+    store = dist.PrefixStore(f"fsdp_compose/guard/{name}/", debug.default_store())
     rank, size = group.rank(), group.size()
     backend = dist.ProcessGroupGloo(store, rank, size, timeout)
     private = dist.ProcessGroup(store, rank, size)
@@ -351,7 +351,7 @@ def _lane_of(group: dist.ProcessGroup) -> _Lane | None:
         _unguarded[group] = True
         return None
     try:
-        _compat.default_store()
+        debug.default_store()
     except (RuntimeError, ValueError, AttributeError):
         # No default process group, so no store to meet in: unguarded.
         logger.debug("fsdp_compose: no default store; collective guard off for this group")
@@ -372,7 +372,7 @@ def _issue_nothing(group: dist.ProcessGroup) -> None:
     return None
 
 
-def launch(call: _collectives.CollectiveCall, issue: _collectives.Issue) -> dist.Work | None:
+def launch(call: _collective_hooks.CollectiveCall, issue: _collectives.Issue) -> dist.Work | None:
     """Issues ``issue`` (a CPU collective on ``call.group``) behind the guard:
     returns a work-like object at once; the collective itself is issued, on a
     private group with the same ranks, once every rank's fingerprint matched. See
@@ -423,12 +423,14 @@ def set_enabled(on: bool) -> None:
     global enabled
     enabled = on
     if on:
-        _collectives.add_launch_wrapper(_guard_launch)
+        _collective_hooks.add_launch_wrapper(_guard_launch)
     else:
-        _collectives.remove_launch_wrapper(_guard_launch)
+        _collective_hooks.remove_launch_wrapper(_guard_launch)
 
 
-def _guard_launch(call: _collectives.CollectiveCall, issue: _collectives.Issue) -> dist.Work | None:
+def _guard_launch(
+    call: _collective_hooks.CollectiveCall, issue: _collectives.Issue
+) -> dist.Work | None:
     # The debug mode's own check replaces the guard; accelerator collectives are
     # not guarded (see [Note: collective guard]).
     if call.device.type != "cpu" or debug.collective_checks_enabled():

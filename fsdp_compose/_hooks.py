@@ -20,8 +20,8 @@ them, and create the tree's one :class:`~fsdp_compose._scheduler.Scheduler`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -29,7 +29,8 @@ from torch.utils import _pytree as pytree
 
 from . import _compat
 from ._policies import MixedPrecisionPolicy
-from ._scheduler import Scheduler, ScheduleSettings
+from ._scheduler import Scheduler, ScheduleSettings, SharedUseCounter
+from ._sharded_param import ShardedParam
 from ._unit import Unit
 
 _STATE_ATTR = "_fsdp_compose_state"
@@ -45,6 +46,32 @@ def add_root_init_check(check: RootInitCheck) -> None:
     """Runs ``check(units)`` at the lazy init of every later root."""
     if check not in _root_init_checks:
         _root_init_checks.append(check)
+
+
+class ParamSharing(Protocol):
+    """What the core asks of the extension that shares parameters across units
+    (``_shared``, see [Note: shared parameters] there); attached with
+    :func:`set_param_sharing`. Without it, a parameter under two units' modules is
+    sharded by the first and refused by the second as a top-down ``fully_shard``."""
+
+    def is_borrowed(self, param: nn.Parameter, module: nn.Module, name: str) -> bool: ...
+    def collect(self, modules: list[nn.Module], ignored: set[nn.Parameter], *args: Any) -> Any: ...
+    def install(
+        self,
+        state: UnitState,
+        replaced: Iterable[tuple[nn.Parameter, ShardedParam, Unit]],
+        borrowed: Any,
+    ) -> None: ...
+    def attach(self, scheduler: Scheduler, states: list[UnitState], root: nn.Module) -> None: ...
+
+
+param_sharing: ParamSharing | None = None
+
+
+def set_param_sharing(sharing: ParamSharing | None) -> None:
+    """Attaches the extension that shares parameters across units."""
+    global param_sharing
+    param_sharing = sharing
 
 
 def state_of(module: nn.Module) -> UnitState | None:
@@ -109,9 +136,10 @@ class UnitState:
         # lists live on the unit); None: nothing to prefetch.
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
-        # Units owning parameters that this call's modules share (tied weights): used
-        # by this state's forward and backward too, see [Note: shared parameters].
+        # Units owning parameters that this call's modules share (tied weights), and
+        # their use counter: filled in by the extension ``_shared``.
         self.borrowed: list[Unit] = []
+        self.shared: SharedUseCounter | None = None
         # Units of this call's further meshes, see [Note: per-parameter meshes].
         self.extra_units: list[Unit] = []
         self._began_forward = False
@@ -199,7 +227,8 @@ class UnitState:
             for unit in self.own_units:
                 unit.set_reshard_after_forward(False)
         scheduler = Scheduler(units, self.settings)
-        _register_borrowers(scheduler, states, units, root_module)
+        if param_sharing is not None:
+            param_sharing.attach(scheduler, states, root_module)
         for state in states:
             state.scheduler = scheduler
             state.root_state = self
@@ -251,8 +280,8 @@ class UnitState:
             if self._pending_modules:  # another module of the group already gathered
                 return args, kwargs
             self._pending_modules = set(self.modules)
-        if self.borrowed:
-            scheduler.borrow_forward(self.borrowed)
+        if self.shared is not None:
+            self.shared.borrow_forward(self.borrowed)
         if unit is not None:
             scheduler.pre_forward(*self.own_units)
         elif self.forward_prefetch:
@@ -281,8 +310,8 @@ class UnitState:
         if group_done:
             for own in self.own_units:
                 scheduler.post_forward(own)
-            if self.borrowed:
-                scheduler.return_forward(self.borrowed)
+            if self.shared is not None:
+                self.shared.return_forward(self.borrowed)
         if self._began_forward:
             self._began_forward = False
             self._complete_partial_groups()
@@ -390,16 +419,16 @@ class UnitState:
             self.scheduler.pre_backward(*self.own_units)
         elif self.backward_prefetch:
             self.scheduler.prefetch(self.backward_prefetch)
-        if self.borrowed:
-            self.scheduler.borrow_backward(self.borrowed)
+        if self.shared is not None:
+            self.shared.borrow_backward(self.borrowed)
 
     @_compat.dynamo_disable
     def post_backward(self) -> None:
         assert self.scheduler is not None
         if self.unit is not None:
             self.scheduler.post_backward(*self.own_units)
-        if self.borrowed:
-            self.scheduler.return_backward(self.borrowed)
+        if self.shared is not None:
+            self.shared.return_backward(self.borrowed)
 
     @_compat.dynamo_disable
     def _finalize_backward(self) -> None:
@@ -447,22 +476,3 @@ def _mesh_label(unit: Unit) -> str:
     """Names a further mesh's unit after its mesh dims (the same on every rank)."""
     names = unit.mesh_info.mesh.mesh_dim_names
     return ",".join(names) if names else f"mesh of {unit.mesh_info.shard_size}"
-
-
-def _register_borrowers(
-    scheduler: Scheduler, states: list[UnitState], units: list[Unit], root: nn.Module
-) -> None:
-    """Tells the scheduler which units other states borrow (shared parameters);
-    an owner outside this root's tree could never be coordinated: raise."""
-    names = {id(m): name for name, m in root.named_modules()}
-    for state in states:
-        for unit in state.borrowed:
-            borrower = ", ".join(names.get(id(m)) or type(m).__name__ for m in state.modules)
-            if unit not in units:
-                raise RuntimeError(
-                    f"fully_shard module {borrower!r} shares a parameter with unit "
-                    f"{unit.name!r}, which is not under the root {type(root).__name__} that ran "
-                    "forward. Modules that share a parameter must belong to one fully_shard tree: "
-                    "call fully_shard on their common parent and run forward through it."
-                )
-            scheduler.shared.add(unit, borrower)

@@ -203,12 +203,12 @@ def resolve_spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
             'mesh[("dp_shard", "cp")]._flatten("dp_shard_cp").'
         )
     dp_mesh = _compat.concatenate_meshes(mesh[rep[0]], mesh[shard[0]]) if rep else mesh[shard[0]]
-    info = resolve_mesh_info(dp_mesh, check_names=False)
+    info = resolve_mesh_info(dp_mesh)
     layout = SpmdLayout(mesh, names.index(shard[0]), names.index(rep[0]) if rep else None)
     return replace(info, spmd=layout)
 
 
-def resolve_mesh_info(mesh: DeviceMesh, *, check_names: bool = True) -> MeshInfo:
+def resolve_mesh_info(mesh: DeviceMesh) -> MeshInfo:
     """Validates ``mesh`` for fully_shard and resolves its groups for this rank."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
@@ -222,9 +222,6 @@ def resolve_mesh_info(mesh: DeviceMesh, *, check_names: bool = True) -> MeshInfo
         )
     if mesh.get_coordinate() is None:
         raise ValueError(f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
-    names = mesh.mesh_dim_names
-    if mesh.ndim == 2 and names is not None and check_names:
-        _check_hsdp_dim_names(tuple(names))
     device = device_of_mesh(mesh)
     shard_dim = mesh.ndim - 1
     shard_group = mesh.get_group(shard_dim)
@@ -245,32 +242,6 @@ def resolve_mesh_info(mesh: DeviceMesh, *, check_names: bool = True) -> MeshInfo
         replicate_size=replicate_size,
         replicate_rank=replicate_rank,
     )
-
-
-# Mesh dim names that denote a parallelism other than data parallel: a 2-D mesh
-# carrying one of them is almost certainly a whole dp x tp (etc.) mesh passed where
-# its data-parallel sub-mesh was meant, which would silently train as HSDP.
-_NON_DATA_PARALLEL_DIMS = ("tp", "tensor", "cp", "context", "ep", "expert", "pp", "pipe", "model")
-
-
-def _check_hsdp_dim_names(names: tuple[str, ...]) -> None:
-    """Rejects a named 2-D mesh that is not laid out (replicate, shard)."""
-    first, second = (n.lower() for n in names)
-    if ("shard" in first and "shard" not in second) or ("rep" in second and "rep" not in first):
-        raise ValueError(
-            "fully_shard expects an HSDP mesh ordered (replicate, shard): dim 0 replicates "
-            f"and dim 1 shards, but got mesh_dim_names={names}. Build the mesh as "
-            "init_device_mesh(device, (num_replicas, shard_size), "
-            'mesh_dim_names=("replicate", "shard")).'
-        )
-    other = [n for n in names if n.lower() in _NON_DATA_PARALLEL_DIMS]
-    if other:
-        raise ValueError(
-            f"fully_shard got a 2-D mesh with mesh_dim_names={names}, but a 2-D mesh means "
-            f"HSDP (replicate, shard) and {other} is not a data-parallel dim. Pass the "
-            f'data-parallel sub-mesh instead (e.g. mesh["dp"]), or name the dims of an HSDP '
-            'mesh ("replicate", "shard").'
-        )
 
 
 def validate_reshard_after_forward(value: object, shard_size: int) -> bool | int:
@@ -315,23 +286,24 @@ def post_forward_subgroup(info: MeshInfo, group_size: int) -> tuple[dist.Process
     """
     shard_ranks = dist.get_process_group_ranks(info.shard_group)
     start = (info.shard_rank // group_size) * group_size
-    members = tuple(shard_ranks[start : start + group_size])
-    cache, key = _cache(), ("post_forward", *members)
-    group = cache.get(key)
-    if group is None:
-        group = cache[key] = dist.new_group(list(members), use_local_synchronization=True)
-    assert isinstance(group, dist.ProcessGroup)
-    return group, info.shard_rank - start
+    return _subgroup(
+        "post_forward", shard_ranks[start : start + group_size]
+    ), info.shard_rank - start
 
 
 def separate_reduce_scatter_group(info: MeshInfo) -> dist.ProcessGroup:
     """A second process group over this unit's shard ranks, for reduce-scatters
     only (``set_separate_reduce_scatter_group``), shared by every unit with the
     same shard ranks. Created with local synchronization: only member ranks call."""
-    members = tuple(dist.get_process_group_ranks(info.shard_group))
-    cache, key = _cache(), ("reduce_scatter", *members)
+    return _subgroup("reduce_scatter", dist.get_process_group_ranks(info.shard_group))
+
+
+def _subgroup(purpose: str, members: list[int]) -> dist.ProcessGroup:
+    """The cached group of ``members`` made for ``purpose`` (local synchronization:
+    only member ranks call)."""
+    cache, key = _cache(), (purpose, *members)
     group = cache.get(key)
     if group is None:
-        group = cache[key] = dist.new_group(list(members), use_local_synchronization=True)
+        group = cache[key] = dist.new_group(members, use_local_synchronization=True)
     assert isinstance(group, dist.ProcessGroup)
     return group

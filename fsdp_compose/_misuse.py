@@ -34,6 +34,32 @@ _checked_optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = (
 _hook_installed = False
 
 
+def _all_gather_bytes(
+    payload: bytes, group: dist.ProcessGroup, device: torch.device
+) -> list[bytes]:
+    """Gathers every rank's ``payload`` with tensor collectives. torch's object
+    collectives (``all_gather_object``) need NumPy, which torch does not require;
+    the error they would raise here would hide the one being reported."""
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    sizes = torch.empty(group.size(), dtype=torch.int64, device=device)
+    size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    _compat.all_gather_into_tensor(sizes, size, group, async_op=False)
+    lengths = [int(n) for n in sizes.tolist()]
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine
+    gathered = torch.empty(group.size() * longest, dtype=torch.uint8, device=device)
+    _compat.all_gather_into_tensor(gathered, padded, group, async_op=False)
+    rows = gathered.view(group.size(), longest).cpu()
+    return [bytes(rows[i, :n].tolist()) for i, n in enumerate(lengths)]
+
+
+def _is_fake_backend(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is torch's ``fake`` backend, whose collectives return
+    at once without communicating (dry runs of a large world in one process)."""
+    return _compat.process_group_backend(group) == "fake"
+
+
 # ---------------------------------------------------------------------------
 # same model on every rank
 # ---------------------------------------------------------------------------
@@ -94,7 +120,7 @@ def verify_same_structure(units: list[Unit]) -> None:
     for u in units:
         for group in (u.mesh_info.shard_group, u.mesh_info.replicate_group):
             # The fake backend (dry runs) has no peers to compare with.
-            if group is not None and group.size() > 1 and not _compat.is_fake_backend(group):
+            if group is not None and group.size() > 1 and not _is_fake_backend(group):
                 groups.setdefault(id(group), (group, u.mesh_info.device))
     for group, device in groups.values():
         mine = torch.tensor([digest], dtype=torch.int64, device=device)
@@ -105,7 +131,7 @@ def verify_same_structure(units: list[Unit]) -> None:
             continue
         descriptions = [
             pickle.loads(blob)
-            for blob in _compat.all_gather_bytes(pickle.dumps(description), group, device)
+            for blob in _all_gather_bytes(pickle.dumps(description), group, device)
         ]
         ranks = dist.get_process_group_ranks(group)
         me = dist.get_rank()
@@ -134,7 +160,7 @@ def verify_same_replicas(units: list[Unit]) -> None:
         for u in units
         if u.mesh_info.replicate_group is not None
         and u.mesh_info.replicate_size > 1
-        and not _compat.is_fake_backend(u.mesh_info.replicate_group)  # dry run: no replicas
+        and not _is_fake_backend(u.mesh_info.replicate_group)  # dry run: no replicas
     ]
     groups: dict[int, list[Unit]] = {}
     for u in hsdp:

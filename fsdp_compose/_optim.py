@@ -172,7 +172,7 @@ def _sharded_step_hook(
 ) -> Any:
     reg = _registration(optimizer)
     record = _records.get(optimizer)
-    if reg is None or record is None or _compat.is_compiling():
+    if reg is None or record is None or torch.compiler.is_compiling():
         return None
     replaced = None
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
@@ -226,7 +226,7 @@ for _cls in _ELEMENTWISE:
 
 
 def _eligible(optimizer: torch.optim.Optimizer) -> bool:
-    if _compat.is_compiling():
+    if torch.compiler.is_compiling():
         return False
     for group in optimizer.param_groups:
         if group.get("differentiable", False):

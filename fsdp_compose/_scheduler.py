@@ -36,8 +36,7 @@ from typing import Protocol
 
 import torch
 
-from . import _collectives
-from ._shared import SharedUses
+from . import _collectives, _unit
 from ._unit import PendingReduction, Phase, ShardState, Unit
 
 logger = logging.getLogger("fsdp_compose")
@@ -52,6 +51,24 @@ class ScheduleObserver(Protocol):
     def end_span(self, kind: str, unit: str) -> None: ...
     def instant(self, name: str, unit: str) -> None: ...
     def memory_event(self, kind: str, unit: str, nbytes: int, total: int) -> None: ...
+
+
+class SharedUseCounter(Protocol):
+    """Counts the uses of units whose parameters other units share, so that they
+    are freed and reduced after their last use: the extension ``_shared`` attaches
+    one to a scheduler whose tree shares parameters ([Note: shared parameters])."""
+
+    def __contains__(self, unit: object) -> bool: ...
+    def forward_use_begin(self, unit: Unit) -> None: ...
+    def forward_use_end(self, unit: Unit, *, needs_backward: bool) -> bool: ...
+    def end_forward_pass(self, *, record: bool) -> list[Unit]: ...
+    def backward_use_end(self, unit: Unit) -> bool: ...
+    def end_backward_pass(self) -> None: ...
+    def reset(self) -> None: ...
+    def borrow_forward(self, units: list[Unit]) -> None: ...
+    def return_forward(self, units: list[Unit]) -> None: ...
+    def borrow_backward(self, units: list[Unit]) -> None: ...
+    def return_backward(self, units: list[Unit]) -> None: ...
 
 
 _observer: ScheduleObserver | None = None  # read on the hot path: None costs one check
@@ -211,12 +228,8 @@ class Scheduler:
         self._backward_cursor = 0
         self._reductions: list[PendingReduction] = []  # not yet handed to .grad
         self._scattering: list[PendingReduction] = []  # reduce-scatter not yet waited
-        # Versions of each unit's shards when its forward ran: backward must see the
-        # same parameters as the forward that built the autograd graph.
-        self._forward_versions: dict[Unit, list[int]] = {}
-        # Units whose parameters other units share: freed and reduced after their
-        # last use, see [Note: shared parameters].
-        self.shared = SharedUses()
+        # Set when units of this tree share parameters (see SharedUseCounter).
+        self.shared: SharedUseCounter | None = None
         # Every later state change of a unit goes through this scheduler's limiter.
         self.memory = RateLimiter(units, self.settings)
 
@@ -260,7 +273,6 @@ class Scheduler:
         self._forward_cursor = 0
         self._post_forward_order = []
         self.memory.deferred.clear()
-        self.shared.begin_forward_pass()
         for unit in self.units:
             if unit.state is ShardState.UNSHARDED and unit.params_changed_since_unshard():
                 # The sharded parameters were updated (optimizer step) while this unit
@@ -274,10 +286,12 @@ class Scheduler:
             unit.phase = Phase.FORWARD
             self._forward_order.append(unit)
             # Adopt parameters replaced since the last step (load_state_dict(assign=True))
-            # before recording the versions backward compares against.
+            # before the checks see them.
             unit.lazy_init()
-            self._forward_versions[unit] = [p.data_version() for p in unit.params]
-            self.shared.forward_use_begin(unit)
+            if _unit.unit_checks is not None:
+                _unit.unit_checks.forward(unit)
+            if self.shared is not None:
+                self.shared.forward_use_begin(unit)
             self.memory.issue(unit)
         for unit in units:
             for target in self._forward_prefetch_targets(unit):
@@ -310,7 +324,8 @@ class Scheduler:
         if _observer is not None:
             _observer.end_span("forward", unit.name)
         self._post_forward_order.append(unit)
-        if self.shared.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
+        shared = self.shared
+        if shared is None or shared.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
             self._reshard_after_forward(unit)
         unit.phase = Phase.IDLE
 
@@ -319,28 +334,14 @@ class Scheduler:
         if reshard is not False:
             self.memory.reshard(unit, to_post_forward_group=reshard is not True)
 
-    def borrow_forward(self, units: list[Unit]) -> None:
-        """A module sharing the parameters of ``units`` (their owner units) starts
-        its forward: they must be unsharded (see [Note: shared parameters])."""
-        for unit in units:
-            self._forward_order.append(unit)
-            self.shared.forward_use_begin(unit)
-            self.memory.require(unit)
-
-    def return_forward(self, units: list[Unit]) -> None:
-        """The forward that :meth:`borrow_forward` began is done."""
-        for unit in units:
-            self._post_forward_order.append(unit)
-            if self.shared.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
-                self._reshard_after_forward(unit)
-
     def end_forward(self) -> None:
         """Called by the state that began the forward, after its post-forward."""
         self.forward_active = False
         self.memory.deferred.clear()
         no_backward = not torch.is_grad_enabled()
-        for unit in self.shared.end_forward_pass(record=not no_backward):
-            self._reshard_after_forward(unit)  # shared units held for a later use
+        if self.shared is not None:
+            for unit in self.shared.end_forward_pass(record=not no_backward):
+                self._reshard_after_forward(unit)  # shared units held for a later use
         if self._post_forward_order and not no_backward:
             self._backward_order = self._post_forward_order
         ran = set(self._forward_order)
@@ -368,16 +369,8 @@ class Scheduler:
         self._note_backward()
         for unit in units:
             unit.phase = Phase.PRE_BACKWARD
-            versions = self._forward_versions.get(unit)
-            if versions is not None and any(
-                p.data_version() != v for p, v in zip(unit.params, versions)
-            ):
-                raise RuntimeError(
-                    f"fsdp_compose: backward reached unit {unit.name!r}, but its parameters were "
-                    "modified (e.g. by optimizer.step()) after the forward that built this autograd "
-                    "graph, so backward would combine new parameters with old activations. Run a new "
-                    "forward before each backward, and step the optimizer after all backwards."
-                )
+            if _unit.unit_checks is not None:
+                _unit.unit_checks.backward(unit)
         gather = [u for u in units if u.unshard_in_backward]
         for unit in gather:
             self.memory.issue(unit)
@@ -397,20 +390,6 @@ class Scheduler:
         if not self.backward_active:
             self.backward_active = True
             self._backward_cursor = len(self._backward_order)
-
-    def borrow_backward(self, units: list[Unit]) -> None:
-        """The backward of a module sharing the parameters of ``units`` is about to
-        run: they must be unsharded, whatever their ``unshard_in_backward``."""
-        self._note_backward()
-        for unit in units:
-            self.memory.require(unit)
-
-    def return_backward(self, units: list[Unit]) -> None:
-        """The backward that :meth:`borrow_backward` began is done: reduce the owner
-        units whose last use this was."""
-        for unit in units:
-            if self.shared.backward_use_end(unit):
-                self._post_backward(unit, at_end=False)
 
     def _backward_prefetch_targets(self, unit: Unit) -> list[Unit]:
         if unit.backward_prefetch is not None:  # explicit, [] included
@@ -444,7 +423,7 @@ class Scheduler:
         are issued together: earlier ones are completed only before the first."""
         first = True
         for unit in units:
-            if at_end or self.shared.backward_use_end(unit):
+            if at_end or self.shared is None or self.shared.backward_use_end(unit):
                 self._post_backward(unit, at_end=at_end, drain=first)
                 first = False
         # else: a unit shared with modules whose backward is still to come keeps
@@ -492,7 +471,9 @@ class Scheduler:
                         or unit.state is not ShardState.SHARDED
                         or unit.has_unsharded_grads()
                     )
-                ) or (unit in self.shared and unit.has_unsharded_grads()):
+                ) or (
+                    self.shared is not None and unit in self.shared and unit.has_unsharded_grads()
+                ):
                     # (a shared unit may get gradients after an early reduction)
                     self.post_backward(unit, at_end=True)
             if self.settings.is_last_backward:
@@ -501,7 +482,8 @@ class Scheduler:
             for unit in self.units:
                 unit.phase = Phase.IDLE
             self.memory.deferred.clear()
-            self.shared.end_backward_pass()
+            if self.shared is not None:
+                self.shared.end_backward_pass()
             self.backward_active = False
 
     def _complete_reductions(self) -> None:
@@ -537,8 +519,8 @@ class Scheduler:
                 unit.abandon_gather()
                 self.memory.reshard(unit)
             unit.phase = Phase.IDLE
-        self._forward_versions.clear()
-        self.shared.reset()
+        if self.shared is not None:
+            self.shared.reset()
         if failures:
             logger.warning(
                 "fsdp_compose: reset_iter_state discarded %d collectives that had failed: %s",

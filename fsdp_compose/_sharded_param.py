@@ -272,66 +272,9 @@ class ShardedParam:
         if self.unit_label is not None and getattr(self.sharded_param, SHARDED_BY, None) is None:
             setattr(self.sharded_param, SHARDED_BY, self.unit_label)
 
-    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a full tensor of this parameter's (global) shape,
-        computed locally (no communication)."""
-        if self.tp_spec is not None:
-            full = self._tp_local_of(full)
-        return self._dp_shard_of(full)
-
-    def _dp_shard_of(self, unsharded: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a tensor of the (TP-local) unsharded shape."""
-        rows = self.orig_size[self.shard_dim]
-        start = min(self.mesh_info.shard_rank * self.chunk_rows, rows)
-        return unsharded.narrow(self.shard_dim, start, self.local_shape[self.shard_dim])
-
-    def sharded_from_state(self, value: torch.Tensor, *, own: bool = False) -> DTensor | None:
-        """A state-dict value as this parameter's sharded DTensor (the conversion
-        ``load_state_dict`` applies), or None to leave the value as it is.
-
-        Converts a full plain tensor of the parameter's global shape and, with
-        tensor parallel, a DTensor laid out by TP alone (a state dict saved
-        before ``fully_shard``); both without communication. The shard lands on
-        the parameter's storage device (also when the module is still on the
-        meta device). With ``own`` (``assign=True``: the result becomes the
-        parameter) it is a copy that owns its memory, not a view that would keep
-        the caller's whole tensor alive.
-        """
-        if value.shape != self.global_size:
-            return None
-        if not isinstance(value, DTensor):
-            local = self.shard_of(value)
-        elif (
-            self.tp_spec is not None
-            and value.device_mesh == self.tp_spec.mesh
-            and tuple(value.placements) == tuple(self.tp_spec.placements)
-        ):
-            local = self._dp_shard_of(_compat.local_tensor(value))
-        else:
-            return None
-        device = self.offload_device or self.device
-        if own or local.device != device:
-            local = local.to(device, copy=True).contiguous()
-        return self.make_sharded_grad(local)
-
     def make_sharded_grad(self, local_grad: torch.Tensor) -> DTensor:
         spec = _compat.dtensor_spec_with_dtype(self.spec, local_grad.dtype)
         return _compat.dtensor_from_local(local_grad, spec)
-
-    def _tp_local_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's TP-local part of a full tensor: ``torch.chunk`` semantics,
-        like DTensor's ``Shard``; the whole tensor for ``Replicate``."""
-        assert self.tp_spec is not None
-        if self.tp_placement is None or self.tp_dim is None:
-            return full
-        dim = _shard_dim_of(self.tp_placement, full.dim())
-        if dim is None:
-            return full
-        mesh = self.tp_spec.mesh
-        size, rank = full.size(dim), mesh.get_local_rank(self.tp_dim)
-        chunk = math.ceil(size / mesh.size(self.tp_dim))
-        start = min(rank * chunk, size)
-        return full.narrow(dim, start, min(chunk, size - start))
 
     # -- unsharded side ----------------------------------------------------
 

@@ -19,7 +19,9 @@ both modules), and its ``reshard_after_forward``, ``reshard_after_backward`` and
 parameter gathers the owner's whole unit, so give a shared parameter its own
 small unit (e.g. annotate the embedding) when the owner holds much else.
 
-The scheduler (:class:`SharedUses`) counts every use, the owner's own and the
+This module is an extension: it fills in the core's registration point for
+parameter sharing (:func:`fsdp_compose._hooks.set_param_sharing`), and
+:class:`SharedUses` counts every use, the owner's own and the
 borrowers':
 
 * forward: the owner unit stays unsharded from its first use until its last use
@@ -44,17 +46,19 @@ never a lost or double-counted gradient.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
+import torch
 from torch import nn
 
+from . import _hooks
+from ._fully_shard import register_state_dict_hooks
+from ._hooks import UnitState
 from ._mesh import MeshInfo
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._scheduler import Scheduler
 from ._sharded_param import ShardedParam
 from ._unit import Unit
-
-if TYPE_CHECKING:
-    from ._hooks import UnitState
 
 __all__ = ["SharedLink", "SharedUses", "collect_borrowed", "link_shared", "shared_link"]
 
@@ -177,27 +181,27 @@ def borrow(state: UnitState, borrowed: dict[SharedLink, list[tuple[nn.Module, st
 
 class SharedUses:
     """Counts the uses of units that other units borrow (see [Note: shared
-    parameters]), so the scheduler frees and reduces them after their last use.
+    parameters]), so that one root's scheduler frees and reduces them after their
+    last use; the core's :class:`~fsdp_compose._scheduler.SharedUseCounter`.
 
     Units nobody borrows are not counted: every method answers "now" for them.
+
+    Args:
+        scheduler: the scheduler of the root whose tree borrows.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
         self.borrowers: dict[Unit, list[str]] = {}  # owner unit -> borrowing modules
         self._open: dict[Unit, int] = {}  # forward uses begun and not ended
         self._done: dict[Unit, int] = {}  # forward uses ended in this pass
         self._expected: dict[Unit, int] = {}  # forward uses of the last pass with grad
         self._backward_pending: dict[Unit, int] = {}  # uses whose backward is not done
 
-    def add(self, unit: Unit, borrower: str) -> None:
-        self.borrowers.setdefault(unit, []).append(borrower)
-
     def __contains__(self, unit: object) -> bool:
         return unit in self.borrowers
 
-    def begin_forward_pass(self) -> None:
-        self._open.clear()
-        self._done.clear()
+    # -- what the scheduler asks -------------------------------------------
 
     def forward_use_begin(self, unit: Unit) -> None:
         if unit in self.borrowers:
@@ -219,11 +223,14 @@ class SharedUses:
 
     def end_forward_pass(self, *, record: bool) -> list[Unit]:
         """The shared units this forward used (their resharding policy applies now);
-        with ``record``, their use counts are expected from the next forward on."""
+        with ``record``, their use counts are expected from the next forward on.
+        Starts the count of the next forward."""
         used = [u for u, n in self._done.items() if n and not self._open.get(u)]
         if record:
             for unit in used:
                 self._expected[unit] = self._done[unit]
+        self._open.clear()
+        self._done.clear()
         return used
 
     def backward_use_end(self, unit: Unit) -> bool:
@@ -242,3 +249,84 @@ class SharedUses:
         self._open.clear()
         self._done.clear()
         self._backward_pending.clear()
+
+    # -- what a borrowing state's hooks report -----------------------------
+
+    def borrow_forward(self, units: list[Unit]) -> None:
+        """A module sharing the parameters of ``units`` (their owner units) starts
+        its forward: they must be unsharded."""
+        scheduler = self.scheduler
+        for unit in units:
+            scheduler._forward_order.append(unit)
+            self.forward_use_begin(unit)
+            scheduler.memory.require(unit)
+
+    def return_forward(self, units: list[Unit]) -> None:
+        """The forward that :meth:`borrow_forward` began is done."""
+        scheduler = self.scheduler
+        for unit in units:
+            scheduler._post_forward_order.append(unit)
+            if self.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
+                scheduler._reshard_after_forward(unit)
+
+    def borrow_backward(self, units: list[Unit]) -> None:
+        """The backward of a module sharing the parameters of ``units`` is about to
+        run: they must be unsharded, whatever their ``unshard_in_backward``."""
+        self.scheduler._note_backward()
+        for unit in units:
+            self.scheduler.memory.require(unit)
+
+    def return_backward(self, units: list[Unit]) -> None:
+        """The backward that :meth:`borrow_backward` began is done: reduce the owner
+        units whose last use this was."""
+        for unit in units:
+            if self.backward_use_end(unit):
+                self.scheduler._post_backward(unit, at_end=False)
+
+
+class _ParamSharing:
+    """Fills in the core's registration point for parameter sharing
+    (:class:`fsdp_compose._hooks.ParamSharing`)."""
+
+    def is_borrowed(self, param: nn.Parameter, module: nn.Module, name: str) -> bool:
+        return shared_link(param, module, name) is not None
+
+    collect = staticmethod(collect_borrowed)
+
+    def install(
+        self,
+        state: UnitState,
+        replaced: Iterable[tuple[nn.Parameter, ShardedParam, Unit]],
+        borrowed: dict[SharedLink, list[tuple[nn.Module, str]]],
+    ) -> None:
+        for original, param, unit in replaced:
+            link_shared(original, param, unit, state)
+        borrow(state, borrowed)
+        for link, pairs in borrowed.items():
+            register_state_dict_hooks(link.unit, link.state, [(m, n, link.param) for m, n in pairs])
+
+    def attach(self, scheduler: Scheduler, states: list[UnitState], root: nn.Module) -> None:
+        """Tells ``scheduler`` which units other states borrow; an owner outside
+        this root's tree could never be coordinated: raise."""
+        borrowing = [state for state in states if state.borrowed]
+        if not borrowing:
+            return
+        uses = SharedUses(scheduler)
+        names = {id(m): name for name, m in root.named_modules()}
+        for state in borrowing:
+            for unit in state.borrowed:
+                borrower = ", ".join(names.get(id(m)) or type(m).__name__ for m in state.modules)
+                if unit not in scheduler.units:
+                    raise RuntimeError(
+                        f"fully_shard module {borrower!r} shares a parameter with unit "
+                        f"{unit.name!r}, which is not under the root {type(root).__name__} that "
+                        "ran forward. Modules that share a parameter must belong to one "
+                        "fully_shard tree: call fully_shard on their common parent and run "
+                        "forward through it."
+                    )
+                uses.borrowers.setdefault(unit, []).append(borrower)
+            state.shared = uses
+        scheduler.shared = uses
+
+
+_hooks.set_param_sharing(_ParamSharing())

@@ -13,9 +13,9 @@ flat buffer and its copies are :class:`~fsdp_compose._flat_buffer.FlatBuffer`
 from __future__ import annotations
 
 import logging
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from enum import Enum
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reduce import GradientReduction, PendingReduction
 from ._sharded_param import ShardedParam
 
-__all__ = ["PendingReduction", "Phase", "ShardState", "Unit", "unit_summary"]
+__all__ = ["PendingReduction", "Phase", "ShardState", "Unit"]
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -49,6 +49,28 @@ class Phase(Enum):
     FORWARD = "forward"
     PRE_BACKWARD = "pre_backward"
     POST_BACKWARD = "post_backward"
+
+
+class UnitChecks(Protocol):
+    """Checks of how a unit is used beyond FSDP2's, each naming the fix (the
+    extension ``_validation``), attached with :func:`set_unit_checks`: called at
+    lazy init, after a gather, before a reshard, and when the scheduler starts
+    the unit's forward and backward."""
+
+    def initializing(self, unit: Unit) -> None: ...
+    def gathered(self, unit: Unit) -> None: ...
+    def resharding(self, unit: Unit) -> None: ...
+    def forward(self, unit: Unit) -> None: ...
+    def backward(self, unit: Unit) -> None: ...
+
+
+unit_checks: UnitChecks | None = None  # read on the hot path: None costs one check
+
+
+def set_unit_checks(checks: UnitChecks | None) -> None:
+    """Attaches ``checks`` to every unit (``None`` detaches them)."""
+    global unit_checks
+    unit_checks = checks
 
 
 # Placeholders until lazy init decides the default collectives of a unit's groups.
@@ -137,7 +159,6 @@ class Unit(FlatBuffer, GradientReduction):
         # optimizer must hold. The next use re-registers without communication.
         self._parked = False
         self._gathered_versions: list[int] = []
-        self._unsharded_version = 0  # of the flat buffer right after the copy-out
         # HSDP with set_requires_all_reduce(False): reduce-scattered (not yet
         # all-reduced) gradient sums per parameter, added in at the next all-reduce.
         self._partial_reduce: dict[ShardedParam, torch.Tensor] = {}
@@ -230,28 +251,8 @@ class Unit(FlatBuffer, GradientReduction):
     def _lazy_init(self) -> None:
         for p in self.params:
             p.resync_sharded_param()
-        on_meta = [p.fqn for p in self.params if p.sharded_param.is_meta]
-        if on_meta:
-            raise RuntimeError(
-                f"fully_shard unit {self.name!r} has parameters on the meta device: {on_meta} "
-                "(built there and never materialized, or moved there after fully_shard). "
-                "Materialize them before the first forward, e.g. "
-                "model.to_empty(device=...) and then re-initialize the parameters "
-                "(reset_parameters() / your init function) or load a state dict."
-            )
-        wrong = [
-            (p.fqn, str(p.local_shard.device))
-            for p in self.params
-            if p.local_shard.device.type != (p.offload_device or self.mesh_info.device).type
-        ]
-        if wrong:
-            raise RuntimeError(
-                f"fully_shard unit {self.name!r} expects its sharded parameters on "
-                f"{self.mesh_info.device} (the mesh's device"
-                f"{', or the CPU when offloaded' if self.offload else ''}) but found {wrong}. "
-                "Do not move a sharded module to another device after fully_shard; build the "
-                "mesh on the intended device instead."
-            )
+        if unit_checks is not None:
+            unit_checks.initializing(self)
         self._init_dtypes()
         self._init_layout()
         self._decide_comms()
@@ -348,8 +349,8 @@ class Unit(FlatBuffer, GradientReduction):
         self._pending_gather = None
         if not self._alias:
             self._copy_out()
-            assert self._unsharded is not None
-            self._unsharded_version = self._unsharded._version
+            if unit_checks is not None:
+                unit_checks.gathered(self)
         self._post_forward_shard = None
         self._register_unsharded()
         self.state = ShardState.UNSHARDED
@@ -408,14 +409,8 @@ class Unit(FlatBuffer, GradientReduction):
                 self._post_forward_shard = None
                 self.state = ShardState.SHARDED
             return
-        if self._unsharded is not None and self._unsharded._version != self._unsharded_version:
-            warnings.warn(
-                f"fsdp_compose: parameters of unit {self.name!r} were modified in place while "
-                "unsharded (e.g. under torch.no_grad() during forward); resharding discards the "
-                "change. Modify parameters outside forward/backward, where they are the sharded "
-                "DTensors that the optimizer updates.",
-                stacklevel=3,
-            )
+        if unit_checks is not None:
+            unit_checks.resharding(self)
         keep_share = to_post_forward_group and self._post_forward_group is not None
         if keep_share:
             self._post_forward_shard = self._pack_post_forward_shard()
@@ -444,8 +439,3 @@ class _Done(PendingCollective):
 
 
 _DONE = _Done()
-
-
-def unit_summary(units: Sequence[Unit]) -> str:
-    """One line per unit, for logs and error messages."""
-    return "\n".join(f"  {u.name}: {len(u.params)} params, state={u.state.value}" for u in units)

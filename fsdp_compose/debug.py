@@ -48,7 +48,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import _collectives, _compat, _env
+from . import _collective_hooks, _collectives, _compat, _env
 from ._errors import CollectiveMismatchError
 
 __all__ = [
@@ -59,6 +59,26 @@ __all__ = [
     "enable_collective_checks",
     "enable_collective_guard",
 ]
+
+
+def default_store() -> dist.Store:
+    """The key-value store of the default process group (for the debug checks
+    and the collective guard)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def process_group_timeout(group: dist.ProcessGroup) -> float | None:
+    """The timeout (seconds) ``group`` was created with, or None if this torch
+    version does not expose it (read through the backend's private options)."""
+    try:
+        device = (
+            torch.device("cpu")
+            if _compat.process_group_backend(group) == "gloo"
+            else torch.device("cuda")
+        )
+        return float(group._get_backend(device).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
 
 
 class _FingerprintChecker:
@@ -80,7 +100,7 @@ class _FingerprintChecker:
         seq = self._seq.get(ranks, 0)
         self._seq[ranks] = seq + 1
         me = dist.get_rank()
-        store = _compat.default_store()
+        store = default_store()
         group_key = "-".join(map(str, ranks))
         prefix = f"fsdp_compose/fingerprint/{group_key}/{seq}/"
         mine = f"{kind} for {label} ({numel} x {str(dtype).replace('torch.', '')}, step {step})"
@@ -88,7 +108,7 @@ class _FingerprintChecker:
         others = [r for r in ranks if r != me]
         timeout = self.timeout
         if timeout is None:
-            timeout = _compat.process_group_timeout(group) or _FALLBACK_TIMEOUT_S
+            timeout = process_group_timeout(group) or _FALLBACK_TIMEOUT_S
         try:
             store.wait([prefix + str(r) for r in others], timedelta(seconds=timeout))
         except RuntimeError as exc:
@@ -131,13 +151,13 @@ def _set_checker(checker: _FingerprintChecker | None) -> None:
     global _checker
     _checker = checker
     if checker is None:
-        _collectives.remove_launch_wrapper(_check_before_launch)
+        _collective_hooks.remove_launch_wrapper(_check_before_launch)
     else:
-        _collectives.add_launch_wrapper(_check_before_launch)
+        _collective_hooks.add_launch_wrapper(_check_before_launch)
 
 
 def _check_before_launch(
-    call: _collectives.CollectiveCall, issue: _collectives.Issue
+    call: _collective_hooks.CollectiveCall, issue: _collectives.Issue
 ) -> dist.Work | None:
     checker = _checker
     if checker is not None:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _collectives, _scheduler
+from . import _collective_hooks, _scheduler
 
 __all__ = [
     "clear",
@@ -80,7 +80,7 @@ def enable() -> None:
     """Starts recording (events already recorded are kept; see :func:`clear`)."""
     global ENABLED
     if not ENABLED:
-        _collectives.add_listener(_on_collective)
+        _collective_hooks.add_listener(_on_collective)
         _scheduler.set_observer(sys.modules[__name__])  # type: ignore[arg-type]
         ENABLED = True
 
@@ -89,7 +89,7 @@ def disable() -> None:
     """Stops recording; recorded events stay available for export."""
     global ENABLED
     ENABLED = False
-    _collectives.remove_listener(_on_collective)
+    _collective_hooks.remove_listener(_on_collective)
     _scheduler.set_observer(None)
 
 
@@ -207,7 +207,7 @@ def memory_event(kind: str, unit: str, nbytes: int, total: int) -> None:
     _append({"name": "unsharded_bytes", "ph": "C", "ts": ts, "args": {"bytes": total}})
 
 
-def _on_collective(event: str, info: _collectives.CollectiveInfo) -> None:
+def _on_collective(event: str, info: _collective_hooks.CollectiveInfo) -> None:
     now = _now_us()
     if event == "issue":
         _issued[info.seq] = now

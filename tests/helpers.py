@@ -13,16 +13,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_compose import _collectives
+from fsdp_compose import _collective_hooks, _collectives
 
 
 class CollectiveLog:
     """Records every collective fsdp_compose issues while active."""
 
     def __init__(self) -> None:
-        self.issued: list[_collectives.CollectiveInfo] = []
+        self.issued: list[_collective_hooks.CollectiveInfo] = []
 
-    def __call__(self, event: str, info: _collectives.CollectiveInfo) -> None:
+    def __call__(self, event: str, info: _collective_hooks.CollectiveInfo) -> None:
         if event == "issue":
             self.issued.append(info)
 
@@ -39,34 +39,42 @@ class CollectiveLog:
 @contextlib.contextmanager
 def collective_log() -> Iterator[CollectiveLog]:
     log = CollectiveLog()
-    _collectives.add_listener(log)
+    _collective_hooks.add_listener(log)
     try:
         yield log
     finally:
-        _collectives.remove_listener(log)
+        _collective_hooks.remove_listener(log)
 
 
 @contextlib.contextmanager
-def all_gather_by_broadcast(min_row_bytes: int = 0) -> Iterator[Counter[str]]:
-    """Makes gloo all-gathers of rows from ``min_row_bytes`` up go by broadcasts
-    ([Note: all-gather on gloo]; test models are below the default size) and
-    counts them."""
+def gloo_all_gathers(native: bool = False) -> Iterator[Counter[str]]:
+    """Counts fsdp_compose's gloo all-gathers by path: ``"exchange"`` (tagged
+    point-to-point, [Note: collectives matched by what they are]) or ``"native"``
+    (gloo's own). ``native``: groups first used inside take gloo's own all-gather
+    (``FSDP_COMPOSE_GLOO_ALL_GATHER=native``)."""
     from fsdp_compose import _gloo
 
     calls: Counter[str] = Counter()
-    real, threshold = _gloo.gloo_all_gather_by_broadcast, _gloo._BROADCAST_ALL_GATHER_MIN_ROW_BYTES
+    real = _gloo.GlooRoute.all_gather
 
-    def counting(output: torch.Tensor, group: dist.ProcessGroup) -> Any:
-        calls["by_broadcast"] += 1
-        return real(output, group)
+    def counting(self: Any, output: Any, input: Any, group: Any, label: str, step: int) -> Any:
+        exchange = self.exchange_all_gather and group is self.peers.group
+        calls["exchange" if exchange else "native"] += 1
+        return real(self, output, input, group, label, step)
 
-    _gloo.gloo_all_gather_by_broadcast = counting
-    _gloo._BROADCAST_ALL_GATHER_MIN_ROW_BYTES = min_row_bytes
+    saved_routes = dict(_collectives._routes)
+    if native:
+        _gloo._exchange_all_gather = False
+        _collectives._routes.clear()
+    _gloo.GlooRoute.all_gather = counting  # type: ignore[method-assign]
     try:
         yield calls
     finally:
-        _gloo.gloo_all_gather_by_broadcast = real
-        _gloo._BROADCAST_ALL_GATHER_MIN_ROW_BYTES = threshold
+        _gloo.GlooRoute.all_gather = real  # type: ignore[method-assign]
+        if native:
+            _gloo._exchange_all_gather = True
+            _collectives._routes.clear()
+            _collectives._routes.update(saved_routes)
 
 
 @contextlib.contextmanager
@@ -92,13 +100,20 @@ def max_param_diff(model: nn.Module, ref: nn.Module, rename: Any = None) -> tupl
     worst, where = 0.0, ""
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        d = (full(p.detach()) - ref_params[rename(name) if rename else name].detach()).abs().max().item()
+        d = (
+            (full(p.detach()) - ref_params[rename(name) if rename else name].detach())
+            .abs()
+            .max()
+            .item()
+        )
         if d > worst:
             worst, where = d, name
     return worst, where
 
 
-def max_grad_diff(model: nn.Module, ref: nn.Module, skip: tuple[str, ...] = (), rename: Any = None) -> float:
+def max_grad_diff(
+    model: nn.Module, ref: nn.Module, skip: tuple[str, ...] = (), rename: Any = None
+) -> float:
     """Largest |grad - reference grad| over parameters that have a gradient
     (``rename`` as in :func:`max_param_diff`)."""
     worst = 0.0

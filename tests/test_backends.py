@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import time
 import traceback
@@ -29,7 +30,7 @@ from models import TINY_GPT
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fsdp_compose import _collectives, fully_shard
+from fsdp_compose import _collective_hooks, _collectives, _failures, fully_shard
 
 TINY = TINY_GPT
 LOSS_TOL = 1e-5
@@ -100,19 +101,19 @@ def run_threaded(
 
 
 @contextmanager
-def _this_threads_collectives() -> Iterator[list[_collectives.CollectiveInfo]]:
+def _this_threads_collectives() -> Iterator[list[_collective_hooks.CollectiveInfo]]:
     """Collectives issued by the calling thread (listeners are process-wide)."""
     me, issued = threading.get_ident(), []
 
-    def listener(event: str, info: _collectives.CollectiveInfo) -> None:
+    def listener(event: str, info: _collective_hooks.CollectiveInfo) -> None:
         if event == "issue" and threading.get_ident() == me:
             issued.append(info)
 
-    _collectives.add_listener(listener)
+    _collective_hooks.add_listener(listener)
     try:
         yield issued
     finally:
-        _collectives.remove_listener(listener)
+        _collective_hooks.remove_listener(listener)
 
 
 def _reference_run(cfg: GPTConfig, model: GPT, world: int, steps: int) -> tuple[list[float], GPT]:
@@ -162,7 +163,7 @@ def _threaded_gpt_job(
         "where": where,
         "kinds": kinds,
         "collectives": len(issued),
-        "route": _collectives.route_of(unit.shard_group),
+        "route": _collectives.route_of(unit.shard_group).name,
     }
 
 
@@ -184,7 +185,7 @@ def test_threaded_process_group_parity(world: int, options: dict[str, Any]) -> N
     for r in run_threaded(world, _threaded_gpt_job, cfg, base, ref_losses, ref, options):
         assert max(r["loss_diffs"]) < LOSS_TOL, r
         assert r["param_diff"] < PARAM_TOL, r
-        assert r["route"] == _collectives.PUBLIC_ROUTE, r  # no gloo path on a threaded group
+        assert r["route"] == "public", r  # no gloo path on a threaded group
         expected = {"all_gather", "reduce_scatter"} | (
             {"all_reduce"} if options.get("hsdp") else set()
         )
@@ -264,7 +265,9 @@ def test_fake_backend_real_tensors() -> None:
         torch.manual_seed(0)
         model, opt, loss = _user_training_code(GPTConfig(**TINY), steps=1)
     assert torch.isfinite(loss), loss
-    missing = [n for n, p in model.named_parameters() if p.grad is None or opt.state[p]["step"] != 1]
+    missing = [
+        n for n, p in model.named_parameters() if p.grad is None or opt.state[p]["step"] != 1
+    ]
     assert not missing, f"no gradient or optimizer step for {missing}"
 
 
@@ -282,18 +285,28 @@ def _routes_and_errors_job() -> dict[str, Any]:
     cuda_only = dist.new_group(backend="cuda:gloo")  # gloo for CUDA tensors only
     gloo = dist.new_group(backend="gloo")
     out: dict[str, Any] = {
-        "world": _collectives.route_of(default),
-        "cuda_only_route": _collectives.route_of(cuda_only),
+        "world": _collectives.route_of(default).name,
+        "cuda_only_route": _collectives.route_of(cuda_only).name,
     }
     try:  # CPU tensors on a group without a CPU backend
         _collectives.all_gather(torch.empty(4 * world), torch.ones(4), cuda_only, "probe").wait()
         out["no_backend"] = "no error"
     except RuntimeError as exc:
         out["no_backend"] = str(exc)
-    # gloo has no int16 all-to-all (and all-gather): a dtype the backend refuses.
+    # fsdp_compose's exchanges move bytes: any dtype; torch's reduce-scatter on
+    # gloo (FSDP_COMPOSE_GLOO_REDUCE_SCATTER=native) refuses int16.
     grads = torch.ones(4 * world, dtype=torch.int16)
+    summed = torch.empty(4, dtype=torch.int16)
+    _collectives.reduce_scatter(summed, grads, gloo, "probe").wait()
+    out["int16_sum"] = summed.tolist()
+    native = dist.new_group(backend="gloo")
+    os.environ["FSDP_COMPOSE_GLOO_REDUCE_SCATTER"] = "native"
     try:
-        _collectives.reduce_scatter(torch.empty(4, dtype=torch.int16), grads, gloo, "probe").wait()
+        _collectives.route_of(native)
+    finally:
+        del os.environ["FSDP_COMPOSE_GLOO_REDUCE_SCATTER"]
+    try:
+        _collectives.reduce_scatter(summed, grads, native, "probe").wait()
         out["dtype"] = "no error"
     except RuntimeError as exc:
         out["dtype"] = str(exc)
@@ -302,8 +315,9 @@ def _routes_and_errors_job() -> dict[str, Any]:
 
 def test_gloo_paths_only_on_gloo_and_local_failures_named() -> None:
     for r in run_distributed(_routes_and_errors_job, 2):
-        assert r["world"] == _collectives.Route(True, True, True), r["world"]
-        assert r["cuda_only_route"] == _collectives.PUBLIC_ROUTE, r
+        assert r["world"] == "gloo", r["world"]
+        assert r["cuda_only_route"] == "public", r
+        assert r["int16_sum"] == [2] * 4, r["int16_sum"]
         message = r["no_backend"]
         assert "fsdp_compose: all_gather for probe" in message, message
         assert "No backend type associated with device type cpu" in message, message
@@ -346,8 +360,8 @@ def test_gloo_paths_only_on_gloo_and_local_failures_named() -> None:
 )
 def test_peer_hint_only_where_a_peer_can_be_the_cause(message: str, peer: bool) -> None:
     exc = RuntimeError(message)
-    assert _collectives.peer_may_have_failed(exc) is peer
-    text = str(_collectives._failure("all_gather for blocks.0 (step 3)", exc, torch.empty(2)))
+    assert _failures.peer_may_have_failed(exc) is peer
+    text = str(_failures.explain_failure("all_gather for blocks.0 (step 3)", exc, torch.empty(2)))
     assert text.startswith(
         "fsdp_compose: all_gather for blocks.0 (step 3) failed on rank 0: " + message
     )

@@ -2,10 +2,11 @@
 
 The core (``CORE``) is what torch's FSDP2 also has: the annotator, ``FSDPModule``,
 the hooks, the scheduler, the unit (state machine, flat buffer, gradient
-reduction), the sharded parameter, the collectives (with their gloo backend),
+reduction), the sharded parameter, the collectives (public ones; gloo's exchanges
+register as a route),
 the mesh, the policies, and the small shared modules they need. Every
 capability beyond FSDP2 is an extension: it imports the core and attaches to its
-registration points (collective listeners and launch wrappers in
+registration points (routes, the failure explainer and the collective hook in
 ``_collectives``, the schedule observer in ``_scheduler``, root-init checks in
 ``_hooks``, step handlers in ``_optim``), and no core module imports it.
 
@@ -27,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_compose
-from fsdp_compose import _collectives, fully_shard
+from fsdp_compose import MixedPrecisionPolicy, _collective_hooks, _collectives, fully_shard
 from fsdp_compose.debug import CollectiveMismatchError
 
 PACKAGE = os.path.dirname(fsdp_compose.__file__)
@@ -36,30 +37,35 @@ PACKAGE = os.path.dirname(fsdp_compose.__file__)
 CORE = (
     "_collectives",
     "_compat",
-    "_env",
     "_errors",
     "_flat_buffer",
     "_fsdp_module",
     "_fully_shard",
-    "_gloo",
     "_hooks",
     "_host_memory",
     "_mesh",
     "_policies",
     "_reduce",
     "_scheduler",
-    "_shared",
     "_sharded_param",
     "_unit",
 )
 #: Capabilities beyond FSDP2 (modules and subpackages of ``fsdp_compose``).
 EXTENSIONS = (
+    "_collective_hooks",
+    "_env",  # the FSDP_COMPOSE_* variables: only extensions read any
+    "_failures",
+    "_full_state_dict",
+    "_gloo",
     "_grad_scaler",
     "_guard",
     "_missing_root",
     "_misuse",
     "_optim",
     "_pipelining",
+    "_shared",
+    "_stall",
+    "_validation",
     "debug",
     "plan",
     "safetensors_io",
@@ -119,7 +125,8 @@ def test_core_imports_no_extension() -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="the core is about 5,600 lines: the 4,000-line target of issue 17 is not met yet",
+    reason="the core is about 5,100 lines (4,150 outside _collectives and _gloo): the "
+    "4,000-line target of issue 17 is not met yet",
 )
 def test_core_within_its_line_budget() -> None:
     counts = {name: _lines(os.path.join(PACKAGE, name + ".py")) for name in CORE}
@@ -153,20 +160,20 @@ def test_two_roots_keep_their_own_steps() -> None:
     in their collectives; a launch wrapper sees them."""
     seen: list[tuple[str, int]] = []
 
-    def record(call: _collectives.CollectiveCall, issue: _collectives.Issue) -> object:
+    def record(call: _collective_hooks.CollectiveCall, issue: _collectives.Issue) -> object:
         seen.append((call.label, call.step))
         return issue(call.group)
 
     with fake_process_group(4, 1):
         torch.manual_seed(0)
         first, second = _tiny(), _tiny()
-        _collectives.add_launch_wrapper(record)
+        _collective_hooks.add_launch_wrapper(record)
         try:
             for _ in range(3):
                 first(torch.randn(2, 8)).sum().backward()
             second(torch.randn(2, 8)).sum().backward()
         finally:
-            _collectives.remove_launch_wrapper(record)
+            _collective_hooks.remove_launch_wrapper(record)
     assert first._fsdp_state().scheduler.step == 3, first._fsdp_state().scheduler.step
     assert second._fsdp_state().scheduler.step == 1, second._fsdp_state().scheduler.step
     steps = [step for _, step in seen]
@@ -195,10 +202,10 @@ def test_launch_wrapper_errors() -> None:
     """A wrapper's CollectiveMismatchError reaches the caller as is; any other
     RuntimeError is reported as a failure of the collective it wrapped."""
 
-    def mismatch(call: _collectives.CollectiveCall, issue: _collectives.Issue) -> object:
+    def mismatch(call: _collective_hooks.CollectiveCall, issue: _collectives.Issue) -> object:
         raise CollectiveMismatchError(f"ranks disagree on {call.kind} for {call.label}")
 
-    def broken(call: _collectives.CollectiveCall, issue: _collectives.Issue) -> object:
+    def broken(call: _collective_hooks.CollectiveCall, issue: _collectives.Issue) -> object:
         raise RuntimeError("Connection closed by peer")
 
     with fake_process_group(2, 0):
@@ -207,10 +214,59 @@ def test_launch_wrapper_errors() -> None:
             (mismatch, CollectiveMismatchError, "ranks disagree on all_gather for probe"),
             (broken, RuntimeError, r"all_gather for probe \(step 7\) failed on rank 0"),
         ):
-            _collectives.add_launch_wrapper(wrapper)
+            _collective_hooks.add_launch_wrapper(wrapper)
             try:
                 with pytest.raises(error, match=text):
                     _collectives.all_gather(torch.empty(4), torch.ones(2), group, "probe", step=7)
             finally:
-                _collectives.remove_launch_wrapper(wrapper)
+                _collective_hooks.remove_launch_wrapper(wrapper)
         _collectives.all_gather(torch.empty(4), torch.ones(2), group, "probe").wait()
+
+
+def test_core_trains_with_the_extensions_detached() -> None:
+    """The core alone (parameter sharing, full-state-dict loading and the checks
+    beyond FSDP2 detached from their registration points) trains like the
+    unwrapped model; a weight tied across units then gets one copy per unit, as
+    in FSDP2."""
+    import copy
+
+    from fsdp_compose import _fully_shard, _hooks, _unit
+
+    attached = (_hooks.param_sharing, _unit.unit_checks, _fully_shard._load_conversion)
+    checks = list(_fully_shard._shard_checks)
+    _hooks.set_param_sharing(None)
+    _unit.set_unit_checks(None)
+    _fully_shard.set_load_conversion(None)
+    _fully_shard._shard_checks.clear()
+    try:
+        with fake_process_group(1, 0):
+            torch.manual_seed(0)
+            ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+            model = copy.deepcopy(ref)
+            fully_shard(
+                model[0], mp_policy=MixedPrecisionPolicy(torch.float64, output_dtype=torch.float32)
+            )
+            fully_shard(model[2])
+            fully_shard(model)
+            opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+            for _ in range(3):
+                x = torch.randn(4, 8)
+                for m, opt in zip((model, ref), opts):
+                    m(x).square().sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+            diff = max(
+                (p.full_tensor() - q).abs().max().item()
+                for p, q in zip(model.parameters(), ref.parameters())
+            )
+            assert diff < 1e-5, diff
+            tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+            tied[1].weight = tied[0].weight
+            fully_shard(tied[0])
+            fully_shard(tied[1])  # without _shared: a second copy, as in FSDP2
+            assert tied[0].weight is not tied[1].weight
+    finally:
+        _hooks.set_param_sharing(attached[0])
+        _unit.set_unit_checks(attached[1])
+        _fully_shard.set_load_conversion(attached[2])
+        _fully_shard._shard_checks[:] = checks

@@ -1,21 +1,28 @@
-"""Desyncs end as Python exceptions on every rank with the collective guard on
-(``debug.enable_collective_guard()``; off by default until an idle machine shows
-it within its 2% budget) and the structure check at the first forward: no rank
-is aborted inside gloo, and no rank consumes another unit's data.
+"""Desyncs end as Python exceptions on every rank: no rank is aborted inside
+gloo, and no rank consumes another unit's data.
 
-Each case catches the error inside the job and returns it, then both ranks call
-``reset_iter_state()``: the guard raises before the mismatched collective is
-issued, so the process group stays usable and the next case reuses it (the
-guard starts a fresh lane, see [Note: collective guard]).
+* Default mode: fsdp_compose's gloo collectives are exchanges matched by what
+  they are ([Note: collectives matched by what they are]), so mismatched ranks
+  wait instead of mis-pairing, and the stall watchdog ends the wait with a
+  ``CollectiveMismatchError`` on every rank ([Note: stalled exchanges]); the
+  group is closed, so each case runs on a group of its own.
+* With the collective guard on (``debug.enable_collective_guard()``): the error
+  is raised before the mismatched collective is issued, so the process group
+  stays usable and the next case reuses it (the guard starts a fresh lane, see
+  [Note: collective guard]); each case catches the error inside the job and
+  returns it, then both ranks call ``reset_iter_state()``.
+* The structure check at the first forward catches settings that differ.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,10 +95,11 @@ def _desync_case(case: str, recover: bool = False) -> tuple[str, list[str], floa
         enable_collective_guard(previous)
 
 
-def _desync_steps(case: str) -> tuple[str, nn.Module]:
+def _desync_steps(case: str, **kwargs: Any) -> tuple[str, nn.Module]:
     rank, _ = rank_world()
     cfg = GPTConfig(**TINY)
-    model = _net(MixedPrecisionPolicy(param_dtype=torch.bfloat16) if case == "mp_policy" else None)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if case == "mp_policy" else None
+    model = _net(mp, **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if case == "same_size_reduce_scatter":
         # No all-gather after the first step: only the reduce-scatters (all of
@@ -169,6 +177,71 @@ def test_desync_raises_on_every_rank(case: str) -> None:
             assert "caught before any data moved" in message, message
     if case == "same_size_reduce_scatter":
         assert "reduce_scatter for gpt.blocks." in messages[0], messages[0]
+
+
+def _default_mode_case(case: str) -> str:
+    """The desync ``case`` with the guard off (the default): the exchanges are
+    matched by what they are, so the ranks wait instead of mis-pairing, and the
+    stall watchdog ends the wait ([Note: stalled exchanges]). On a group of its
+    own: the watchdog closes it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert not _guard.enabled
+    group = dist.new_group(backend="gloo")
+    start = time.monotonic()
+    message, _ = _desync_steps(case, mesh=DeviceMesh.from_group(group, "cpu"))
+    return f"{message}\n[{time.monotonic() - start:.1f} s]"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "mp_policy"])
+def test_desync_in_default_mode_raises_on_every_rank(case: str) -> None:
+    """Without the guard: every rank raises a CollectiveMismatchError that names
+    what each side waits for (unit, kind and step), within seconds; no rank is
+    aborted inside gloo."""
+    messages = run_distributed(_default_mode_case, 2, case, timeout=90)
+    for rank, message in enumerate(messages):
+        if case == "same_size_reduce_scatter" and message.startswith("no error"):
+            # The same units' reduce-scatters in another order: the exchanges
+            # pair each unit with itself, so nothing is mixed up (the gradient
+            # values are checked in test_reduce_scatters_in_another_order_pair_by_unit).
+            continue
+        assert message.startswith("CollectiveMismatchError: fsdp_compose collective mismatch"), (
+            rank,
+            message,
+        )
+        # names both sides: what (kind, unit, step) each rank waits for
+        for side in (rank, 1 - rank):
+            pattern = rf"rank {side} waits for (all_gather|reduce_scatter) for \S+ \(step \d+, "
+            assert re.search(pattern, message), message
+        assert "The process group was closed" in message, message
+
+
+def _slow_peer_job() -> tuple[list[float], bool]:
+    """Rank 1 is 2.5 s late for step 1 (well past the 1 s stall check): rank 0's
+    wait is published and compared, but a late peer publishes nothing, so the step
+    completes; what rank 0 published is withdrawn."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdp_compose import _stall
+
+    rank, _ = rank_world()
+    group = dist.new_group(backend="gloo")
+    model = _net(mesh=DeviceMesh.from_group(group, "cpu"))
+    losses = []
+    for step in range(2):
+        x, y = make_batch(GPTConfig(**TINY), 2, step)
+        if step == 1 and rank == 1:
+            time.sleep(2.5)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+    return losses, _stall.watch.published is None
+
+
+def test_a_slow_peer_is_not_a_desync() -> None:
+    (losses0, clean0), (losses1, clean1) = run_distributed(_slow_peer_job, 2, timeout=90)
+    assert len(losses0) == len(losses1) == 2, (losses0, losses1)
+    assert clean0 and clean1
 
 
 def test_training_goes_on_after_a_desync_on_every_rank() -> None:

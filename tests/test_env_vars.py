@@ -100,8 +100,8 @@ def test_invalid_values_read_at_use(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP='of'"):
         _optim.enabled()
     monkeypatch.setenv("FSDP_COMPOSE_GLOO_REDUCE_SCATTER", "alltoall")
-    with pytest.raises(ValueError, match="use one of all_to_all, native"):
-        _gloo._use_all_to_all_reduce_scatter(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="use one of exchange, all_to_all, native"):
+        _gloo._exchanges_reduce_scatter()
     monkeypatch.setenv("FSDP_COMPOSE_DEBUG_TIMEOUT", "5s")
     with pytest.raises(ValueError, match="FSDP_COMPOSE_DEBUG_TIMEOUT='5s'"):
         debug.enable_collective_checks()

@@ -458,7 +458,7 @@ def _per_param_mesh_job(mode: str) -> dict:
     )
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from fsdp_compose import _collectives
+    from fsdp_compose import _collective_hooks
 
     rank = torch.distributed.get_rank()
     dp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
@@ -506,7 +506,7 @@ def _per_param_mesh_job(mode: str) -> dict:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
     torch.manual_seed(1)
     loss_diffs = []
-    _collectives.add_listener(listen)
+    _collective_hooks.add_listener(listen)
     try:
         for step in range(3):
             x = torch.randn(4 * _TOKENS, _D)
@@ -526,7 +526,7 @@ def _per_param_mesh_job(mode: str) -> dict:
                 out["grad_diff"] = _max_diff(model, ref, grads=True)
             _step(opt, ref_opt)
     finally:
-        _collectives.remove_listener(listen)
+        _collective_hooks.remove_listener(listen)
     out["param_diff"] = _max_diff(model, ref)
     out["loss_diff"] = max(loss_diffs)
     # a full (plain) state dict loads into both meshes' shards

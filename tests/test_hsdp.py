@@ -10,7 +10,7 @@ import pytest
 import torch
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import (
-    all_gather_by_broadcast,
+    gloo_all_gathers,
     collective_log,
     gpt_batches,
     local_slice,
@@ -39,11 +39,11 @@ def _hsdp_gpt(cfg: GPTConfig, base: GPT, mesh, **kwargs) -> GPT:
 
 
 def _hsdp_job() -> dict:
-    # all-gathers by broadcasts ([Note: all-gather on gloo]): roots are ranks of
-    # the shard subgroup, not global ranks
-    with all_gather_by_broadcast() as calls:
+    # all-gathers by tagged exchanges ([Note: collectives matched by what they
+    # are]): peers are ranks of the shard subgroup, not global ranks
+    with gloo_all_gathers() as calls:
         out = _hsdp_job_body()
-    return {**out, "by_broadcast": calls["by_broadcast"]}
+    return {**out, "exchanges": calls["exchange"]}
 
 
 def _hsdp_job_body() -> dict:
@@ -71,7 +71,9 @@ def _hsdp_job_body() -> dict:
             out["replicas_max_diff"] = (replicas[0] - replicas[1]).abs().max().item()
 
     with collective_log() as log:
-        parity = train_side_by_side(model, ref, 3, gpt_batches(cfg), loss_fn, log=log, after_backward=step0_checks)
+        parity = train_side_by_side(
+            model, ref, 3, gpt_batches(cfg), loss_fn, log=log, after_backward=step0_checks
+        )
     out["grad_diff"] = parity["grad_diff"]
     out["kinds"] = {
         kind: sorted({i.group_size for i in log.issued if i.kind == kind})
@@ -93,7 +95,9 @@ def _hsdp_job_body() -> dict:
             last = i == len(micro) - 1
             accum.set_requires_all_reduce(last)
             log.clear()
-            (loss_fn(accum(local_slice(x, rank, world)), local_slice(y, rank, world)) / 2).backward()
+            (
+                loss_fn(accum(local_slice(x, rank, world)), local_slice(y, rank, world)) / 2
+            ).backward()
             all_reduces.append(log.kinds().get("all_reduce", 0))
             if not last:
                 out["grad_before_all_reduce"] = any(p.grad is not None for p in accum.parameters())
@@ -146,8 +150,11 @@ def test_hsdp_2x2_parity() -> None:
         # the shard group, all-reduces in the replicate group; one of each per unit
         assert r["kinds"] == {"all_gather": [2], "reduce_scatter": [2], "all_reduce": [2]}
         n_units = TINY["n_layer"] + 1
-        assert r["counts"]["reduce_scatter"] == r["counts"]["all_reduce"] == n_units, (r["counts"], n_units)
-        assert r["by_broadcast"] >= r["counts"]["all_gather"] > 0, r
+        assert r["counts"]["reduce_scatter"] == r["counts"]["all_reduce"] == n_units, (
+            r["counts"],
+            n_units,
+        )
+        assert r["exchanges"] >= r["counts"]["all_gather"] > 0, r
         # accumulation without the replicate all-reduce
         assert r["accum_all_reduces"] == [0, n_units]
         assert not r["grad_before_all_reduce"], r
@@ -195,7 +202,8 @@ def _mesh_errors_job() -> dict[str, str]:
         ),
         "swapped": expect(
             lambda: fully_shard(
-                lin(4, 4), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))
+                lin(4, 4),
+                mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate")),
             ),
             r"ordered \(replicate, shard\)",
         ),

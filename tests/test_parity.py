@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import (
-    all_gather_by_broadcast,
+    gloo_all_gathers,
     collective_log,
     gpt_batches,
     local_slice,
@@ -41,10 +41,10 @@ PARAM_TOL = 1e-4
 
 
 def _gpt_job(options: dict) -> dict:
-    if options.get("broadcast"):
-        with all_gather_by_broadcast() as calls:
-            out = _gpt_job({**options, "broadcast": False})
-        return {**out, "by_broadcast": calls["by_broadcast"]}
+    if "native" in options:
+        with gloo_all_gathers(native=options["native"]) as calls:
+            out = _gpt_job({k: v for k, v in options.items() if k != "native"})
+        return {**out, "gathers": dict(calls)}
     torch.manual_seed(0)
     cfg = GPTConfig(**{**TINY, **options.get("cfg", {})})
     ref = GPT(cfg)
@@ -56,11 +56,19 @@ def _gpt_job(options: dict) -> dict:
     per_step_counts: list[dict] = []
     with collective_log() as log:
         out = train_side_by_side(
-            model, ref, options.get("steps", 5), gpt_batches(cfg), loss_fn, log=log,
+            model,
+            ref,
+            options.get("steps", 5),
+            gpt_batches(cfg),
+            loss_fn,
+            log=log,
             after_backward=lambda *_: per_step_counts.append(dict(log.counts())),
         )
-    return {**out, "counts": per_step_counts,
-            "units": [b._fsdp_state().unit.name for b in model.blocks]}
+    return {
+        **out,
+        "counts": per_step_counts,
+        "units": [b._fsdp_state().unit.name for b in model.blocks],
+    }
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -87,18 +95,23 @@ def test_gpt_parity_reshard_true(world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_gpt_parity_all_gather_by_broadcast(world_size: int) -> None:
-    """[Note: all-gather on gloo]: the broadcast form, forced for the tiny model."""
+@pytest.mark.parametrize("native", [False, True], ids=["exchange", "native"])
+def test_gpt_parity_gloo_all_gather_paths(world_size: int, native: bool) -> None:
+    """Both gloo all-gathers: the tagged exchange ([Note: collectives matched by
+    what they are]; the default) and gloo's own (FSDP_COMPOSE_GLOO_ALL_GATHER=native)."""
     from dist_utils import run_distributed
 
-    results = run_distributed(_gpt_job, world_size, {"reshard_after_forward": True, "broadcast": True})
+    results = run_distributed(
+        _gpt_job, world_size, {"reshard_after_forward": True, "native": native}
+    )
     n_units = len(results[0]["units"])
     for r in results:
         assert max(r["loss_diffs"]) <= LOSS_TOL, r["loss_diffs"]
         assert r["grad_diff"] <= GRAD_TOL, r["grad_diff"]
         assert r["param_diff"] <= PARAM_TOL, (r["param_diff"], r["where"])
-        # every gather went by broadcasts: 5 steps x (2 per block + 1 root)
-        assert r["by_broadcast"] == 5 * (2 * n_units + 1), r["by_broadcast"]
+        # every gather took the path: 5 steps x (2 per block + 1 root)
+        path = "native" if native else "exchange"
+        assert r["gathers"] == {path: 5 * (2 * n_units + 1)}, r["gathers"]
 
 
 def test_gpt_parity_no_reshard() -> None:
@@ -167,16 +180,28 @@ def _small_model_job(which: str, steps: int = 4) -> dict:
             # Ignored parameters: plain tensors, gradient of the local batch only.
             local_ref = copy.deepcopy(ref)
             local_ref.zero_grad()
-            F.mse_loss(local_ref(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            F.mse_loss(
+                local_ref(local_slice(x, rank, world)), local_slice(y, rank, world)
+            ).backward()
             out["ignored_is_plain"] = type(model.ignored.weight) is torch.nn.Parameter
-            out["ignored_grad_diff"] = (model.ignored.weight.grad - local_ref.ignored.weight.grad).abs().max().item()
+            out["ignored_grad_diff"] = (
+                (model.ignored.weight.grad - local_ref.ignored.weight.grad).abs().max().item()
+            )
             out["frozen_has_grad"] = model.frozen.weight.grad is not None
             out["frozen_is_dtensor"] = type(model.frozen.weight.data).__name__ == "DTensor"
 
-    out.update(train_side_by_side(
-        model, ref, steps, batch, F.mse_loss, params=trained, grad_skip=("ignored",),
-        after_backward=ignored_and_frozen,
-    ))
+    out.update(
+        train_side_by_side(
+            model,
+            ref,
+            steps,
+            batch,
+            F.mse_loss,
+            params=trained,
+            grad_skip=("ignored",),
+            after_backward=ignored_and_frozen,
+        )
+    )
     return out
 
 
@@ -224,7 +249,10 @@ def _grad_accum_job(micro_steps: int) -> dict:
                 last = i == micro_steps - 1
                 model.set_requires_gradient_sync(last)
                 log.clear()
-                loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world)) / micro_steps
+                loss = (
+                    loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+                    / micro_steps
+                )
                 loss.backward()
                 counts.append(log.kinds().get("reduce_scatter", 0))
                 total += loss.item()
@@ -232,8 +260,13 @@ def _grad_accum_job(micro_steps: int) -> dict:
             opt.zero_grad()
             loss_diffs.append(abs(mean_across_ranks(total) - ref_total))
     diff, where = max_param_diff(model, ref)
-    return {"rs_per_micro": counts, "loss_diffs": loss_diffs, "param_diff": diff, "where": where,
-            "n_units": 1 + cfg.n_layer}
+    return {
+        "rs_per_micro": counts,
+        "loss_diffs": loss_diffs,
+        "param_diff": diff,
+        "where": where,
+        "n_units": 1 + cfg.n_layer,
+    }
 
 
 def test_gradient_accumulation_without_sync() -> None:
@@ -247,11 +280,13 @@ def test_gradient_accumulation_without_sync() -> None:
         assert r["param_diff"] <= PARAM_TOL, (r["param_diff"], r["where"])
 
 
-def _torch_oracle_job(broadcast: bool = False) -> dict:
+def _torch_oracle_job(native: bool) -> dict:
     """fsdp_compose and torch's own FSDP2 on the same model and data."""
-    if broadcast:
-        with all_gather_by_broadcast() as calls:
-            return {**_torch_oracle_job(), "by_broadcast": calls["by_broadcast"]}
+    with gloo_all_gathers(native=native) as calls:
+        return {**_torch_oracle(), "gathers": dict(calls)}
+
+
+def _torch_oracle() -> dict:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     rank, world = rank_world()
@@ -284,9 +319,9 @@ def _torch_oracle_job(broadcast: bool = False) -> dict:
 def test_matches_torch_fsdp2() -> None:
     from dist_utils import run_distributed
 
-    for broadcast in (False, True):
-        for r in run_distributed(_torch_oracle_job, 2, broadcast):
+    for native in (False, True):
+        for r in run_distributed(_torch_oracle_job, 2, native):
             assert r["ours"] == pytest.approx(r["theirs"], abs=1e-6)
             assert r["param_diff"] <= 1e-6, r["param_diff"]
             # 4 steps x (3 blocks x 2 + the root once)
-            assert r.get("by_broadcast", 0) == (28 if broadcast else 0)
+            assert r["gathers"] == {"native" if native else "exchange": 28}, r["gathers"]

@@ -248,7 +248,7 @@ def _trace_export_job(out_dir: str) -> dict:
 
     trace.clear()
     train(1)  # off: records nothing, subscribes nothing
-    off = {"events": len(trace.events()), "listeners": len(__import__("fsdp_compose")._collectives._listeners)}
+    off = {"events": len(trace.events()), "listeners": len(__import__("fsdp_compose")._collective_hooks._listeners)}
     with trace.recording():
         train(3)
     path = os.path.join(out_dir, f"trace.rank{rank}.json")

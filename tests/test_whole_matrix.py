@@ -392,3 +392,18 @@ def test_exchange_plan_rounds_balance_and_bytes() -> None:
             start, end = plan.layout.rows(owner, m)
             expected += 2 * (m - (end - start)) * n * 2  # bfloat16, both ways
         assert sum(p.exchanged_bytes(torch.bfloat16) for p in plans) == expected
+
+
+def test_exchange_plan_spreads_tall_and_wide_matrices() -> None:
+    """A tall matrix costs its owner more than the wide one of the same flops
+    (Newton-Schulz runs on its transposed view, and the result is copied into
+    rows), so LPT must not give every tall matrix to one rank: with the GPT's
+    blocks (four square, one (4d, d), one (d, 4d)) each owner gets half of each."""
+    from fsdp_compose.whole_matrix._exchange import ExchangePlan, ShardLayout, newton_schulz_cost
+
+    assert newton_schulz_cost((1536, 384)) > newton_schulz_cost((384, 1536))
+    shapes = [*[(384, 384)] * 4, (1536, 384), (384, 1536)] * 6
+    plan = ExchangePlan.build(ShardLayout(None, 0, 2), shapes)
+    for kind in [(1536, 384), (384, 1536), (384, 384)]:
+        owners = [o for s, o in zip(shapes, plan.owners) if s == kind]
+        assert owners.count(0) == owners.count(1), (kind, owners)

@@ -1,0 +1,101 @@
+"""Loading full (unsharded) state dicts into a sharded model: beyond FSDP2.
+
+torch's FSDP2 loads only state dicts of sharded DTensors (a full one goes through
+``torch.distributed.checkpoint.state_dict.set_model_state_dict``). Here
+``load_state_dict`` also takes a full plain tensor of a parameter's global shape,
+and with tensor parallel a DTensor laid out by TP alone (a state dict saved before
+``fully_shard``): each rank cuts its own shard locally, without communication.
+
+This module is an extension: it fills in the core's registration point in the
+load hooks that ``fully_shard`` installs (:func:`fsdp_compose._fully_shard.set_load_conversion`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import _compat, _fully_shard
+from ._sharded_param import ShardedParam, _shard_dim_of
+
+__all__ = ["shard_of", "sharded_from_state"]
+
+
+def shard_of(p: ShardedParam, full: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a full tensor of ``p``'s (global) shape, computed
+    locally (no communication)."""
+    if p.tp_spec is not None:
+        full = _tp_local_of(p, full)
+    return _dp_shard_of(p, full)
+
+
+def _dp_shard_of(p: ShardedParam, unsharded: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor of ``p``'s (TP-local) unsharded shape."""
+    rows = p.orig_size[p.shard_dim]
+    start = min(p.mesh_info.shard_rank * p.chunk_rows, rows)
+    return unsharded.narrow(p.shard_dim, start, p.local_shape[p.shard_dim])
+
+
+def _tp_local_of(p: ShardedParam, full: torch.Tensor) -> torch.Tensor:
+    """This rank's TP-local part of a full tensor: ``torch.chunk`` semantics,
+    like DTensor's ``Shard``; the whole tensor for ``Replicate``."""
+    assert p.tp_spec is not None
+    if p.tp_placement is None or p.tp_dim is None:
+        return full
+    dim = _shard_dim_of(p.tp_placement, full.dim())
+    if dim is None:
+        return full
+    mesh = p.tp_spec.mesh
+    size, rank = full.size(dim), mesh.get_local_rank(p.tp_dim)
+    chunk = math.ceil(size / mesh.size(p.tp_dim))
+    start = min(rank * chunk, size)
+    return full.narrow(dim, start, min(chunk, size - start))
+
+
+def sharded_from_state(
+    p: ShardedParam, value: torch.Tensor, *, own: bool = False
+) -> DTensor | None:
+    """A state-dict value as ``p``'s sharded DTensor (the conversion
+    ``load_state_dict`` applies), or None to leave the value as it is.
+
+    Converts a full plain tensor of the parameter's global shape and, with
+    tensor parallel, a DTensor laid out by TP alone; both without communication.
+    The shard lands on the parameter's storage device (also when the module is
+    still on the meta device). With ``own`` (``assign=True``: the result becomes
+    the parameter) it is a copy that owns its memory, not a view that would keep
+    the caller's whole tensor alive.
+    """
+    if value.shape != p.global_size:
+        return None
+    if not isinstance(value, DTensor):
+        local = shard_of(p, value)
+    elif (
+        p.tp_spec is not None
+        and value.device_mesh == p.tp_spec.mesh
+        and tuple(value.placements) == tuple(p.tp_spec.placements)
+    ):
+        local = _dp_shard_of(p, _compat.local_tensor(value))
+    else:
+        return None
+    device = p.offload_device or p.device
+    if own or local.device != device:
+        local = local.to(device, copy=True).contiguous()
+    return p.make_sharded_grad(local)
+
+
+def _convert(
+    state_dict: dict[str, Any], prefix: str, params: list[tuple[str, ShardedParam]], assign: bool
+) -> None:
+    for name, p in params:
+        key = prefix + name
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor):
+            sharded = sharded_from_state(p, value, own=assign)
+            if sharded is not None:
+                state_dict[key] = sharded
+
+
+_fully_shard.set_load_conversion(_convert)
