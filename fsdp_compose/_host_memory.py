@@ -72,8 +72,11 @@ def _private_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     view = ctypes.c_char.from_buffer(mapping)
     offset = -ctypes.addressof(view) % _HUGE_PAGE
     del view  # an exported buffer forbids the resize
-    mapping.resize(offset + nbytes)
-    mapping.madvise(advice)
+    try:
+        mapping.resize(offset + nbytes)
+        mapping.madvise(advice)
+    except (OSError, SystemError):  # no mremap, or a kernel without huge pages
+        pass  # 4 KiB pages: slower faults, the same resident bytes
     return mapping, offset
 
 
