@@ -43,11 +43,19 @@ MIN_BYTES = 128 * 1024
 _HUGE_PAGE = 2 * 1024 * 1024  # x86-64's transparent huge page
 
 
+def _outside_heap(nbytes: int, device: torch.device) -> bool:
+    # Not under a dispatch mode (fake tensors, tracing, memory trackers): those must
+    # see the allocation, and torch.frombuffer bypasses them.
+    return (
+        device.type == "cpu" and nbytes >= MIN_BYTES and torch._C._len_torch_dispatch_stack() == 0
+    )
+
+
 def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.empty(numel)``; on CPU from :data:`MIN_BYTES` on a private
     anonymous mapping, unmapped when the tensor's storage is freed."""
     nbytes = numel * dtype.itemsize
-    if device.type != "cpu" or nbytes < MIN_BYTES:
+    if not _outside_heap(nbytes, device):
         return torch.empty(numel, dtype=dtype, device=device)
     mapping, offset = _private_mapping(nbytes)
     return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset)
@@ -106,7 +114,7 @@ class PageBackedBuffer:
 
     @staticmethod
     def wanted(numel: int, dtype: torch.dtype, device: torch.device) -> bool:
-        return device.type == "cpu" and numel * dtype.itemsize >= MIN_BYTES
+        return _outside_heap(numel * dtype.itemsize, device)
 
     def release(self) -> None:
         self._map.madvise(mmap.MADV_DONTNEED)

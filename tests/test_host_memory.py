@@ -33,6 +33,15 @@ def test_small_buffers_stay_ordinary_tensors() -> None:
     assert not _host_memory.PageBackedBuffer.wanted(2**30, torch.uint8, torch.device("meta"))
 
 
+def test_dispatch_modes_see_the_allocation() -> None:
+    """Under fake tensors (or any dispatch mode) the buffers stay torch.empty's."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        assert isinstance(_host_memory.empty(2**20, torch.float32, CPU), FakeTensor)
+        assert not _host_memory.PageBackedBuffer.wanted(2**20, torch.float32, CPU)
+
+
 def test_large_buffer_leaves_the_resident_set_when_freed() -> None:
     numel = 64 * MIB // 2
     before = _rss()
