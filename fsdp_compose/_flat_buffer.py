@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _collectives, _compat
+from . import _collectives, _compat, _host_memory
 from ._mesh import MeshInfo
 from ._sharded_param import ShardedParam
 
@@ -56,6 +56,7 @@ class FlatBuffer:
     _gather_output: torch.Tensor | None
     _gather_world: int
     _unsharded: torch.Tensor | None
+    _pages: _host_memory.PageBackedBuffer | None
     _alias: bool
 
     @property
@@ -103,6 +104,7 @@ class FlatBuffer:
         )
         self._copy_out_sizes: dict[int, list[int]] = {}
         device = info.device
+        self._pages = None
         if self._alias:
             self._unsharded = None
             for p in self.params:
@@ -110,7 +112,13 @@ class FlatBuffer:
             return
         # Views are created while the storage exists (slicing checks bounds), then
         # the storage is freed until the first unshard.
-        flat = torch.empty(world * row, dtype=self._buffer_dtype, device=device)
+        # On CPU a large one is on pages of its own ([Note: per-step host buffers
+        # outside the heap] in _host_memory.py).
+        if _host_memory.PageBackedBuffer.wanted(world * row, self._buffer_dtype, device):
+            self._pages = _host_memory.PageBackedBuffer(world * row, self._buffer_dtype)
+            flat = self._pages.tensor
+        else:
+            flat = torch.empty(world * row, dtype=self._buffer_dtype, device=device)
         self._unsharded = flat
         for slot in slots:
             sp = slot.param
@@ -129,7 +137,14 @@ class FlatBuffer:
         self._copy_out_views(world)
         if self._post_forward_group is not None:
             self._copy_out_views(self._post_forward_size)
-        _free_storage(flat)
+        self._free_unsharded()
+
+    def _free_unsharded(self) -> None:
+        """Frees the unsharded storage's memory (the storage itself stays)."""
+        if self._pages is not None:
+            self._pages.release()
+        elif self._unsharded is not None:
+            _free_storage(self._unsharded)
 
     def _copy_out_views(self, world: int) -> list[torch.Tensor]:
         views = self._copy_out_targets.get(world)
@@ -230,7 +245,9 @@ class FlatBuffer:
             ]
             for s in self._slots
         ]
-        return torch.cat(pieces)
+        numel = sum(p.numel() for p in pieces)
+        device = self._unsharded.device
+        return torch.cat(pieces, out=_host_memory.empty(numel, self._buffer_dtype, device))
 
 
 def _alloc_storage(tensor: torch.Tensor) -> None:

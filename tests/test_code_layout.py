@@ -42,6 +42,7 @@ CORE = (
     "_fsdp_module",
     "_fully_shard",
     "_hooks",
+    "_host_memory",
     "_mesh",
     "_policies",
     "_reduce",

@@ -41,7 +41,9 @@ parameter), with ``W`` the shard group size:
   default ``malloc`` keeps resident above the live bytes, from a replay of the
   step's allocation sequence (``_heap.py``, ``[Note: resident memory under
   glibc's default allocator]``; checkpointed modules are recomputed in it,
-  :func:`~._events.with_recompute`). 0 with ``host_allocator="mmap"`` and on CUDA.
+  :func:`~._events.with_recompute`; fsdp_compose's own buffers from 128 KiB on
+  are mappings of their own, ``_host_memory.py``). 0 with
+  ``host_allocator="mmap"`` and on CUDA.
 
 Not modelled: CUDA caching-allocator fragmentation, kernel workspaces, CUDA
 context, optimizer temporaries outside the glibc replay (torch's ``foreach``
@@ -345,7 +347,9 @@ def estimate(
             compute_dtype=mp_policy.param_dtype,
             step_fn=step_fn,
         )
-    offload = type(offload_policy).__name__ == "CPUOffloadPolicy"
+    # Training on the CPU, fsdp_compose ignores offloading (everything is on the CPU
+    # already): the units behave as without it.
+    offload = type(offload_policy).__name__ == "CPUOffloadPolicy" and device == "cuda"
     units = _build_units(plan, profile, shard, replicate, mp_policy, offload, optimizer)
     per_unit_states = {
         "params": sum(u.sharded for u in units),

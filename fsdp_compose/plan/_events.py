@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .._host_memory import MIN_BYTES
 from ._policy import ShardingPlan
 from ._profile import ModelProfile
 
@@ -49,6 +50,11 @@ def step_events(
     started: set[str] = set()
     out: list[tuple[Any, ...]] = []
 
+    def own(key: Any, nbytes: int) -> tuple[Any, ...]:
+        """fsdp_compose's own buffer: on a mapping of its own from ``MIN_BYTES``
+        ([Note: per-step host buffers outside the heap] in ``_host_memory.py``)."""
+        return ("map" if nbytes >= MIN_BYTES else "a", key, nbytes)
+
     def gather(u: _Unit) -> None:
         """Issues the all-gather: its output buffer (``W * row``)."""
         if u.name in held or u.name in issued or not u.unsharded:
@@ -58,7 +64,7 @@ def step_events(
             post_forward.discard(u.name)
             out.append(("f", ("post_forward", u.name)))
         issued.add(u.name)
-        out.append(("a", ("gather", u.name), size))
+        out.append(own(("gather", u.name), size))
 
     def wait(u: _Unit) -> None:
         """Copies the gathered rows out into the unsharded parameters' storage."""
@@ -66,7 +72,7 @@ def step_events(
         if u.name in issued:
             issued.discard(u.name)
             held.add(u.name)
-            out.append(("a", ("unsharded", u.name), u.unsharded))
+            out.append(own(("unsharded", u.name), u.unsharded))
             out.append(("f", ("gather", u.name)))
 
     def release(u: _Unit) -> None:
@@ -84,12 +90,13 @@ def step_events(
         pending = []
         packed = ("packed", u.name)
         if u.reduce_row:
-            out.append(("a", packed, shard * u.reduce_row))
+            out.append(own(packed, shard * u.reduce_row))
             if shard == 1:  # the packed buffer is the result
                 results.append(packed)
             else:  # the outputs are assigned to the sharded gradients at the end
                 received, reduced = ("received", u.name), ("reduced", u.name)
-                out.append(("a", reduced, u.reduce_row))
+                out.append(own(reduced, u.reduce_row))
+                # gloo's receive buffer (``torch.empty_like``): in the heap
                 out.append(("a", received, shard * u.reduce_row))
                 pending = [packed, received]
                 results.append(reduced)
@@ -127,7 +134,7 @@ def step_events(
             if modules_left[u.name] == 0 and u.reshard is not False:
                 if not isinstance(u.reshard, bool):
                     post_forward.add(u.name)
-                    out.append(("a", ("post_forward", u.name), u.unsharded // int(u.reshard)))
+                    out.append(own(("post_forward", u.name), u.unsharded // int(u.reshard)))
                 release(u)
         elif kind == "bs" and u is not root:
             out.append(("m", f"backward {u.name}"))

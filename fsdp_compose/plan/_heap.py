@@ -37,35 +37,55 @@ that policy:
   ``reshard_after_forward``; unsharded gradients freed at the unit's
   post-backward; the reduce-scatter's packed input and gloo receive buffer,
   freed when the next reduction starts, and its output, kept to the end of
-  backward), and AdamW's two temporaries per parameter in the optimizer step;
+  backward), and AdamW's two temporaries per parameter in the optimizer step.
+  fsdp_compose's own buffers from 128 KiB on are not in the heap but on
+  mappings of their own (``[Note: per-step host buffers outside the heap]`` in
+  ``fsdp_compose/_host_memory.py``): replayed as mappings, resident exactly
+  while alive; gloo's receive buffer and autograd's gradients are in the heap;
 * the allocator: ``posix_memalign(64)`` as glibc 2.36 serves it (request plus
   64 + 32 bytes, lead and tail split off to the tcache, 7 per size, then to
   fastbins, consolidated by the next large request or large free); best fit
   among free chunks (glibc's large bins are best fit), else the top, else a
   mapping when at or above the dynamic threshold, else the heap grows; freed
-  chunks coalesce with free neighbours; a free top above the trim threshold is
-  given back down to ``M_TOP_PAD``;
-* resident = heap pages touched since the last ``malloc_trim(0)`` that were not
-  trimmed, plus live mappings. The step is replayed twice: the first replay is
+  chunks coalesce with free neighbours. A free top above the trim threshold is
+  *not* given back during the step (``replay(trim_top=False)``), see below;
+* resident = heap pages touched since the last ``malloc_trim(0)``, plus live
+  mappings. The step is replayed twice: the first replay is
   the warm-up that raises the threshold and lays out the heap; then
   ``malloc_trim(0)`` (as the benchmark's reset does) releases every free page,
   and the peak is taken over the second replay.
 
-On the estimator's own sequences this model and glibc itself (the same
-sequence replayed with ``posix_memalign``/``memset``/``free`` in a fresh
-process) agree within 1.4% for the GPT at W=1 and 4, the tied GPT at W=2 and
-Llama at W=2, and the model is 12% low for a small GPT at W=4 in bf16
-(``tests/test_plan.py::test_glibc_model_matches_glibc``); the estimator's
-sequence has the tensor allocations of a real step (count and bytes, W=1 and 4).
+On the estimator's own sequences this model (with top trimming) and glibc
+itself (the same sequence replayed with ``posix_memalign``/``memset``/``free``
+and mappings in a fresh process) agree within 10%
+(``tests/test_plan.py::test_glibc_model_matches_glibc``: GPT at W=1 and 4, the
+tied GPT at W=2); the estimator's sequence has the tensor allocations of a real
+step (count and bytes, W=1 and 4).
 
-Not modelled: small allocations that are not tensors (C++ tensor and autograd
-bookkeeping, collectives' work objects, Python objects over 512 bytes). At
-W >= 2 they are carved out of freed tensor chunks and pin them: a rank's full
-``malloc`` log replayed through glibc gave 215 MiB above the reset where its
-tensor allocations alone gave 151 MiB (benchmark GPT, W=2; BENCHMARKS.md).
-Also not modelled: the sharded state's placement (allocated before the step and
-live throughout; counted separately), threads other than the training thread
-(gloo's use their own arenas).
+Small allocations that are not tensors (C++ tensor and autograd bookkeeping,
+collectives' work objects, Python objects over 512 bytes; about 13,000 and
+1.4 MiB per step at W=2) are not replayed one by one, but two of their effects
+decide the resident peak, and the model takes both into account:
+
+* They are carved out of freed tensor chunks and keep them from coalescing,
+  so a later buffer that no longer fits extends the heap. When fsdp_compose's
+  per-unit buffers were in the heap this added 15-58% at W >= 2, varying from
+  run to run (a rank's full ``malloc`` log replayed through glibc: 215 MiB above
+  the reset, its tensor allocations alone 151 MiB; BENCHMARKS.md). With those
+  buffers on mappings of their own no freed chunk of theirs is left to carve.
+* They are allocated from the top of the heap between the tensors, so the top
+  is never free above the trim threshold while a step runs: a rank's resident
+  set, sampled at every unit boundary of a step (benchmark GPT, W=4), only
+  dropped when fsdp_compose unmapped a buffer, never by a heap trim. Replaying
+  the tensors alone, glibc would trim the top after the logits and their
+  gradients are freed, and the model would miss the backward's peak (14% low
+  for that case); so the estimator replays with ``trim_top=False``.
+  ``tests/test_plan.py::test_glibc_model_matches_glibc`` compares the model
+  with trimming against glibc on the tensor sequence alone.
+
+Not modelled: the sharded state's placement (allocated before the step and live
+throughout; counted separately), threads other than the training thread (gloo's
+use their own arenas).
 """
 
 from __future__ import annotations
@@ -87,6 +107,8 @@ TCACHE_COUNT = 7
 TCACHE_MAX = 1032  # the largest chunk the tcache takes (64 bins)
 FASTBIN_CONSOLIDATION_THRESHOLD = 64 * 1024
 
+OWN_MAPPING = -2  # address of a buffer mapped by fsdp_compose itself (-1: by glibc)
+
 #: Allocator modes :func:`~fsdp_compose.plan.estimate` knows (``host_allocator``).
 HOST_ALLOCATORS = ("glibc", "mmap")
 
@@ -101,8 +123,11 @@ class GlibcHeap:
     """A best-fit heap with glibc's dynamic mmap threshold and top trimming.
 
     Addresses are offsets from the heap start. ``resident`` is the touched heap
-    bytes (whole pages) plus the live mapped bytes.
+    bytes (whole pages) plus the live mapped bytes. ``trim_top=False``: a free
+    top is never given back between ``malloc_trim`` calls (see ``replay``).
     """
+
+    trim_top: bool = True
 
     mmap_threshold: int = MMAP_THRESHOLD_START
     trim_threshold: int = TRIM_THRESHOLD_START
@@ -174,6 +199,13 @@ class GlibcHeap:
         if tail:
             self._free_small(addr + lead + nb, tail)
 
+    def map(self, key: Any, nbytes: int) -> None:
+        """A buffer on an anonymous mapping of its own (not glibc's): resident
+        while alive (its pages are all written), gone when freed."""
+        pages = (nbytes + PAGE - 1) // PAGE * PAGE
+        self.used[key] = (OWN_MAPPING, pages)
+        self.mapped += pages
+
     def _take(self, size: int) -> tuple[int, int] | None:
         """Best fit among the free chunks below the top (glibc's bins)."""
         best = -1
@@ -214,6 +246,9 @@ class GlibcHeap:
         if entry is None:
             return
         addr, size = entry
+        if addr == OWN_MAPPING:
+            self.mapped -= size
+            return
         if addr < 0:
             self.mapped -= size
             if self.mmap_threshold < size <= MMAP_THRESHOLD_MAX:
@@ -229,7 +264,7 @@ class GlibcHeap:
         self._release_chunk(addr, size)
         if size >= FASTBIN_CONSOLIDATION_THRESHOLD:
             self._consolidate()
-            if self.brk - self.top > self.trim_threshold:
+            if self.trim_top and self.brk - self.top > self.trim_threshold:
                 self._release(self.top + TOP_PAD, self.brk)
                 self.brk = self.top + TOP_PAD
 
@@ -264,14 +299,23 @@ class GlibcHeap:
         self.brk = self.top
 
 
-def replay(events: Sequence[tuple[Any, ...]], passes: int = 2) -> tuple[int, str]:
-    """Replays ``events`` (``("a", key, nbytes)``, ``("f", key)``, ``("m", where)``)
+def replay(
+    events: Sequence[tuple[Any, ...]], passes: int = 2, *, trim_top: bool = False
+) -> tuple[int, str]:
+    """Replays ``events`` (``("a", key, nbytes)``: ``posix_memalign``; ``("map", key,
+    nbytes)``: a mapping of fsdp_compose's own; ``("f", key)``, ``("m", where)``)
     ``passes`` times, with ``malloc_trim(0)`` before the last pass.
+
+    ``trim_top``: whether a free top above the trim threshold is given back
+    during the step, as glibc does for a sequence of tensors alone. The
+    estimator replays without it: in a real step, objects too small to trace
+    are allocated from the top between the tensors and keep it from shrinking
+    (``[Note: resident memory under glibc's default allocator]``).
 
     Returns:
         (the largest resident bytes of the last pass, the last mark before it).
     """
-    heap = GlibcHeap()
+    heap = GlibcHeap(trim_top=trim_top)
     peak, at, where = -1, "", ""
     for n in range(passes):
         last = n == passes - 1
@@ -279,8 +323,11 @@ def replay(events: Sequence[tuple[Any, ...]], passes: int = 2) -> tuple[int, str
             heap.malloc_trim()
         for ev in events:
             kind = ev[0]
-            if kind == "a":
-                heap.malloc((n, ev[1]), ev[2])
+            if kind in ("a", "map"):
+                if kind == "a":
+                    heap.malloc((n, ev[1]), ev[2])
+                else:
+                    heap.map((n, ev[1]), ev[2])
                 if last and heap.resident > peak:
                     peak, at = heap.resident, where
             elif kind == "f":
