@@ -96,8 +96,8 @@ def step_events(
             else:  # the outputs are assigned to the sharded gradients at the end
                 received, reduced = ("received", u.name), ("reduced", u.name)
                 out.append(own(reduced, u.reduce_row))
-                # gloo's receive buffer (``torch.empty_like``): in the heap
-                out.append(("a", received, shard * u.reduce_row))
+                # the gloo exchange's receive buffer: a mapping of its own too
+                out.append(own(received, shard * u.reduce_row))
                 pending = [packed, received]
                 results.append(reduced)
         out.extend(("f", k) for k in grad_keys[u.name] if k is not None)
