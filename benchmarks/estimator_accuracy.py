@@ -268,6 +268,10 @@ def measure_job(config: dict[str, Any]) -> dict[str, Any]:
     """``worker.py`` entry point (``kind: "estimate"``)."""
     if config.get("mmap_threshold"):
         mmap_large_allocations(config["mmap_threshold"])
+    if config.get("host_buffers"):
+        from fsdp_compose.plan import set_host_buffers
+
+        set_host_buffers(config["host_buffers"])
     if config.get("calibrate"):
         return calibrate_bandwidth()
     plan = plan_from_dict(config["plan"]) if config.get("plan") else None
@@ -324,17 +328,21 @@ def mmap_large_allocations(threshold: int = 65536) -> None:
         raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
 
 
-def run_case(case: Case, scale: str = "bench", mmap_threshold: int = 0) -> dict[str, Any]:
+def run_case(
+    case: Case, scale: str = "bench", mmap_threshold: int = 0, host_buffers: str = "heap"
+) -> dict[str, Any]:
     """Measures ``case`` on fresh ranks and compares with the estimate.
 
     With ``mmap_threshold``, the ranks fix glibc's mmap threshold there
     (:func:`mmap_large_allocations`) and the estimate assumes freed tensors
     leave the resident set (``host_allocator="mmap"``); else both use glibc's
-    default settings.
+    default settings. ``host_buffers``: where the ranks put fsdp_compose's
+    per-step buffers (``fsdp_compose.plan.set_host_buffers``).
     """
     from harness import run_job
 
-    est = predict(case, scale, "mmap" if mmap_threshold else "glibc")
+    allocator = "glibc+mapped" if host_buffers == "mapped" else "glibc"
+    est = predict(case, scale, "mmap" if mmap_threshold else allocator)
     ranks = run_job(
         {
             "kind": "estimate",
@@ -343,6 +351,7 @@ def run_case(case: Case, scale: str = "bench", mmap_threshold: int = 0) -> dict[
             "case": asdict(case),
             "scale": scale,
             "mmap_threshold": mmap_threshold,
+            "host_buffers": host_buffers,
         },
         timeout_s=900,
     )
@@ -392,12 +401,19 @@ def main() -> None:
         help="fix glibc's mmap threshold in the ranks (e.g. 65536) and estimate with "
         "host_allocator='mmap' (default: glibc's default settings, host_allocator='glibc')",
     )
+    parser.add_argument(
+        "--host-buffers",
+        choices=("heap", "mapped"),
+        default="heap",
+        help="where the ranks allocate fsdp_compose's per-step buffers "
+        "(fsdp_compose.plan.set_host_buffers; default: heap, the library's default)",
+    )
     args = parser.parse_args()
     rows = []
     print("| case | predicted (MiB) | measured (MiB) | measured / predicted | predicted peak at |")
     print("| --- | ---: | ---: | ---: | --- |")
     for case in cases(args.quick):
-        r = run_case(case, mmap_threshold=args.mmap_threshold)
+        r = run_case(case, mmap_threshold=args.mmap_threshold, host_buffers=args.host_buffers)
         rows.append(r)
         print(
             f"| {r['case']} | {r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "

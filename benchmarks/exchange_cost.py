@@ -56,7 +56,7 @@ class _Works:
 
 def _before_route() -> Any:
     """The gloo route before the exchanges: collectives matched by order."""
-    from fsdp_compose import _collectives
+    from fsdp_compose import _collectives, _host_memory
 
     class BeforeRoute(_collectives.Route):
         __slots__ = ()
@@ -77,7 +77,8 @@ def _before_route() -> Any:
             return _Works(works)
 
         def reduce_scatter(self, output, input, group, label, step):  # type: ignore[no-untyped-def]
-            received = torch.empty_like(input)
+            # the receive buffer allocated as the exchanges allocate theirs
+            received = _host_memory.empty(input.numel(), input.dtype, input.device)
             work = group.alltoall_base(received, input, [], [])
             rows = received.view(group.size(), -1)
             return _Works([work], lambda: torch.sum(rows, dim=0, out=output))

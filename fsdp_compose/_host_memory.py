@@ -25,7 +25,12 @@ one-rank step also allocates (activations, autograd's gradients), and
 
 The price is the first write to each page of a fresh mapping (the kernel zeroes
 it): large buffers ask for transparent huge pages to keep that small, and buffers
-below :data:`MIN_BYTES`, where the system call would show, stay in the heap.
+below :data:`MIN_BYTES`, where the system call would show, stay in the heap. Even
+so it measured 6.5% of the small benchmark preset's training step at W=2
+(``benchmarks/exchange_cost.py``-style A/B in one process), so it is opt-in:
+``fsdp_compose.plan.set_host_buffers("mapped")`` or
+``FSDP_COMPOSE_HOST_BUFFERS=mapped`` (:func:`set_enabled`); by default the buffers
+stay in the heap.
 """
 
 from __future__ import annotations
@@ -37,6 +42,19 @@ import torch
 
 from . import _collectives
 
+_enabled = False
+
+
+def set_enabled(enabled: bool) -> None:
+    """Puts later per-step host buffers on mappings of their own (see the Note)."""
+    global _enabled
+    _enabled = enabled
+
+
+def enabled() -> bool:
+    return _enabled
+
+
 #: Host buffers of at least this many bytes get their own mapping (glibc's own
 #: initial mmap threshold).
 MIN_BYTES = 128 * 1024
@@ -47,7 +65,10 @@ def _outside_heap(nbytes: int, device: torch.device) -> bool:
     # Not under a dispatch mode (fake tensors, tracing, memory trackers): those must
     # see the allocation, and torch.frombuffer bypasses them.
     return (
-        device.type == "cpu" and nbytes >= MIN_BYTES and torch._C._len_torch_dispatch_stack() == 0
+        _enabled
+        and device.type == "cpu"
+        and nbytes >= MIN_BYTES
+        and torch._C._len_torch_dispatch_stack() == 0
     )
 
 

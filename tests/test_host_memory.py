@@ -17,6 +17,21 @@ MIB = 2**20
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def _mapped() -> object:
+    """These tests are about the opt-in mapped buffers (``set_host_buffers("mapped")``)."""
+    previous = _host_memory.enabled()
+    _host_memory.set_enabled(True)
+    yield
+    _host_memory.set_enabled(previous)
+
+
+def test_heap_by_default() -> None:
+    _host_memory.set_enabled(False)
+    assert not _host_memory.PageBackedBuffer.wanted(2**30, torch.uint8, CPU)
+    assert _host_memory.empty(2**20, torch.uint8, CPU)._base is None
+
+
 def _rss() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -98,7 +113,9 @@ def _parity_job() -> dict:
     from helpers import gpt_batches, train_side_by_side
 
     from fsdp_compose import fully_shard
+    from fsdp_compose.plan import set_host_buffers
 
+    set_host_buffers("mapped")
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=128)
     ref = GPT(cfg)
@@ -108,6 +125,7 @@ def _parity_job() -> dict:
     fully_shard(model)
     parity = train_side_by_side(model, ref, 3, gpt_batches(cfg), loss_fn)
     units = model._fsdp_state().scheduler.units
+    set_host_buffers("heap")
     return {
         **parity,
         "page_backed": [u.name for u in units if u._pages is not None],

@@ -63,6 +63,7 @@ from typing import Any
 
 from torch import nn
 
+from .. import _host_memory
 from .._mesh import validate_reshard_after_forward
 from .._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._events import step_events
@@ -268,7 +269,7 @@ def estimate(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     optimizer: str = "adamw",
     device: str = "cuda",
-    host_allocator: str = "glibc",
+    host_allocator: str | None = None,
     step_fn: StepFn = default_step,
     profile: ModelProfile | None = None,
 ) -> MemoryEstimate:
@@ -298,11 +299,14 @@ def estimate(
         device: ``"cuda"`` (default) or ``"cpu"``: where the training runs; it only
             matters with offload (on ``"cpu"`` the offloaded state stays in the peak).
         host_allocator: how host memory is allocated when ``device="cpu"``:
-            ``"glibc"`` (default): glibc's ``malloc`` with its default settings,
-            where freed tensors can stay resident (the step's allocation
-            sequence is replayed through a model of it, and the excess over the
-            live bytes is reported as ``breakdown["allocator"]``; see
-            ``[Note: resident memory under glibc's default allocator]``);
+            ``"glibc"``: glibc's ``malloc`` with its default settings, where freed
+            tensors can stay resident (the step's allocation sequence is replayed
+            through a model of it, and the excess over the live bytes is reported
+            as ``breakdown["allocator"]``; see ``[Note: resident memory under
+            glibc's default allocator]``); ``"glibc+mapped"``: the same with
+            fsdp_compose's per-step buffers on mappings of their own
+            (:func:`set_host_buffers`); ``None`` (default): whichever of these
+            two this process uses;
             ``"mmap"``: an allocator that returns every freed tensor to the
             system, e.g. glibc with ``MALLOC_MMAP_THRESHOLD_=65536`` (or
             ``mallopt(M_MMAP_THRESHOLD, ...)``), which turns the dynamic
@@ -328,6 +332,8 @@ def estimate(
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZERS)}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if host_allocator is None:
+        host_allocator = "glibc+mapped" if _host_memory.enabled() else "glibc"
     if host_allocator not in HOST_ALLOCATORS:
         raise ValueError(
             f"host_allocator must be one of {HOST_ALLOCATORS} (glibc's default malloc, or "
@@ -366,7 +372,8 @@ def estimate(
         peak, at = owner, "optimizer step (Muon owner)"
         terms = {"unsharded": owner, "activations": 0, "comm_buffers": 0}
     terms["allocator"] = 0
-    if device == "cpu" and host_allocator == "glibc":
+    if device == "cpu" and host_allocator != "mmap":
+        mapped = host_allocator == "glibc+mapped"
         resident, resident_at = replay(
             step_events(
                 units,
@@ -375,7 +382,10 @@ def estimate(
                 shard,
                 muon_owner_bytes=owner,
                 adam_like=OPTIMIZERS[optimizer] == 2,
-            )
+                mapped=mapped,
+            ),
+            # with the buffers in the heap, glibc trims its free top as it goes
+            trim_top=not mapped,
         )
         if resident > peak:
             terms["allocator"] = resident - peak

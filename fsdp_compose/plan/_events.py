@@ -28,13 +28,16 @@ def step_events(
     *,
     muon_owner_bytes: int,
     adam_like: bool,
+    mapped: bool = True,
 ) -> list[tuple[Any, ...]]:
     """The step's allocation sequence: the model's traced storages with
     fsdp_compose's buffers inserted at the unit boundaries
     (``[Note: resident memory under glibc's default allocator]``).
     ``muon_owner_bytes``: what a Muon owner holds in the optimizer step (0 for
     other optimizers); ``adam_like``: the optimizer keeps two states (AdamW's
-    temporaries)."""
+    temporaries).``mapped``: fsdp_compose's own buffers are on mappings of their own
+    (``fsdp_compose.plan.set_host_buffers("mapped")``), else in the heap.
+    """
     root, blocks = units[0], units[1:]
     by_name = {u.name: u for u in units}
     unit_of = {m: by_name[up.name] for up in plan.units for m in up.modules}
@@ -53,7 +56,7 @@ def step_events(
     def own(key: Any, nbytes: int) -> tuple[Any, ...]:
         """fsdp_compose's own buffer: on a mapping of its own from ``MIN_BYTES``
         ([Note: per-step host buffers outside the heap] in ``_host_memory.py``)."""
-        return ("map" if nbytes >= MIN_BYTES else "a", key, nbytes)
+        return ("map" if mapped and nbytes >= MIN_BYTES else "a", key, nbytes)
 
     def gather(u: _Unit) -> None:
         """Issues the all-gather: its output buffer (``W * row``)."""
@@ -96,8 +99,8 @@ def step_events(
             else:  # the outputs are assigned to the sharded gradients at the end
                 received, reduced = ("received", u.name), ("reduced", u.name)
                 out.append(own(reduced, u.reduce_row))
-                # the gloo exchange's receive buffer: a mapping of its own too
-                out.append(own(received, shard * u.reduce_row))
+                # the gloo exchange's receive buffer (``torch.empty_like``): in the heap
+                out.append(("a", received, shard * u.reduce_row))
                 pending = [packed, received]
                 results.append(reduced)
         out.extend(("f", k) for k in grad_keys[u.name] if k is not None)

@@ -110,7 +110,7 @@ FASTBIN_CONSOLIDATION_THRESHOLD = 64 * 1024
 OWN_MAPPING = -2  # address of a buffer mapped by fsdp_compose itself (-1: by glibc)
 
 #: Allocator modes :func:`~fsdp_compose.plan.estimate` knows (``host_allocator``).
-HOST_ALLOCATORS = ("glibc", "mmap")
+HOST_ALLOCATORS = ("glibc", "glibc+mapped", "mmap")
 
 
 def _chunk(nbytes: int) -> int:
