@@ -22,11 +22,12 @@ unwrapped model costs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from . import _collectives, _compat, _host_memory
+from . import _collectives, _compat
 from ._mesh import MeshInfo
 from ._sharded_param import ShardedParam
 
@@ -38,6 +39,60 @@ class _Slot:
     param: ShardedParam | None  # None: alignment gap
     offset: int  # within one rank's row, in buffer elements
     size: int  # per-rank padded slot, in buffer elements
+
+
+class PageBacked(Protocol):
+    """A flat CPU tensor whose memory ``release`` gives back while the tensor (and
+    every view of it) stays valid."""
+
+    tensor: torch.Tensor
+
+    def release(self) -> None: ...
+
+
+class HostBuffers(Protocol):
+    """Where the large per-step CPU buffers come from when an extension says so
+    (``_host_memory.py``, opt-in): ``empty`` returns ``None`` to leave a buffer to
+    ``torch.empty``, ``page_backed`` to leave the unsharded storage to it."""
+
+    def empty(
+        self, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None: ...
+
+    def page_backed(
+        self, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> PageBacked | None: ...
+
+
+host_buffers: HostBuffers | None = None
+
+
+def set_host_buffers(buffers: HostBuffers | None) -> None:
+    """Makes ``buffers`` the source of later per-step CPU buffers (``None``: ``torch.empty``)."""
+    global host_buffers
+    host_buffers = buffers
+
+
+def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A per-step buffer: ``torch.empty``, or from :data:`host_buffers`."""
+    buffers = host_buffers
+    tensor = None if buffers is None else buffers.empty(numel, dtype, device)
+    return torch.empty(numel, dtype=dtype, device=device) if tensor is None else tensor
+
+
+def comm_buffer(
+    comm: _collectives.AllGatherComm | _collectives.ReduceScatterComm,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    label: str,
+    kind: _collectives.CollectiveKind,
+) -> torch.Tensor:
+    """:func:`~fsdp_compose._collectives.allocate`, except that fsdp_compose's own
+    collectives' buffers come from :func:`empty`."""
+    if getattr(comm, "trusted", False):
+        return empty(numel, dtype, device)
+    return _collectives.allocate(comm, numel, dtype, device, label, kind)
 
 
 class FlatBuffer:
@@ -56,7 +111,7 @@ class FlatBuffer:
     _gather_output: torch.Tensor | None
     _gather_world: int
     _unsharded: torch.Tensor | None
-    _pages: _host_memory.PageBackedBuffer | None
+    _pages: PageBacked | None
     _alias: bool
 
     @property
@@ -112,10 +167,12 @@ class FlatBuffer:
             return
         # Views are created while the storage exists (slicing checks bounds), then
         # the storage is freed until the first unshard.
-        # On CPU a large one is on pages of its own ([Note: per-step host buffers
-        # outside the heap] in _host_memory.py).
-        if _host_memory.PageBackedBuffer.wanted(world * row, self._buffer_dtype, device):
-            self._pages = _host_memory.PageBackedBuffer(world * row, self._buffer_dtype)
+        # With mapped host buffers, a large one is on pages of its own ([Note:
+        # per-step host buffers outside the heap] in _host_memory.py).
+        buffers = host_buffers
+        if buffers is not None:
+            self._pages = buffers.page_backed(world * row, self._buffer_dtype, device)
+        if self._pages is not None:
             flat = self._pages.tensor
         else:
             flat = torch.empty(world * row, dtype=self._buffer_dtype, device=device)
@@ -247,7 +304,7 @@ class FlatBuffer:
         ]
         numel = sum(p.numel() for p in pieces)
         device = self._unsharded.device
-        return torch.cat(pieces, out=_host_memory.empty(numel, self._buffer_dtype, device))
+        return torch.cat(pieces, out=empty(numel, self._buffer_dtype, device))
 
 
 def _alloc_storage(tensor: torch.Tensor) -> None:

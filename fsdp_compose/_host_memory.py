@@ -1,4 +1,7 @@
-"""Per-step host buffers on mappings of their own, outside glibc's heap.
+"""Per-step host buffers on mappings of their own, outside glibc's heap (opt-in).
+
+An extension: while enabled it is the core's source of large per-step CPU buffers
+(``_flat_buffer.set_host_buffers``).
 
 [Note: per-step host buffers outside the heap]
 On CPU, every step allocates and frees fsdp_compose's large buffers once per unit:
@@ -40,7 +43,7 @@ import mmap
 
 import torch
 
-from . import _collectives
+from . import _flat_buffer
 
 _enabled = False
 
@@ -49,6 +52,7 @@ def set_enabled(enabled: bool) -> None:
     """Puts later per-step host buffers on mappings of their own (see the Note)."""
     global _enabled
     _enabled = enabled
+    _flat_buffer.set_host_buffers(_MAPPED if enabled else None)
 
 
 def enabled() -> bool:
@@ -109,19 +113,7 @@ def _private_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     return mapping, offset
 
 
-def comm_buffer(
-    comm: _collectives.AllGatherComm | _collectives.ReduceScatterComm,
-    numel: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    label: str,
-    kind: _collectives.CollectiveKind,
-) -> torch.Tensor:
-    """:func:`~fsdp_compose._collectives.allocate`, except that the buffers of
-    fsdp_compose's own collectives come from :func:`empty`."""
-    if getattr(comm, "trusted", False):
-        return empty(numel, dtype, device)
-    return _collectives.allocate(comm, numel, dtype, device, label, kind)
+comm_buffer = _flat_buffer.comm_buffer
 
 
 class PageBackedBuffer:
@@ -139,3 +131,24 @@ class PageBackedBuffer:
 
     def release(self) -> None:
         self._map.madvise(mmap.MADV_DONTNEED)
+
+
+class _Mapped:
+    """The core's host buffers (``_flat_buffer.HostBuffers``) while enabled."""
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        return (
+            empty(numel, dtype, device) if _outside_heap(numel * dtype.itemsize, device) else None
+        )
+
+    def page_backed(
+        self, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> PageBackedBuffer | None:
+        return (
+            PageBackedBuffer(numel, dtype)
+            if PageBackedBuffer.wanted(numel, dtype, device)
+            else None
+        )
+
+
+_MAPPED = _Mapped()

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from . import _collectives, _compat, _host_memory
+from . import _collectives, _compat, _flat_buffer
 from ._collectives import PendingCollective, ReduceScatterComm
 from ._mesh import MeshInfo
 from ._sharded_param import ShardedParam
@@ -140,7 +140,7 @@ class GradientReduction:
         comm = self._reduce_scatter
         if self.custom_reduce_scatter is not None and world > 1:
             comm = self.custom_reduce_scatter  # like FSDP2: both buffers come from the comm
-        packed = _host_memory.comm_buffer(
+        packed = _flat_buffer.comm_buffer(
             comm, world * row, reduce_dtype, info.device, self.name, "reduce_scatter"
         )
         # Gradients from autograd do not require grad: no no_grad context needed.
@@ -154,7 +154,7 @@ class GradientReduction:
         if world == 1:
             output, rs = packed, None
         else:
-            output = _host_memory.comm_buffer(
+            output = _flat_buffer.comm_buffer(
                 comm, row, reduce_dtype, info.device, self.name, "reduce_scatter"
             )
             group = self._reduce_scatter_group or self.mesh_info.shard_group

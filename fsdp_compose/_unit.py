@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives, _host_memory
+from . import _collectives, _flat_buffer
 from ._collectives import AllGatherComm, PendingCollective, ReduceScatterComm
 from ._flat_buffer import FlatBuffer
 from ._mesh import MeshInfo, post_forward_subgroup
@@ -314,7 +314,7 @@ class Unit(FlatBuffer, GradientReduction):
             comm = self._all_gather
         if self.custom_all_gather is not None and self._world > 1:
             comm = self.custom_all_gather
-        out = _host_memory.comm_buffer(comm, world * row, dtype, device, self.name, "all_gather")
+        out = _flat_buffer.comm_buffer(comm, world * row, dtype, device, self.name, "all_gather")
         # Like FSDP2, a custom all-gather takes this rank's row of its output as
         # input; so does the default one on NCCL, and gloo's exchanges.
         if getattr(comm, "in_place", True):
@@ -330,7 +330,7 @@ class Unit(FlatBuffer, GradientReduction):
         else:
             # gloo's own all-gather is slower in place (input a view of the
             # output; 6.3 ms vs 4.5 ms for 7 MiB at W=2): send a copy.
-            send = _host_memory.empty(row, dtype, device)
+            send = _flat_buffer.empty(row, dtype, device)
             self._copy_in(send)
         self._gather_output, self._gather_world = out, world
         if world == 1:
