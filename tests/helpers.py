@@ -13,7 +13,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_compose import _collective_hooks, _collectives
+from fsdp_compose import _collective_hooks, _collectives, _guard
+
+#: The collective guard is on for the whole run (FSDP_COMPOSE_COLLECTIVE_GUARD=1):
+#: collectives then go by its lanes, not by the default gloo exchanges.
+GUARDED = _guard.enabled
 
 
 class CollectiveLog:

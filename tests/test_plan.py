@@ -29,7 +29,14 @@ import time
 import pytest
 import torch
 from gpt import GPT, Block, GPTConfig, loss_fn
-from helpers import gpt_batches, local_slice, mean_across_ranks, rank_world, train_side_by_side
+from helpers import (
+    GUARDED,
+    gpt_batches,
+    local_slice,
+    mean_across_ranks,
+    rank_world,
+    train_side_by_side,
+)
 from torch import nn
 
 from fsdp_compose import MixedPrecisionPolicy
@@ -531,6 +538,7 @@ def test_glibc_model_matches_glibc(case: dict, tmp_path) -> None:  # type: ignor
     ],
     ids=["gpt-W1", "tied-W2-noreshard", "gpt-W4"],
 )
+@pytest.mark.skipif(GUARDED, reason="the estimate does not model the guard's lanes")
 def test_estimate_within_10_percent_with_glibc_default_allocator(case: dict) -> None:
     """Fresh rank processes with glibc's default settings (a pooled rank's heap
     carries earlier tests' history): the estimate includes what the heap keeps,
