@@ -25,9 +25,7 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -35,6 +33,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
 
 _BROADCAST_MIN_ROW_BYTES = 64 * 1024
 
@@ -89,14 +89,7 @@ def _before_route() -> Any:
 def _worker(
     rank: int, world: int, init_file: str, args: argparse.Namespace, queue: mp.Queue
 ) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=300),
-    )
+    harness.init_gloo(rank, world, init_file)
     import workloads
 
     from fsdp_compose import _collectives
@@ -189,21 +182,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12, help="timed steps per side")
     p.add_argument("--calls", type=int, default=300, help="timed calls per side and probe")
     args = p.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    fd, init_file = tempfile.mkstemp(prefix="fsdp_compose_exchange_")
-    os.close(fd)
-    os.unlink(init_file)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.world_size, init_file, args, queue))
-        for r in range(args.world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    result = queue.get(timeout=1800)
-    for proc in procs:
-        proc.join()
+    result = harness.spawn_ranks(_worker, args.world_size, args, "fsdp_compose_exchange_")
     print(f"W={args.world_size}, loopback, median over {args.calls} calls each, alternating:")
     for name, us in result["us_per_call"].items():
         cpu_us = result["cpu_us_per_call"][name]

@@ -23,9 +23,7 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,18 +31,13 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import harness  # noqa: E402
+
 
 def _worker(
     rank: int, world: int, init_file: str, args: argparse.Namespace, queue: mp.Queue
 ) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=300),
-    )
+    harness.init_gloo(rank, world, init_file)
     import workloads
 
     from fsdp_compose import _collective_hooks, _guard
@@ -149,21 +142,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per side (on and off)")
     p.add_argument("--calls", type=int, default=500, help="guard calls timed on their own")
     args = p.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    fd, init_file = tempfile.mkstemp(prefix="fsdp_compose_guard_")
-    os.close(fd)
-    os.unlink(init_file)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.world_size, init_file, args, queue))
-        for r in range(args.world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    result = queue.get(timeout=1800)
-    for proc in procs:
-        proc.join()
+    result = harness.spawn_ranks(_worker, args.world_size, args, "fsdp_compose_guard_")
     on, off = result["step_wall_s"][True], result["step_wall_s"][False]
     cpu_on, cpu_off = result["step_cpu_s"][True], result["step_cpu_s"][False]
     n = result["collectives_per_step"]

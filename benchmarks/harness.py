@@ -55,7 +55,10 @@ def run_job(config: dict[str, Any], timeout_s: float = 1800.0) -> list[dict[str,
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, _WORKER, config_path, str(rank)],
-                        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=_REPO,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        cwd=_REPO,
                     )
                 )
         deadline = time.monotonic() + timeout_s
@@ -63,11 +66,15 @@ def run_job(config: dict[str, Any], timeout_s: float = 1800.0) -> list[dict[str,
             failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
             if failed or time.monotonic() > deadline:
                 why = f"rank {failed[0]} failed" if failed else f"timed out after {timeout_s:.0f}s"
-                raise JobFailed(f"{_describe(config)}: {why}\n" + _tail(logs[failed[0] if failed else 0]))
+                raise JobFailed(
+                    f"{_describe(config)}: {why}\n" + _tail(logs[failed[0] if failed else 0])
+                )
             time.sleep(0.2)
         failed = [r for r, p in enumerate(procs) if p.returncode != 0]
         if failed:
-            raise JobFailed(f"{_describe(config)}: rank {failed[0]} failed\n" + _tail(logs[failed[0]]))
+            raise JobFailed(
+                f"{_describe(config)}: rank {failed[0]} failed\n" + _tail(logs[failed[0]])
+            )
         results = []
         for rank in range(world):
             with open(os.path.join(workdir, f"rank{rank}.json")) as f:
@@ -83,3 +90,44 @@ def run_job(config: dict[str, Any], timeout_s: float = 1800.0) -> list[dict[str,
 
 def _describe(config: dict[str, Any]) -> str:
     return f"{config['kind']} {config.get('preset', '')} {config['impl']} W={config['world_size']}"
+
+
+def init_gloo(rank: int, world_size: int, init_file: str) -> None:
+    """Joins the gloo group of a :func:`spawn_ranks` job (one thread per rank)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=300),
+    )
+
+
+def spawn_ranks(worker: Any, world_size: int, args: Any, prefix: str) -> Any:
+    """Runs ``worker(rank, world_size, init_file, args, queue)`` on ``world_size``
+    spawned processes (``OMP_NUM_THREADS=1``) and returns what rank 0 puts on
+    ``queue``; the workers call :func:`init_gloo` with ``init_file``."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    fd, init_file = tempfile.mkstemp(prefix=prefix)
+    os.close(fd)
+    os.unlink(init_file)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=worker, args=(r, world_size, init_file, args, queue))
+        for r in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    result = queue.get(timeout=1800)
+    for proc in procs:
+        proc.join()
+    return result

@@ -120,13 +120,18 @@ def _occurrence(exchange: Exchange, issued: list[int]) -> int:
     return issued[: position + 1].count(exchange.tag)
 
 
-def _record(exchange: Exchange) -> dict[str, Any]:
+def _what(exchange: Exchange) -> list[Any]:
+    """``exchange``'s name as published: kind, unit, step, elements, dtype."""
     kind, label, step, numel, dtype = exchange.name
+    return [kind, label, step, numel, str(dtype).removeprefix("torch.")]
+
+
+def _record(exchange: Exchange) -> dict[str, Any]:
     issued = list(exchange.peers.issued)
     return {
         "wait": exchange.tag,
         "occurrence": _occurrence(exchange, issued),
-        "what": [kind, label, step, numel, str(dtype).removeprefix("torch.")],
+        "what": _what(exchange),
         "issued": issued,
     }
 
@@ -194,7 +199,7 @@ def _diagnose(exchange: Exchange, store: Any) -> list[Any] | None:
             and mine.count(theirs["wait"]) < theirs["occurrence"]
         ):
             me = peers.global_ranks[peers.rank]
-            return [me, _record(exchange)["what"], peers.global_ranks[peer], theirs["what"]]
+            return [me, _what(exchange), peers.global_ranks[peer], theirs["what"]]
     return None
 
 
