@@ -41,6 +41,7 @@ scheduler owns one), so two roots in one process do not mix their steps.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -334,46 +335,31 @@ def _launch(
     whether a hook may issue it on another group with the same ranks (not a
     user-supplied comm, which may ask its group for its ranks)."""
     what = f"{kind} for {label} (step {step})"
-    if out.device.type == "cpu":
-        work, observer = _issue(kind, label, group, inp, out, step, movable, issue, True, what)
+    on_cpu = out.device.type == "cpu"
+    if not on_cpu:
+        streams = _device_streams(out.device)
+        stream = streams.reduce_scatter if kind != "all_gather" else streams.all_gather
+        stream.wait_stream(streams.module.current_stream(out.device))
+    try:
+        with contextlib.nullcontext() if on_cpu else streams.module.stream(stream):
+            hook = _hook
+            if hook is None:
+                work, observer = issue(on_cpu, group), None
+            else:
+                run = lambda on: issue(on_cpu, on)  # noqa: E731
+                work, observer = hook.launch(kind, label, group, inp, out, step, movable, run)
+    except CollectiveMismatchError:
+        raise
+    except RuntimeError as exc:
+        raise _failure(what, exc, out, group) from exc
+    if on_cpu:
         return PendingCollective(work, observer, (inp, out), what, group)
-    streams = _device_streams(out.device)
-    stream = streams.reduce_scatter if kind != "all_gather" else streams.all_gather
-    stream.wait_stream(streams.module.current_stream(out.device))
-    with streams.module.stream(stream):
-        _, observer = _issue(kind, label, group, inp, out, step, movable, issue, False, what)
-        event = stream.record_event()
-    device = out.device
+    event, device = stream.record_event(), out.device
 
     def stream_wait() -> None:
         streams.module.current_stream(device).wait_event(event)
 
     return PendingCollective(None, observer, (inp, out), what, group, stream_wait)
-
-
-def _issue(
-    kind: CollectiveKind,
-    label: str,
-    group: Group,
-    inp: torch.Tensor,
-    out: torch.Tensor,
-    step: int,
-    movable: bool,
-    issue: Callable[[bool, Group], dist.Work | None],
-    async_op: bool,
-    what: str,
-) -> tuple[dist.Work | None, WaitObserver | None]:
-    try:
-        hook = _hook
-        if hook is None:
-            return issue(async_op, group), None
-        return hook.launch(
-            kind, label, group, inp, out, step, movable, lambda on: issue(async_op, on)
-        )
-    except CollectiveMismatchError:
-        raise
-    except RuntimeError as exc:
-        raise _failure(what, exc, out, group) from exc
 
 
 # --- The collectives ---
@@ -385,79 +371,23 @@ def _real_view(tensor: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(tensor).view(-1) if tensor.is_complex() else tensor
 
 
-class _DefaultComm:
-    """What fsdp_compose's own collectives share: plain buffers, which need no
-    checking, and the :class:`Route` of the group they run on."""
-
-    __slots__ = ("route",)
-    trusted = True
-
-    def __init__(self, route: Route) -> None:
-        self.route = route
-
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
-
-class DefaultAllGather(_DefaultComm):
-    """fsdp_compose's own all-gather, with the :class:`AllGatherComm` interface
-    that a custom one (``set_custom_all_gather``) replaces: one code path issues
-    both. Made per unit and group, on the group's :class:`Route`.
+class DefaultComm:
+    """fsdp_compose's own all-gather or reduce-scatter on one group's
+    :class:`Route`, made per unit and group: what a custom comm
+    (``set_custom_all_gather``, ``set_custom_reduce_scatter``) replaces; both are
+    issued by the same launch. Its buffers are plain tensors.
 
     Args:
-        route: ``route_of(group)`` of the group it gathers on.
-        in_place: whether its input is this rank's row of its output (as
-            :func:`gathers_in_place` decided), else a buffer of its own.
+        route: ``route_of(group)`` of the group it runs on.
+        in_place: (all-gathers) whether its input is this rank's row of its output,
+            as :func:`gathers_in_place` decided, else a buffer of its own.
     """
 
-    __slots__ = ("in_place",)
+    __slots__ = ("in_place", "route")
 
-    def __init__(self, route: Route, in_place: bool) -> None:
-        super().__init__(route)
+    def __init__(self, route: Route, in_place: bool = False) -> None:
+        self.route = route
         self.in_place = in_place
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-        *,
-        label: str = "",
-        step: int = 0,
-    ) -> dist.Work | None:
-        output, input = _real_view(output_tensor), _real_view(input_tensor)
-        if output.device.type != "cpu":
-            return _compat.all_gather_into_tensor(output, input, group, async_op)
-        return self.route.all_gather(output, input, group, label, step)
-
-
-class DefaultReduceScatter(_DefaultComm):
-    """fsdp_compose's own reduce-scatter (a sum), with the
-    :class:`ReduceScatterComm` interface that a custom one
-    (``set_custom_reduce_scatter``) replaces. Made per unit and group, on the
-    group's :class:`Route`.
-    """
-
-    __slots__ = ()
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp,
-        async_op: bool = False,
-        *,
-        label: str = "",
-        step: int = 0,
-    ) -> dist.Work | None:
-        output, input = _real_view(output_tensor), _real_view(input_tensor)
-        if output.device.type != "cpu":
-            return _compat.reduce_scatter_tensor(output, input, group, async_op)
-        return self.route.reduce_scatter(output, input, group, label, step)
 
 
 _SUM: dist.ReduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # (a RedOpType member)
@@ -474,8 +404,6 @@ def allocate(
     """A flat communication buffer from ``comm.allocate``; a custom comm's is
     checked (the error names ``label``'s custom ``kind``)."""
     buffer = comm.allocate((numel,), dtype=dtype, device=device)
-    if getattr(comm, "trusted", False):
-        return buffer
     if (
         not isinstance(buffer, torch.Tensor)
         or buffer.numel() != numel
@@ -502,30 +430,13 @@ def all_gather(
     group: dist.ProcessGroup,
     label: str,
     *,
-    comm: AllGatherComm | None = None,
+    comm: AllGatherComm | DefaultComm | None = None,
     step: int = 0,
 ) -> PendingCollective:
     """Gathers ``input`` from every rank of ``group`` into ``output`` (rank-major)
-    with ``comm`` (default: a :class:`DefaultAllGather` on the group's route, not
-    in place). ``step``: the issuing root's step (:class:`StepContext`)."""
-    gather = comm if comm is not None else DefaultAllGather(route_of(group), in_place=False)
-    own = gather if isinstance(gather, DefaultAllGather) else None
-
-    def issue(async_op: bool, on: dist.ProcessGroup) -> dist.Work | None:
-        if own is not None:  # fsdp_compose's own: named for its route
-            return own(output, input, on, async_op, label=label, step=step)
-        return gather(output_tensor=output, input_tensor=input, group=on, async_op=async_op)
-
-    return _launch(
-        "all_gather",
-        label,
-        group,
-        input,
-        output,
-        issue,
-        step=step,
-        movable=own is not None,
-    )
+    with ``comm`` (default: a :class:`DefaultComm` on the group's route, not in
+    place). ``step``: the issuing root's step (:class:`StepContext`)."""
+    return _launch_comm("all_gather", output, input, group, label, comm, step)
 
 
 def reduce_scatter(
@@ -534,32 +445,48 @@ def reduce_scatter(
     group: dist.ProcessGroup,
     label: str,
     *,
-    comm: ReduceScatterComm | None = None,
+    comm: ReduceScatterComm | DefaultComm | None = None,
     step: int = 0,
 ) -> PendingCollective:
     """Sums ``input`` (``group.size()`` equal chunks) over ``group`` with ``comm``
-    (default: a :class:`DefaultReduceScatter` on the group's route); rank r
-    receives the sum of chunk r in ``output``."""
-    scatter = comm if comm is not None else DefaultReduceScatter(route_of(group))
-    own = scatter if isinstance(scatter, DefaultReduceScatter) else None
+    (default: a :class:`DefaultComm` on the group's route); rank r receives the
+    sum of chunk r in ``output``."""
+    return _launch_comm("reduce_scatter", output, input, group, label, comm, step)
 
-    def issue(async_op: bool, on: dist.ProcessGroup) -> dist.Work | None:
-        if own is not None:  # fsdp_compose's own: named for its route
-            return own(output, input, on, _SUM, async_op, label=label, step=step)
-        return scatter(
-            output_tensor=output, input_tensor=input, group=on, op=_SUM, async_op=async_op
-        )
 
-    return _launch(
-        "reduce_scatter",
-        label,
-        group,
-        input,
-        output,
-        issue,
-        step=step,
-        movable=own is not None,
-    )
+def _launch_comm(
+    kind: Literal["all_gather", "reduce_scatter"],
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    label: str,
+    comm: AllGatherComm | ReduceScatterComm | DefaultComm | None,
+    step: int,
+) -> PendingCollective:
+    gather = kind == "all_gather"
+    own = comm is None or isinstance(comm, DefaultComm)
+    issue: Callable[[bool, Group], dist.Work | None]
+    if comm is None or isinstance(comm, DefaultComm):  # fsdp_compose's own
+        route = route_of(group) if comm is None else comm.route
+        out, inp = _real_view(output), _real_view(input)
+        public = _compat.all_gather_into_tensor if gather else _compat.reduce_scatter_tensor
+        route_issue = route.all_gather if gather else route.reduce_scatter
+
+        def issue(async_op: bool, on: Group) -> dist.Work | None:
+            if out.device.type != "cpu":
+                return public(out, inp, on, async_op)
+            return route_issue(out, inp, on, label, step)
+
+    else:  # FSDP2's Comm interface: keywords, and ReduceScatter's op
+        call: Callable[..., dist.Work | None] = comm
+        extra = {} if gather else {"op": _SUM}
+
+        def issue(async_op: bool, on: Group) -> dist.Work | None:
+            return call(
+                output_tensor=output, input_tensor=input, group=on, async_op=async_op, **extra
+            )
+
+    return _launch(kind, label, group, input, output, issue, step, movable=own)
 
 
 def all_reduce(

@@ -81,7 +81,7 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def comm_buffer(
-    comm: _collectives.AllGatherComm | _collectives.ReduceScatterComm,
+    comm: _collectives.AllGatherComm | _collectives.ReduceScatterComm | _collectives.DefaultComm,
     numel: int,
     dtype: torch.dtype,
     device: torch.device,
@@ -90,7 +90,7 @@ def comm_buffer(
 ) -> torch.Tensor:
     """:func:`~fsdp_compose._collectives.allocate`, except that fsdp_compose's own
     collectives' buffers come from :func:`empty`."""
-    if getattr(comm, "trusted", False):
+    if isinstance(comm, _collectives.DefaultComm):
         return empty(numel, dtype, device)
     return _collectives.allocate(comm, numel, dtype, device, label, kind)
 

@@ -32,7 +32,7 @@ class GradientReduction:
     force_sum_reduction: bool
     pin_memory: bool
     _alias: bool
-    _reduce_scatter: ReduceScatterComm
+    _reduce_scatter: _collectives.DefaultComm
     _reduce_scatter_group: dist.ProcessGroup | None
     _partial_reduce: dict[ShardedParam, torch.Tensor]
     step_context: _collectives.StepContext
@@ -137,7 +137,7 @@ class GradientReduction:
         )
         sizes = [p.chunk_numel for p in params]
         row = sum(sizes)
-        comm = self._reduce_scatter
+        comm: ReduceScatterComm | _collectives.DefaultComm = self._reduce_scatter
         if self.custom_reduce_scatter is not None and world > 1:
             comm = self.custom_reduce_scatter  # like FSDP2: both buffers come from the comm
         packed = _flat_buffer.comm_buffer(

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _collectives, _flat_buffer
-from ._collectives import AllGatherComm, PendingCollective, ReduceScatterComm
+from ._collectives import AllGatherComm, DefaultComm, PendingCollective, ReduceScatterComm
 from ._flat_buffer import FlatBuffer
 from ._mesh import MeshInfo, post_forward_subgroup
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -73,15 +73,6 @@ def set_unit_checks(checks: UnitChecks | None) -> None:
     unit_checks = checks
 
 
-# Placeholders until lazy init decides the default collectives of a unit's groups.
-_UNSET_ALL_GATHER: AllGatherComm = _collectives.DefaultAllGather(
-    _collectives.PUBLIC_ROUTE, in_place=False
-)
-_UNSET_REDUCE_SCATTER: ReduceScatterComm = _collectives.DefaultReduceScatter(
-    _collectives.PUBLIC_ROUTE
-)
-
-
 class Unit(FlatBuffer, GradientReduction):
     """The parameter group of one :func:`fully_shard` call.
 
@@ -125,11 +116,11 @@ class Unit(FlatBuffer, GradientReduction):
         self.unshard_in_backward = True
         # set_separate_reduce_scatter_group: reduce-scatters on their own group.
         self._reduce_scatter_group: dist.ProcessGroup | None = None
-        # The default collectives on each group (gloo fast paths or the public
-        # ones, see [Note: collectives per backend]), made at lazy init.
-        self._all_gather: AllGatherComm = _UNSET_ALL_GATHER
-        self._post_forward_all_gather: AllGatherComm = _UNSET_ALL_GATHER
-        self._reduce_scatter: ReduceScatterComm = _UNSET_REDUCE_SCATTER
+        # The default collectives on each group (see [Note: collectives per
+        # backend]), decided at lazy init.
+        self._all_gather = self._post_forward_all_gather = self._reduce_scatter = DefaultComm(
+            _collectives.PUBLIC_ROUTE
+        )
         # set_custom_all_gather / set_custom_reduce_scatter: user collectives, which
         # replace the defaults (same interface, same code path).
         self.custom_all_gather: AllGatherComm | None = None
@@ -213,16 +204,10 @@ class Unit(FlatBuffer, GradientReduction):
         """The default collectives of each group this unit communicates on; a
         custom comm, where set, replaces them."""
         route_of = _collectives.route_of
-        self._all_gather = _collectives.DefaultAllGather(
-            route_of(self.shard_group), in_place=self._gather_in_place
-        )
+        self._all_gather = DefaultComm(route_of(self.shard_group), self._gather_in_place)
         if self._post_forward_group is not None:
-            self._post_forward_all_gather = _collectives.DefaultAllGather(
-                route_of(self._post_forward_group), in_place=False
-            )
-        self._reduce_scatter = _collectives.DefaultReduceScatter(
-            route_of(self._reduce_scatter_group or self.shard_group)
-        )
+            self._post_forward_all_gather = DefaultComm(route_of(self._post_forward_group))
+        self._reduce_scatter = DefaultComm(route_of(self._reduce_scatter_group or self.shard_group))
 
     # ------------------------------------------------------------------
     # lazy initialisation: dtypes and buffer layout
@@ -307,7 +292,7 @@ class Unit(FlatBuffer, GradientReduction):
                 self._post_forward_rank,
             )
             row, dtype = self._post_forward_shard.numel(), self._post_forward_shard.dtype
-            comm = self._post_forward_all_gather
+            comm: AllGatherComm | DefaultComm = self._post_forward_all_gather
         else:
             world, group, rank = self._world, self.shard_group, self.mesh_info.shard_rank
             row, dtype = self._row, self._buffer_dtype
