@@ -12,36 +12,32 @@ whose :meth:`~PendingCollective.wait` makes the result visible to the caller:
 [Note: collectives per backend]
 fsdp_compose runs on any c10d backend. Which path a group's CPU collectives take
 is its :class:`Route`, decided once per group (:func:`route_of`, at the lazy init
-of the first unit on it) and kept by the unit's default collectives
-(:class:`DefaultAllGather`, :class:`DefaultReduceScatter`: the same interface as a
-user's custom comm, one code path for both), so issuing costs no backend lookup.
-The core's route issues torch.distributed's public collectives
-(``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``), which
-every backend has: torch's threaded test group, the ``fake`` backend of dry runs,
-MPI, UCC, vendor backends. Extensions register routes for the backends they know
-(:func:`add_route_provider`): gloo's (``_gloo.py``, [Note: collectives matched by
-what they are]) serves groups whose CPU backend really is ``ProcessGroupGloo``.
-Accelerator tensors (NCCL) always take the public collectives, on side streams.
+of the first unit on it) and kept by the unit's :class:`DefaultComm`, so issuing
+costs no backend lookup; a user's custom comm goes through the same launch. The
+core's route issues torch.distributed's public collectives, which every backend
+has (torch's threaded test group, the ``fake`` backend of dry runs, MPI, UCC,
+vendor backends); extensions register routes for the backends they know
+(:func:`add_route_provider`), e.g. gloo's (``_gloo.py``). Accelerator tensors
+(NCCL) always take the public collectives, on side streams.
 
 [Note: collective extensions]
-The core issues collectives; capabilities beyond FSDP2 attach here and the core
-never imports them. Three registration points, all per process: routes
-(:func:`add_route_provider`, above); the error raised for a failed collective
-(:func:`set_failure_explainer`, filled by ``_failures.py``); and one hook around
-every launch (:func:`set_hook`), which ``_collective_hooks.py`` fills while
-listeners (the timeline, tests counting collectives) or launch wrappers (debug
-fingerprints, the collective guard) are registered. A hook raising
+Capabilities beyond FSDP2 attach here; the core never imports them. Three
+registration points, all per process: routes (above); the error raised for a
+failed collective (:func:`set_failure_explainer`, ``_failures.py``); and one hook
+around every launch (:func:`set_hook`), which ``_collective_hooks.py`` fills while
+listeners (the timeline, tests) or launch wrappers (debug fingerprints, the
+collective guard) are registered. A hook raising
 :class:`~fsdp_compose._errors.CollectiveMismatchError` is re-raised as is; any
-other ``RuntimeError`` is reported like a failure of the collective.
-
-With none set, issuing costs one ``None`` check. The step a collective belongs
-to comes from the :class:`StepContext` of the root that issues it (each root's
-scheduler owns one), so two roots in one process do not mix their steps.
+other ``RuntimeError`` is reported like a failure of the collective. With none
+set, issuing costs one ``None`` check. A collective's step comes from the
+:class:`StepContext` of the root that issues it, so two roots in one process do
+not mix their steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -61,7 +57,8 @@ CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 
 
 class _CustomComm(Protocol):
-    """FSDP2's ``Comm`` interface: ``allocate`` makes the communication buffers."""
+    """FSDP2's ``Comm`` interface: ``allocate`` makes the communication buffers
+    (for an all-gather, the output, whose row for this rank is the input)."""
 
     def allocate(
         self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
@@ -69,9 +66,7 @@ class _CustomComm(Protocol):
 
 
 class AllGatherComm(_CustomComm, Protocol):
-    """A user-supplied all-gather (``FSDPModule.set_custom_all_gather``), with the
-    interface of FSDP2's ``AllGather``: ``allocate`` makes the output buffer (the
-    input is a view of it, in place) and the call issues the collective."""
+    """FSDP2's ``AllGather`` (``FSDPModule.set_custom_all_gather``)."""
 
     def __call__(
         self,
@@ -83,9 +78,7 @@ class AllGatherComm(_CustomComm, Protocol):
 
 
 class ReduceScatterComm(_CustomComm, Protocol):
-    """A user-supplied reduce-scatter (``FSDPModule.set_custom_reduce_scatter``),
-    with the interface of FSDP2's ``ReduceScatter``: ``allocate`` makes the input
-    and output buffers and the call issues the collective."""
+    """FSDP2's ``ReduceScatter`` (``FSDPModule.set_custom_reduce_scatter``)."""
 
     def __call__(
         self,
@@ -99,9 +92,8 @@ class ReduceScatterComm(_CustomComm, Protocol):
 
 @dataclass
 class StepContext:
-    """The training step of one root's collectives: its scheduler advances
-    ``step`` at each forward, and the units it drives pass it to the collectives
-    they issue (named in errors, fingerprints and the guard)."""
+    """One root's training step, advanced by its scheduler at each forward and
+    named by its units' collectives (in errors, fingerprints and the guard)."""
 
     step: int = 0
 
@@ -115,11 +107,10 @@ class WaitObserver(Protocol):
 
 
 class CollectiveHook(Protocol):
-    """What an extension attaches to every collective (``_collective_hooks.py``:
-    listeners and launch wrappers, see [Note: collective extensions]): ``launch``
-    issues the collective through ``issue(group)`` -- on ``group`` or on another
-    group with the same ranks where ``movable`` -- and returns the work and an
-    observer of the waits (or ``None``)."""
+    """Attached to every collective (see [Note: collective extensions]):
+    ``launch`` issues it through ``issue(group)`` -- on ``group``, or where
+    ``movable`` on another group with the same ranks -- and returns the work and
+    an observer of the waits (or ``None``)."""
 
     def launch(
         self,
@@ -144,9 +135,6 @@ def set_hook(hook: CollectiveHook | None) -> None:
     """Attaches ``hook`` to every later collective (``None``: none, which costs nothing)."""
     global _hook
     _hook = hook
-
-
-# --- Routes: how each group's CPU collectives are issued ---
 
 
 class Route:
@@ -220,9 +208,6 @@ def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.dev
     return device.type != "cpu" or route_of(group).gathers_in_place(row_bytes)
 
 
-# --- Streams (accelerators only) ---
-
-
 class _DeviceStreams:
     """Side streams shared by all units on one accelerator device."""
 
@@ -234,17 +219,7 @@ class _DeviceStreams:
         self.module = module
 
 
-_streams: dict[torch.device, _DeviceStreams] = {}
-
-
-def _device_streams(device: torch.device) -> _DeviceStreams:
-    streams = _streams.get(device)
-    if streams is None:
-        streams = _streams[device] = _DeviceStreams(device)
-    return streams
-
-
-# --- Pending collectives ---
+_device_streams = functools.cache(_DeviceStreams)
 
 
 class PendingCollective:
@@ -299,9 +274,11 @@ class PendingCollective:
         self._tensors = ()
 
 
-def _plain_failure(
+def _failure(
     what: str, exc: BaseException, tensor: torch.Tensor | None, group: Group | None
 ) -> RuntimeError:
+    """The error raised for a failed collective ``what`` on ``tensor`` and
+    ``group``; ``_failures.py`` replaces it with one that says why."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     return RuntimeError(f"fsdp_compose: {what} failed on rank {rank}: {exc}")
 
@@ -309,16 +286,13 @@ def _plain_failure(
 FailureExplainer = Callable[
     [str, BaseException, "torch.Tensor | None", "Group | None"], RuntimeError
 ]
-# The error raised for a failed collective ``what`` (``tensor`` and ``group``, where
-# known, are the ones involved); ``_failures.py`` sets one that says why.
-_failure: FailureExplainer = _plain_failure
 
 
 def set_failure_explainer(explainer: FailureExplainer) -> None:
     """Makes ``explainer(what, exc, tensor, group)`` the error raised when a
     collective fails (see [Note: collective extensions])."""
     global _failure
-    _failure = explainer
+    _failure = explainer  # type: ignore[assignment]
 
 
 def _launch(
@@ -360,9 +334,6 @@ def _launch(
         streams.module.current_stream(device).wait_event(event)
 
     return PendingCollective(None, observer, (inp, out), what, group, stream_wait)
-
-
-# --- The collectives ---
 
 
 def _real_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -464,8 +435,8 @@ def _launch_comm(
     step: int,
 ) -> PendingCollective:
     gather = kind == "all_gather"
-    own = comm is None or isinstance(comm, DefaultComm)
     issue: Callable[[bool, Group], dist.Work | None]
+    own = comm is None or isinstance(comm, DefaultComm)
     if comm is None or isinstance(comm, DefaultComm):  # fsdp_compose's own
         route = route_of(group) if comm is None else comm.route
         out, inp = _real_view(output), _real_view(input)
@@ -494,16 +465,10 @@ def all_reduce(
 ) -> PendingCollective:
     """Sums ``tensor`` in place over ``group``."""
     tensor = _real_view(tensor)
-    return _launch(
-        "all_reduce",
-        label,
-        group,
-        tensor,
-        tensor,
-        lambda async_op, on: (
-            route_of(group).all_reduce(tensor, on, label, step)
-            if tensor.device.type == "cpu"
-            else dist.all_reduce(tensor, group=on, async_op=async_op)
-        ),
-        step=step,
-    )
+
+    def issue(async_op: bool, on: Group) -> dist.Work | None:
+        if tensor.device.type != "cpu":
+            return dist.all_reduce(tensor, group=on, async_op=async_op)
+        return route_of(group).all_reduce(tensor, on, label, step)
+
+    return _launch("all_reduce", label, group, tensor, tensor, issue, step)

@@ -19,10 +19,6 @@ from torch.distributed.tensor import DeviceMesh, DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-# ---------------------------------------------------------------------------
-# DTensor construction without autograd or communication
-# ---------------------------------------------------------------------------
-
 
 def make_dtensor_spec(
     mesh: DeviceMesh,
@@ -115,22 +111,6 @@ def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
     return unset_fake_temporarily()
 
 
-# ---------------------------------------------------------------------------
-# torch.compile
-# ---------------------------------------------------------------------------
-
-
-def dynamo_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Keeps torch.compile from tracing into ``fn`` (our hooks mutate Python state
-    and issue collectives); a compiled forward graph-breaks around it instead."""
-    return torch._dynamo.disable(fn, recursive=True)
-
-
-# ---------------------------------------------------------------------------
-# Autograd engine
-# ---------------------------------------------------------------------------
-
-
 def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
     """Runs ``callback`` once the current ``backward()`` has finished all nodes,
     before ``backward()`` returns to the caller."""
@@ -155,9 +135,8 @@ def restore_version(tensor: torch.Tensor, version: int) -> None:
 # Collectives whose names changed between releases
 # ---------------------------------------------------------------------------
 
-# Recent releases name these ``all_gather_single``/``reduce_scatter_single`` (what
-# torch 2.13's FSDP2 calls); the older names stay the fallback (kept: not checked
-# that 2.11 has the new ones).
+# torch 2.13 names these ``all_gather_single``/``reduce_scatter_single`` (and
+# deprecates the older names, the fallback: not checked that 2.11 has the new ones).
 _all_gather_single = getattr(dist, "all_gather_single", None)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None)
 
@@ -189,13 +168,9 @@ def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tenso
     torch._chunk_cat(list(tensors), dim=0, num_chunks=num_chunks, out=out)
 
 
-def process_group_backend(group: dist.ProcessGroup) -> str:
-    """Lower-case backend name of ``group`` (``"gloo"``, ``"nccl"``, ...)."""
-    return str(dist.get_backend(group)).lower()
-
-
 def backend_name(group: dist.ProcessGroup) -> str:
+    """Lower-case backend name of ``group`` (``"gloo"``, ``"nccl"``, ...)."""
     try:
-        return process_group_backend(group)
+        return str(dist.get_backend(group)).lower()
     except (RuntimeError, ValueError, KeyError):  # a group torch does not know
         return "unknown"

@@ -106,6 +106,8 @@ class _PostBackward(torch.autograd.Function):
 
 class UnitState:
     """Runtime state of one fully_shard call (one unit, possibly without params).
+    torch.compile does not trace into its hooks (they mutate Python state and
+    issue collectives): a compiled forward graph-breaks around them.
 
     Args:
         modules: the module(s) passed to fully_shard.
@@ -242,7 +244,7 @@ class UnitState:
     # forward
     # ------------------------------------------------------------------
 
-    @_compat.dynamo_disable
+    @torch.compiler.disable
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -290,7 +292,7 @@ class UnitState:
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
-    @_compat.dynamo_disable
+    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self._nested_forwards:
             self._nested_forwards -= 1
@@ -408,7 +410,7 @@ class UnitState:
                 tensor.register_hook(self._pre_backward)
         return output
 
-    @_compat.dynamo_disable
+    @torch.compiler.disable
     def _pre_backward(self, grad: torch.Tensor) -> None:
         root = self.root_state
         assert root is not None and self.scheduler is not None
@@ -422,7 +424,7 @@ class UnitState:
         if self.shared is not None:
             self.shared.borrow_backward(self.borrowed)
 
-    @_compat.dynamo_disable
+    @torch.compiler.disable
     def post_backward(self) -> None:
         assert self.scheduler is not None
         if self.unit is not None:
@@ -430,7 +432,7 @@ class UnitState:
         if self.shared is not None:
             self.shared.return_backward(self.borrowed)
 
-    @_compat.dynamo_disable
+    @torch.compiler.disable
     def _finalize_backward(self) -> None:
         try:
             assert self.scheduler is not None

@@ -73,7 +73,7 @@ def process_group_timeout(group: dist.ProcessGroup) -> float | None:
     try:
         device = (
             torch.device("cpu")
-            if _compat.process_group_backend(group) == "gloo"
+            if _compat.backend_name(group) == "gloo"
             else torch.device("cuda")
         )
         return float(group._get_backend(device).options._timeout.total_seconds())
