@@ -26,28 +26,6 @@ __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share
 _fsdp_classes: dict[type, type] = {}
 
 
-def _reshard_unit(unit: Unit, state: UnitState) -> None:
-    """Reshards ``unit`` through its scheduler (before the first forward there is
-    none yet, and nothing to account)."""
-    scheduler = state.scheduler
-    if scheduler is not None:
-        scheduler.reshard(unit)
-    else:
-        unit.reshard()
-
-
-def invalidate_units(module: nn.Module) -> None:
-    """Reshards the units of ``module`` (an :class:`FSDPModule`) and makes them
-    re-derive dtypes and buffers from their sharded parameters at their next use
-    (after parameters were replaced or converted in place)."""
-    state = state_of(module)
-    if state is None:
-        return
-    for unit in state.own_units + state.borrowed:
-        _reshard_unit(unit, state)
-        unit.invalidate()
-
-
 class FSDPModule:
     """The class a module gets mixed in by :func:`fully_shard`.
 
@@ -87,10 +65,10 @@ class FSDPModule:
         units = state.own_units
         for unit in units:  # issue every mesh's all-gather before waiting on any
             if state.scheduler is not None:
-                state.scheduler.prefetch_now(unit)
+                state.scheduler.memory.issue(unit)  # at once, outside the limit
             else:
                 unit.unshard()
-        handle = UnshardHandle(units, state)
+        handle = UnshardHandle(units)
         if async_op:
             return handle
         handle.wait()
@@ -101,7 +79,7 @@ class FSDPModule:
         sharded ones. Not recursive."""
         state = self._fsdp_state()
         for unit in state.own_units:
-            _reshard_unit(unit, state)
+            state.reshard(unit)
 
     def reset_iter_state(self) -> None:
         """Recovers from an exception raised inside forward or backward.
@@ -149,7 +127,7 @@ class FSDPModule:
             state.auto_reshard_after_forward = False
             for unit in state.own_units:
                 if unit.state is ShardState.PARTIALLY_SHARDED:
-                    _reshard_unit(unit, state)
+                    state.reshard(unit)
                 unit.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(
@@ -400,7 +378,7 @@ class FSDPModule:
         state = self._fsdp_state()
         units = state.own_units + state.borrowed
         for unit in units:
-            _reshard_unit(unit, state)
+            state.reshard(unit)
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
         for unit in units:
             unit.invalidate()
@@ -411,9 +389,8 @@ class UnshardHandle:
     """A pending :meth:`FSDPModule.unshard`; :meth:`wait` makes the unsharded
     parameters usable and registers them on the module."""
 
-    def __init__(self, units: list[Unit] | None = None, state: UnitState | None = None) -> None:
+    def __init__(self, units: list[Unit] | None = None) -> None:
         self._units = list(units or [])
-        self._state = state
 
     def wait(self) -> None:
         units, self._units = self._units, []
@@ -439,12 +416,10 @@ _noted_comm_settings: set[tuple[str, str]] = set()
 def _note_comm_buffers_unchanged(setting: str, state: UnitState) -> None:
     """Logs once per process and device type that ``setting`` keeps the regular
     allocator for communication buffers (see the two setters' docstrings)."""
-    units = state.units_in_subtree(False)
-    device_type = units[0].mesh_info.device.type if units else "cpu"
-    key = (setting, device_type)
-    if key in _noted_comm_settings:
+    device_type = state.unit.mesh_info.device.type if state.unit is not None else "cpu"
+    if (setting, device_type) in _noted_comm_settings:
         return
-    _noted_comm_settings.add(key)
+    _noted_comm_settings.add((setting, device_type))
     why = (
         "gloo/CPU has no such allocator"
         if device_type == "cpu"

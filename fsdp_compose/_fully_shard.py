@@ -18,7 +18,7 @@ from torch.distributed.tensor import DeviceMesh, Shard
 
 from . import _hooks
 from ._errors import FSDPRuntimeError, FSDPValueError
-from ._fsdp_module import FSDPModule, _fsdp_classes, _reshard_unit
+from ._fsdp_module import FSDPModule, _fsdp_classes
 from ._hooks import UnitState, state_of
 from ._mesh import (
     DataParallelMeshDims,
@@ -461,7 +461,7 @@ def register_state_dict_hooks(
         owner_params.setdefault(module, []).append((name, p))
 
     def reshard(*_: Any) -> None:
-        _reshard_unit(unit, state)
+        state.reshard(unit)
 
     for module, params in owner_params.items():
 
@@ -480,7 +480,7 @@ def register_state_dict_hooks(
 
         def load_post_hook(*_: Any) -> None:
             # Parameters may have been re-assigned (assign=True).
-            _reshard_unit(unit, state)
+            state.reshard(unit)
             unit.invalidate()
 
         module.register_state_dict_pre_hook(reshard)

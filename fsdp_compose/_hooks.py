@@ -175,6 +175,13 @@ class UnitState:
                 self.settings.adopt(state.settings)
                 state.settings = self.settings
 
+    def reshard(self, unit: Unit) -> None:
+        """Reshards ``unit`` through the scheduler (none before the first forward)."""
+        if self.scheduler is not None:
+            self.scheduler.reshard(unit)
+        else:
+            unit.reshard()
+
     @property
     def own_units(self) -> list[Unit]:
         """The units of this call: one per data-parallel mesh (usually one)."""

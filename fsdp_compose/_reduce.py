@@ -71,27 +71,19 @@ class GradientReduction:
                 p.unsharded_param.grad = None
         self._partial_reduce.clear()
 
-    def merge_partial_reduce(
-        self, params: list[ShardedParam], sizes: list[int], output: torch.Tensor
+    def partial_reduce(
+        self, params: list[ShardedParam], sizes: list[int], output: torch.Tensor, *, keep: bool
     ) -> None:
-        """Adds gradient sums kept from steps without all-reduce into ``output``."""
-        if not self._partial_reduce:
-            return
-        offset = 0
-        for p, size in zip(params, sizes):
-            kept = self._partial_reduce.pop(p, None)
-            if kept is not None:
-                output[offset : offset + p.local_numel].add_(kept)
-            offset += size
-
-    def keep_partial_reduce(
-        self, params: list[ShardedParam], sizes: list[int], output: torch.Tensor
-    ) -> None:
+        """HSDP: keeps ``output``'s sums for a later all-reduce (``keep``), or adds
+        those kept from steps without all-reduce into it."""
         offset = 0
         for p, size in zip(params, sizes):
             piece = output[offset : offset + p.local_numel]
-            kept = self._partial_reduce.get(p)
-            self._partial_reduce[p] = piece.clone() if kept is None else kept.add_(piece)
+            kept = self._partial_reduce.pop(p, None)
+            if keep:
+                self._partial_reduce[p] = piece.clone() if kept is None else kept.add_(piece)
+            elif kept is not None:
+                piece.add_(kept)
             offset += size
 
     def take_unsharded_grads(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
@@ -215,7 +207,8 @@ class PendingReduction:
         assert self._output is not None
         if self._keep_partial:
             return
-        self.unit.merge_partial_reduce(self._params, self._sizes, self._output)
+        if self.unit._partial_reduce:
+            self.unit.partial_reduce(self._params, self._sizes, self._output, keep=False)
         if self._replicate_group is not None:
             self._all_reduce = _collectives.all_reduce(
                 self._output,
@@ -236,7 +229,7 @@ class PendingReduction:
         assert output is not None
         with torch.no_grad():
             if self._keep_partial:
-                self.unit.keep_partial_reduce(self._params, self._sizes, output)
+                self.unit.partial_reduce(self._params, self._sizes, output, keep=True)
             else:
                 hook, post = self.unit.all_reduce_hook, self._post_divide
                 if hook is not None and post != 1 and self._hook_sees_average(output.dtype):
@@ -254,7 +247,8 @@ class PendingReduction:
                 if copies_in_flight:
                     # The optimizer reads the offloaded gradients on the CPU right
                     # after backward returns: block until the copies have landed.
-                    _device_sync_point(self.unit.mesh_info.device).synchronize()
+                    device = self.unit.mesh_info.device
+                    getattr(torch, device.type).current_stream(device).synchronize()
         self._release()
 
     def discard(self) -> None:
@@ -310,12 +304,6 @@ def _assign_sharded_grad(
         for hook in tuple(hooks.values()):
             hook(param)
     return in_flight
-
-
-def _device_sync_point(device: torch.device) -> torch.Event:
-    """An event recorded on ``device``'s current stream (after all work issued so far)."""
-    module = getattr(torch, device.type)
-    return module.current_stream(device).record_event()
 
 
 @functools.cache

@@ -43,8 +43,7 @@ logger = logging.getLogger("fsdp_compose")
 
 
 class ScheduleObserver(Protocol):
-    """What an observer of every scheduler in the process is told (the timeline,
-    :mod:`fsdp_compose.trace`, is one); attached with :func:`set_observer`."""
+    """Told what every scheduler does (the timeline, :mod:`fsdp_compose.trace`)."""
 
     def set_step(self, step: int) -> None: ...
     def begin_span(self, kind: str, unit: str) -> None: ...
@@ -55,8 +54,8 @@ class ScheduleObserver(Protocol):
 
 class SharedUseCounter(Protocol):
     """Counts the uses of units whose parameters other units share, so that they
-    are freed and reduced after their last use: the extension ``_shared`` attaches
-    one to a scheduler whose tree shares parameters ([Note: shared parameters])."""
+    are freed and reduced after their last use ([Note: shared parameters] in the
+    extension ``_shared``, which attaches it)."""
 
     def __contains__(self, unit: object) -> bool: ...
     def forward_use_begin(self, unit: Unit) -> None: ...
@@ -75,8 +74,7 @@ _observer: ScheduleObserver | None = None  # read on the hot path: None costs on
 
 
 def set_observer(observer: ScheduleObserver | None) -> None:
-    """Attaches ``observer`` to every scheduler (``None`` detaches it). The core
-    does not import its observers; they attach themselves."""
+    """Attaches ``observer`` to every scheduler (``None`` detaches it)."""
     global _observer
     _observer = observer
 
@@ -138,7 +136,7 @@ class RateLimiter:
 
     def account(self, unit: Unit) -> None:
         """Counts (or stops counting) ``unit``'s unsharded bytes after its state changed."""
-        holds = unit.state is ShardState.UNSHARDED or unit.gather_in_flight
+        holds = unit.holds_unsharded
         counted = self._holding.get(unit)
         if holds and counted is None:
             nbytes = unit.unsharded_nbytes
@@ -153,17 +151,14 @@ class RateLimiter:
                 _observer.memory_event("free", unit.name, counted, self._holding_bytes)
 
     def issue(self, unit: Unit) -> None:
-        if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
-            return
-        unit.unshard()
-        self.account(unit)
+        if not unit.holds_unsharded:
+            unit.unshard()
+            self.account(unit)
 
     def prefetch(self, unit: Unit) -> None:
-        if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
+        if unit.holds_unsharded:
             return
-        unit.lazy_init()  # its size is known once initialized (after an invalidate too)
-        limit = self.settings.max_unsharded_bytes
-        if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
+        if not self._fits(unit):
             if unit not in self.deferred:
                 self.deferred.append(unit)
                 if _observer is not None:
@@ -190,14 +185,15 @@ class RateLimiter:
             self._drain_deferred()
 
     def _drain_deferred(self) -> None:
+        while self.deferred and self._fits(self.deferred[0]):
+            self.issue(self.deferred.pop(0))
+
+    def _fits(self, unit: Unit) -> bool:
         limit = self.settings.max_unsharded_bytes
-        while self.deferred:
-            unit = self.deferred[0]
-            unit.lazy_init()
-            if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
-                return
-            self.deferred.pop(0)
-            self.issue(unit)
+        if limit is None:
+            return True
+        unit.lazy_init()  # its size is known once initialized (after an invalidate too)
+        return self._holding_bytes + unit.unsharded_nbytes <= limit
 
 
 class Scheduler:
@@ -211,8 +207,7 @@ class Scheduler:
     def __init__(self, units: list[Unit], settings: ScheduleSettings | None = None) -> None:
         self.units = units
         self.settings = settings if settings is not None else ScheduleSettings()
-        # This root's step, shared with its units for the collectives they issue.
-        self.step_context = _collectives.StepContext()
+        self.step_context = _collectives.StepContext()  # shared with its units
         for unit in units:
             unit.step_context = self.step_context
         self.forward_active = False
@@ -243,16 +238,10 @@ class Scheduler:
         for unit in units:
             self.memory.prefetch(unit)
 
-    def prefetch_now(self, unit: Unit) -> None:
-        """A user's explicit ``unshard()``: issued at once, outside the limit."""
-        self.memory.issue(unit)
-
     def reshard(self, unit: Unit) -> None:
         self.memory.reshard(unit)
 
-    # ------------------------------------------------------------------
-    # forward
-    # ------------------------------------------------------------------
+    # -- forward ---------------------------------------------------------
 
     def begin_forward(self) -> None:
         """Called once per iteration, by the first unit state to run forward."""
@@ -330,9 +319,8 @@ class Scheduler:
         unit.phase = Phase.IDLE
 
     def _reshard_after_forward(self, unit: Unit) -> None:
-        reshard = unit.reshard_after_forward
-        if reshard is not False:
-            self.memory.reshard(unit, to_post_forward_group=reshard is not True)
+        if unit.reshard_after_forward is not False:
+            self.memory.reshard(unit, to_post_forward_group=unit.reshard_after_forward is not True)
 
     def end_forward(self) -> None:
         """Called by the state that began the forward, after its post-forward."""
@@ -356,9 +344,7 @@ class Scheduler:
                 # begin_forward re-gathers a unit whose shards changed meanwhile.
                 unit.park()
 
-    # ------------------------------------------------------------------
-    # backward
-    # ------------------------------------------------------------------
+    # -- backward --------------------------------------------------------
 
     def pre_backward(self, *units: Unit) -> None:
         """Called when the gradient of one of the forward outputs of ``units`` (one
@@ -492,9 +478,7 @@ class Scheduler:
         for reduction in reductions:
             reduction.finish()
 
-    # ------------------------------------------------------------------
-    # recovery
-    # ------------------------------------------------------------------
+    # -- recovery --------------------------------------------------------
 
     def reset(self) -> None:
         """Returns every unit to a clean sharded, idle state after a failed step.

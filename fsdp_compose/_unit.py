@@ -271,6 +271,11 @@ class Unit(FlatBuffer, GradientReduction):
     def gather_in_flight(self) -> bool:
         return self._pending_gather is not None
 
+    @property
+    def holds_unsharded(self) -> bool:
+        """Whether unsharded memory is allocated or being gathered into."""
+        return self.state is ShardState.UNSHARDED or self._pending_gather is not None
+
     def unshard(self) -> None:
         """Issues the all-gather of the unit's parameters (asynchronously).
 
