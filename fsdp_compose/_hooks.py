@@ -1,21 +1,17 @@
 """Hooks: how forward and autograd tell the scheduler what is happening.
 
-Each :func:`fully_shard` call attaches one :class:`UnitState` to its module(s):
+Each :func:`fully_shard` call attaches one :class:`UnitState` to its module(s).
+Its forward **pre-hook** gathers the unit's parameters (via the scheduler) and
+wraps the forward inputs in :class:`_PostBackward`, whose backward runs once
+backward through the unit is done; its forward **post-hook** reshards (per
+``reshard_after_forward``) and hooks each output that requires grad: the first
+gradient to arrive is the unit's **pre-backward**, which gathers again if needed
+and (the first in an iteration) queues the root's **finalize** on the autograd
+engine, which completes every reduction before ``backward()`` returns.
 
-* a forward **pre-hook** gathers the unit's parameters (via the scheduler) and
-  wraps the forward inputs in :class:`_PostBackward`, whose backward runs once
-  autograd has produced the gradients of those inputs, i.e. once backward through
-  the unit is done;
-* a forward **post-hook** reshards (per ``reshard_after_forward``) and registers a
-  gradient hook on each output that requires grad: the first one to fire is the
-  unit's **pre-backward**, which gathers the parameters again if needed;
-* the first pre-backward of an iteration queues the root's **finalize** callback on
-  the autograd engine; it runs when all backward nodes are done and before
-  ``backward()`` returns, and completes every gradient reduction.
-
-The first state to run forward becomes the root: at that moment (lazy init) all
-``fully_shard`` calls are assumed done, so it can see every unit of its tree, name
-them, and create the tree's one :class:`~fsdp_compose._scheduler.Scheduler`.
+The first state to run forward becomes the root: then (lazy init) all
+``fully_shard`` calls are done, so it sees every unit of its tree, names them,
+and creates the tree's one :class:`~fsdp_compose._scheduler.Scheduler`.
 """
 
 from __future__ import annotations
@@ -35,9 +31,8 @@ from ._unit import Unit
 
 _STATE_ATTR = "_fsdp_compose_state"
 
-#: Called with every unit of a root's tree once the root is initialized (its
-#: first forward), before any collective of that forward; extensions (the misuse
-#: checks) register here, the core does not import them.
+#: Called with every unit of a root's tree at its lazy init, before any collective
+#: (the extension ``_misuse`` registers here).
 RootInitCheck = Callable[[list[Unit]], None]
 _root_init_checks: list[RootInitCheck] = []
 
@@ -49,10 +44,9 @@ def add_root_init_check(check: RootInitCheck) -> None:
 
 
 class ParamSharing(Protocol):
-    """What the core asks of the extension that shares parameters across units
-    (``_shared``, see [Note: shared parameters] there); attached with
-    :func:`set_param_sharing`. Without it, a parameter under two units' modules is
-    sharded by the first and refused by the second as a top-down ``fully_shard``."""
+    """The extension sharing parameters across units (``_shared``, [Note: shared
+    parameters]). Without it, a parameter under two units' modules is sharded by
+    the first and refused by the second as a top-down ``fully_shard``."""
 
     def is_borrowed(self, param: nn.Parameter, module: nn.Module, name: str) -> bool: ...
     def collect(self, modules: list[nn.Module], ignored: set[nn.Parameter], *args: Any) -> Any: ...
@@ -79,13 +73,11 @@ def state_of(module: nn.Module) -> UnitState | None:
     return module.__dict__.get(_STATE_ATTR)
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
-
-
-def _map_floating(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return tree
     return pytree.tree_map(
-        lambda x: fn(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
     )
 
 
@@ -134,12 +126,11 @@ class UnitState:
         self.all_states: list[UnitState] = []  # root only: every state in its tree
         # The schedule's settings: one object per tree, see adopt_subtree_settings.
         self.settings = ScheduleSettings()
-        # Explicit prefetch lists of a call that manages no parameters (a unit's own
-        # lists live on the unit); None: nothing to prefetch.
+        # Explicit prefetch lists of a call without parameters (else on the unit).
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
-        # Units owning parameters that this call's modules share (tied weights), and
-        # their use counter: filled in by the extension ``_shared``.
+        # Units whose parameters this call's modules share, and their use counter
+        # (the extension ``_shared``).
         self.borrowed: list[Unit] = []
         self.shared: SharedUseCounter | None = None
         # Units of this call's further meshes, see [Note: per-parameter meshes].
@@ -155,12 +146,8 @@ class UnitState:
         self._cast_inputs_to = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
-        self._handles = []
-        for module in modules:
-            self._handles.append(
-                module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            )
-            self._handles.append(module.register_forward_hook(self._post_forward, prepend=False))
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward)
 
     def adopt_subtree_settings(self) -> None:
         """Makes this state's :class:`ScheduleSettings` the one of every
@@ -187,9 +174,7 @@ class UnitState:
         """The units of this call: one per data-parallel mesh (usually one)."""
         return [self.unit, *self.extra_units] if self.unit is not None else []
 
-    # ------------------------------------------------------------------
-    # lazy init and root detection
-    # ------------------------------------------------------------------
+    # -- lazy init and root detection ------------------------------------
 
     def lazy_init(self) -> None:
         if self.is_root is not None:
@@ -247,9 +232,7 @@ class UnitState:
         for check in _root_init_checks:
             check(units)
 
-    # ------------------------------------------------------------------
-    # forward
-    # ------------------------------------------------------------------
+    # -- forward ---------------------------------------------------------
 
     @torch.compiler.disable
     def _pre_forward(
@@ -358,17 +341,10 @@ class UnitState:
                     self.scheduler.post_forward(unit)
 
     def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        dtype = self._cast_inputs_to
-        if dtype is None:
-            return args, kwargs
-        cast = lambda t: t.to(dtype)  # noqa: E731
-        return _map_floating(args, cast), _map_floating(kwargs, cast)
+        return _cast_floating((args, kwargs), self._cast_inputs_to)
 
     def _cast_output(self, output: Any) -> Any:
-        dtype = self.mp_policy.output_dtype
-        if dtype is None:
-            return output
-        return _map_floating(output, lambda t: t.to(dtype))
+        return _cast_floating(output, self.mp_policy.output_dtype)
 
     def _inputs_to_device(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         unit = self.unit or next((s.unit for s in self.all_states if s.unit is not None), None)
@@ -378,9 +354,7 @@ class UnitState:
         move = lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
         return pytree.tree_map(move, args), pytree.tree_map(move, kwargs)
 
-    # ------------------------------------------------------------------
-    # backward
-    # ------------------------------------------------------------------
+    # -- backward --------------------------------------------------------
 
     def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
@@ -412,8 +386,8 @@ class UnitState:
             if output.requires_grad:
                 output.register_hook(self._pre_backward)
             return output
-        for tensor in _tensors(output):
-            if tensor.requires_grad:
+        for tensor in pytree.tree_leaves(output):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(self._pre_backward)
         return output
 
@@ -447,9 +421,7 @@ class UnitState:
         finally:
             self._finalize_queued = False
 
-    # ------------------------------------------------------------------
-    # recovery
-    # ------------------------------------------------------------------
+    # -- recovery --------------------------------------------------------
 
     def reset(self) -> None:
         if self.is_root is False:
