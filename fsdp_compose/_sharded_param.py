@@ -171,51 +171,36 @@ class ShardedParam:
             return _compat.make_dtensor_spec(
                 info.mesh, (*replicate, Shard(d)), size, _contiguous_stride(size), dtype
             )
-        if info.spmd is not None:
-            return self._spmd_sharded_spec(dtype)
-        tp_mesh = self.tp_spec.mesh
-        (tp_placement,) = self.tp_spec.placements
-        # FSDP's shard of a TP shard on the same dim (see the note above).
-        split = tp_mesh.size() if _shard_dim_of(tp_placement, len(self.global_size)) == d else 1
-        dp_placement = _compat.strided_shard(d, split) if split > 1 else Shard(d)
+        spmd = info.spmd
+        if spmd is None:  # FSDP's dims, then the TP mesh's one
+            mesh = self._dp_tp_mesh(self.tp_spec.mesh)
+            placements = [*replicate, Shard(d), *self.tp_spec.placements]
+            dp_dim, tp_dim = len(replicate), mesh.ndim - 1
+        else:  # the full SPMD mesh, see [Note: dp_mesh_dims]
+            mesh, placements = spmd.mesh, list(self.tp_spec.placements)
+            if spmd.replicate_dim is not None:
+                placements[spmd.replicate_dim] = Replicate()
+            dp_dim, tp_dim = spmd.shard_dim, self.tp_dim
+        # FSDP's shard of a TP shard of the same tensor dim on a later mesh dim is
+        # a slice inside each TP chunk (see the note above): a strided shard.
+        placements[dp_dim] = Shard(d)
+        tp = self.tp_placement
+        split = mesh.size(tp_dim) if tp_dim is not None and tp_dim > dp_dim else 1
+        if split > 1 and tp is not None and _shard_dim_of(tp, len(self.global_size)) == d:
+            placements[dp_dim] = _compat.strided_shard(d, split)
+        meta = self.tp_spec.tensor_meta
+        return _compat.make_dtensor_spec(mesh, tuple(placements), meta.shape, meta.stride, dtype)
+
+    def _dp_tp_mesh(self, tp_mesh: Any) -> Any:
         try:
-            mesh = _compat.concatenate_meshes(info.mesh, tp_mesh)
+            return _compat.concatenate_meshes(self.mesh_info.mesh, tp_mesh)
         except Exception as exc:
             raise ValueError(
                 f"parameter {self.fqn!r} is a DTensor on mesh {tp_mesh}, which cannot be combined "
-                f"with fully_shard's mesh {info.mesh} ({exc}). Both must be sub-meshes of one "
+                f"with fully_shard's mesh {self.mesh_info.mesh} ({exc}). Both must be sub-meshes of one "
                 'device mesh, e.g. mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", '
                 '"tp")); parallelize_module(block, mesh["tp"], ...); fully_shard(block, mesh=mesh["dp"]).'
             ) from exc
-        meta = self.tp_spec.tensor_meta
-        return _compat.make_dtensor_spec(
-            mesh, (*replicate, dp_placement, tp_placement), meta.shape, meta.stride, dtype
-        )
-
-    def _spmd_sharded_spec(self, dtype: torch.dtype) -> Any:
-        """The sharded spec on the full SPMD mesh (see [Note: dp_mesh_dims])."""
-        spmd = self.mesh_info.spmd
-        assert spmd is not None and self.tp_spec is not None
-        d = self.shard_dim
-        placements = list(self.tp_spec.placements)
-        if spmd.replicate_dim is not None:
-            placements[spmd.replicate_dim] = Replicate()
-        # A model-parallel Shard of the same tensor dim on a later mesh dim splits
-        # first in our layout (FSDP shards the TP-local tensor): a strided shard.
-        split = 1
-        tp_dim, tp_placement = self.tp_dim, self.tp_placement
-        if (
-            tp_dim is not None
-            and tp_dim > spmd.shard_dim
-            and tp_placement is not None
-            and _shard_dim_of(tp_placement, len(self.global_size)) == d
-        ):
-            split = spmd.mesh.size(tp_dim)
-        placements[spmd.shard_dim] = _compat.strided_shard(d, split) if split > 1 else Shard(d)
-        meta = self.tp_spec.tensor_meta
-        return _compat.make_dtensor_spec(
-            spmd.mesh, tuple(placements), meta.shape, meta.stride, dtype
-        )
 
     # -- registration ------------------------------------------------------
 

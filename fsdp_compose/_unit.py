@@ -277,58 +277,51 @@ class Unit(FlatBuffer, GradientReduction):
         return self.state is ShardState.UNSHARDED or self._pending_gather is not None
 
     def unshard(self) -> None:
-        """Issues the all-gather of the unit's parameters (asynchronously).
-
-        A no-op if the parameters are already unsharded or being gathered.
-        """
-        if self.state is ShardState.UNSHARDED or self._pending_gather is not None:
+        """Issues the all-gather of the unit's parameters (asynchronously); a no-op
+        if they are already unsharded or being gathered."""
+        if self.holds_unsharded:
             return
         self.lazy_init()
         if self._alias:
             self._pending_gather = _DONE
             return
-        device = self.mesh_info.device
-        partial = self.state is ShardState.PARTIALLY_SHARDED
-        if partial:
-            assert self._post_forward_group is not None and self._post_forward_shard is not None
-            world, group, rank = (
+        # Partially sharded: gather this rank's post-forward share in its group.
+        shard = self._post_forward_shard if self.state is ShardState.PARTIALLY_SHARDED else None
+        comm: AllGatherComm | DefaultComm
+        if shard is not None:
+            world, rank, comm = (
                 self._post_forward_size,
-                self._post_forward_group,
                 self._post_forward_rank,
+                self._post_forward_all_gather,
             )
-            row, dtype = self._post_forward_shard.numel(), self._post_forward_shard.dtype
-            comm: AllGatherComm | DefaultComm = self._post_forward_all_gather
+            group, row, dtype = self._post_forward_group, shard.numel(), shard.dtype
         else:
-            world, group, rank = self._world, self.shard_group, self.mesh_info.shard_rank
-            row, dtype = self._row, self._buffer_dtype
-            comm = self._all_gather
+            world, rank, comm = self._world, self.mesh_info.shard_rank, self._all_gather
+            group, row, dtype = self.shard_group, self._row, self._buffer_dtype
+        assert group is not None
         if self.custom_all_gather is not None and self._world > 1:
             comm = self.custom_all_gather
+        device = self.mesh_info.device
         out = _flat_buffer.comm_buffer(comm, world * row, dtype, device, self.name, "all_gather")
         # Like FSDP2, a custom all-gather takes this rank's row of its output as
-        # input; so does the default one on NCCL, and gloo's exchanges.
+        # input; so do the default one on NCCL and gloo's exchanges. gloo's own
+        # all-gather is slower in place (6.3 ms vs 4.5 ms for 7 MiB at W=2): a copy.
         if getattr(comm, "in_place", True):
             send = out.view(world, row)[rank]
-            if partial:
-                assert self._post_forward_shard is not None
-                send.copy_(self._post_forward_shard)
-            else:
-                self._copy_in(send)
-        elif partial:
-            assert self._post_forward_shard is not None
-            send = self._post_forward_shard
         else:
-            # gloo's own all-gather is slower in place (input a view of the
-            # output; 6.3 ms vs 4.5 ms for 7 MiB at W=2): send a copy.
-            send = _flat_buffer.empty(row, dtype, device)
+            send = shard if shard is not None else _flat_buffer.empty(row, dtype, device)
+        if shard is None:
             self._copy_in(send)
+        elif send is not shard:
+            send.copy_(shard)
         self._gather_output, self._gather_world = out, world
-        if world == 1:
-            self._pending_gather = _DONE
-        else:
-            self._pending_gather = _collectives.all_gather(
+        self._pending_gather = (
+            _DONE
+            if world == 1
+            else _collectives.all_gather(
                 out, send, group, self.name, comm=comm, step=self.step_context.step
             )
+        )
 
     def wait_unshard(self) -> None:
         """Waits for the pending all-gather and registers the unsharded parameters."""
@@ -386,16 +379,9 @@ class Unit(FlatBuffer, GradientReduction):
             # Gathered but never used (a mistargeted prefetch): the collective still
             # writes into the buffer, so it must complete before the buffer is freed.
             self._pending_gather.wait()
-            self._pending_gather = None
-            self._gather_output = None
+            self.abandon_gather()
+        if self.state is not ShardState.UNSHARDED:
             if self.state is ShardState.PARTIALLY_SHARDED and not to_post_forward_group:
-                self._post_forward_shard = None
-                self.state = ShardState.SHARDED
-            return
-        if self.state is ShardState.SHARDED:
-            return
-        if self.state is ShardState.PARTIALLY_SHARDED:
-            if not to_post_forward_group:
                 self._post_forward_shard = None
                 self.state = ShardState.SHARDED
             return
