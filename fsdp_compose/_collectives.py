@@ -17,14 +17,14 @@ costs no backend lookup; a user's custom comm goes through the same launch. The
 core's route issues torch.distributed's public collectives, which every backend
 has (torch's threaded test group, the ``fake`` backend of dry runs, MPI, UCC,
 vendor backends); extensions register routes for the backends they know
-(:func:`add_route_provider`), e.g. gloo's (``_gloo.py``). Accelerator tensors
+(:data:`route_providers`), e.g. gloo's (``_gloo.py``). Accelerator tensors
 (NCCL) always take the public collectives, on side streams.
 
 [Note: collective extensions]
 Capabilities beyond FSDP2 attach here; the core never imports them. Three
 registration points, all per process: routes (above); the error raised for a
-failed collective (:func:`set_failure_explainer`, ``_failures.py``); and one hook
-around every launch (:func:`set_hook`), which ``_collective_hooks.py`` fills while
+failed collective (:data:`explain_failure`, ``_failures.py``); and one hook
+around every launch (:data:`launch_hook`), which ``_collective_hooks.py`` fills while
 listeners (the timeline, tests) or launch wrappers (debug fingerprints, the
 collective guard) are registered. A hook raising
 :class:`~fsdp_compose._errors.CollectiveMismatchError` is re-raised as is; any
@@ -128,13 +128,8 @@ class CollectiveHook(Protocol):
 # Launches one collective on the group it is given: the caller's, or one with the
 # same ranks that a hook issues on instead (the collective guard).
 Issue = Callable[[Group], "dist.Work | None"]
-_hook: CollectiveHook | None = None
-
-
-def set_hook(hook: CollectiveHook | None) -> None:
-    """Attaches ``hook`` to every later collective (``None``: none, which costs nothing)."""
-    global _hook
-    _hook = hook
+#: Attached to every later collective (``_collective_hooks.py``); ``None`` costs nothing.
+launch_hook: CollectiveHook | None = None
 
 
 class Route:
@@ -169,16 +164,10 @@ class Route:
 
 PUBLIC_ROUTE = Route()
 RouteProvider = Callable[[dist.ProcessGroup], "Route | None"]
-_route_providers: list[RouteProvider] = []
+#: ``provider(group)`` returns the :class:`Route` for a group it serves, else ``None``;
+#: asked (the latest added first) once per group, at the first collective on it.
+route_providers: list[RouteProvider] = []
 _routes: weakref.WeakKeyDictionary[dist.ProcessGroup, Route] = weakref.WeakKeyDictionary()
-
-
-def add_route_provider(provider: RouteProvider) -> None:
-    """Registers ``provider(group)``, which returns the :class:`Route` for a group
-    it serves and ``None`` for the others; asked (the latest added first) once per
-    group, at the first collective on it."""
-    if provider not in _route_providers:
-        _route_providers.append(provider)
 
 
 def route_of(group: dist.ProcessGroup) -> Route:
@@ -186,7 +175,7 @@ def route_of(group: dist.ProcessGroup) -> Route:
     remembered after (units decide theirs at lazy init, so issuing costs no lookup)."""
     route = _routes.get(group)
     if route is None:
-        for provider in reversed(_route_providers):
+        for provider in reversed(route_providers):
             route = provider(group)
             if route is not None:
                 break
@@ -264,7 +253,7 @@ class PendingCollective:
             except CollectiveMismatchError:
                 raise
             except RuntimeError as exc:
-                raise _failure(self._what, exc, self._tensors[1], self._group) from exc
+                raise explain_failure(self._what, exc, self._tensors[1], self._group) from exc
         if self._stream_wait is not None:
             self._stream_wait()
         if observer is not None:
@@ -274,11 +263,9 @@ class PendingCollective:
         self._tensors = ()
 
 
-def _failure(
+def _plain_failure(
     what: str, exc: BaseException, tensor: torch.Tensor | None, group: Group | None
 ) -> RuntimeError:
-    """The error raised for a failed collective ``what`` on ``tensor`` and
-    ``group``; ``_failures.py`` replaces it with one that says why."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     return RuntimeError(f"fsdp_compose: {what} failed on rank {rank}: {exc}")
 
@@ -286,13 +273,9 @@ def _failure(
 FailureExplainer = Callable[
     [str, BaseException, "torch.Tensor | None", "Group | None"], RuntimeError
 ]
-
-
-def set_failure_explainer(explainer: FailureExplainer) -> None:
-    """Makes ``explainer(what, exc, tensor, group)`` the error raised when a
-    collective fails (see [Note: collective extensions])."""
-    global _failure
-    _failure = explainer  # type: ignore[assignment]
+#: The error raised for a failed collective ``what`` on ``tensor`` and ``group``;
+#: ``_failures.py`` sets one that says why.
+explain_failure: FailureExplainer = _plain_failure
 
 
 def _launch(
@@ -316,7 +299,7 @@ def _launch(
         stream.wait_stream(streams.module.current_stream(out.device))
     try:
         with contextlib.nullcontext() if on_cpu else streams.module.stream(stream):
-            hook = _hook
+            hook = launch_hook
             if hook is None:
                 work, observer = issue(on_cpu, group), None
             else:
@@ -325,7 +308,7 @@ def _launch(
     except CollectiveMismatchError:
         raise
     except RuntimeError as exc:
-        raise _failure(what, exc, out, group) from exc
+        raise explain_failure(what, exc, out, group) from exc
     if on_cpu:
         return PendingCollective(work, observer, (inp, out), what, group)
     event, device = stream.record_event(), out.device

@@ -43,28 +43,16 @@ REPLACED_BY = "_fsdp_compose_replaced_by"
 #: Checks of a ``fully_shard`` call beyond FSDP2's, run before anything is modified
 #: (see [Note: atomic fully_shard]): ``check(modules, managed_modules,
 #: ignored_params, mesh_info)`` raises to refuse the call. The extension
-#: ``_validation`` adds them with :func:`add_shard_check`.
+#: ``_validation`` adds them.
 ShardCheck = Callable[[tuple[nn.Module, ...], list[nn.Module], set[nn.Parameter], MeshInfo], None]
-_shard_checks: list[ShardCheck] = []
-
-
-def add_shard_check(check: ShardCheck) -> None:
-    """Runs ``check`` in every later ``fully_shard`` call, before it modifies anything."""
-    if check not in _shard_checks:
-        _shard_checks.append(check)
+shard_checks: list[ShardCheck] = []
 
 
 #: ``convert(state_dict, prefix, [(name, param)], assign)``: rewrites the values a
 #: module's ``load_state_dict`` gets for its sharded parameters in place (the
-#: extension ``_full_state_dict`` loads full tensors this way).
+#: extension ``_full_state_dict`` loads full tensors this way); ``None``: none.
 LoadConversion = Callable[[dict[str, Any], str, list[tuple[str, ShardedParam]], bool], None]
-_load_conversion: LoadConversion | None = None
-
-
-def set_load_conversion(convert: LoadConversion | None) -> None:
-    """Attaches the conversion of loaded state-dict values (``None`` detaches)."""
-    global _load_conversion
-    _load_conversion = convert
+load_conversion: LoadConversion | None = None
 
 
 @overload
@@ -186,10 +174,10 @@ def fully_shard(
     # changed: shards are built aside and installed only once every parameter and
     # the unit are valid, so a failed call leaves the module as it was and a
     # retry (with the fix the error names) starts from a clean module. The checks
-    # extensions register (add_shard_check) and the sharing extension's collect
+    # extensions register (shard_checks) and the sharing extension's collect
     # run in this phase too.
     managed_modules = _managed_modules(modules)
-    for check in _shard_checks:
+    for check in shard_checks:
         check(modules, managed_modules, ignored, mesh_info)
     owners = _managed_params(managed_modules, ignored)
     # Parameters another unit already sharded: borrowed (the extension _shared).
@@ -450,7 +438,7 @@ def register_state_dict_hooks(
 ) -> None:
     """``state_dict()`` and ``load_state_dict()`` always see the sharded parameters
     (and a full state dict is sharded on the fly when loaded, see
-    :func:`set_load_conversion`).
+    :data:`load_conversion`).
 
     ``owners`` limits the hooks to these registrations of ``unit``'s parameters
     (a borrower's, see [Note: shared parameters] in ``_shared``); default: all."""
@@ -474,9 +462,9 @@ def register_state_dict_hooks(
             _params: list[tuple[str, ShardedParam]] = params,
         ) -> None:
             reshard()
-            if _load_conversion is not None:  # full or TP-only values, see the setter
+            if load_conversion is not None:  # full or TP-only values
                 assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
-                _load_conversion(state_dict, prefix, _params, assign)
+                load_conversion(state_dict, prefix, _params, assign)
 
         def load_post_hook(*_: Any) -> None:
             # Parameters may have been re-assigned (assign=True).

@@ -34,19 +34,14 @@ _STATE_ATTR = "_fsdp_compose_state"
 #: Called with every unit of a root's tree at its lazy init, before any collective
 #: (the extension ``_misuse`` registers here).
 RootInitCheck = Callable[[list[Unit]], None]
-_root_init_checks: list[RootInitCheck] = []
-
-
-def add_root_init_check(check: RootInitCheck) -> None:
-    """Runs ``check(units)`` at the lazy init of every later root."""
-    if check not in _root_init_checks:
-        _root_init_checks.append(check)
+root_init_checks: list[RootInitCheck] = []
 
 
 class ParamSharing(Protocol):
     """The extension sharing parameters across units (``_shared``, [Note: shared
     parameters]). Without it, a parameter under two units' modules is sharded by
-    the first and refused by the second as a top-down ``fully_shard``."""
+    the first and refused by the second as a top-down ``fully_shard``. Attached
+    as :data:`param_sharing`."""
 
     def is_borrowed(self, param: nn.Parameter, module: nn.Module, name: str) -> bool: ...
     def collect(self, modules: list[nn.Module], ignored: set[nn.Parameter], *args: Any) -> Any: ...
@@ -60,12 +55,6 @@ class ParamSharing(Protocol):
 
 
 param_sharing: ParamSharing | None = None
-
-
-def set_param_sharing(sharing: ParamSharing | None) -> None:
-    """Attaches the extension that shares parameters across units."""
-    global param_sharing
-    param_sharing = sharing
 
 
 def state_of(module: nn.Module) -> UnitState | None:
@@ -229,7 +218,7 @@ class UnitState:
         self.all_states = states
         for unit in units:
             unit.lazy_init()
-        for check in _root_init_checks:
+        for check in root_init_checks:
             check(units)
 
     # -- forward ---------------------------------------------------------

@@ -305,4 +305,4 @@ def _on_root_init(units: list[Unit]) -> None:
     register_units(units)
 
 
-_hooks.add_root_init_check(_on_root_init)
+_hooks.root_init_checks.append(_on_root_init)

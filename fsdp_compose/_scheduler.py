@@ -70,13 +70,8 @@ class SharedUseCounter(Protocol):
     def return_backward(self, units: list[Unit]) -> None: ...
 
 
-_observer: ScheduleObserver | None = None  # read on the hot path: None costs one check
-
-
-def set_observer(observer: ScheduleObserver | None) -> None:
-    """Attaches ``observer`` to every scheduler (``None`` detaches it)."""
-    global _observer
-    _observer = observer
+#: Told what every scheduler does; read on the hot path: ``None`` costs one check.
+observer: ScheduleObserver | None = None
 
 
 @dataclass
@@ -142,13 +137,13 @@ class RateLimiter:
             nbytes = unit.unsharded_nbytes
             self._holding[unit] = nbytes
             self._holding_bytes += nbytes
-            if _observer is not None:
-                _observer.memory_event("alloc", unit.name, nbytes, self._holding_bytes)
+            if observer is not None:
+                observer.memory_event("alloc", unit.name, nbytes, self._holding_bytes)
         elif not holds and counted is not None:
             del self._holding[unit]
             self._holding_bytes -= counted
-            if _observer is not None:
-                _observer.memory_event("free", unit.name, counted, self._holding_bytes)
+            if observer is not None:
+                observer.memory_event("free", unit.name, counted, self._holding_bytes)
 
     def issue(self, unit: Unit) -> None:
         if not unit.holds_unsharded:
@@ -161,11 +156,11 @@ class RateLimiter:
         if not self._fits(unit):
             if unit not in self.deferred:
                 self.deferred.append(unit)
-                if _observer is not None:
-                    _observer.instant("prefetch_deferred", unit.name)
+                if observer is not None:
+                    observer.instant("prefetch_deferred", unit.name)
             return
-        if _observer is not None:
-            _observer.instant("prefetch", unit.name)
+        if observer is not None:
+            observer.instant("prefetch", unit.name)
         self.issue(unit)
 
     def require(self, unit: Unit) -> None:
@@ -254,8 +249,8 @@ class Scheduler:
         self._complete_reductions()
         self.forward_active = True
         self.step_context.step += 1
-        if _observer is not None:
-            _observer.set_step(self.step)
+        if observer is not None:
+            observer.set_step(self.step)
         if self._forward_order:
             self._prev_forward_order = self._forward_order
         self._forward_order = []
@@ -288,8 +283,8 @@ class Scheduler:
                     self.memory.prefetch(target)
         for unit in units:
             self.memory.require(unit)
-            if _observer is not None:
-                _observer.begin_span("forward", unit.name)
+            if observer is not None:
+                observer.begin_span("forward", unit.name)
 
     def recompute_forward(self, unit: Unit) -> None:
         """Activation checkpointing re-runs ``unit``'s forward inside backward."""
@@ -310,8 +305,8 @@ class Scheduler:
         return []
 
     def post_forward(self, unit: Unit) -> None:
-        if _observer is not None:
-            _observer.end_span("forward", unit.name)
+        if observer is not None:
+            observer.end_span("forward", unit.name)
         self._post_forward_order.append(unit)
         shared = self.shared
         if shared is None or shared.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
@@ -368,9 +363,9 @@ class Scheduler:
                     self.memory.prefetch(target)
         for unit in gather:
             self.memory.require(unit)
-        if _observer is not None:
+        if observer is not None:
             for unit in units:
-                _observer.begin_span("backward", unit.name)
+                observer.begin_span("backward", unit.name)
 
     def _note_backward(self) -> None:
         if not self.backward_active:
@@ -416,8 +411,8 @@ class Scheduler:
         # its parameters and gradients (see [Note: shared parameters]).
 
     def _post_backward(self, unit: Unit, *, at_end: bool, drain: bool = True) -> None:
-        if unit.phase is Phase.PRE_BACKWARD and _observer is not None:
-            _observer.end_span("backward", unit.name)
+        if unit.phase is Phase.PRE_BACKWARD and observer is not None:
+            observer.end_span("backward", unit.name)
         unit.phase = Phase.POST_BACKWARD
         if not unit.requires_gradient_sync:
             unit.accumulate_unsharded_grads()

@@ -53,7 +53,7 @@ class Phase(Enum):
 
 class UnitChecks(Protocol):
     """Checks of how a unit is used beyond FSDP2's, each naming the fix (the
-    extension ``_validation``), attached with :func:`set_unit_checks`: called at
+    extension ``_validation``), attached as :data:`unit_checks`: called at
     lazy init, after a gather, before a reshard, and when the scheduler starts
     the unit's forward and backward."""
 
@@ -64,13 +64,8 @@ class UnitChecks(Protocol):
     def backward(self, unit: Unit) -> None: ...
 
 
-unit_checks: UnitChecks | None = None  # read on the hot path: None costs one check
-
-
-def set_unit_checks(checks: UnitChecks | None) -> None:
-    """Attaches ``checks`` to every unit (``None`` detaches them)."""
-    global unit_checks
-    unit_checks = checks
+#: Attached to every unit; read on the hot path: ``None`` costs one check.
+unit_checks: UnitChecks | None = None
 
 
 class Unit(FlatBuffer, GradientReduction):

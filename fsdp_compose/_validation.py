@@ -17,8 +17,7 @@ its first use, parameters modified in place while unsharded (the change would be
 lost), and a backward through parameters modified after its forward.
 
 This module is an extension: it registers with
-:func:`fsdp_compose._fully_shard.add_shard_check` and
-:func:`fsdp_compose._unit.set_unit_checks`.
+``fsdp_compose._fully_shard.shard_checks`` and ``fsdp_compose._unit.unit_checks``.
 """
 
 from __future__ import annotations
@@ -245,5 +244,5 @@ class _UnitChecks:
             )
 
 
-_fully_shard.add_shard_check(_check_call)
-_unit.set_unit_checks(_UnitChecks())
+_fully_shard.shard_checks.append(_check_call)
+_unit.unit_checks = _UnitChecks()

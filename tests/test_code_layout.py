@@ -232,12 +232,12 @@ def test_core_trains_with_the_extensions_detached() -> None:
 
     from fsdp_compose import _fully_shard, _hooks, _unit
 
-    attached = (_hooks.param_sharing, _unit.unit_checks, _fully_shard._load_conversion)
-    checks = list(_fully_shard._shard_checks)
-    _hooks.set_param_sharing(None)
-    _unit.set_unit_checks(None)
-    _fully_shard.set_load_conversion(None)
-    _fully_shard._shard_checks.clear()
+    attached = (_hooks.param_sharing, _unit.unit_checks, _fully_shard.load_conversion)
+    checks = list(_fully_shard.shard_checks)
+    _hooks.param_sharing = None
+    _unit.unit_checks = None
+    _fully_shard.load_conversion = None
+    _fully_shard.shard_checks.clear()
     try:
         with fake_process_group(1, 0):
             torch.manual_seed(0)
@@ -266,7 +266,7 @@ def test_core_trains_with_the_extensions_detached() -> None:
             fully_shard(tied[1])  # without _shared: a second copy, as in FSDP2
             assert tied[0].weight is not tied[1].weight
     finally:
-        _hooks.set_param_sharing(attached[0])
-        _unit.set_unit_checks(attached[1])
-        _fully_shard.set_load_conversion(attached[2])
-        _fully_shard._shard_checks[:] = checks
+        _hooks.param_sharing = attached[0]
+        _unit.unit_checks = attached[1]
+        _fully_shard.load_conversion = attached[2]
+        _fully_shard.shard_checks[:] = checks
