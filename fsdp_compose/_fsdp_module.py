@@ -363,7 +363,9 @@ class FSDPModule:
         this module's own units, or its state when it has none."""
         if not isinstance(modules, (list, tuple)):
             raise TypeError(f"expected a list of FSDPModules, got {type(modules).__name__}")
-        targets = _units_of(list(modules))  # modules without parameters have nothing to gather
+        states = [_check_fsdp_module(m)._fsdp_state() for m in modules]
+        # A module that borrows a shared parameter needs its owner unit too.
+        targets = list(dict.fromkeys(u for s in states for u in [*s.own_units, *s.borrowed]))
         state = self._fsdp_state()
         return targets, [*state.own_units] or [state]
 
@@ -406,8 +408,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     CUDA streams there). fsdp_compose already uses one set of communication streams
     per device for every root, so this only validates its argument."""
     for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise ValueError(f"expected FSDPModules, got {type(m).__name__}")
+        _check_fsdp_module(m)
 
 
 _noted_comm_settings: set[tuple[str, str]] = set()
@@ -417,20 +418,19 @@ def _note_comm_buffers_unchanged(setting: str, state: UnitState) -> None:
     """Logs once per process and device type that ``setting`` keeps the regular
     allocator for communication buffers (see the two setters' docstrings)."""
     device_type = state.unit.mesh_info.device.type if state.unit is not None else "cpu"
-    if (setting, device_type) in _noted_comm_settings:
-        return
-    _noted_comm_settings.add((setting, device_type))
-    why = (
-        "gloo/CPU has no such allocator"
-        if device_type == "cpu"
-        else f"this path is not implemented for {device_type!r} yet"
-    )
-    logger.warning(
-        "fsdp_compose: %s accepted; communication buffers still come from the regular "
-        "allocator (%s). Collectives and results are unchanged.",
-        setting,
-        why,
-    )
+    if (setting, device_type) not in _noted_comm_settings:
+        _noted_comm_settings.add((setting, device_type))
+        why = (
+            "gloo/CPU has no such allocator"
+            if device_type == "cpu"
+            else f"this path is not implemented for {device_type!r} yet"
+        )
+        logger.warning(
+            "fsdp_compose: %s accepted; communication buffers still come from the regular "
+            "allocator (%s). Collectives and results are unchanged.",
+            setting,
+            why,
+        )
 
 
 def _check_single_mesh(state: UnitState, method: str) -> None:
@@ -443,9 +443,7 @@ def _check_single_mesh(state: UnitState, method: str) -> None:
 
 
 def _check_comm(comm: object, method: str) -> None:
-    if comm is None:
-        return
-    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+    if comm is not None and not (callable(comm) and callable(getattr(comm, "allocate", None))):
         raise TypeError(
             f"{method} expects an object with an allocate(size, *, dtype, device) method "
             f"that is also callable to issue the collective (FSDP2's Comm interface), got "
@@ -453,19 +451,12 @@ def _check_comm(comm: object, method: str) -> None:
         )
 
 
-def _units_of(modules: list[FSDPModule]) -> list[Unit]:
-    units = []
-    for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise ValueError(
-                f"expected FSDPModules (modules annotated by fully_shard), got {type(m).__name__}"
-            )
-        state = m._fsdp_state()
-        # A module that borrows a shared parameter needs its owner unit too.
-        for unit in [*state.own_units, *state.borrowed]:
-            if unit not in units:
-                units.append(unit)
-    return units
+def _check_fsdp_module(m: object) -> FSDPModule:
+    if not isinstance(m, FSDPModule):
+        raise ValueError(
+            f"expected FSDPModules (modules annotated by fully_shard), got {type(m).__name__}"
+        )
+    return m
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -29,12 +29,8 @@ _caches: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[object, ...], o
 
 
 def _cache() -> dict[tuple[object, ...], object]:
-    world = dist.group.WORLD
-    assert world is not None
-    cache = _caches.get(world)
-    if cache is None:
-        cache = _caches[world] = {}
-    return cache
+    assert dist.group.WORLD is not None
+    return _caches.setdefault(dist.group.WORLD, {})
 
 
 try:  # torch >= 2.13: re-export torch's class, so isinstance checks agree
@@ -61,19 +57,6 @@ except ImportError:  # pragma: no cover - older torch
                 raise ValueError(
                     "At least one of shard or replicate must be set in DataParallelMeshDims"
                 )
-
-        @property
-        def shard_names(self) -> tuple[str, ...]:
-            return _names(self.shard)
-
-        @property
-        def replicate_names(self) -> tuple[str, ...]:
-            return _names(self.replicate)
-
-    def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
-        if value is None:
-            return ()
-        return (value,) if isinstance(value, str) else tuple(value)
 
 
 @dataclass(frozen=True)
@@ -117,10 +100,6 @@ class MeshInfo:
     def data_parallel_size(self) -> int:
         """Number of ranks whose gradients are averaged (shard x replicate)."""
         return self.shard_size * self.replicate_size
-
-    @property
-    def shard_mesh_dim(self) -> int:
-        return self.mesh.ndim - 1
 
 
 def default_mesh() -> DeviceMesh:
@@ -184,7 +163,7 @@ def resolve_spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
             "mesh must have mesh_dim_names when dp_mesh_dims is provided, e.g. "
             'init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))'
         )
-    shard, rep = tuple(dims.shard_names), tuple(dims.replicate_names)
+    shard, rep = _names(dims.shard), _names(dims.replicate)
     for name in shard + rep:
         if name not in names:
             raise ValueError(
@@ -208,6 +187,10 @@ def resolve_spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
     return replace(info, spmd=layout)
 
 
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if value is None else (value,) if isinstance(value, str) else tuple(value)
+
+
 def resolve_mesh_info(mesh: DeviceMesh) -> MeshInfo:
     """Validates ``mesh`` for fully_shard and resolves its groups for this rank."""
     if not isinstance(mesh, DeviceMesh):
@@ -220,27 +203,19 @@ def resolve_mesh_info(mesh: DeviceMesh) -> MeshInfo:
             f"but got a {mesh.ndim}-D mesh {mesh}. For FSDP + tensor parallel, pass the "
             'data-parallel sub-mesh, e.g. mesh["dp"].'
         )
-    if mesh.get_coordinate() is None:
-        raise ValueError(f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
-    device = device_of_mesh(mesh)
-    shard_dim = mesh.ndim - 1
-    shard_group = mesh.get_group(shard_dim)
     coordinate = mesh.get_coordinate()
-    assert coordinate is not None
-    if mesh.ndim == 2:
-        replicate_group: dist.ProcessGroup | None = mesh.get_group(0)
-        replicate_size, replicate_rank = mesh.size(0), coordinate[0]
-    else:
-        replicate_group, replicate_size, replicate_rank = None, 1, 0
+    if coordinate is None:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
+    hsdp = mesh.ndim == 2
     return MeshInfo(
         mesh=mesh,
-        device=device,
-        shard_group=shard_group,
-        shard_size=mesh.size(shard_dim),
-        shard_rank=coordinate[shard_dim],
-        replicate_group=replicate_group,
-        replicate_size=replicate_size,
-        replicate_rank=replicate_rank,
+        device=device_of_mesh(mesh),
+        shard_group=mesh.get_group(mesh.ndim - 1),
+        shard_size=mesh.size(mesh.ndim - 1),
+        shard_rank=coordinate[-1],
+        replicate_group=mesh.get_group(0) if hsdp else None,
+        replicate_size=mesh.size(0) if hsdp else 1,
+        replicate_rank=coordinate[0] if hsdp else 0,
     )
 
 
