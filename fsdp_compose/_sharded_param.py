@@ -77,22 +77,15 @@ class ShardedParam:
     ) -> None:
         self.unit_label: str | None = None  # see mark_owned
         # With tensor parallel, FSDP shards the TP-local tensor (see the note above).
-        if mesh_info.spmd is not None:  # see [Note: dp_mesh_dims]
-            self.tp_spec = _spmd_spec(param, owners, mesh_info)
-        else:
-            self.tp_spec = (
-                _tp_spec(param, owners, mesh_info) if isinstance(param, DTensor) else None
-            )
+        self.tp_spec = _tp_spec(param, owners, mesh_info)
         # The model-parallel dim of tp_spec's mesh and its placement (None: only dp dims).
         self.tp_dim: int | None = None
         self.tp_placement: Placement | None = None
         if self.tp_spec is not None:
             spmd = mesh_info.spmd
-            others = [
-                i for i in range(self.tp_spec.mesh.ndim) if spmd is None or i not in spmd.dp_dims
-            ]
-            if others:
-                self.tp_dim = others[0]
+            dp_dims = () if spmd is None else spmd.dp_dims
+            self.tp_dim = next((i for i in range(self.tp_spec.mesh.ndim) if i not in dp_dims), None)
+            if self.tp_dim is not None:
                 self.tp_placement = self.tp_spec.placements[self.tp_dim]
         self.global_size = param.shape  # the shape users see (the TP DTensor's global shape)
         requires_grad = param.requires_grad  # a DTensor's local tensor never requires grad
@@ -336,63 +329,52 @@ def _shard_dim_of(placement: Placement, ndim: int) -> int | None:
     return None
 
 
-def _tp_spec(param: DTensor, owners: list[tuple[nn.Module, str]], mesh_info: MeshInfo) -> Any:
-    """Validates a tensor-parallel parameter and returns its DTensor spec."""
-    name = f"{owners[0][1]!r} of {type(owners[0][0]).__name__}"
-    spec = param._spec
-    mesh = param.device_mesh
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"parameter {name} is a DTensor on a {mesh.ndim}-D mesh {mesh}; fully_shard composes "
-            "with DTensor parameters on a 1-D (tensor-parallel) mesh only."
-        )
-    (placement,) = param.placements
-    if type(placement) not in (Shard, Replicate):
-        raise NotImplementedError(
-            f"parameter {name} has placement {placement}; fully_shard composes with "
-            "tensor-parallel parameters placed Shard(dim) or Replicate() only."
-        )
-    if mesh.device_type != mesh_info.mesh.device_type:
-        raise ValueError(
-            f"parameter {name} lives on a {mesh.device_type!r} mesh but fully_shard's mesh is "
-            f"{mesh_info.mesh.device_type!r}: use one device type for both."
-        )
-    if not param.is_meta and not _compat.local_tensor(param).is_contiguous():
-        raise NotImplementedError(f"parameter {name} has a non-contiguous local tensor")
-    return spec
-
-
-def _spmd_spec(
-    param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_info: MeshInfo
-) -> Any:
-    """Validates a parameter for ``dp_mesh_dims`` (a DTensor on the full SPMD mesh,
-    ``Replicate()`` on the dp dims) and returns its DTensor spec."""
+def _tp_spec(param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_info: MeshInfo) -> Any:
+    """Validates a DTensor parameter (on a 1-D tensor-parallel mesh, or with
+    ``dp_mesh_dims`` on the full SPMD mesh, ``Replicate()`` on the dp dims) and
+    returns its DTensor spec; ``None`` for a plain parameter."""
     spmd = mesh_info.spmd
-    assert spmd is not None
     name = f"{owners[0][1]!r} of {type(owners[0][0]).__name__}"
     if not isinstance(param, DTensor):
+        if spmd is None:
+            return None
         raise ValueError(
             f"When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
             f"mesh (e.g. via distribute_tensor / distribute_module), but parameter {name} is a "
             f"plain tensor. Distribute it on {spmd.mesh} with Replicate() on the data-parallel dims."
         )
-    if param.device_mesh != spmd.mesh:
-        raise ValueError(
-            f"parameter {name} is a DTensor on mesh {param.device_mesh}, but with dp_mesh_dims it "
-            f"must be on the mesh passed to fully_shard ({spmd.mesh})"
+    mesh = param.device_mesh
+    model_dims = [0]
+    if spmd is None and mesh.ndim != 1:
+        raise NotImplementedError(
+            f"parameter {name} is a DTensor on a {mesh.ndim}-D mesh {mesh}; fully_shard composes "
+            "with DTensor parameters on a 1-D (tensor-parallel) mesh only."
         )
-    dim_names = spmd.mesh.mesh_dim_names or ()
-    for i in spmd.dp_dims:
-        if not isinstance(param.placements[i], Replicate):
+    if spmd is None and mesh.device_type != mesh_info.mesh.device_type:
+        raise ValueError(
+            f"parameter {name} lives on a {mesh.device_type!r} mesh but fully_shard's mesh is "
+            f"{mesh_info.mesh.device_type!r}: use one device type for both."
+        )
+    if spmd is not None:
+        if mesh != spmd.mesh:
             raise ValueError(
-                f"parameter {name}: expected Replicate() on data-parallel mesh dim "
-                f"{dim_names[i]!r} (index {i}) but got {param.placements[i]}"
+                f"parameter {name} is a DTensor on mesh {mesh}, but with dp_mesh_dims it "
+                f"must be on the mesh passed to fully_shard ({spmd.mesh})"
             )
-    for i, placement in enumerate(param.placements):
-        if i not in spmd.dp_dims and type(placement) not in (Shard, Replicate):
+        dim_names = mesh.mesh_dim_names or ()
+        for i in spmd.dp_dims:
+            if not isinstance(param.placements[i], Replicate):
+                raise ValueError(
+                    f"parameter {name}: expected Replicate() on data-parallel mesh dim "
+                    f"{dim_names[i]!r} (index {i}) but got {param.placements[i]}"
+                )
+        model_dims = [i for i in range(mesh.ndim) if i not in spmd.dp_dims]
+    for i in model_dims:
+        if type(param.placements[i]) not in (Shard, Replicate):
             raise NotImplementedError(
-                f"parameter {name} has placement {placement} on mesh dim {dim_names[i]!r}; "
-                "fully_shard composes with Shard(dim) or Replicate() there only."
+                f"parameter {name} has placement {param.placements[i]} on mesh dim {i}; "
+                "fully_shard composes with model-parallel placements Shard(dim) or Replicate() "
+                "only."
             )
     if not param.is_meta and not _compat.local_tensor(param).is_contiguous():
         raise NotImplementedError(f"parameter {name} has a non-contiguous local tensor")
