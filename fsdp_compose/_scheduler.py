@@ -4,28 +4,25 @@ Hooks report what autograd and the forward are doing (``pre_forward``,
 ``post_forward``, ``pre_backward``, ``post_backward``, ``finalize_backward``); the
 scheduler turns that into unit operations:
 
-* **Prefetch.** Forward order is recorded every iteration. In the next iteration,
-  when unit k starts its forward, the all-gathers of the next ``forward_depth``
-  units of the previous order are issued, so they run (on gloo's threads, or on an
-  all-gather stream) while unit k computes. Backward walks the post-forward order
-  of the most recent complete forward in reverse the same way, restarting at its
-  end for every backward pass, so each of several backwards (pipeline
-  microbatches, gradient accumulation over graphs kept alive) prefetches. An
-  order that changes (conditional modules) only costs an unused prefetch, which
-  is freed at the end of forward.
-  Explicit lists (``set_modules_to_forward_prefetch``) replace the implicit choice.
+* **Prefetch.** When unit k starts its forward, the all-gathers of the next
+  ``forward_depth`` units of the previous iteration's order are issued, so they
+  run (on gloo's threads, or an all-gather stream) while unit k computes.
+  Backward walks the last complete forward's post-forward order in reverse the
+  same way, from its end at every backward pass (pipeline microbatches,
+  accumulation over graphs kept alive). A changed order (conditional modules)
+  costs an unused prefetch, freed at the end of forward. Explicit lists
+  (``set_modules_to_forward_prefetch``) replace the implicit choice.
 * **Rate limiter.** ``max_unsharded_bytes`` bounds the unsharded parameter bytes
-  allocated or in flight. A prefetch that would exceed it is deferred until a unit
-  frees its parameters; a unit that is needed *now* is always gathered.
+  allocated or in flight: a prefetch that would exceed it waits until a unit
+  frees its parameters; a unit needed *now* is always gathered.
 * **Reductions.** A unit's reduce-scatter is issued as soon as its backward ends
-  and overlaps the backward of the units before it. Before issuing the next one,
-  the previous one is completed, so at most one unit's full-size gradient buffers
-  exist at a time. ``finalize_backward`` (queued on the autograd engine) completes
-  all reductions before ``backward()`` returns.
+  and overlaps the backward of the units before it; the previous one is completed
+  first, so one unit's full-size gradient buffers exist at a time.
+  ``finalize_backward`` (queued on the autograd engine) completes all reductions
+  before ``backward()`` returns.
 
-Every decision depends only on the program order of hook calls, which is the same
-on every rank running the same model, so all ranks issue the same collectives in
-the same order.
+Every decision depends only on the program order of hook calls, the same on
+every rank running the same model: all ranks issue the same collectives in order.
 """
 
 from __future__ import annotations

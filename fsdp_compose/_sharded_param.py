@@ -2,32 +2,26 @@
 
 [Note: sharding layout]
 A parameter of shape ``(n, *rest)`` sharded over W ranks on dim 0 is cut into W
-chunks of ``c = ceil(n / W)`` rows, exactly like ``torch.chunk`` and DTensor's
-``Shard(0)``: rank r owns rows ``[min(r*c, n), min((r+1)*c, n))``, which may be
-fewer than ``c`` rows or none at all. The local shard is stored unpadded (as the
-DTensor's local tensor); padding exists only inside communication buffers, where
-every rank contributes a slot of ``c * prod(rest)`` elements. Padding elements are
-never read back, so they are never zeroed.
-
-Sharding on a dim ``k > 0`` (``shard_placement_fn``) requires ``n_k`` divisible by
-W; the local shard is ``chunk(k)[r]`` made contiguous.
+chunks of ``c = ceil(n / W)`` rows, like ``torch.chunk`` and DTensor's
+``Shard(0)``: rank r owns rows ``[min(r*c, n), min((r+1)*c, n))``, possibly fewer
+than ``c`` or none. The local shard is stored unpadded (the DTensor's local
+tensor); padding exists only in communication buffers, where every rank
+contributes a slot of ``c * prod(rest)`` elements, and is never read back (so
+never zeroed). Sharding on a dim ``k > 0`` (``shard_placement_fn``) requires
+``n_k`` divisible by W; the local shard is ``chunk(k)[r]`` made contiguous.
 
 [Note: tensor-parallel parameters]
-A parameter that is already a DTensor on a 1-D tensor-parallel mesh (from
-``parallelize_module``) is sharded the same way, but on its *TP-local* tensor:
-everything above applies with ``(n, *rest)`` the TP-local shape, and the unit
-gathers and reduces TP-local tensors only. The sharded parameter is a DTensor on
-the mesh ``dp x tp`` (``replicate x shard x tp`` with HSDP) with the TP DTensor's
-global shape; its placements are the FSDP placement on the dp dim followed by the
-TP placement. When TP already shards the same tensor dim, FSDP's rows are a slice
-*inside* each TP chunk, not a chunk of the whole tensor: DTensor describes that
-with ``_StridedShard(dim, split_factor=tp_size)`` on the dp dim, which is what
-lets ``full_tensor()``, ``redistribute`` and DCP see the true global layout.
-
+A DTensor parameter on a 1-D tensor-parallel mesh (``parallelize_module``) is
+sharded the same way on its *TP-local* tensor (``(n, *rest)`` the TP-local
+shape); the unit gathers and reduces TP-local tensors only. The sharded
+parameter is a DTensor on the mesh ``dp x tp`` (``replicate x shard x tp`` with
+HSDP) with the TP DTensor's global shape, placed the FSDP way on the dp dim and
+the TP way on tp. When TP shards the same tensor dim, FSDP's rows are a slice
+*inside* each TP chunk: ``_StridedShard(dim, split_factor=tp_size)`` on the dp
+dim, so ``full_tensor()``, ``redistribute`` and DCP see the true global layout.
 The unsharded parameter is a DTensor on the TP mesh with the original placement
-whose local tensor is the gathered view, so TP's forward runs as without FSDP.
-Its gradient is a DTensor that may be ``Partial`` (e.g. a replicated parameter
-used on sharded activations); it is redistributed to the TP placement before its
+whose local tensor is the gathered view (TP's forward runs as without FSDP); its
+gradient, possibly ``Partial``, is redistributed to the TP placement before its
 local tensor is reduce-scattered over dp.
 """
 
