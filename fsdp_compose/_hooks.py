@@ -193,7 +193,10 @@ class UnitState:
                     )
                 state.is_root = False
             for i, unit in enumerate(state.own_units):
-                unit.name = (name or "root") + (f" [{_mesh_label(unit)}]" if i else "")
+                # A further mesh's unit is named after its mesh (the same on every rank).
+                dims = unit.mesh_info.mesh.mesh_dim_names
+                mesh = ",".join(dims) if dims else f"mesh of {unit.mesh_info.shard_size}"
+                unit.name = (name or "root") + (f" [{mesh}]" if i else "")
             states.append(state)
         self.is_root = True
         param_names: dict[int, str] = {}
@@ -440,9 +443,3 @@ class UnitState:
                     seen.add(id(state))
                     units.extend(state.own_units)
         return units
-
-
-def _mesh_label(unit: Unit) -> str:
-    """Names a further mesh's unit after its mesh dims (the same on every rank)."""
-    names = unit.mesh_info.mesh.mesh_dim_names
-    return ",".join(names) if names else f"mesh of {unit.mesh_info.shard_size}"

@@ -184,17 +184,6 @@ class PendingReduction:
         self._keep_partial = unit.mesh_info.is_hsdp and replicate_group is None
         self.done = False
 
-    def _hook_sees_average(self, dtype: torch.dtype) -> bool:
-        # FSDP2 reduces float32/bfloat16 with ReduceOp.AVG unless a divide factor
-        # or force-sum is set, so its all-reduce hook receives the average; with
-        # SUM it receives the sum and divides after the hook. Same here.
-        unit = self.unit
-        return (
-            unit.gradient_divide_factor is None
-            and not unit.force_sum_reduction
-            and dtype in (torch.float32, torch.bfloat16)
-        )
-
     def advance(self) -> None:
         """Completes the reduce-scatter (freeing its full-size buffers) and starts
         the replicate all-reduce if there is one, without waiting for the latter."""
@@ -231,11 +220,19 @@ class PendingReduction:
             if self._keep_partial:
                 self.unit.partial_reduce(self._params, self._sizes, output, keep=True)
             else:
-                hook, post = self.unit.all_reduce_hook, self._post_divide
-                if hook is not None and post != 1 and self._hook_sees_average(output.dtype):
-                    output.div_(post)
-                    post = 1
+                hook, post, unit = self.unit.all_reduce_hook, self._post_divide, self.unit
+                # FSDP2 reduces float32/bfloat16 with ReduceOp.AVG unless a divide
+                # factor or force-sum is set, so its all-reduce hook receives the
+                # average; with SUM the sum, divided after the hook. Same here.
                 if hook is not None:
+                    if (
+                        post != 1
+                        and unit.gradient_divide_factor is None
+                        and not unit.force_sum_reduction
+                        and output.dtype in (torch.float32, torch.bfloat16)
+                    ):
+                        output.div_(post)
+                        post = 1
                     hook(output)
                 if post != 1:
                     output.div_(post)

@@ -173,11 +173,7 @@ class RateLimiter:
     def reshard(self, unit: Unit, *, to_post_forward_group: bool = False) -> None:
         unit.reshard(to_post_forward_group=to_post_forward_group)
         self.account(unit)
-        if self.deferred:
-            self._drain_deferred()
-
-    def _drain_deferred(self) -> None:
-        while self.deferred and self._fits(self.deferred[0]):
+        while self.deferred and self._fits(self.deferred[0]):  # freed memory: drain
             self.issue(self.deferred.pop(0))
 
     def _fits(self, unit: Unit) -> bool:

@@ -156,7 +156,11 @@ class ShardedParam:
         if self.tp_spec is None:
             size = self.orig_size
             return _compat.make_dtensor_spec(
-                info.mesh, (*replicate, Shard(d)), size, _contiguous_stride(size), dtype
+                info.mesh,
+                (*replicate, Shard(d)),
+                size,
+                torch.empty(size, device="meta").stride(),
+                dtype,
             )
         spmd = info.spmd
         if spmd is None:  # FSDP's dims, then the TP mesh's one
@@ -373,11 +377,3 @@ def _tp_spec(param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_info
     if not param.is_meta and not _compat.local_tensor(param).is_contiguous():
         raise NotImplementedError(f"parameter {name} has a non-contiguous local tensor")
     return param._spec  # the public equivalents rebuild it
-
-
-def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(size):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
