@@ -203,12 +203,10 @@ class UnitState:
         for name, param in root_module.named_parameters(remove_duplicate=False):
             param_names.setdefault(id(param), name)
         units = [unit for state in states for unit in state.own_units]
-        for unit in units:
-            for p in unit.params:
-                for candidate in (p.sharded_param, p.unsharded_param):
-                    if candidate is not None and id(candidate) in param_names:
-                        p.fqn = param_names[id(candidate)]
-                        break
+        for p in (p for unit in units for p in unit.params):
+            p.fqn = param_names.get(id(p.sharded_param)) or param_names.get(
+                id(p.unsharded_param), p.fqn
+            )
         if self.auto_reshard_after_forward:
             for unit in self.own_units:
                 unit.set_reshard_after_forward(False)
@@ -240,9 +238,7 @@ class UnitState:
         if _compat.inside_backward():
             # Activation checkpointing recomputes this forward inside backward:
             # parameters must be present, but this is not a new forward pass.
-            for own in self.own_units:
-                scheduler.recompute_forward(own)
-            for used in self.borrowed:
+            for used in [*self.own_units, *self.borrowed]:
                 scheduler.recompute_forward(used)
             return self._cast_inputs(args, kwargs)
         if self._began_forward:
@@ -286,12 +282,8 @@ class UnitState:
         unit = self.unit
         if unit is not None or self.backward_prefetch or self.borrowed:
             output = self._register_pre_backward(output)
-        if len(self.modules) > 1:
-            self._pending_modules.discard(module)
-            group_done = not self._pending_modules
-        else:
-            group_done = True
-        if group_done:
+        self._pending_modules.discard(module)
+        if not self._pending_modules:  # (grouped units: every module of the group ran)
             for own in self.own_units:
                 scheduler.post_forward(own)
             if self.shared is not None:
@@ -349,18 +341,10 @@ class UnitState:
     # -- backward --------------------------------------------------------
 
     def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-            # Common case (positional tensors only): skip the pytree round trip,
-            # which costs more than the rest of this hook.
-            positions = [i for i, a in enumerate(args) if a.requires_grad]
-            if not positions:
-                return args, kwargs
-            outputs = _PostBackward.apply(self, *(args[i] for i in positions))
-            new_args = list(args)
-            for i, out in zip(positions, outputs):
-                new_args[i] = out
-            return tuple(new_args), kwargs
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        # Common case (positional tensors only): skip the pytree round trip, which
+        # costs more than the rest of this hook.
+        fast = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+        leaves, spec = (list(args), None) if fast else pytree.tree_flatten((args, kwargs))
         positions = [
             i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
         ]
@@ -369,16 +353,13 @@ class UnitState:
         outputs = _PostBackward.apply(self, *(leaves[i] for i in positions))
         for i, out in zip(positions, outputs):
             leaves[i] = out
-        return pytree.tree_unflatten(leaves, spec)
+        return (tuple(leaves), kwargs) if spec is None else pytree.tree_unflatten(leaves, spec)
 
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
             return output
-        if isinstance(output, torch.Tensor):  # common case: no pytree traversal
-            if output.requires_grad:
-                output.register_hook(self._pre_backward)
-            return output
-        for tensor in pytree.tree_leaves(output):
+        # (a tensor, the common case: no pytree traversal)
+        for tensor in [output] if isinstance(output, torch.Tensor) else pytree.tree_leaves(output):
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(self._pre_backward)
         return output
@@ -434,12 +415,5 @@ class UnitState:
         """This state's unit, and with ``recurse`` those of every state below it."""
         if not recurse:
             return self.own_units
-        units: list[Unit] = []
-        seen: set[int] = set()
-        for module in self.modules:
-            for sub in module.modules():
-                state = state_of(sub)
-                if state is not None and state.unit is not None and id(state) not in seen:
-                    seen.add(id(state))
-                    units.extend(state.own_units)
-        return units
+        states = [state_of(sub) for module in self.modules for sub in module.modules()]
+        return [unit for s in dict.fromkeys(states) if s is not None for unit in s.own_units]
