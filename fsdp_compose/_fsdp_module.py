@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import _hooks
 from ._collectives import AllGatherComm, ReduceScatterComm
 from ._hooks import UnitState, state_of
 from ._mesh import separate_reduce_scatter_group
@@ -89,7 +90,9 @@ class FSDPModule:
         state cleared, and the failed step's unreduced gradients are dropped. The
         next forward then starts from a clean state.
         """
-        self._fsdp_state().reset()
+        if _hooks.iter_state_reset is None:
+            raise NotImplementedError("reset_iter_state needs the extension fsdp_compose._recovery")
+        _hooks.iter_state_reset(self._fsdp_state())
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Sets whether the next backward is the last of the step (the default).

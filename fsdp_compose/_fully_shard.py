@@ -8,7 +8,6 @@ module's class to a subclass of :class:`FSDPModule` and of its original class.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn, overload
 
@@ -31,8 +30,6 @@ from ._mesh import (
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._sharded_param import IGNORED_BY, SHARDED_BY, ShardedParam
 from ._unit import Unit
-
-logger = logging.getLogger("fsdp_compose")
 
 __all__ = ["fully_shard"]
 

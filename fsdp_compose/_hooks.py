@@ -56,6 +56,10 @@ class ParamSharing(Protocol):
 
 param_sharing: ParamSharing | None = None
 
+#: ``FSDPModule.reset_iter_state``'s work on the root's state: the extension
+#: ``_recovery`` (beyond FSDP2, which cannot recover from a failed step).
+iter_state_reset: Callable[[UnitState], None] | None = None
+
 
 def state_of(module: nn.Module) -> UnitState | None:
     """The fully_shard state attached to ``module``, if any."""
@@ -393,23 +397,6 @@ class UnitState:
             self.scheduler.finalize_backward()
         finally:
             self._finalize_queued = False
-
-    # -- recovery --------------------------------------------------------
-
-    def reset(self) -> None:
-        if self.is_root is False:
-            raise RuntimeError(
-                "reset_iter_state() must be called on the root fully_shard module (the one "
-                "the first forward ran through)."
-            )
-        if self.scheduler is None:
-            return
-        self.scheduler.reset()
-        for state in self.all_states:
-            state._pending_modules.clear()
-            state._began_forward = False
-            state._nested_forwards = 0
-        self._finalize_queued = False
 
     def units_in_subtree(self, recurse: bool) -> list[Unit]:
         """This state's unit, and with ``recurse`` those of every state below it."""

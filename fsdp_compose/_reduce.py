@@ -64,13 +64,6 @@ class GradientReduction:
             for p in self.trainable_params
         )
 
-    def discard_unsharded_grads(self) -> None:
-        for p in self.params:
-            p.accumulated_grad = None
-            if p.unsharded_param is not None:
-                p.unsharded_param.grad = None
-        self._partial_reduce.clear()
-
     def partial_reduce(
         self, params: list[ShardedParam], sizes: list[int], output: torch.Tensor, *, keep: bool
     ) -> None:
@@ -246,15 +239,6 @@ class PendingReduction:
                     # after backward returns: block until the copies have landed.
                     device = self.unit.mesh_info.device
                     getattr(torch, device.type).current_stream(device).synchronize()
-        self._release()
-
-    def discard(self) -> None:
-        """Waits for in-flight collectives (their buffers must outlive them) and
-        drops the result."""
-        for pending in (self._reduce_scatter, self._all_reduce):
-            if pending is not None:
-                pending.wait()
-        self._reduce_scatter = self._all_reduce = None
         self._release()
 
     def _release(self) -> None:

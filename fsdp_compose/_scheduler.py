@@ -27,7 +27,6 @@ every rank running the same model: all ranks issue the same collectives in order
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -35,8 +34,6 @@ import torch
 
 from . import _collectives, _unit
 from ._unit import PendingReduction, Phase, ShardState, Unit
-
-logger = logging.getLogger("fsdp_compose")
 
 
 class ScheduleObserver(Protocol):
@@ -465,42 +462,3 @@ class Scheduler:
         self._scattering = []
         for reduction in reductions:
             reduction.finish()
-
-    # -- recovery --------------------------------------------------------
-
-    def reset(self) -> None:
-        """Returns every unit to a clean sharded, idle state after a failed step.
-
-        In-flight collectives are waited for (their buffers must outlive them) and
-        their results discarded, as are unsharded and partially reduced gradients.
-        """
-        failures: list[str] = []
-        for reduction in self._reductions:
-            try:
-                reduction.discard()
-            except RuntimeError as exc:  # a collective of the failed step failed too
-                failures.append(str(exc))
-        self._reductions = []
-        self._scattering = []
-        for unit in self.units:
-            unit.discard_unsharded_grads()
-            try:
-                self.memory.reshard(unit)
-            except RuntimeError as exc:
-                failures.append(str(exc))
-                unit.abandon_gather()
-                self.memory.reshard(unit)
-            unit.phase = Phase.IDLE
-        if self.shared is not None:
-            self.shared.reset()
-        if failures:
-            logger.warning(
-                "fsdp_compose: reset_iter_state discarded %d collectives that had failed: %s",
-                len(failures),
-                failures[0],
-            )
-        self.memory.deferred.clear()
-        self.forward_active = False
-        self.backward_active = False
-        self._forward_order = []
-        self._post_forward_order = []

@@ -12,7 +12,6 @@ flat buffer and its copies are :class:`~fsdp_compose._flat_buffer.FlatBuffer`
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from enum import Enum
 from typing import Protocol
@@ -30,8 +29,6 @@ from ._reduce import GradientReduction, PendingReduction
 from ._sharded_param import ShardedParam
 
 __all__ = ["PendingReduction", "Phase", "ShardState", "Unit"]
-
-logger = logging.getLogger("fsdp_compose")
 
 
 class ShardState(Enum):

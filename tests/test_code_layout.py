@@ -63,6 +63,7 @@ EXTENSIONS = (
     "_misuse",
     "_optim",
     "_pipelining",
+    "_recovery",
     "_shared",
     "_stall",
     "_validation",
