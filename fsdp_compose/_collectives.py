@@ -344,6 +344,9 @@ class DefaultComm:
         self.in_place = in_place
 
 
+#: ``check(buffer, numel, dtype, device, what)`` raises if the buffer a custom comm
+#: allocated is not ``numel`` contiguous elements as asked (``_validation``).
+check_custom_buffer: Callable[[object, int, torch.dtype, torch.device, str], None] | None = None
 _SUM: dist.ReduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # (a RedOpType member)
 
 
@@ -355,26 +358,12 @@ def allocate(
     label: str,
     kind: CollectiveKind,
 ) -> torch.Tensor:
-    """A flat communication buffer from ``comm.allocate``; a custom comm's is
-    checked (the error names ``label``'s custom ``kind``)."""
+    """A flat communication buffer from a custom ``comm.allocate``, checked by
+    :data:`check_custom_buffer` where set (naming ``label``'s custom ``kind``)."""
     buffer = comm.allocate((numel,), dtype=dtype, device=device)
-    if (
-        not isinstance(buffer, torch.Tensor)
-        or buffer.numel() != numel
-        or buffer.dtype != dtype
-        or buffer.device != device
-        or not buffer.is_contiguous()
-    ):
-        got = (
-            f"a {'contiguous' if buffer.is_contiguous() else 'non-contiguous'} tensor of "
-            f"{buffer.numel()} {buffer.dtype} elements on {buffer.device}"
-            if isinstance(buffer, torch.Tensor)
-            else type(buffer).__name__
-        )
-        raise ValueError(
-            f"{label}'s custom {kind.replace('_', '-')}: allocate() returned {got}, but {numel} contiguous {dtype} elements "
-            f"on {device} were asked for"
-        )
+    if check_custom_buffer is not None:
+        what = f"{label}'s custom {kind.replace('_', '-')}"
+        check_custom_buffer(buffer, numel, dtype, device, what)
     return buffer.view(-1)
 
 

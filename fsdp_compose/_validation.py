@@ -12,12 +12,14 @@ fully_shard] in ``_fully_shard.py``):
 * a submodule under two sibling units (a module shared by two units);
 * parameters on different devices (e.g. a module partly on the meta device).
 
-and, at run time, a unit whose parameters are on the meta or another device at
+and, at run time, a custom comm's ``allocate`` returning a buffer other than the
+one asked for, a unit whose parameters are on the meta or another device at
 its first use, parameters modified in place while unsharded (the change would be
 lost), and a backward through parameters modified after its forward.
 
 This module is an extension: it registers with
-``fsdp_compose._fully_shard.shard_checks`` and ``fsdp_compose._unit.unit_checks``.
+``fsdp_compose._fully_shard.shard_checks``, ``fsdp_compose._unit.unit_checks`` and
+``fsdp_compose._collectives.check_custom_buffer``.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from __future__ import annotations
 import warnings
 import weakref
 
+import torch
 import torch.nn as nn
 
-from . import _fully_shard, _hooks, _unit
+from . import _collectives, _fully_shard, _hooks, _unit
 from ._mesh import MeshInfo
 from ._sharded_param import SHARDED_BY
 from ._unit import Unit
@@ -186,6 +189,29 @@ _GATHERED = "_fsdp_compose_gathered_version"
 _FORWARD = "_fsdp_compose_forward_versions"
 
 
+def _check_custom_buffer(
+    buffer: object, numel: int, dtype: torch.dtype, device: torch.device, what: str
+) -> None:
+    if (
+        isinstance(buffer, torch.Tensor)
+        and buffer.numel() == numel
+        and buffer.dtype == dtype
+        and buffer.device == device
+        and buffer.is_contiguous()
+    ):
+        return
+    got = (
+        f"a {'contiguous' if buffer.is_contiguous() else 'non-contiguous'} tensor of "
+        f"{buffer.numel()} {buffer.dtype} elements on {buffer.device}"
+        if isinstance(buffer, torch.Tensor)
+        else type(buffer).__name__
+    )
+    raise ValueError(
+        f"{what}: allocate() returned {got}, but {numel} contiguous {dtype} elements "
+        f"on {device} were asked for"
+    )
+
+
 class _UnitChecks:
     """The run-time checks (:class:`fsdp_compose._unit.UnitChecks`)."""
 
@@ -246,3 +272,4 @@ class _UnitChecks:
 
 _fully_shard.shard_checks.append(_check_call)
 _unit.unit_checks = _UnitChecks()
+_collectives.check_custom_buffer = _check_custom_buffer
