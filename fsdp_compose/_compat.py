@@ -32,11 +32,8 @@ def make_dtensor_spec(
 
 
 def dtensor_from_local(local: torch.Tensor, spec: Any) -> DTensor:
-    """Wraps ``local`` as a DTensor described by ``spec``.
-
-    This runs once per parameter per step (sharded gradients), so it bypasses
-    ``DTensor.from_local``'s argument handling and autograd.
-    """
+    """Wraps ``local`` as a DTensor described by ``spec``, bypassing
+    ``DTensor.from_local``'s argument handling and autograd (per parameter and step)."""
     return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 
 
@@ -51,11 +48,8 @@ def dtensor_spec_with_dtype(spec: Any, dtype: torch.dtype) -> Any:
 
 
 def strided_shard(dim: int, split_factor: int) -> Placement:
-    """DTensor's placement for a dim sharded over a mesh dim *inside* each of
-    ``split_factor`` chunks made by a later mesh dim (FSDP's shard of a TP shard).
-
-    ``_StridedShard`` is private, hence wrapped here.
-    """
+    """The (private) placement of a dim sharded over a mesh dim *inside* each of
+    ``split_factor`` chunks made by a later mesh dim (FSDP's shard of a TP shard)."""
     return _StridedShard(dim, split_factor=split_factor)
 
 
@@ -64,12 +58,8 @@ _spmd_meshes: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] =
 
 def concatenate_meshes(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
     """The mesh whose dims are ``outer``'s followed by ``inner``'s (e.g. dp then tp),
-    both sub-meshes of one root mesh; cached so that every parameter of a layout
-    shares one mesh object.
-
-    Built by ``DeviceMesh._concatenate``, as torch's FSDP2 does (private, hence
-    wrapped here).
-    """
+    both sub-meshes of one root mesh, by the private ``DeviceMesh._concatenate`` (as
+    FSDP2 does); cached so that every parameter of a layout shares one mesh object."""
     key = (id(outer), id(inner))
     hit = _spmd_meshes.get(key)
     if hit is not None:
@@ -81,11 +71,8 @@ def concatenate_meshes(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
 
 
 def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a plain tensor whose collective (if any) has completed.
-
-    DTensor redistributions may hand back a functional collective's
-    ``AsyncCollectiveTensor``, which is only safe to read after ``wait()``.
-    """
+    """``tensor`` once its collective (if any) has completed: DTensor may hand back a
+    functional collective's ``AsyncCollectiveTensor``, safe to read after ``wait()``."""
     wait = getattr(tensor, "wait", None)
     if callable(wait) and type(tensor) is not torch.Tensor:
         return wait()
@@ -131,34 +118,23 @@ def restore_version(tensor: torch.Tensor, version: int) -> None:
     torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
 
 
-# ---------------------------------------------------------------------------
-# Collectives whose names changed between releases
-# ---------------------------------------------------------------------------
-
-# torch 2.13 names these ``all_gather_single``/``reduce_scatter_single`` (and
-# deprecates the older names, the fallback: not checked that 2.11 has the new ones).
-_all_gather_single = getattr(dist, "all_gather_single", None)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None)
+# torch 2.13 names these ``all_gather_single``/``reduce_scatter_single`` and deprecates
+# the older names, kept as the fallback (not checked that 2.11 has the new ones).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> dist.Work | None:
-    if _all_gather_single is not None:
-        return _all_gather_single(output, input, group=group, async_op=async_op)
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return _all_gather(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> dist.Work | None:
-    if _reduce_scatter_single is not None:
-        return _reduce_scatter_single(
-            output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
-        )
-    return dist.reduce_scatter_tensor(
-        output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
-    )
+    """A sum."""
+    return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
