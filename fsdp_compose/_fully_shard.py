@@ -253,11 +253,6 @@ def fully_shard(
     return module
 
 
-# ---------------------------------------------------------------------------
-# validation and collection
-# ---------------------------------------------------------------------------
-
-
 def _validate_modules(module: object) -> tuple[nn.Module, ...]:
     if isinstance(module, nn.Module):
         candidates: Sequence[object] = (module,)
@@ -298,22 +293,18 @@ def _validate_ignored_params(ignored: object) -> set[nn.Parameter]:
 def _managed_modules(modules: tuple[nn.Module, ...]) -> list[nn.Module]:
     """Modules whose parameters this call manages: the subtrees of ``modules``
     minus subtrees already annotated by an earlier (nested) call."""
-    managed: list[nn.Module] = []
-    visited: set[int] = set()
+    managed: dict[nn.Module, None] = {}  # in pre-order
 
-    def visit(m: nn.Module, is_root: bool) -> None:
-        if id(m) in visited:
-            return
-        visited.add(id(m))
-        if not is_root and state_of(m) is not None:
-            return
-        managed.append(m)
+    def visit(m: nn.Module) -> None:
+        managed[m] = None
         for child in m.children():
-            visit(child, False)
+            if child not in managed and state_of(child) is None:
+                visit(child)
 
     for m in modules:
-        visit(m, True)
-    return managed
+        if m not in managed:
+            visit(m)
+    return list(managed)
 
 
 def _managed_params(
