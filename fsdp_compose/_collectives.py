@@ -237,10 +237,6 @@ class PendingCollective:
         self._stream_wait = stream_wait
         self._done = False
 
-    @property
-    def done(self) -> bool:
-        return self._done
-
     def wait(self) -> None:
         if self._done:
             return

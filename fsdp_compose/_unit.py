@@ -395,15 +395,5 @@ class Unit(FlatBuffer, GradientReduction):
         self._gather_output = None
 
 
-class _Done(PendingCollective):
-    """A pending collective that was complete when issued (one-rank groups)."""
-
-    def __init__(self) -> None:
-        super().__init__(None)
-        self._done = True
-
-    def wait(self) -> None:
-        return
-
-
-_DONE = _Done()
+# Complete when issued (one-rank groups): waiting on it does nothing.
+_DONE = PendingCollective(None)
