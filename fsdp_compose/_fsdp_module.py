@@ -249,7 +249,7 @@ class FSDPModule:
             recurse (bool): apply to every FSDPModule in the subtree.
         """
         for unit in self._units(recurse):
-            unit.reduce_scatter_group = (
+            unit.set_reduce_scatter_group(
                 separate_reduce_scatter_group(unit.mesh_info) if enable else None
             )
 

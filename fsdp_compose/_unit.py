@@ -106,7 +106,6 @@ class Unit(FlatBuffer, GradientReduction):
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.force_sum_reduction = False  # set_force_sum_reduction_for_comms
         self.unshard_in_backward = True
-        # set_separate_reduce_scatter_group: reduce-scatters on their own group.
         self._reduce_scatter_group: dist.ProcessGroup | None = None
         # The default collectives on each group (see [Note: collectives per
         # backend]), decided at lazy init.
@@ -146,9 +145,7 @@ class Unit(FlatBuffer, GradientReduction):
         # all-reduced) gradient sums per parameter, added in at the next all-reduce.
         self._partial_reduce: dict[ShardedParam, torch.Tensor] = {}
 
-    # ------------------------------------------------------------------
-    # configuration
-    # ------------------------------------------------------------------
+    # -- configuration ---------------------------------------------------
 
     def set_reshard_after_forward(self, value: bool | int) -> None:
         # Resharding is the scheduler's (its memory accounting follows every state
@@ -181,13 +178,8 @@ class Unit(FlatBuffer, GradientReduction):
             return 0
         return self._world * self._row * self._buffer_dtype.itemsize
 
-    @property
-    def reduce_scatter_group(self) -> dist.ProcessGroup | None:
-        """The group of gradient reduce-scatters if not the shard group."""
-        return self._reduce_scatter_group
-
-    @reduce_scatter_group.setter
-    def reduce_scatter_group(self, group: dist.ProcessGroup | None) -> None:
+    def set_reduce_scatter_group(self, group: dist.ProcessGroup | None) -> None:
+        """Reduce-scatters gradients on ``group`` (``None``: the shard group)."""
         self._reduce_scatter_group = group
         if self._initialized:
             self._decide_comms()
@@ -201,9 +193,7 @@ class Unit(FlatBuffer, GradientReduction):
             self._post_forward_all_gather = DefaultComm(route_of(self._post_forward_group))
         self._reduce_scatter = DefaultComm(route_of(self._reduce_scatter_group or self.shard_group))
 
-    # ------------------------------------------------------------------
-    # lazy initialisation: dtypes and buffer layout
-    # ------------------------------------------------------------------
+    # -- lazy initialisation: dtypes and buffer layout -------------------
 
     def invalidate(self) -> None:
         """Forces layout and views to be rebuilt (after ``_apply``/dtype changes).
@@ -223,16 +213,13 @@ class Unit(FlatBuffer, GradientReduction):
         # torch.inference_mode() (an evaluation first), they would be inference
         # tensors, unusable for training ever after.
         with torch.inference_mode(False):
-            self._lazy_init()
-
-    def _lazy_init(self) -> None:
-        for p in self.params:
-            p.resync_sharded_param()
-        if unit_checks is not None:
-            unit_checks.initializing(self)
-        self._init_dtypes()
-        self._init_layout()
-        self._decide_comms()
+            for p in self.params:
+                p.resync_sharded_param()
+            if unit_checks is not None:
+                unit_checks.initializing(self)
+            self._init_dtypes()
+            self._init_layout()
+            self._decide_comms()
         self._initialized = True
 
     def _init_dtypes(self) -> None:
@@ -255,9 +242,7 @@ class Unit(FlatBuffer, GradientReduction):
                 )
             self.reduce_dtype = next(iter(dtypes)) if dtypes else None
 
-    # ------------------------------------------------------------------
-    # unshard / reshard
-    # ------------------------------------------------------------------
+    # -- unshard / reshard -----------------------------------------------
 
     @property
     def gather_in_flight(self) -> bool:
