@@ -189,11 +189,12 @@ def fully_shard(
     sharded: list[ShardedParam] = []
     # One unit per data-parallel mesh, see [Note: per-parameter meshes].
     groups: dict[MeshInfo, list[ShardedParam]] = {mesh_info: []}
-    param_meshes = _ParamMeshes(mesh_info)
+    meshes = {
+        None: mesh_info,
+        (id(mesh_info.shard_group), id(mesh_info.replicate_group)): mesh_info,
+    }
     for param, param_owners in owners.items():
-        shard_dim, param_mesh_info = _placement(
-            shard_placement_fn, param, param_owners, param_meshes
-        )
+        shard_dim, param_mesh_info = _placement(shard_placement_fn, param, param_owners, meshes)
         sharded_param = ShardedParam(
             param,
             param_owners,
@@ -346,66 +347,51 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
 # their collectives before waiting for any, so the meshes' collectives overlap.
 
 
-class _ParamMeshes:
-    """Resolves the meshes ``shard_placement_fn`` names to one :class:`MeshInfo`
-    per set of process groups (parameters on the same groups share a unit)."""
-
-    def __init__(self, default: MeshInfo) -> None:
-        self.default = default
-        self._by_id: dict[int, MeshInfo] = {}
-        self._by_groups: dict[tuple[int, int], MeshInfo] = {self._key(default): default}
-
-    @staticmethod
-    def _key(info: MeshInfo) -> tuple[int, int]:
-        return (id(info.shard_group), id(info.replicate_group))
-
-    def resolve(self, torch_mesh_info: Any, where: str) -> MeshInfo:
-        known = self._by_id.get(id(torch_mesh_info))
-        if known is not None:
-            return known
-        mesh = getattr(torch_mesh_info, "mesh", None)
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(
-                f"shard_placement_fn returned a ShardPlacementResult for {where} whose mesh_info "
-                f"has no DeviceMesh (got {type(torch_mesh_info).__name__}); build it as "
-                "FSDPMeshInfo(mesh, shard_mesh_dim=0) (1-D) or HSDPMeshInfo(mesh, "
-                "shard_mesh_dim=1, replicate_mesh_dim=0) (2-D)"
-            )
-        shard_dim = getattr(torch_mesh_info, "shard_mesh_dim", mesh.ndim - 1)
-        replicate_dim = getattr(torch_mesh_info, "replicate_mesh_dim", None)
-        if shard_dim != mesh.ndim - 1 or (mesh.ndim == 2 and replicate_dim not in (0, None)):
-            raise NotImplementedError(
-                f"shard_placement_fn for {where}: fsdp_compose supports a 1-D mesh (shard dim 0) "
-                "or a 2-D (replicate, shard) mesh per parameter, got shard_mesh_dim="
-                f"{shard_dim}, replicate_mesh_dim={replicate_dim} on {mesh}"
-            )
-        info = resolve_mesh_info(mesh)
-        if info.device != self.default.device:
-            raise ValueError(
-                f"shard_placement_fn for {where}: its mesh is on {info.device} but fully_shard's "
-                f"mesh is on {self.default.device}; use one device type for every mesh"
-            )
-        if self.default.spmd is not None:
-            raise NotImplementedError("per-parameter meshes cannot be combined with dp_mesh_dims")
-        info = self._by_groups.setdefault(self._key(info), info)
-        self._by_id[id(torch_mesh_info)] = info
-        return info
+def _param_mesh(torch_mesh_info: Any, where: str, meshes: dict[Any, MeshInfo]) -> MeshInfo:
+    """The :class:`MeshInfo` of a mesh ``shard_placement_fn`` names, one per set of
+    process groups in ``meshes`` (parameters on the same groups share a unit);
+    ``meshes[None]`` is fully_shard's own."""
+    mesh, default = getattr(torch_mesh_info, "mesh", None), meshes[None]
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"shard_placement_fn returned a ShardPlacementResult for {where} whose mesh_info "
+            f"has no DeviceMesh (got {type(torch_mesh_info).__name__}); build it as "
+            "FSDPMeshInfo(mesh, shard_mesh_dim=0) (1-D) or HSDPMeshInfo(mesh, "
+            "shard_mesh_dim=1, replicate_mesh_dim=0) (2-D)"
+        )
+    shard_dim = getattr(torch_mesh_info, "shard_mesh_dim", mesh.ndim - 1)
+    replicate_dim = getattr(torch_mesh_info, "replicate_mesh_dim", None)
+    if shard_dim != mesh.ndim - 1 or (mesh.ndim == 2 and replicate_dim not in (0, None)):
+        raise NotImplementedError(
+            f"shard_placement_fn for {where}: fsdp_compose supports a 1-D mesh (shard dim 0) "
+            "or a 2-D (replicate, shard) mesh per parameter, got shard_mesh_dim="
+            f"{shard_dim}, replicate_mesh_dim={replicate_dim} on {mesh}"
+        )
+    info = resolve_mesh_info(mesh)
+    if info.device != default.device:
+        raise ValueError(
+            f"shard_placement_fn for {where}: its mesh is on {info.device} but fully_shard's "
+            f"mesh is on {default.device}; use one device type for every mesh"
+        )
+    if default.spmd is not None:
+        raise NotImplementedError("per-parameter meshes cannot be combined with dp_mesh_dims")
+    return meshes.setdefault((id(info.shard_group), id(info.replicate_group)), info)
 
 
 def _placement(
     fn: Callable[[nn.Parameter], Any] | None,
     param: nn.Parameter,
     owners: list[tuple[nn.Module, str]],
-    meshes: _ParamMeshes,
+    meshes: dict[Any, MeshInfo],
 ) -> tuple[int, MeshInfo]:
     """The shard dim and data-parallel mesh ``shard_placement_fn`` chooses for
     ``param`` (default: dim 0 on fully_shard's mesh)."""
     if fn is None:
-        return 0, meshes.default
+        return 0, meshes[None]
     result = fn(param)
-    info = meshes.default
+    info = meshes[None]
     if result is not None and not isinstance(result, Shard) and hasattr(result, "mesh_info"):
-        info = meshes.resolve(result.mesh_info, repr(owners[0][1]))  # FSDP2's ShardPlacementResult
+        info = _param_mesh(result.mesh_info, repr(owners[0][1]), meshes)  # a ShardPlacementResult
         result = getattr(result, "placement", None)
     if result is None:
         return 0, info
