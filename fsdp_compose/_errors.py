@@ -24,12 +24,8 @@ class FSDPRuntimeError(RuntimeError, AssertionError):
 
 
 class CollectiveMismatchError(RuntimeError):
-    """Ranks of one process group issued different collectives (or some none).
-
-    Raised by the collective checks that attach to the collectives (see [Note:
-    collective extensions] in ``_collectives.py``); public as
-    ``fsdp_compose.debug.CollectiveMismatchError``.
-    """
+    """Ranks of one process group issued different collectives (or some none):
+    raised by the collective checks ([Note: collective extensions])."""
 
 
 CollectiveMismatchError.__module__ = "fsdp_compose.debug"

@@ -254,11 +254,8 @@ def validate_reshard_after_forward(value: object, shard_size: int) -> bool | int
 
 def post_forward_subgroup(info: MeshInfo, group_size: int) -> tuple[dist.ProcessGroup, int]:
     """The group of ``group_size`` consecutive shard ranks this rank reshards to after
-    forward (``reshard_after_forward=int``), and this rank's index in it.
-
-    Created with local synchronization so only member ranks take part, which also
-    works when the shard group is a sub-mesh (e.g. the dp dim of a dp x tp mesh).
-    """
+    forward (``reshard_after_forward=int``), and this rank's index in it (created by
+    the member ranks only, so also from a sub-mesh such as dp of dp x tp)."""
     shard_ranks = dist.get_process_group_ranks(info.shard_group)
     start = (info.shard_rank // group_size) * group_size
     return _subgroup(

@@ -251,11 +251,8 @@ def _assign_sharded_grad(
     p: ShardedParam, local_grad: torch.Tensor, pin_memory: bool = False
 ) -> bool:
     """Stores (or accumulates) a reduced local gradient as ``p``'s sharded ``.grad``
-    in the parameter's original dtype, on the CPU when offloaded.
-
-    Returns True if an asynchronous device-to-host copy is still in flight; the
-    caller must synchronize before the CPU reads the gradient.
-    """
+    in its original dtype, on the CPU when offloaded; True if an asynchronous copy
+    to the host is in flight (synchronize before the CPU reads it)."""
     if local_grad.dtype != p.orig_dtype:
         local_grad = local_grad.to(p.orig_dtype)  # cast on the device, before the copy
     param = p.sharded_param
@@ -290,11 +287,9 @@ def _assign_sharded_grad(
 @functools.cache
 def _divide_factors(world: int, dtype: torch.dtype, custom: float | None) -> tuple[float, float]:
     """How to average over ``world`` ranks: (divide before the sum, divide after).
-
-    Full precision divides once, after the sum (closest to a single-process mean).
-    Low precision splits the division around the sum to avoid both overflow and
-    underflow, using powers of two so the pre-division is exact.
-    """
+    Full precision divides once, after the sum (closest to a single-process mean);
+    low precision splits it around the sum against overflow and underflow, by
+    powers of two so the pre-division is exact."""
     if custom is not None:
         return 1.0, float(custom)
     if dtype.itemsize >= 4:

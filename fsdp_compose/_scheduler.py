@@ -99,16 +99,11 @@ class ScheduleSettings:
 
 
 class RateLimiter:
-    """The memory rate limiter of one scheduler: which units hold unsharded
-    memory (allocated or in flight), and the gathers it issues, defers and
-    drains within ``settings.max_unsharded_bytes``. Every change of a unit's
-    shard state goes through it, so its count is always exact.
-
-    Args:
-        units: every unit of the scheduler's tree; those a user unsharded before
-            the first forward (``FSDPModule.unshard``) are counted at once.
-        settings: the tree's settings (read for the bound).
-    """
+    """A scheduler's memory rate limiter: which of ``units`` hold unsharded memory
+    (allocated or in flight; those a user unsharded before the first forward are
+    counted at once), and the gathers it issues, defers and drains within
+    ``settings.max_unsharded_bytes``. Every change of a unit's shard state goes
+    through it, so its count is always exact."""
 
     def __init__(self, units: list[Unit], settings: ScheduleSettings) -> None:
         self.settings = settings

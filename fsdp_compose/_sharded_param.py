@@ -272,11 +272,8 @@ class ShardedParam:
         return _compat.local_tensor(up) if isinstance(up, DTensor) else up
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """An unsharded gradient as the plain tensor that the unit reduces.
-
-        A TP gradient is first redistributed to the parameter's TP placement (a
-        ``Partial`` gradient is summed over the TP group here).
-        """
+        """An unsharded gradient as the plain tensor that the unit reduces; a TP
+        gradient is first redistributed to the TP placement (summing a ``Partial``)."""
         if not isinstance(grad, DTensor):
             return grad
         assert self.tp_spec is not None, f"{self.fqn}: DTensor gradient of a plain parameter"

@@ -1,13 +1,10 @@
 """A unit: the parameters of one ``fully_shard`` call, communicated together.
 
-A unit all-gathers all of its parameters with one collective into one flat buffer
-and reduce-scatters all of its gradients with one collective. It knows *how* to
-unshard, reshard and reduce; the scheduler decides *when*.
-
-This module holds the unit's settings and its gather/free state machine; the
-flat buffer and its copies are :class:`~fsdp_compose._flat_buffer.FlatBuffer`
-(see [Note: unsharded storage] there), gradient reduction is
-:class:`~fsdp_compose._reduce.GradientReduction`.
+A unit all-gathers its parameters into one flat buffer and reduce-scatters its
+gradients, one collective each. It knows *how* to unshard, reshard and reduce;
+the scheduler decides *when*. Here: its settings and gather/free state machine;
+the flat buffer is :class:`~fsdp_compose._flat_buffer.FlatBuffer`, gradient
+reduction :class:`~fsdp_compose._reduce.GradientReduction`.
 """
 
 from __future__ import annotations
@@ -346,12 +343,9 @@ class Unit(FlatBuffer, GradientReduction):
             p.register(unsharded)
 
     def reshard(self, *, to_post_forward_group: bool = False) -> None:
-        """Frees the unsharded parameters and registers the sharded ones.
-
-        With ``to_post_forward_group`` (``reshard_after_forward=int``), keeps this
-        rank's share of the parameters for its smaller group so that backward
-        all-gathers within that group only.
-        """
+        """Frees the unsharded parameters and registers the sharded ones; with
+        ``to_post_forward_group`` (``reshard_after_forward=int``) keeps this rank's
+        share for its smaller group, within which backward then all-gathers."""
         if self._pending_gather is not None:
             # Gathered but never used (a mistargeted prefetch): the collective still
             # writes into the buffer, so it must complete before the buffer is freed.
