@@ -4,11 +4,10 @@
 Each unit owns one flat ``unsharded`` buffer of ``W * S`` elements (``S`` = one
 rank's padded row) laid out parameter-major: parameter p occupies ``W * slot_p``
 elements starting at ``W * offset_p``, and its unsharded ``nn.Parameter`` is a view
-of the first ``numel_p`` of them. The buffer is created once; resharding frees it
-by resizing its storage to zero bytes and unsharding resizes it back and refills
-it. Autograd may have saved the unsharded parameters for backward, and this keeps
-those saved references valid across a reshard/unshard cycle (the refill does not
-bump the version counter: it restores the same values).
+of the first ``numel_p``. The buffer is created once; resharding resizes its
+storage to zero bytes, unsharding resizes it back and refills it, so references
+autograd saved for backward stay valid (the refill restores the same values and
+does not bump the version counter).
 
 The all-gather output is rank-major (``(W, S)``: row r is rank r's slots), so one
 copy (``split_with_sizes_copy``) moves each parameter's ``(W, slot_p)`` block into

@@ -90,17 +90,11 @@ class _PostBackward(torch.autograd.Function):
 
 
 class UnitState:
-    """Runtime state of one fully_shard call (one unit, possibly without params).
+    """Runtime state of one fully_shard call on ``modules``: its ``unit`` (``None``
+    if it manages no parameters), ``mp_policy`` (input/output casts), and whether
+    ``reshard_after_forward`` was None (``auto_...``: the root keeps its parameters).
     torch.compile does not trace into its hooks (they mutate Python state and
-    issue collectives): a compiled forward graph-breaks around them.
-
-    Args:
-        modules: the module(s) passed to fully_shard.
-        unit: the unit of managed parameters, or None if the call manages none.
-        mp_policy: the call's mixed precision policy (input/output casts).
-        auto_reshard_after_forward: ``reshard_after_forward`` was None, so the
-            root keeps its parameters after forward.
-    """
+    issue collectives): a compiled forward graph-breaks around them."""
 
     def __init__(
         self,
@@ -143,10 +137,9 @@ class UnitState:
             module.register_forward_hook(self._post_forward)
 
     def adopt_subtree_settings(self) -> None:
-        """Makes this state's :class:`ScheduleSettings` the one of every
-        ``fully_shard`` module below it (annotated earlier, bottom-up), taking over
-        what was set on them: a setting made on any module of a tree applies to
-        the tree's one scheduler."""
+        """Makes this state's :class:`ScheduleSettings` (with what was set on them)
+        those of the ``fully_shard`` modules below it: a setting made on any module
+        of a tree applies to the tree's one scheduler."""
         for module in self.modules:
             for sub in module.modules():
                 state = state_of(sub)

@@ -177,12 +177,8 @@ class RateLimiter:
 
 
 class Scheduler:
-    """Coordinates the units of one root module's tree.
-
-    Args:
-        units: every unit under the root, in module pre-order.
-        settings: the tree's settings (the same object its modules' setters write).
-    """
+    """Coordinates ``units``, every unit of one root's tree in module pre-order,
+    with the tree's ``settings`` (the object its modules' setters write)."""
 
     def __init__(self, units: list[Unit], settings: ScheduleSettings | None = None) -> None:
         self.units = units
@@ -383,10 +379,9 @@ class Scheduler:
         return targets
 
     def post_backward(self, *units: Unit, at_end: bool = False) -> None:
-        """Called when backward through ``units`` (one unit, or one call's units, as
-        in :meth:`pre_forward`) is done (or at finalisation for units whose forward
-        inputs did not require grad, with ``at_end``). One call's reduce-scatters
-        are issued together: earlier ones are completed only before the first."""
+        """Backward through ``units`` (as in :meth:`pre_forward`) is done, or (``at_end``)
+        finalisation reached units whose inputs did not require grad. One call's
+        reduce-scatters are issued together (earlier ones completed before the first)."""
         first = True
         for unit in units:
             if at_end or self.shared is None or self.shared.backward_use_end(unit):

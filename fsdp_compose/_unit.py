@@ -63,17 +63,9 @@ unit_checks: UnitChecks | None = None
 
 
 class Unit(FlatBuffer, GradientReduction):
-    """The parameter group of one :func:`fully_shard` call.
-
-    Args:
-        params: the unit's managed parameters, in registration order.
-        modules: the annotated module(s) of this unit.
-        mesh_info: data-parallel layout.
-        reshard_after_forward: True/False, or an int group size; the root's
-            default (None) is resolved by the scheduler.
-        mp_policy: mixed precision for this unit.
-        offload_policy: offloading for this unit.
-    """
+    """The parameter group of one :func:`fully_shard` call: its managed ``params``
+    (in registration order) of the annotated ``modules``, and the call's layout and
+    policies (``reshard_after_forward``: a bool or an int group size)."""
 
     def __init__(
         self,
