@@ -1,13 +1,10 @@
 """Every collective fsdp_compose issues goes through this module.
 
-Collectives are always issued asynchronously and return a :class:`PendingCollective`
-whose :meth:`~PendingCollective.wait` makes the result visible to the caller:
-
-* CPU / gloo: ``async_op=True`` work runs on gloo's own threads while Python
-  computes; ``wait()`` blocks on the work.
-* CUDA / NCCL: the collective runs on a dedicated all-gather or reduce-scatter
-  stream that first waits for the compute stream; ``wait()`` makes the compute
-  stream wait for an event, without blocking the CPU.
+Collectives are issued asynchronously and return a :class:`PendingCollective`
+whose :meth:`~PendingCollective.wait` makes the result visible: on CPU the work
+runs on the backend's threads and ``wait()`` blocks on it; on CUDA it runs on an
+all-gather or reduce-scatter side stream that first waits for the compute
+stream, and ``wait()`` makes the compute stream wait for an event.
 
 [Note: collectives per backend]
 fsdp_compose runs on any c10d backend. Which path a group's CPU collectives take
@@ -21,12 +18,12 @@ vendor backends); extensions register routes for the backends they know
 (NCCL) always take the public collectives, on side streams.
 
 [Note: collective extensions]
-Capabilities beyond FSDP2 attach here; the core never imports them. Three
-registration points, all per process: routes (above); the error raised for a
-failed collective (:data:`explain_failure`, ``_failures.py``); and one hook
-around every launch (:data:`launch_hook`), which ``_collective_hooks.py`` fills while
-listeners (the timeline, tests) or launch wrappers (debug fingerprints, the
-collective guard) are registered. A hook raising
+Capabilities beyond FSDP2 attach here (the core never imports them), per
+process: routes (above); the error for a failed collective
+(:data:`explain_failure`, ``_failures.py``); one hook around every launch
+(:data:`launch_hook`), set by ``_collective_hooks.py`` while listeners (the
+timeline, tests) or launch wrappers (debug fingerprints, the guard) exist; and
+the check of custom comms' buffers (:data:`check_custom_buffer`). A hook raising
 :class:`~fsdp_compose._errors.CollectiveMismatchError` is re-raised as is; any
 other ``RuntimeError`` is reported like a failure of the collective. With none
 set, issuing costs one ``None`` check. A collective's step comes from the
@@ -322,16 +319,10 @@ def _real_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class DefaultComm:
-    """fsdp_compose's own all-gather or reduce-scatter on one group's
-    :class:`Route`, made per unit and group: what a custom comm
-    (``set_custom_all_gather``, ``set_custom_reduce_scatter``) replaces; both are
-    issued by the same launch. Its buffers are plain tensors.
-
-    Args:
-        route: ``route_of(group)`` of the group it runs on.
-        in_place: (all-gathers) whether its input is this rank's row of its output,
-            as :func:`gathers_in_place` decided, else a buffer of its own.
-    """
+    """fsdp_compose's own all-gather or reduce-scatter (plain buffers) on the
+    ``route`` of its group, made per unit and group; a custom comm replaces it, in
+    the same launch. ``in_place`` (all-gathers): whether the input is this rank's
+    row of the output (:func:`gathers_in_place`), else a buffer of its own."""
 
     __slots__ = ("in_place", "route")
 
