@@ -39,9 +39,11 @@ REPLACED_BY = "_fsdp_compose_replaced_by"
 
 #: Checks of a ``fully_shard`` call beyond FSDP2's, run before anything is modified
 #: (see [Note: atomic fully_shard]): ``check(modules, managed_modules,
-#: ignored_params, mesh_info)`` raises to refuse the call. The extension
-#: ``_validation`` adds them.
-ShardCheck = Callable[[tuple[nn.Module, ...], list[nn.Module], set[nn.Parameter], MeshInfo], None]
+#: ignored_params, mesh_info, (mp_policy, offload_policy, shard_placement_fn))``
+#: raises to refuse the call. The extension ``_validation`` adds them.
+ShardCheck = Callable[
+    [tuple[nn.Module, ...], list[nn.Module], set[nn.Parameter], MeshInfo, tuple[object, ...]], None
+]
 shard_checks: list[ShardCheck] = []
 
 
@@ -145,15 +147,6 @@ def fully_shard(
         The same module (or list), now an :class:`FSDPModule`.
     """
     modules = _validate_modules(module)
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got "
-            f"{type(offload_policy).__name__}"
-        )
-    if shard_placement_fn is not None and not callable(shard_placement_fn):
-        raise TypeError("shard_placement_fn must be callable (param -> Shard | None)")
     ignored = _validate_ignored_params(ignored_params)
     mesh = default_mesh() if mesh is None else mesh
     if dp_mesh_dims is None:
@@ -174,8 +167,9 @@ def fully_shard(
     # extensions register (shard_checks) and the sharing extension's collect
     # run in this phase too.
     managed_modules = _managed_modules(modules)
+    policies = (mp_policy, offload_policy, shard_placement_fn)
     for check in shard_checks:
-        check(modules, managed_modules, ignored, mesh_info)
+        check(modules, managed_modules, ignored, mesh_info, policies)
     owners = _managed_params(managed_modules, ignored)
     # Parameters another unit already sharded: borrowed (the extension _shared).
     sharing = _hooks.param_sharing

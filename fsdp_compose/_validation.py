@@ -4,6 +4,8 @@ torch's FSDP2 accepts these calls and fails later (or trains silently wrong);
 fsdp_compose refuses them before anything is modified (see [Note: atomic
 fully_shard] in ``_fully_shard.py``):
 
+* a policy that is not a ``MixedPrecisionPolicy``/``OffloadPolicy``, or a
+  ``shard_placement_fn`` that is not callable;
 * an ``nn.ModuleList``/``nn.ModuleDict`` container (no forward: no hook would run),
   or a module already sharded by torch's own ``fully_shard``;
 * a mesh on the meta device, or a named 2-D mesh that is not laid out
@@ -32,6 +34,7 @@ import torch.nn as nn
 
 from . import _collectives, _fully_shard, _hooks, _unit
 from ._mesh import MeshInfo
+from ._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._sharded_param import SHARDED_BY
 from ._unit import Unit
 
@@ -169,12 +172,26 @@ def _check_devices(managed: list[nn.Module], ignored: set[nn.Parameter]) -> None
         )
 
 
+def _check_policies(mp_policy: object, offload_policy: object, shard_placement_fn: object) -> None:
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got "
+            f"{type(offload_policy).__name__}"
+        )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError("shard_placement_fn must be callable (param -> Shard | None)")
+
+
 def _check_call(
     modules: tuple[nn.Module, ...],
     managed: list[nn.Module],
     ignored: set[nn.Parameter],
     mesh_info: MeshInfo,
+    policies: tuple[object, ...],
 ) -> None:
+    _check_policies(*policies)
     _check_modules(modules)
     _check_mesh(mesh_info)
     _check_ignored(ignored, modules)
