@@ -125,7 +125,8 @@ class FSDPModule:
             raise ValueError(
                 f"reshard_after_forward must be a bool here, got {type(reshard_after_forward).__name__}"
             )
-        for module in self._fsdp_modules(recurse):
+        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        for module in (m for m in modules if isinstance(m, FSDPModule)):
             state = module._fsdp_state()
             state.auto_reshard_after_forward = False
             for unit in state.own_units:
@@ -371,11 +372,6 @@ class FSDPModule:
         targets = list(dict.fromkeys(u for s in states for u in [*s.own_units, *s.borrowed]))
         state = self._fsdp_state()
         return targets, [*state.own_units] or [state]
-
-    def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
-        if not recurse:
-            return [self]
-        return [m for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Conversions (.to(), to_empty(), .half()) must see the sharded parameters;

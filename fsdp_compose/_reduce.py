@@ -259,10 +259,9 @@ def _assign_sharded_grad(
     existing = param.grad
     in_flight = False
     if p.offload_device is not None:
-        # Asynchronous only into a fresh pinned gradient that nothing reads on the
-        # CPU before the caller's synchronization: accumulating into an existing
-        # gradient, or a post-accumulate-grad hook (optimizer in backward), would
-        # read the destination while the copy may still be running.
+        # Asynchronous only into a fresh pinned gradient nothing reads before the
+        # caller synchronizes (accumulating into an existing gradient, or a
+        # post-accumulate-grad hook, would read it while the copy runs).
         in_flight = (
             pin_memory
             and existing is None

@@ -313,11 +313,10 @@ class Scheduler:
             if unit.gather_in_flight and unit not in ran:
                 self.memory.reshard(unit)  # a prefetch the forward did not use
             elif no_backward and unit.state is ShardState.UNSHARDED:
-                # Units that stay unsharded (the root; reshard_after_forward=False
-                # for evaluation) keep their data across no-grad forwards, as in
-                # FSDP2, but model.parameters() shows the shards again (an
-                # optimizer built after an evaluation must get those).
-                # begin_forward re-gathers a unit whose shards changed meanwhile.
+                # Units that stay unsharded (the root, reshard_after_forward=False)
+                # keep their data across no-grad forwards, as in FSDP2, but
+                # model.parameters() shows the shards again (for an optimizer built
+                # after an evaluation); begin_forward re-gathers stale ones.
                 unit.park()
 
     # -- backward --------------------------------------------------------
@@ -405,10 +404,9 @@ class Scheduler:
             # reduction allocates its buffers, so the two never coexist.
             self.memory.reshard(unit)
         if params:
-            # Complete earlier reduce-scatters first: bounds full-size gradient
-            # buffers, and they have had this unit's backward to finish. At the
-            # end of backward there is no compute left to overlap and activations
-            # are freed: issue at once, so the last reductions run concurrently.
+            # Complete earlier reduce-scatters first (bounds full-size gradient
+            # buffers; they had this unit's backward to finish), except at the end
+            # of backward: nothing left to overlap, so the last ones run together.
             while (
                 drain
                 and not at_end

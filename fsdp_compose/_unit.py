@@ -125,9 +125,8 @@ class Unit(FlatBuffer, GradientReduction):
         self._post_forward_shard: torch.Tensor | None = None
         self._unsharded: torch.Tensor | None = None  # flat buffer, see [Note: unsharded storage]
         self._alias = False
-        # Parked: gathered data kept after a no-grad forward, but the sharded
-        # parameters registered, so model.parameters() still gives the shards the
-        # optimizer must hold. The next use re-registers without communication.
+        # Parked: gathered data kept after a no-grad forward with the shards
+        # registered (for the optimizer); the next use re-registers, no gather.
         self._parked = False
         self._gathered_versions: list[int] = []
         # HSDP with set_requires_all_reduce(False): reduce-scattered (not yet
