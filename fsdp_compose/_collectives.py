@@ -208,31 +208,19 @@ class _DeviceStreams:
 _device_streams = functools.cache(_DeviceStreams)
 
 
+@dataclass(slots=True, eq=False)
 class PendingCollective:
-    """An issued collective; :meth:`wait` makes its output usable.
+    """An issued collective; :meth:`wait` makes its output usable. Holds the tensors
+    involved until then, so that their memory cannot be reused while the
+    communication may still touch it (``_group`` names the backend if it fails)."""
 
-    Holds references to the tensors involved until waited on, so that their memory
-    cannot be reused while the communication may still touch it.
-    """
-
-    __slots__ = ("_done", "_group", "_observer", "_stream_wait", "_tensors", "_what", "_work")
-
-    def __init__(
-        self,
-        work: dist.Work | None,
-        observer: WaitObserver | None = None,
-        tensors: tuple[torch.Tensor, ...] = (),
-        what: str = "",
-        group: Group | None = None,
-        stream_wait: Callable[[], None] | None = None,
-    ) -> None:
-        self._work = work
-        self._observer = observer
-        self._tensors = tensors
-        self._what = what
-        self._group = group  # names the backend if the collective fails
-        self._stream_wait = stream_wait
-        self._done = False
+    _work: dist.Work | None
+    _observer: WaitObserver | None = None
+    _tensors: tuple[torch.Tensor, ...] = ()
+    _what: str = ""
+    _group: Group | None = None
+    _stream_wait: Callable[[], None] | None = None
+    _done: bool = False
 
     def wait(self) -> None:
         if self._done:

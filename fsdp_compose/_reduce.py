@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -150,32 +151,25 @@ class GradientReduction:
         return PendingReduction(self, params, sizes, output, rs, replicate_group, post)
 
 
+@dataclass(eq=False)
 class PendingReduction:
     """A unit's gradients on their way: reduce-scatter, then (HSDP) all-reduce,
     then division and hand-off to the sharded parameters' ``.grad``."""
 
-    def __init__(
-        self,
-        unit: GradientReduction,
-        params: list[ShardedParam],
-        sizes: list[int],
-        output: torch.Tensor,
-        reduce_scatter: PendingCollective | None,
-        replicate_group: dist.ProcessGroup | None,
-        post_divide: float,
-    ) -> None:
-        self.unit = unit
-        self._params = params
-        self._sizes = sizes
-        self._output: torch.Tensor | None = output
-        self._reduce_scatter = reduce_scatter
-        self._replicate_group = replicate_group
-        self._all_reduce: PendingCollective | None = None
-        self._post_divide = post_divide
-        self._scattered = False
+    unit: GradientReduction
+    _params: list[ShardedParam]
+    _sizes: list[int]
+    _output: torch.Tensor | None
+    _reduce_scatter: PendingCollective | None
+    _replicate_group: dist.ProcessGroup | None
+    _post_divide: float
+    _all_reduce: PendingCollective | None = None
+    _scattered: bool = False
+    done: bool = False
+
+    def __post_init__(self) -> None:
         # HSDP without all-reduce this step: keep the sums for a later all-reduce.
-        self._keep_partial = unit.mesh_info.is_hsdp and replicate_group is None
-        self.done = False
+        self._keep_partial = self.unit.mesh_info.is_hsdp and self._replicate_group is None
 
     def advance(self) -> None:
         """Completes the reduce-scatter (freeing its full-size buffers) and starts
