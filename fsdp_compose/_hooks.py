@@ -111,23 +111,19 @@ class UnitState:
         self.scheduler: Scheduler | None = None
         self.root_state: UnitState | None = None
         self.all_states: list[UnitState] = []  # root only: every state in its tree
-        # The schedule's settings: one object per tree, see adopt_subtree_settings.
-        self.settings = ScheduleSettings()
+        self.settings = ScheduleSettings()  # one object per tree: adopt_subtree_settings
         # Explicit prefetch lists of a call without parameters (else on the unit).
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
-        # Units whose parameters this call's modules share, and their use counter
-        # (the extension ``_shared``).
+        # Units whose parameters this call's modules share, and their use counter (_shared).
         self.borrowed: list[Unit] = []
         self.shared: SharedUseCounter | None = None
-        # Units of this call's further meshes, see [Note: per-parameter meshes].
-        self.extra_units: list[Unit] = []
+        self.extra_units: list[Unit] = []  # further meshes': [Note: per-parameter meshes]
         self._began_forward = False
         self._finalize_queued = False
         self._pending_modules: set[nn.Module] = set()  # grouped units: not yet run this pass
-        # Inside a method registered with register_fsdp_forward_method: calls of the
-        # module's own forward from it (generate -> forward) find the parameters
-        # already gathered, and must neither gather nor free them.
+        # Inside a method registered with register_fsdp_forward_method, calls of the
+        # module's forward (generate -> forward) must neither gather nor free.
         self._in_registered_method = False
         self._nested_forwards = 0
         self._cast_inputs_to = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None

@@ -71,23 +71,14 @@ observer: ScheduleObserver | None = None
 @dataclass
 class ScheduleSettings:
     """The settings of one root's schedule, shared by every ``fully_shard`` module
-    of its tree (the ``FSDPModule`` setters write them, the scheduler reads them).
+    of its tree (the ``FSDPModule`` setters write them, the scheduler reads them)."""
 
-    Attributes:
-        forward_depth: units ahead the implicit forward prefetch gathers.
-        backward_depth: units ahead the implicit backward prefetch gathers.
-        max_unsharded_bytes: the rate limiter's bound (None: unbounded).
-        max_inflight_reductions: reduce-scatters whose full-size buffers may be
-            in flight at once (``set_reduce_scatter_max_input_buffers``); 1 bounds
-            memory to one unit.
-        is_last_backward: whether the next backward completes every reduction.
-    """
-
-    forward_depth: int = 1
-    backward_depth: int = 1
-    max_unsharded_bytes: int | None = None
+    forward_depth: int = 1  # units ahead the implicit forward prefetch gathers
+    backward_depth: int = 1  # units ahead the implicit backward prefetch gathers
+    max_unsharded_bytes: int | None = None  # the rate limiter's bound (None: unbounded)
+    # Reduce-scatters whose full-size buffers may be in flight at once (1: one unit's).
     max_inflight_reductions: int = 1
-    is_last_backward: bool = True
+    is_last_backward: bool = True  # whether the next backward completes every reduction
 
     def adopt(self, other: ScheduleSettings) -> None:
         """Takes over what was set on ``other`` (a subtree annotated earlier)."""

@@ -45,19 +45,10 @@ IGNORED_BY = "_fsdp_compose_ignored_by"  # on ignored_params: plain, reduced by 
 
 class ShardedParam:
     """Owns one parameter's sharded DTensor and describes its unsharded form.
-
-    Args:
-        param: the original parameter (full tensor, possibly on the meta device), or
-            a tensor-parallel DTensor parameter (see [Note: tensor-parallel parameters]).
-        owners: every ``(module, attribute)`` under which ``param`` is registered
-            inside the unit (several for tied weights).
-        mesh_info: the unit's data-parallel layout.
-        shard_dim: tensor dim to shard (``Shard(shard_dim)``).
-        device: device the sharded data lives on when not offloaded.
-        offload_device: ``"cpu"`` when the sharded data is offloaded to host memory
-            on an accelerator mesh, else ``None``.
-        pin_memory: pin offloaded host memory.
-    """
+    ``param`` is the original parameter (possibly on the meta device, or a
+    tensor-parallel DTensor), registered as every ``(module, attribute)`` of
+    ``owners`` (several for tied weights); ``shard_dim`` is its ``Shard`` dim; its
+    shard lives on ``device``, or on ``offload_device`` (the CPU, ``pin_memory``)."""
 
     def __init__(
         self,

@@ -96,13 +96,11 @@ class Unit(FlatBuffer, GradientReduction):
         self.force_sum_reduction = False  # set_force_sum_reduction_for_comms
         self.unshard_in_backward = True
         self._reduce_scatter_group: dist.ProcessGroup | None = None
-        # The default collectives on each group (see [Note: collectives per
-        # backend]), decided at lazy init.
+        # The default collectives on each group, decided at lazy init.
         self._all_gather = self._post_forward_all_gather = self._reduce_scatter = DefaultComm(
             _collectives.PUBLIC_ROUTE
         )
-        # set_custom_all_gather / set_custom_reduce_scatter: user collectives, which
-        # replace the defaults (same interface, same code path).
+        # set_custom_all_gather / set_custom_reduce_scatter: replace the defaults.
         self.custom_all_gather: AllGatherComm | None = None
         self.custom_reduce_scatter: ReduceScatterComm | None = None
         # Explicit prefetch targets (set_modules_to_*_prefetch); None: implicit order.
@@ -110,8 +108,7 @@ class Unit(FlatBuffer, GradientReduction):
         self.backward_prefetch: list[Unit] | None = None
         self.state = ShardState.SHARDED
         self.phase = Phase.IDLE
-        # The step of the root driving this unit (its scheduler's), named by the
-        # collectives; see [Note: collective extensions].
+        # The step of the root driving this unit, named by its collectives.
         self.step_context = _collectives.StepContext()
         self._post_forward_group: dist.ProcessGroup | None = None
         self._post_forward_rank = 0
