@@ -122,8 +122,8 @@ class CollectiveHook(Protocol):
     ) -> tuple[dist.Work | None, WaitObserver | None]: ...
 
 
-# Launches one collective on the group it is given: the caller's, or one with the
-# same ranks that a hook issues on instead (the collective guard).
+#: Launches one collective on the group it is given: the caller's, or one with the
+#: same ranks that a hook issues on instead (the collective guard).
 Issue = Callable[[Group], "dist.Work | None"]
 #: Attached to every later collective (``_collective_hooks.py``); ``None`` costs nothing.
 launch_hook: CollectiveHook | None = None
@@ -172,18 +172,11 @@ def route_of(group: dist.ProcessGroup) -> Route:
     remembered after (units decide theirs at lazy init, so issuing costs no lookup)."""
     route = _routes.get(group)
     if route is None:
-        for provider in reversed(route_providers):
-            route = provider(group)
-            if route is not None:
-                break
-        else:
-            route = PUBLIC_ROUTE
-            logger.debug(
-                "fsdp_compose: group of size %d (backend %s) uses the public collectives",
-                group.size(),
-                _compat.backend_name(group),
-            )
-        _routes[group] = route
+        found = (r for provider in reversed(route_providers) if (r := provider(group)) is not None)
+        route = _routes[group] = next(found, PUBLIC_ROUTE)
+        logger.debug(
+            "fsdp_compose: a group of %d ranks takes the %s route", group.size(), route.name
+        )
     return route
 
 
