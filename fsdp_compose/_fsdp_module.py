@@ -396,10 +396,7 @@ class UnshardHandle:
     def wait(self) -> None:
         units, self._units = self._units, []
         for unit in units:
-            if unit.gather_in_flight:
-                unit.wait_unshard()
-            else:
-                unit.ensure_registered()
+            unit.wait_unshard()
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:

@@ -148,10 +148,7 @@ class RateLimiter:
         if unit in self.deferred:
             self.deferred.remove(unit)
         self.issue(unit)
-        if unit.gather_in_flight:
-            unit.wait_unshard()
-        else:
-            unit.ensure_registered()
+        unit.wait_unshard()
 
     def reshard(self, unit: Unit, *, to_post_forward_group: bool = False) -> None:
         unit.reshard(to_post_forward_group=to_post_forward_group)

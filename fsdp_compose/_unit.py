@@ -286,9 +286,12 @@ class Unit(FlatBuffer, GradientReduction):
         )
 
     def wait_unshard(self) -> None:
-        """Waits for the pending all-gather and registers the unsharded parameters."""
+        """Waits for the pending all-gather and registers the unsharded parameters
+        (with none pending, registers them again if the unit was parked)."""
         pending = self._pending_gather
         if pending is None:
+            if self._parked:
+                self._register_unsharded()
             return
         pending.wait()
         self._pending_gather = None
@@ -314,11 +317,6 @@ class Unit(FlatBuffer, GradientReduction):
             for p in self.params:
                 p.register(p.sharded_param)
             self._parked = True
-
-    def ensure_registered(self) -> None:
-        """Registers the unsharded parameters again if the unit was parked."""
-        if self._parked:
-            self._register_unsharded()
 
     def _register_unsharded(self) -> None:
         self._parked = False
