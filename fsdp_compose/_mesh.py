@@ -125,10 +125,8 @@ def default_mesh() -> DeviceMesh:
 
 
 def device_of_mesh(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    handle = getattr(torch, mesh.device_type, None)
-    if handle is None or not hasattr(handle, "current_device"):
+    handle: Any = getattr(torch, mesh.device_type, None)
+    if mesh.device_type == "cpu" or not hasattr(handle, "current_device"):
         return torch.device(mesh.device_type)
     return torch.device(mesh.device_type, handle.current_device())
 
