@@ -249,11 +249,10 @@ class ShardedParam:
         """The unsharded parameter whose data is ``local`` (an unsharded-layout view
         of the unit's buffer): ``local`` itself, or with tensor parallel a DTensor
         on the TP mesh with the original placement."""
-        requires_grad = self.sharded_param.requires_grad
-        if self.tp_spec is None:
-            return nn.Parameter(local, requires_grad=requires_grad)
-        spec = _compat.dtensor_spec_with_dtype(self.tp_spec, local.dtype)
-        return nn.Parameter(_compat.dtensor_from_local(local, spec), requires_grad=requires_grad)
+        if self.tp_spec is not None:
+            spec = _compat.dtensor_spec_with_dtype(self.tp_spec, local.dtype)
+            local = _compat.dtensor_from_local(local, spec)
+        return nn.Parameter(local, requires_grad=self.sharded_param.requires_grad)
 
     @property
     def unsharded_local(self) -> torch.Tensor:
