@@ -178,6 +178,8 @@ def fully_shard(
     )
     device = mesh_info.device
     offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
+    host = torch.device("cpu") if offload else None
+    pin = offload and getattr(offload_policy, "pin_memory", False)
 
     unit_label = _describe(modules)
     sharded: list[ShardedParam] = []
@@ -190,13 +192,7 @@ def fully_shard(
     for param, param_owners in owners.items():
         shard_dim, param_mesh_info = _placement(shard_placement_fn, param, param_owners, meshes)
         sharded_param = ShardedParam(
-            param,
-            param_owners,
-            param_mesh_info,
-            shard_dim,
-            device,
-            offload_device=torch.device("cpu") if offload else None,
-            pin_memory=offload and getattr(offload_policy, "pin_memory", False),
+            param, param_owners, param_mesh_info, shard_dim, device, host, pin
         )
         sharded.append(sharded_param)
         groups.setdefault(param_mesh_info, []).append(sharded_param)
@@ -223,11 +219,9 @@ def fully_shard(
         sharded_param.register(sharded_param.sharded_param)
         sharded_param.mark_owned(unit_label)
         setattr(param, REPLACED_BY, unit_label)
+    # (reshard_after_forward None: the root keeps its parameters)
     state = UnitState(
-        modules,
-        units[0] if units else None,
-        mp_policy,
-        auto_reshard_after_forward=reshard_after_forward is None,
+        modules, units[0] if units else None, mp_policy, reshard_after_forward is None
     )
     state.extra_units = units[1:]
     state.adopt_subtree_settings()
@@ -238,13 +232,10 @@ def fully_shard(
         sharing.install(state, replaced, borrowed)
     for m in modules:
         cls = type(m)
-        fsdp_cls = _fsdp_classes.get(cls)
-        if fsdp_cls is None:
-            fsdp_cls = type(
-                f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy}
-            )
-            _fsdp_classes[cls] = fsdp_cls
-        m.__class__ = fsdp_cls
+        if cls not in _fsdp_classes:
+            bases, attrs = (FSDPModule, cls), {"__deepcopy__": _no_deepcopy}
+            _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", bases, attrs)
+        m.__class__ = _fsdp_classes[cls]
     return module
 
 
