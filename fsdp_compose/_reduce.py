@@ -47,9 +47,7 @@ class GradientReduction:
         upcast to the reduce dtype if that differs from the compute dtype."""
         for p in self.trainable_params:
             up = p.unsharded_param
-            if up is None or up.grad is None:
-                continue
-            if self.reduce_dtype is None or up.grad.dtype == self.reduce_dtype:
+            if up is None or up.grad is None or self.reduce_dtype in (None, up.grad.dtype):
                 continue
             grad = p.local_grad(up.grad)  # kept as a plain (TP-local) tensor
             up.grad = None
