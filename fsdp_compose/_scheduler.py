@@ -100,14 +100,9 @@ class RateLimiter:
         self.settings = settings
         self.deferred: list[Unit] = []  # prefetches waiting for memory
         self._holding: dict[Unit, int] = {}  # unit -> unsharded bytes it holds
-        self._holding_bytes = 0
+        self.holding_bytes = 0  # unsharded parameter bytes allocated or in flight now
         for unit in units:
             self.account(unit)
-
-    @property
-    def holding_bytes(self) -> int:
-        """Unsharded parameter bytes allocated or in flight now."""
-        return self._holding_bytes
 
     def account(self, unit: Unit) -> None:
         """Counts (or stops counting) ``unit``'s unsharded bytes after its state changed."""
@@ -116,14 +111,14 @@ class RateLimiter:
         if holds and counted is None:
             nbytes = unit.unsharded_nbytes
             self._holding[unit] = nbytes
-            self._holding_bytes += nbytes
+            self.holding_bytes += nbytes
             if observer is not None:
-                observer.memory_event("alloc", unit.name, nbytes, self._holding_bytes)
+                observer.memory_event("alloc", unit.name, nbytes, self.holding_bytes)
         elif not holds and counted is not None:
             del self._holding[unit]
-            self._holding_bytes -= counted
+            self.holding_bytes -= counted
             if observer is not None:
-                observer.memory_event("free", unit.name, counted, self._holding_bytes)
+                observer.memory_event("free", unit.name, counted, self.holding_bytes)
 
     def issue(self, unit: Unit) -> None:
         if not unit.holds_unsharded:
@@ -161,7 +156,7 @@ class RateLimiter:
         if limit is None:
             return True
         unit.lazy_init()  # its size is known once initialized (after an invalidate too)
-        return self._holding_bytes + unit.unsharded_nbytes <= limit
+        return self.holding_bytes + unit.unsharded_nbytes <= limit
 
 
 class Scheduler:
