@@ -142,8 +142,8 @@ class Unit(FlatBuffer, GradientReduction):
         self.reshard_after_forward = value
         self._post_forward_group = None
         if not isinstance(value, bool):
-            group, rank = post_forward_subgroup(self.mesh_info, value)
-            self._post_forward_group, self._post_forward_rank = group, rank
+            subgroup = post_forward_subgroup(self.mesh_info, value)
+            self._post_forward_group, self._post_forward_rank = subgroup
             self._post_forward_size = value
             if self._initialized:
                 self._decide_comms()
@@ -159,9 +159,7 @@ class Unit(FlatBuffer, GradientReduction):
         """Bytes the unsharded parameters occupy (what the rate limiter budgets);
         known once the unit is initialized (:meth:`lazy_init`)."""
         assert self._initialized, f"unit {self.name!r}: unsharded_nbytes before lazy_init"
-        if self._alias:
-            return 0
-        return self._world * self._row * self._buffer_dtype.itemsize
+        return 0 if self._alias else self._world * self._row * self._buffer_dtype.itemsize
 
     def set_reduce_scatter_group(self, group: dist.ProcessGroup | None) -> None:
         """Reduce-scatters gradients on ``group`` (``None``: the shard group)."""
