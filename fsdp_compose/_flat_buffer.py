@@ -231,12 +231,9 @@ class FlatBuffer:
             p = slot.param
             if p is None or p.local_numel == 0:
                 continue
-            if byte_mode:
-                item = p.compute_dtype.itemsize
-                dst = row[slot.offset : slot.offset + p.local_numel * item].view(p.compute_dtype)
-            else:
-                dst = row[slot.offset : slot.offset + p.local_numel]
-            dsts.append(dst)
+            size = p.local_numel * (p.compute_dtype.itemsize if byte_mode else 1)
+            dst = row[slot.offset : slot.offset + size]
+            dsts.append(dst.view(p.compute_dtype) if byte_mode else dst)
             srcs.append(self._copy_in_source(p).reshape(-1))
         if dsts:
             torch._foreach_copy_(dsts, srcs)
@@ -292,14 +289,9 @@ class FlatBuffer:
         # exactly what an all-gather over its N-rank group must contribute to
         # rebuild the (W, S) rank-major gather layout in backward.
         assert self._unsharded is not None
-        k = self._world // self._post_forward_size
-        i = self._post_forward_rank
+        w, k, i = self._world, self._world // self._post_forward_size, self._post_forward_rank
         pieces = [
-            self._unsharded[
-                self._world * s.offset + i * k * s.size : self._world * s.offset
-                + (i + 1) * k * s.size
-            ]
-            for s in self._slots
+            self._unsharded[w * s.offset + i * k * s.size :][: k * s.size] for s in self._slots
         ]
         numel = sum(p.numel() for p in pieces)
         device = self._unsharded.device
