@@ -243,7 +243,12 @@ class UnitState:
         if not scheduler.forward_active:
             self._began_forward = True
             scheduler.begin_forward()
-            args, kwargs = self._inputs_to_device(args, kwargs)
+            # Inputs follow the parameters to their accelerator.
+            units = (s.unit for s in (self, *self.all_states) if s.unit is not None)
+            device = next((u.mesh_info.device for u in units), torch.device("cpu"))
+            if device.type != "cpu":
+                to_device = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+                args, kwargs = pytree.tree_map_only(torch.Tensor, to_device, (args, kwargs))
         args, kwargs = self._cast_inputs(args, kwargs)
         if unit is None and not self.borrowed:
             if self.forward_prefetch:
@@ -283,7 +288,12 @@ class UnitState:
                 self.shared.return_forward(self.borrowed)
         if self._began_forward:
             self._began_forward = False
-            self._complete_partial_groups()
+            # Grouped units whose modules did not all run in this forward: reshard.
+            for state in (self.root_state or self).all_states:
+                if state._pending_modules and state.unit is not None:
+                    state._pending_modules.clear()
+                    for unit in state.own_units:
+                        scheduler.post_forward(unit)
             scheduler.end_forward()
         return self._cast_output(output)
 
@@ -308,28 +318,11 @@ class UnitState:
             self._nested_forwards = 0
         return self._post_forward(module, args, output)
 
-    def _complete_partial_groups(self) -> None:
-        """Reshards grouped units whose modules did not all run in this forward."""
-        for state in (self.root_state or self).all_states:
-            if state._pending_modules and state.unit is not None:
-                state._pending_modules.clear()
-                assert self.scheduler is not None
-                for unit in state.own_units:
-                    self.scheduler.post_forward(unit)
-
     def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         return _cast_floating((args, kwargs), self._cast_inputs_to)
 
     def _cast_output(self, output: Any) -> Any:
         return _cast_floating(output, self.mp_policy.output_dtype)
-
-    def _inputs_to_device(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        unit = self.unit or next((s.unit for s in self.all_states if s.unit is not None), None)
-        if unit is None or unit.mesh_info.device.type == "cpu":
-            return args, kwargs
-        device = unit.mesh_info.device
-        move = lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        return pytree.tree_map(move, args), pytree.tree_map(move, kwargs)
 
     # -- backward --------------------------------------------------------
 
