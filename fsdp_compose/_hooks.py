@@ -147,7 +147,7 @@ class UnitState:
     def reshard(self, unit: Unit) -> None:
         """Reshards ``unit`` through the scheduler (none before the first forward)."""
         if self.scheduler is not None:
-            self.scheduler.reshard(unit)
+            self.scheduler.memory.reshard(unit)
         else:
             unit.reshard()
 
@@ -232,7 +232,7 @@ class UnitState:
             # Activation checkpointing recomputes this forward inside backward:
             # parameters must be present, but this is not a new forward pass.
             for used in [*self.own_units, *self.borrowed]:
-                scheduler.recompute_forward(used)
+                scheduler.memory.require(used)
             return self._cast_inputs(args, kwargs)
         if self._began_forward:
             raise RuntimeError(

@@ -197,9 +197,6 @@ class Scheduler:
         for unit in units:
             self.memory.prefetch(unit)
 
-    def reshard(self, unit: Unit) -> None:
-        self.memory.reshard(unit)
-
     # -- forward ---------------------------------------------------------
 
     def begin_forward(self) -> None:
@@ -249,10 +246,6 @@ class Scheduler:
             self.memory.require(unit)
             if observer is not None:
                 observer.begin_span("forward", unit.name)
-
-    def recompute_forward(self, unit: Unit) -> None:
-        """Activation checkpointing re-runs ``unit``'s forward inside backward."""
-        self.memory.require(unit)
 
     def _forward_prefetch_targets(self, unit: Unit) -> list[Unit]:
         if unit.forward_prefetch is not None:  # explicit, [] included
