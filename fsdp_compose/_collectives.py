@@ -180,13 +180,6 @@ def route_of(group: dist.ProcessGroup) -> Route:
     return route
 
 
-def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.device) -> bool:
-    """Whether all-gathers on ``group`` want their input to be this rank's row of
-    the output (see :meth:`Route.gathers_in_place`; NCCL always gathers in place).
-    Fixed for a unit: decide once and pass it as ``in_place``."""
-    return device.type != "cpu" or route_of(group).gathers_in_place(row_bytes)
-
-
 class _DeviceStreams:
     """Side streams shared by all units on one accelerator device."""
 
@@ -303,7 +296,7 @@ class DefaultComm:
     """fsdp_compose's own all-gather or reduce-scatter (plain buffers) on the
     ``route`` of its group, made per unit and group; a custom comm replaces it, in
     the same launch. ``in_place`` (all-gathers): whether the input is this rank's
-    row of the output (:func:`gathers_in_place`), else a buffer of its own."""
+    row of the output (:meth:`Route.gathers_in_place`; always on NCCL), else a buffer of its own."""
 
     __slots__ = ("in_place", "route")
 

@@ -148,8 +148,11 @@ class FlatBuffer:
         self._fused_copy_out = all(p.shard_dim == 0 for p in self.params)
         # Whether the all-gather over the shard group takes this rank's row of its
         # output as input (NCCL; gloo's exchanges) or a separate send buffer.
-        self._gather_in_place = world == 1 or _collectives.gathers_in_place(
-            self.shard_group, row * self._buffer_dtype.itemsize, info.device
+        row_bytes, route_of = row * self._buffer_dtype.itemsize, _collectives.route_of
+        self._gather_in_place = (
+            world == 1
+            or info.device.type != "cpu"
+            or route_of(self.shard_group).gathers_in_place(row_bytes)
         )
         # This rank's shards fill its row without gaps (same dtype, no padding in
         # its slots): copy-in is one concatenation.
