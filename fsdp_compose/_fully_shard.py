@@ -149,6 +149,10 @@ def fully_shard(
     modules = _validate_modules(module)
     ignored = _validate_ignored_params(ignored_params)
     mesh = default_mesh() if mesh is None else mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard expects mesh to be a torch.distributed.DeviceMesh, got {type(mesh).__name__}"
+        )
     if dp_mesh_dims is None:
         mesh_info = resolve_mesh_info(mesh)
     else:  # a full SPMD mesh, see [Note: dp_mesh_dims]

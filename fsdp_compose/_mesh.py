@@ -70,11 +70,7 @@ class SpmdLayout:
 
     @property
     def dp_dims(self) -> tuple[int, ...]:
-        return (
-            (self.shard_dim,)
-            if self.replicate_dim is None
-            else (self.replicate_dim, self.shard_dim)
-        )
+        return tuple(d for d in (self.replicate_dim, self.shard_dim) if d is not None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,10 +142,6 @@ def device_of_mesh(mesh: DeviceMesh) -> torch.device:
 def resolve_spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
     """Validates a full SPMD ``mesh`` with ``dp_mesh_dims`` and resolves the unit's
     data-parallel layout on it (see [Note: dp_mesh_dims])."""
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"fully_shard expects mesh to be a torch.distributed.DeviceMesh, got {type(mesh).__name__}"
-        )
     if not isinstance(dims, DataParallelMeshDims):
         raise TypeError(
             "dp_mesh_dims must be a DataParallelMeshDims (from fsdp_compose or "
@@ -191,10 +183,6 @@ def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
 
 def resolve_mesh_info(mesh: DeviceMesh) -> MeshInfo:
     """Validates ``mesh`` for fully_shard and resolves its groups for this rank."""
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"fully_shard expects mesh to be a torch.distributed.DeviceMesh, got {type(mesh).__name__}"
-        )
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (replicate, shard) for HSDP, "
