@@ -99,7 +99,6 @@ class WaitObserver(Protocol):
     """Told when the training thread waits for one collective."""
 
     def wait_begin(self) -> None: ...
-
     def wait_end(self) -> None: ...
 
 
@@ -369,8 +368,7 @@ def _launch_comm(
 ) -> PendingCollective:
     gather = kind == "all_gather"
     issue: Callable[[bool, Group], dist.Work | None]
-    own = comm is None or isinstance(comm, DefaultComm)
-    if comm is None or isinstance(comm, DefaultComm):  # fsdp_compose's own
+    if own := comm is None or isinstance(comm, DefaultComm):  # fsdp_compose's own
         route = route_of(group) if comm is None else comm.route
         out, inp = _real_view(output), _real_view(input)
         public = _compat.all_gather_into_tensor if gather else _compat.reduce_scatter_tensor

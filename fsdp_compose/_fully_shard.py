@@ -1,10 +1,7 @@
-"""The annotator: ``fully_shard`` turns a module into a unit, in place.
-
-It validates the arguments, collects the parameters the call manages (those of
-the module's subtree not already owned by a nested ``fully_shard`` or ignored),
-replaces each by a sharded DTensor parameter, attaches the hooks, and swaps the
-module's class to a subclass of :class:`FSDPModule` and of its original class.
-"""
+"""The annotator: ``fully_shard`` turns a module into a unit, in place. It collects
+the parameters the call manages (those of the module's subtree not owned by a
+nested ``fully_shard`` or ignored), replaces each by a sharded DTensor parameter,
+attaches the hooks, and mixes :class:`FSDPModule` into the module's class."""
 
 from __future__ import annotations
 

@@ -2,16 +2,14 @@
 
 Each :func:`fully_shard` call attaches one :class:`UnitState` to its module(s).
 Its forward **pre-hook** gathers the unit's parameters (via the scheduler) and
-wraps the forward inputs in :class:`_PostBackward`, whose backward runs once
-backward through the unit is done; its forward **post-hook** reshards (per
-``reshard_after_forward``) and hooks each output that requires grad: the first
-gradient to arrive is the unit's **pre-backward**, which gathers again if needed
-and (the first in an iteration) queues the root's **finalize** on the autograd
-engine, which completes every reduction before ``backward()`` returns.
-
-The first state to run forward becomes the root: then (lazy init) all
-``fully_shard`` calls are done, so it sees every unit of its tree, names them,
-and creates the tree's one :class:`~fsdp_compose._scheduler.Scheduler`.
+wraps the inputs in :class:`_PostBackward`, whose backward runs once backward
+through the unit is done; its **post-hook** reshards (``reshard_after_forward``)
+and hooks each output that requires grad: the first gradient to arrive is the
+unit's **pre-backward** (gather again if needed; the first in an iteration
+queues the root's **finalize** on the autograd engine, which completes every
+reduction before ``backward()`` returns). The first state to run forward becomes
+the root: then (lazy init) it sees every unit of its tree, names them, and
+creates the tree's one :class:`~fsdp_compose._scheduler.Scheduler`.
 """
 
 from __future__ import annotations

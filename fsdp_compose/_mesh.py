@@ -1,10 +1,7 @@
-"""Which ranks a unit shards over and which it replicates over.
-
-A :class:`MeshInfo` is resolved once per :func:`fully_shard` call from the user's
-``DeviceMesh``: a 1-D mesh shards over all of its ranks (FSDP); a 2-D mesh is
-``(replicate, shard)`` (HSDP). Everything downstream reads groups, sizes and ranks
-from here instead of re-deriving them from the mesh.
-"""
+"""Which ranks a unit shards over and which it replicates over: a :class:`MeshInfo`,
+resolved once per :func:`fully_shard` call from the user's ``DeviceMesh`` (1-D:
+FSDP over all of its ranks; 2-D: ``(replicate, shard)``, HSDP), from which
+everything downstream reads groups, sizes and ranks."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""When each unit gathers, frees and reduces: one scheduler per root.
-
-Hooks report what autograd and the forward are doing (``pre_forward``,
-``post_forward``, ``pre_backward``, ``post_backward``, ``finalize_backward``); the
-scheduler turns that into unit operations:
+"""When each unit gathers, frees and reduces: one scheduler per root. Hooks report
+what forward and autograd are doing (``pre_forward`` ... ``finalize_backward``);
+the scheduler turns that into unit operations:
 
 * **Prefetch.** When unit k starts its forward, the all-gathers of the next
   ``forward_depth`` units of the previous iteration's order are issued, so they
@@ -21,8 +19,8 @@ scheduler turns that into unit operations:
   ``finalize_backward`` (queued on the autograd engine) completes all reductions
   before ``backward()`` returns.
 
-Every decision depends only on the program order of hook calls, the same on
-every rank running the same model: all ranks issue the same collectives in order.
+Every decision depends only on the program order of hook calls, the same on every
+rank running the same model: all ranks issue the same collectives in order.
 """
 
 from __future__ import annotations
