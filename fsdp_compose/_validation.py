@@ -105,6 +105,9 @@ def _check_mesh(mesh_info: MeshInfo) -> None:
 
 
 def _check_ignored(ignored: set[nn.Parameter], modules: tuple[nn.Module, ...]) -> None:
+    for p in ignored:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"ignored_params must contain parameters, got {type(p).__name__}")
     if not ignored:
         return
     # Originals of parameters that a nested unit already replaced count as the module's.
