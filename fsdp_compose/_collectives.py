@@ -129,10 +129,9 @@ launch_hook: CollectiveHook | None = None
 
 
 class Route:
-    """How this process issues the collectives of CPU tensors on one process group
-    (see [Note: collectives per backend]): here torch.distributed's public ones.
-    Each method issues one collective asynchronously and returns the work to wait
-    on; ``label`` (the unit) and ``step`` (the root's step) name it."""
+    """How the collectives of CPU tensors on one group are issued ([Note: collectives
+    per backend]), here torch.distributed's public ones: asynchronously, returning
+    the work to wait on; ``label`` (the unit) and ``step`` (the root's) name it."""
 
     __slots__ = ()
     name = "public"

@@ -1,11 +1,7 @@
-"""Every use of a torch internal that may move between releases lives here.
-
-fsdp_compose declares ``torch>=2.11``, the oldest release it is exercised on
-(2.11 with CUDA, 2.13 on the CPU). Where a public API exists it is used
-elsewhere; this module wraps the few private ones we need for speed or because no
-public equivalent exists. Fallbacks kept here cover renames *after* 2.11 (the
-``*_single`` collectives) and bindings that may change, not older releases.
-"""
+"""Every use of a torch internal that may move between releases lives here: the
+few private APIs needed for speed or without a public equivalent. fsdp_compose
+declares ``torch>=2.11``, the oldest release it is exercised on (2.11 with CUDA,
+2.13 on the CPU); fallbacks here cover renames *after* 2.11, not older releases."""
 
 from __future__ import annotations
 

@@ -45,9 +45,8 @@ class ScheduleObserver(Protocol):
 
 
 class SharedUseCounter(Protocol):
-    """Counts the uses of units whose parameters other units share, so that they
-    are freed and reduced after their last use ([Note: shared parameters] in the
-    extension ``_shared``, which attaches it)."""
+    """Counts the uses of units whose parameters other units share, to free and reduce
+    them after their last use (the extension ``_shared``: [Note: shared parameters])."""
 
     def __contains__(self, unit: object) -> bool: ...
     def forward_use_begin(self, unit: Unit) -> None: ...
