@@ -34,19 +34,17 @@ __all__ = ["fully_shard"]
 # (and SHARDED_BY, from _sharded_param, on the sharded DTensor parameters).
 REPLACED_BY = "_fsdp_compose_replaced_by"
 
-#: Checks of a ``fully_shard`` call beyond FSDP2's, run before anything is modified
-#: (see [Note: atomic fully_shard]): ``check(modules, managed_modules,
-#: ignored_params, mesh_info, (mp_policy, offload_policy, shard_placement_fn))``
-#: raises to refuse the call. The extension ``_validation`` adds them.
+#: Checks of a ``fully_shard`` call beyond FSDP2's (``_validation``), run before anything
+#: is modified: ``check(modules, managed_modules, ignored_params, mesh_info,
+#: (mp_policy, offload_policy, shard_placement_fn))`` raises to refuse the call.
 ShardCheck = Callable[
     [tuple[nn.Module, ...], list[nn.Module], set[nn.Parameter], MeshInfo, tuple[object, ...]], None
 ]
 shard_checks: list[ShardCheck] = []
 
 
-#: ``convert(state_dict, prefix, [(name, param)], assign)``: rewrites the values a
-#: module's ``load_state_dict`` gets for its sharded parameters in place (the
-#: extension ``_full_state_dict`` loads full tensors this way); ``None``: none.
+#: ``convert(state_dict, prefix, [(name, param)], assign)`` rewrites in place the values
+#: ``load_state_dict`` gets for sharded parameters (``_full_state_dict``: full tensors).
 LoadConversion = Callable[[dict[str, Any], str, list[tuple[str, ShardedParam]], bool], None]
 load_conversion: LoadConversion | None = None
 
@@ -392,12 +390,9 @@ def _describe(modules: tuple[nn.Module, ...]) -> str:
 def register_state_dict_hooks(
     unit: Unit, state: UnitState, owners: list[tuple[nn.Module, str, ShardedParam]] | None = None
 ) -> None:
-    """``state_dict()`` and ``load_state_dict()`` always see the sharded parameters
-    (and a full state dict is sharded on the fly when loaded, see
-    :data:`load_conversion`).
-
-    ``owners`` limits the hooks to these registrations of ``unit``'s parameters
-    (a borrower's, see [Note: shared parameters] in ``_shared``); default: all."""
+    """``state_dict()`` and ``load_state_dict()`` see the sharded parameters (full
+    values loaded go through :data:`load_conversion`); ``owners`` limits the hooks to
+    these registrations of ``unit``'s parameters (a borrower's, ``_shared``)."""
     if owners is None:
         owners = [(module, name, p) for p in unit.params for module, name in p.owners]
     owner_params: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}

@@ -54,8 +54,7 @@ class ParamSharing(Protocol):
 
 param_sharing: ParamSharing | None = None
 
-#: ``FSDPModule.reset_iter_state``'s work on the root's state: the extension
-#: ``_recovery`` (beyond FSDP2, which cannot recover from a failed step).
+#: ``FSDPModule.reset_iter_state``'s work on the root's state (``_recovery``).
 iter_state_reset: Callable[[UnitState], None] | None = None
 
 

@@ -46,10 +46,8 @@ class Phase(Enum):
 
 
 class UnitChecks(Protocol):
-    """Checks of how a unit is used beyond FSDP2's, each naming the fix (the
-    extension ``_validation``), attached as :data:`unit_checks`: called at
-    lazy init, after a gather, before a reshard, and when the scheduler starts
-    the unit's forward and backward."""
+    """Checks of a unit's use beyond FSDP2's (``_validation``, as :data:`unit_checks`):
+    at lazy init, after a gather, before a reshard, at its forward and backward."""
 
     def initializing(self, unit: Unit) -> None: ...
     def gathered(self, unit: Unit) -> None: ...
