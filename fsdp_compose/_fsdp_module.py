@@ -411,8 +411,7 @@ _noted_comm_settings: set[tuple[str, str]] = set()
 
 
 def _note_comm_buffers_unchanged(setting: str, state: UnitState) -> None:
-    """Logs once per process and device type that ``setting`` keeps the regular
-    allocator for communication buffers (see the two setters' docstrings)."""
+    """Logs once per device type that ``setting`` keeps the regular allocator."""
     device_type = state.unit.mesh_info.device.type if state.unit is not None else "cpu"
     if (setting, device_type) not in _noted_comm_settings:
         _noted_comm_settings.add((setting, device_type))

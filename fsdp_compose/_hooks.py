@@ -29,17 +29,15 @@ from ._unit import Unit
 
 _STATE_ATTR = "_fsdp_compose_state"
 
-#: Called with every unit of a root's tree at its lazy init, before any collective
-#: (the extension ``_misuse`` registers here).
+#: Called with every unit of a root's tree at its lazy init, before any collective (_misuse).
 RootInitCheck = Callable[[list[Unit]], None]
 root_init_checks: list[RootInitCheck] = []
 
 
 class ParamSharing(Protocol):
-    """The extension sharing parameters across units (``_shared``, [Note: shared
-    parameters]). Without it, a parameter under two units' modules is sharded by
-    the first and refused by the second as a top-down ``fully_shard``. Attached
-    as :data:`param_sharing`."""
+    """:data:`param_sharing`: the extension sharing parameters across units. Without
+    it, a parameter under two units' modules is sharded by the first and refused by
+    the second as a top-down ``fully_shard`` ([Note: shared parameters])."""
 
     def is_borrowed(self, param: nn.Parameter, module: nn.Module, name: str) -> bool: ...
     def collect(self, modules: list[nn.Module], ignored: set[nn.Parameter], *args: Any) -> Any: ...

@@ -207,8 +207,7 @@ class ShardedParam:
 
     def data_version(self) -> int:
         """Changes whenever the sharded data is written in place, through the DTensor
-        (optimizer steps, ``copy_``) or through its local tensor (``to_local()``
-        writes, which DTensor's dispatch does not count on the wrapper)."""
+        (optimizer steps) or its local tensor (not counted on the wrapper)."""
         return self.sharded_param._version + self.local_shard._version
 
     def resync_sharded_param(self) -> None:
@@ -246,9 +245,8 @@ class ShardedParam:
     # -- unsharded side ----------------------------------------------------
 
     def wrap_unsharded(self, local: torch.Tensor) -> nn.Parameter:
-        """The unsharded parameter whose data is ``local`` (an unsharded-layout view
-        of the unit's buffer): ``local`` itself, or with tensor parallel a DTensor
-        on the TP mesh with the original placement."""
+        """The unsharded parameter on ``local`` (a view of the unit's buffer); with
+        tensor parallel, a DTensor on the TP mesh with the original placement."""
         if self.tp_spec is not None:
             spec = _compat.dtensor_spec_with_dtype(self.tp_spec, local.dtype)
             local = _compat.dtensor_from_local(local, spec)
