@@ -86,10 +86,10 @@ class _PostBackward(torch.autograd.Function):
 
 class UnitState:
     """Runtime state of one fully_shard call on ``modules``: its ``unit`` (``None``
-    if it manages no parameters), ``mp_policy`` (input/output casts), and whether
-    ``reshard_after_forward`` was None (``auto_...``: the root keeps its parameters).
-    torch.compile does not trace into its hooks (they mutate Python state and
-    issue collectives): a compiled forward graph-breaks around them."""
+    if it manages no parameters), ``mp_policy`` (input/output casts), and
+    ``auto_reshard_after_forward`` (the call's value was None: a root keeps its
+    parameters). torch.compile does not trace into its hooks (they mutate Python
+    state and issue collectives): a compiled forward graph-breaks around them."""
 
     def __init__(
         self,
