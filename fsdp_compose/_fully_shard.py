@@ -319,12 +319,10 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
 
 # [Note: per-parameter meshes]
 # ``shard_placement_fn`` may return FSDP2's ``ShardPlacementResult`` (a placement and
-# a torch ``FSDPMeshInfo``) to shard a parameter on a mesh of its own, e.g. MoE
-# expert weights on an expert-data-parallel mesh while the rest of the block uses
-# the data-parallel mesh. One ``fully_shard`` call then makes one unit per mesh
-# (each with its own all-gather and reduce-scatter), all owned by the call's
-# ``UnitState``: its hooks gather and reduce every unit together, issuing all of
-# their collectives before waiting for any, so the meshes' collectives overlap.
+# a torch ``FSDPMeshInfo``) to shard a parameter on a mesh of its own (e.g. MoE
+# experts on an expert-data-parallel mesh). One ``fully_shard`` call then makes one
+# unit per mesh, all owned by the call's ``UnitState``, whose hooks gather and reduce
+# them together: every collective issued before any wait, so the meshes' overlap.
 
 
 def _param_mesh(torch_mesh_info: Any, where: str, meshes: dict[Any, MeshInfo]) -> MeshInfo:

@@ -127,13 +127,12 @@ def device_of_mesh(mesh: DeviceMesh) -> torch.device:
 # [Note: dp_mesh_dims]
 # With ``dp_mesh_dims``, ``mesh`` is the full SPMD mesh (e.g. ("dp", "tp")) and every
 # parameter is a DTensor on it, ``Replicate()`` on the data-parallel dims. The unit
-# communicates over the data-parallel sub-mesh (``mesh[shard]``; with ``replicate``,
-# the (replicate, shard) concatenation, i.e. HSDP), exactly as for a 2-D TP layout
-# (see [Note: tensor-parallel parameters]); the sharded parameters are DTensors on
-# the full mesh, with the FSDP placement on the shard dim, ``Replicate()`` on the
-# replicate dim and the original placement on the other dim, and the unsharded
-# parameters are the user's DTensors on the full mesh. Supported: one shard dim
-# name, at most one replicate dim name and at most one other (model-parallel) dim.
+# communicates over the data-parallel sub-mesh (``mesh[shard]``, or with ``replicate``
+# the (replicate, shard) concatenation: HSDP) as for a 2-D TP layout ([Note:
+# tensor-parallel parameters]); sharded parameters are DTensors on the full mesh
+# (FSDP placement on the shard dim, ``Replicate()`` on the replicate dim, the
+# original one on the other), unsharded ones the user's. Supported: one shard dim,
+# at most one replicate dim and at most one other (model-parallel) dim.
 
 
 def resolve_spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
