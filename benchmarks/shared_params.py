@@ -75,13 +75,13 @@ def _rank_main(
     # Peak of the scheduler's accounting of unsharded parameter bytes (private API,
     # read-only: wraps the one method that updates it).
     peak_unsharded = [0]
-    account = _scheduler.Scheduler._account
+    account = _scheduler.RateLimiter.account
 
     def tracking(self: Any, unit: Any) -> None:
         account(self, unit)
-        peak_unsharded[0] = max(peak_unsharded[0], self._holding_bytes)
+        peak_unsharded[0] = max(peak_unsharded[0], self.holding_bytes)
 
-    _scheduler.Scheduler._account = tracking  # type: ignore[method-assign]
+    _scheduler.RateLimiter.account = tracking  # type: ignore[method-assign]
     ideal = [0.0]
 
     def listener(event: str, info: Any) -> None:

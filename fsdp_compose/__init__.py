@@ -12,6 +12,7 @@ from . import (  # noqa: F401
     _gloo,  # gloo's collectives as exchanges matched by what they are
     _guard,  # the collective guard, if FSDP_COMPOSE_COLLECTIVE_GUARD=1
     _misuse,  # misuse checks at the root's lazy init and at optimizer steps
+    _recovery,  # reset_iter_state after an exception inside forward or backward
     _shared,  # parameters shared across units (tied weights)
     _validation,  # checks of fully_shard's arguments beyond FSDP2's
     debug,

@@ -1,6 +1,6 @@
 """Listeners and launch wrappers: how extensions observe and wrap every collective.
 
-The core offers one hook (``_collectives.set_hook``); this module fills it while at
+The core offers one hook (``_collectives.launch_hook``); this module fills it while at
 least one listener or wrapper is registered, and empties it when the last one is
 removed, so that without them issuing a collective costs nothing extra. See
 [Note: collective extensions] in ``_collectives.py``.
@@ -186,4 +186,4 @@ _HOOK = _Hook()
 
 
 def _attach() -> None:
-    _collectives.set_hook(_HOOK if (_listeners or _wrappers) else None)
+    _collectives.launch_hook = _HOOK if (_listeners or _wrappers) else None

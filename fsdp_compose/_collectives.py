@@ -1,46 +1,40 @@
 """Every collective fsdp_compose issues goes through this module.
 
-Collectives are always issued asynchronously and return a :class:`PendingCollective`
-whose :meth:`~PendingCollective.wait` makes the result visible to the caller:
-
-* CPU / gloo: ``async_op=True`` work runs on gloo's own threads while Python
-  computes; ``wait()`` blocks on the work.
-* CUDA / NCCL: the collective runs on a dedicated all-gather or reduce-scatter
-  stream that first waits for the compute stream; ``wait()`` makes the compute
-  stream wait for an event, without blocking the CPU.
+Collectives are issued asynchronously and return a :class:`PendingCollective`
+whose :meth:`~PendingCollective.wait` makes the result visible: on CPU the work
+runs on the backend's threads and ``wait()`` blocks on it; on CUDA it runs on an
+all-gather or reduce-scatter side stream that first waits for the compute
+stream, and ``wait()`` makes the compute stream wait for an event.
 
 [Note: collectives per backend]
 fsdp_compose runs on any c10d backend. Which path a group's CPU collectives take
 is its :class:`Route`, decided once per group (:func:`route_of`, at the lazy init
-of the first unit on it) and kept by the unit's default collectives
-(:class:`DefaultAllGather`, :class:`DefaultReduceScatter`: the same interface as a
-user's custom comm, one code path for both), so issuing costs no backend lookup.
-The core's route issues torch.distributed's public collectives
-(``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``), which
-every backend has: torch's threaded test group, the ``fake`` backend of dry runs,
-MPI, UCC, vendor backends. Extensions register routes for the backends they know
-(:func:`add_route_provider`): gloo's (``_gloo.py``, [Note: collectives matched by
-what they are]) serves groups whose CPU backend really is ``ProcessGroupGloo``.
-Accelerator tensors (NCCL) always take the public collectives, on side streams.
+of the first unit on it) and kept by the unit's :class:`DefaultComm`, so issuing
+costs no backend lookup; a user's custom comm goes through the same launch. The
+core's route issues torch.distributed's public collectives, which every backend
+has (torch's threaded test group, the ``fake`` backend of dry runs, MPI, UCC,
+vendor backends); extensions register routes for the backends they know
+(:data:`route_providers`), e.g. gloo's (``_gloo.py``). Accelerator tensors
+(NCCL) always take the public collectives, on side streams.
 
 [Note: collective extensions]
-The core issues collectives; capabilities beyond FSDP2 attach here and the core
-never imports them. Three registration points, all per process: routes
-(:func:`add_route_provider`, above); the error raised for a failed collective
-(:func:`set_failure_explainer`, filled by ``_failures.py``); and one hook around
-every launch (:func:`set_hook`), which ``_collective_hooks.py`` fills while
-listeners (the timeline, tests counting collectives) or launch wrappers (debug
-fingerprints, the collective guard) are registered. A hook raising
+Capabilities beyond FSDP2 attach here (the core never imports them), per
+process: routes (above); the error for a failed collective
+(:data:`explain_failure`, ``_failures.py``); one hook around every launch
+(:data:`launch_hook`), set by ``_collective_hooks.py`` while listeners (the
+timeline, tests) or launch wrappers (debug fingerprints, the guard) exist; and
+the check of custom comms' buffers (:data:`check_custom_buffer`). A hook raising
 :class:`~fsdp_compose._errors.CollectiveMismatchError` is re-raised as is; any
-other ``RuntimeError`` is reported like a failure of the collective.
-
-With none set, issuing costs one ``None`` check. The step a collective belongs
-to comes from the :class:`StepContext` of the root that issues it (each root's
-scheduler owns one), so two roots in one process do not mix their steps.
+other ``RuntimeError`` is reported like a failure of the collective. With none
+set, issuing costs one ``None`` check. A collective's step comes from the
+:class:`StepContext` of the root that issues it, so two roots in one process do
+not mix their steps.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -60,7 +54,8 @@ CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 
 
 class _CustomComm(Protocol):
-    """FSDP2's ``Comm`` interface: ``allocate`` makes the communication buffers."""
+    """FSDP2's ``Comm`` interface: ``allocate`` makes the communication buffers
+    (for an all-gather, the output, whose row for this rank is the input)."""
 
     def allocate(
         self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
@@ -68,9 +63,7 @@ class _CustomComm(Protocol):
 
 
 class AllGatherComm(_CustomComm, Protocol):
-    """A user-supplied all-gather (``FSDPModule.set_custom_all_gather``), with the
-    interface of FSDP2's ``AllGather``: ``allocate`` makes the output buffer (the
-    input is a view of it, in place) and the call issues the collective."""
+    """FSDP2's ``AllGather`` (``FSDPModule.set_custom_all_gather``)."""
 
     def __call__(
         self,
@@ -82,9 +75,7 @@ class AllGatherComm(_CustomComm, Protocol):
 
 
 class ReduceScatterComm(_CustomComm, Protocol):
-    """A user-supplied reduce-scatter (``FSDPModule.set_custom_reduce_scatter``),
-    with the interface of FSDP2's ``ReduceScatter``: ``allocate`` makes the input
-    and output buffers and the call issues the collective."""
+    """FSDP2's ``ReduceScatter`` (``FSDPModule.set_custom_reduce_scatter``)."""
 
     def __call__(
         self,
@@ -98,9 +89,8 @@ class ReduceScatterComm(_CustomComm, Protocol):
 
 @dataclass
 class StepContext:
-    """The training step of one root's collectives: its scheduler advances
-    ``step`` at each forward, and the units it drives pass it to the collectives
-    they issue (named in errors, fingerprints and the guard)."""
+    """One root's training step, advanced by its scheduler at each forward and
+    named by its units' collectives (in errors, fingerprints and the guard)."""
 
     step: int = 0
 
@@ -109,16 +99,14 @@ class WaitObserver(Protocol):
     """Told when the training thread waits for one collective."""
 
     def wait_begin(self) -> None: ...
-
     def wait_end(self) -> None: ...
 
 
 class CollectiveHook(Protocol):
-    """What an extension attaches to every collective (``_collective_hooks.py``:
-    listeners and launch wrappers, see [Note: collective extensions]): ``launch``
-    issues the collective through ``issue(group)`` -- on ``group`` or on another
-    group with the same ranks where ``movable`` -- and returns the work and an
-    observer of the waits (or ``None``)."""
+    """Attached to every collective (see [Note: collective extensions]):
+    ``launch`` issues it through ``issue(group)`` -- on ``group``, or where
+    ``movable`` on another group with the same ranks -- and returns the work and
+    an observer of the waits (or ``None``)."""
 
     def launch(
         self,
@@ -133,26 +121,17 @@ class CollectiveHook(Protocol):
     ) -> tuple[dist.Work | None, WaitObserver | None]: ...
 
 
-# Launches one collective on the group it is given: the caller's, or one with the
-# same ranks that a hook issues on instead (the collective guard).
+#: Launches one collective on the group it is given: the caller's, or one with the
+#: same ranks that a hook issues on instead (the collective guard).
 Issue = Callable[[Group], "dist.Work | None"]
-_hook: CollectiveHook | None = None
-
-
-def set_hook(hook: CollectiveHook | None) -> None:
-    """Attaches ``hook`` to every later collective (``None``: none, which costs nothing)."""
-    global _hook
-    _hook = hook
-
-
-# --- Routes: how each group's CPU collectives are issued ---
+#: Attached to every later collective (``_collective_hooks.py``); ``None`` costs nothing.
+launch_hook: CollectiveHook | None = None
 
 
 class Route:
-    """How this process issues the collectives of CPU tensors on one process group
-    (see [Note: collectives per backend]): here torch.distributed's public ones.
-    Each method issues one collective asynchronously and returns the work to wait
-    on; ``label`` (the unit) and ``step`` (the root's step) name it."""
+    """How the collectives of CPU tensors on one group are issued ([Note: collectives
+    per backend]), here torch.distributed's public ones: asynchronously, returning
+    the work to wait on; ``label`` (the unit) and ``step`` (the root's) name it."""
 
     __slots__ = ()
     name = "public"
@@ -180,16 +159,10 @@ class Route:
 
 PUBLIC_ROUTE = Route()
 RouteProvider = Callable[[dist.ProcessGroup], "Route | None"]
-_route_providers: list[RouteProvider] = []
+#: ``provider(group)`` returns the :class:`Route` for a group it serves, else ``None``;
+#: asked (the latest added first) once per group, at the first collective on it.
+route_providers: list[RouteProvider] = []
 _routes: weakref.WeakKeyDictionary[dist.ProcessGroup, Route] = weakref.WeakKeyDictionary()
-
-
-def add_route_provider(provider: RouteProvider) -> None:
-    """Registers ``provider(group)``, which returns the :class:`Route` for a group
-    it serves and ``None`` for the others; asked (the latest added first) once per
-    group, at the first collective on it."""
-    if provider not in _route_providers:
-        _route_providers.append(provider)
 
 
 def route_of(group: dist.ProcessGroup) -> Route:
@@ -197,29 +170,12 @@ def route_of(group: dist.ProcessGroup) -> Route:
     remembered after (units decide theirs at lazy init, so issuing costs no lookup)."""
     route = _routes.get(group)
     if route is None:
-        for provider in reversed(_route_providers):
-            route = provider(group)
-            if route is not None:
-                break
-        else:
-            route = PUBLIC_ROUTE
-            logger.debug(
-                "fsdp_compose: group of size %d (backend %s) uses the public collectives",
-                group.size(),
-                _compat.backend_name(group),
-            )
-        _routes[group] = route
+        found = (r for provider in reversed(route_providers) if (r := provider(group)) is not None)
+        route = _routes[group] = next(found, PUBLIC_ROUTE)
+        logger.debug(
+            "fsdp_compose: a group of %d ranks takes the %s route", group.size(), route.name
+        )
     return route
-
-
-def gathers_in_place(group: dist.ProcessGroup, row_bytes: int, device: torch.device) -> bool:
-    """Whether all-gathers on ``group`` want their input to be this rank's row of
-    the output (see :meth:`Route.gathers_in_place`; NCCL always gathers in place).
-    Fixed for a unit: decide once and pass it as ``in_place``."""
-    return device.type != "cpu" or route_of(group).gathers_in_place(row_bytes)
-
-
-# --- Streams (accelerators only) ---
 
 
 class _DeviceStreams:
@@ -233,48 +189,22 @@ class _DeviceStreams:
         self.module = module
 
 
-_streams: dict[torch.device, _DeviceStreams] = {}
+_device_streams = functools.cache(_DeviceStreams)
 
 
-def _device_streams(device: torch.device) -> _DeviceStreams:
-    streams = _streams.get(device)
-    if streams is None:
-        streams = _streams[device] = _DeviceStreams(device)
-    return streams
-
-
-# --- Pending collectives ---
-
-
+@dataclass(slots=True, eq=False)
 class PendingCollective:
-    """An issued collective; :meth:`wait` makes its output usable.
+    """An issued collective; :meth:`wait` makes its output usable. Holds the tensors
+    involved until then, so that their memory cannot be reused while the
+    communication may still touch it (``_group`` names the backend if it fails)."""
 
-    Holds references to the tensors involved until waited on, so that their memory
-    cannot be reused while the communication may still touch it.
-    """
-
-    __slots__ = ("_done", "_group", "_observer", "_stream_wait", "_tensors", "_what", "_work")
-
-    def __init__(
-        self,
-        work: dist.Work | None,
-        observer: WaitObserver | None = None,
-        tensors: tuple[torch.Tensor, ...] = (),
-        what: str = "",
-        group: Group | None = None,
-        stream_wait: Callable[[], None] | None = None,
-    ) -> None:
-        self._work = work
-        self._observer = observer
-        self._tensors = tensors
-        self._what = what
-        self._group = group  # names the backend if the collective fails
-        self._stream_wait = stream_wait
-        self._done = False
-
-    @property
-    def done(self) -> bool:
-        return self._done
+    _work: dist.Work | None
+    _observer: WaitObserver | None = None
+    _tensors: tuple[torch.Tensor, ...] = ()
+    _what: str = ""
+    _group: Group | None = None
+    _stream_wait: Callable[[], None] | None = None
+    _done: bool = False
 
     def wait(self) -> None:
         if self._done:
@@ -288,7 +218,7 @@ class PendingCollective:
             except CollectiveMismatchError:
                 raise
             except RuntimeError as exc:
-                raise _failure(self._what, exc, self._tensors[1], self._group) from exc
+                raise explain_failure(self._what, exc, self._tensors[1], self._group) from exc
         if self._stream_wait is not None:
             self._stream_wait()
         if observer is not None:
@@ -308,16 +238,9 @@ def _plain_failure(
 FailureExplainer = Callable[
     [str, BaseException, "torch.Tensor | None", "Group | None"], RuntimeError
 ]
-# The error raised for a failed collective ``what`` (``tensor`` and ``group``, where
-# known, are the ones involved); ``_failures.py`` sets one that says why.
-_failure: FailureExplainer = _plain_failure
-
-
-def set_failure_explainer(explainer: FailureExplainer) -> None:
-    """Makes ``explainer(what, exc, tensor, group)`` the error raised when a
-    collective fails (see [Note: collective extensions])."""
-    global _failure
-    _failure = explainer
+#: The error raised for a failed collective ``what`` on ``tensor`` and ``group``;
+#: ``_failures.py`` sets one that says why.
+explain_failure: FailureExplainer = _plain_failure
 
 
 def _launch(
@@ -334,49 +257,31 @@ def _launch(
     whether a hook may issue it on another group with the same ranks (not a
     user-supplied comm, which may ask its group for its ranks)."""
     what = f"{kind} for {label} (step {step})"
-    if out.device.type == "cpu":
-        work, observer = _issue(kind, label, group, inp, out, step, movable, issue, True, what)
+    on_cpu = out.device.type == "cpu"
+    if not on_cpu:
+        streams = _device_streams(out.device)
+        stream = streams.reduce_scatter if kind != "all_gather" else streams.all_gather
+        stream.wait_stream(streams.module.current_stream(out.device))
+    try:
+        with contextlib.nullcontext() if on_cpu else streams.module.stream(stream):
+            hook = launch_hook
+            if hook is None:
+                work, observer = issue(on_cpu, group), None
+            else:
+                run = lambda on: issue(on_cpu, on)  # noqa: E731
+                work, observer = hook.launch(kind, label, group, inp, out, step, movable, run)
+    except CollectiveMismatchError:
+        raise
+    except RuntimeError as exc:
+        raise explain_failure(what, exc, out, group) from exc
+    if on_cpu:
         return PendingCollective(work, observer, (inp, out), what, group)
-    streams = _device_streams(out.device)
-    stream = streams.reduce_scatter if kind != "all_gather" else streams.all_gather
-    stream.wait_stream(streams.module.current_stream(out.device))
-    with streams.module.stream(stream):
-        _, observer = _issue(kind, label, group, inp, out, step, movable, issue, False, what)
-        event = stream.record_event()
-    device = out.device
+    event, device = stream.record_event(), out.device
 
     def stream_wait() -> None:
         streams.module.current_stream(device).wait_event(event)
 
     return PendingCollective(None, observer, (inp, out), what, group, stream_wait)
-
-
-def _issue(
-    kind: CollectiveKind,
-    label: str,
-    group: Group,
-    inp: torch.Tensor,
-    out: torch.Tensor,
-    step: int,
-    movable: bool,
-    issue: Callable[[bool, Group], dist.Work | None],
-    async_op: bool,
-    what: str,
-) -> tuple[dist.Work | None, WaitObserver | None]:
-    try:
-        hook = _hook
-        if hook is None:
-            return issue(async_op, group), None
-        return hook.launch(
-            kind, label, group, inp, out, step, movable, lambda on: issue(async_op, on)
-        )
-    except CollectiveMismatchError:
-        raise
-    except RuntimeError as exc:
-        raise _failure(what, exc, out, group) from exc
-
-
-# --- The collectives ---
 
 
 def _real_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -385,81 +290,22 @@ def _real_view(tensor: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(tensor).view(-1) if tensor.is_complex() else tensor
 
 
-class _DefaultComm:
-    """What fsdp_compose's own collectives share: plain buffers, which need no
-    checking, and the :class:`Route` of the group they run on."""
+class DefaultComm:
+    """fsdp_compose's own all-gather or reduce-scatter (plain buffers) on the
+    ``route`` of its group, made per unit and group; a custom comm replaces it, in
+    the same launch. ``in_place`` (all-gathers): whether the input is this rank's
+    row of the output (:meth:`Route.gathers_in_place`; always on NCCL), else a buffer of its own."""
 
-    __slots__ = ("route",)
-    trusted = True
+    __slots__ = ("in_place", "route")
 
-    def __init__(self, route: Route) -> None:
+    def __init__(self, route: Route, in_place: bool = False) -> None:
         self.route = route
-
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
-
-class DefaultAllGather(_DefaultComm):
-    """fsdp_compose's own all-gather, with the :class:`AllGatherComm` interface
-    that a custom one (``set_custom_all_gather``) replaces: one code path issues
-    both. Made per unit and group, on the group's :class:`Route`.
-
-    Args:
-        route: ``route_of(group)`` of the group it gathers on.
-        in_place: whether its input is this rank's row of its output (as
-            :func:`gathers_in_place` decided), else a buffer of its own.
-    """
-
-    __slots__ = ("in_place",)
-
-    def __init__(self, route: Route, in_place: bool) -> None:
-        super().__init__(route)
         self.in_place = in_place
 
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-        *,
-        label: str = "",
-        step: int = 0,
-    ) -> dist.Work | None:
-        output, input = _real_view(output_tensor), _real_view(input_tensor)
-        if output.device.type != "cpu":
-            return _compat.all_gather_into_tensor(output, input, group, async_op)
-        return self.route.all_gather(output, input, group, label, step)
 
-
-class DefaultReduceScatter(_DefaultComm):
-    """fsdp_compose's own reduce-scatter (a sum), with the
-    :class:`ReduceScatterComm` interface that a custom one
-    (``set_custom_reduce_scatter``) replaces. Made per unit and group, on the
-    group's :class:`Route`.
-    """
-
-    __slots__ = ()
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp,
-        async_op: bool = False,
-        *,
-        label: str = "",
-        step: int = 0,
-    ) -> dist.Work | None:
-        output, input = _real_view(output_tensor), _real_view(input_tensor)
-        if output.device.type != "cpu":
-            return _compat.reduce_scatter_tensor(output, input, group, async_op)
-        return self.route.reduce_scatter(output, input, group, label, step)
-
-
+#: ``check(buffer, numel, dtype, device, what)`` raises if the buffer a custom comm
+#: allocated is not ``numel`` contiguous elements as asked (``_validation``).
+check_custom_buffer: Callable[[object, int, torch.dtype, torch.device, str], None] | None = None
 _SUM: dist.ReduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # (a RedOpType member)
 
 
@@ -471,28 +317,12 @@ def allocate(
     label: str,
     kind: CollectiveKind,
 ) -> torch.Tensor:
-    """A flat communication buffer from ``comm.allocate``; a custom comm's is
-    checked (the error names ``label``'s custom ``kind``)."""
+    """A flat communication buffer from a custom ``comm.allocate``, checked by
+    :data:`check_custom_buffer` where set (naming ``label``'s custom ``kind``)."""
     buffer = comm.allocate((numel,), dtype=dtype, device=device)
-    if getattr(comm, "trusted", False):
-        return buffer
-    if (
-        not isinstance(buffer, torch.Tensor)
-        or buffer.numel() != numel
-        or buffer.dtype != dtype
-        or buffer.device != device
-        or not buffer.is_contiguous()
-    ):
-        got = (
-            f"a {'contiguous' if buffer.is_contiguous() else 'non-contiguous'} tensor of "
-            f"{buffer.numel()} {buffer.dtype} elements on {buffer.device}"
-            if isinstance(buffer, torch.Tensor)
-            else type(buffer).__name__
-        )
-        raise ValueError(
-            f"{label}'s custom {kind.replace('_', '-')}: allocate() returned {got}, but {numel} contiguous {dtype} elements "
-            f"on {device} were asked for"
-        )
+    if check_custom_buffer is not None:
+        what = f"{label}'s custom {kind.replace('_', '-')}"
+        check_custom_buffer(buffer, numel, dtype, device, what)
     return buffer.view(-1)
 
 
@@ -502,30 +332,13 @@ def all_gather(
     group: dist.ProcessGroup,
     label: str,
     *,
-    comm: AllGatherComm | None = None,
+    comm: AllGatherComm | DefaultComm | None = None,
     step: int = 0,
 ) -> PendingCollective:
     """Gathers ``input`` from every rank of ``group`` into ``output`` (rank-major)
-    with ``comm`` (default: a :class:`DefaultAllGather` on the group's route, not
-    in place). ``step``: the issuing root's step (:class:`StepContext`)."""
-    gather = comm if comm is not None else DefaultAllGather(route_of(group), in_place=False)
-    own = gather if isinstance(gather, DefaultAllGather) else None
-
-    def issue(async_op: bool, on: dist.ProcessGroup) -> dist.Work | None:
-        if own is not None:  # fsdp_compose's own: named for its route
-            return own(output, input, on, async_op, label=label, step=step)
-        return gather(output_tensor=output, input_tensor=input, group=on, async_op=async_op)
-
-    return _launch(
-        "all_gather",
-        label,
-        group,
-        input,
-        output,
-        issue,
-        step=step,
-        movable=own is not None,
-    )
+    with ``comm`` (default: a :class:`DefaultComm` on the group's route, not in
+    place). ``step``: the issuing root's step (:class:`StepContext`)."""
+    return _launch_comm("all_gather", output, input, group, label, comm, step)
 
 
 def reduce_scatter(
@@ -534,32 +347,47 @@ def reduce_scatter(
     group: dist.ProcessGroup,
     label: str,
     *,
-    comm: ReduceScatterComm | None = None,
+    comm: ReduceScatterComm | DefaultComm | None = None,
     step: int = 0,
 ) -> PendingCollective:
     """Sums ``input`` (``group.size()`` equal chunks) over ``group`` with ``comm``
-    (default: a :class:`DefaultReduceScatter` on the group's route); rank r
-    receives the sum of chunk r in ``output``."""
-    scatter = comm if comm is not None else DefaultReduceScatter(route_of(group))
-    own = scatter if isinstance(scatter, DefaultReduceScatter) else None
+    (default: a :class:`DefaultComm` on the group's route); rank r receives the
+    sum of chunk r in ``output``."""
+    return _launch_comm("reduce_scatter", output, input, group, label, comm, step)
 
-    def issue(async_op: bool, on: dist.ProcessGroup) -> dist.Work | None:
-        if own is not None:  # fsdp_compose's own: named for its route
-            return own(output, input, on, _SUM, async_op, label=label, step=step)
-        return scatter(
-            output_tensor=output, input_tensor=input, group=on, op=_SUM, async_op=async_op
-        )
 
-    return _launch(
-        "reduce_scatter",
-        label,
-        group,
-        input,
-        output,
-        issue,
-        step=step,
-        movable=own is not None,
-    )
+def _launch_comm(
+    kind: Literal["all_gather", "reduce_scatter"],
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    label: str,
+    comm: AllGatherComm | ReduceScatterComm | DefaultComm | None,
+    step: int,
+) -> PendingCollective:
+    gather = kind == "all_gather"
+    issue: Callable[[bool, Group], dist.Work | None]
+    if own := comm is None or isinstance(comm, DefaultComm):  # fsdp_compose's own
+        route = route_of(group) if comm is None else comm.route
+        out, inp = _real_view(output), _real_view(input)
+        public = _compat.all_gather_into_tensor if gather else _compat.reduce_scatter_tensor
+        route_issue = route.all_gather if gather else route.reduce_scatter
+
+        def issue(async_op: bool, on: Group) -> dist.Work | None:
+            if out.device.type != "cpu":
+                return public(out, inp, on, async_op)
+            return route_issue(out, inp, on, label, step)
+
+    else:  # FSDP2's Comm interface: keywords, and ReduceScatter's op
+        call: Callable[..., dist.Work | None] = comm
+        extra = {} if gather else {"op": _SUM}
+
+        def issue(async_op: bool, on: Group) -> dist.Work | None:
+            return call(
+                output_tensor=output, input_tensor=input, group=on, async_op=async_op, **extra
+            )
+
+    return _launch(kind, label, group, input, output, issue, step, movable=own)
 
 
 def all_reduce(
@@ -567,16 +395,10 @@ def all_reduce(
 ) -> PendingCollective:
     """Sums ``tensor`` in place over ``group``."""
     tensor = _real_view(tensor)
-    return _launch(
-        "all_reduce",
-        label,
-        group,
-        tensor,
-        tensor,
-        lambda async_op, on: (
-            route_of(group).all_reduce(tensor, on, label, step)
-            if tensor.device.type == "cpu"
-            else dist.all_reduce(tensor, group=on, async_op=async_op)
-        ),
-        step=step,
-    )
+
+    def issue(async_op: bool, on: Group) -> dist.Work | None:
+        if tensor.device.type != "cpu":
+            return dist.all_reduce(tensor, group=on, async_op=async_op)
+        return route_of(group).all_reduce(tensor, on, label, step)
+
+    return _launch("all_reduce", label, group, tensor, tensor, issue, step)

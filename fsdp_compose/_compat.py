@@ -1,11 +1,7 @@
-"""Every use of a torch internal that may move between releases lives here.
-
-fsdp_compose declares ``torch>=2.11``, the oldest release it is exercised on
-(2.11 with CUDA, 2.13 on the CPU). Where a public API exists it is used
-elsewhere; this module wraps the few private ones we need for speed or because no
-public equivalent exists. Fallbacks kept here cover renames *after* 2.11 (the
-``*_single`` collectives) and bindings that may change, not older releases.
-"""
+"""Every use of a torch internal that may move between releases lives here: the
+few private APIs needed for speed or without a public equivalent. fsdp_compose
+declares ``torch>=2.11``, the oldest release it is exercised on (2.11 with CUDA,
+2.13 on the CPU); fallbacks here cover renames *after* 2.11, not older releases."""
 
 from __future__ import annotations
 
@@ -18,10 +14,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
-
-# ---------------------------------------------------------------------------
-# DTensor construction without autograd or communication
-# ---------------------------------------------------------------------------
 
 
 def make_dtensor_spec(
@@ -36,11 +28,8 @@ def make_dtensor_spec(
 
 
 def dtensor_from_local(local: torch.Tensor, spec: Any) -> DTensor:
-    """Wraps ``local`` as a DTensor described by ``spec``.
-
-    This runs once per parameter per step (sharded gradients), so it bypasses
-    ``DTensor.from_local``'s argument handling and autograd.
-    """
+    """Wraps ``local`` as a DTensor described by ``spec``, bypassing
+    ``DTensor.from_local``'s argument handling and autograd (per parameter and step)."""
     return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 
 
@@ -55,11 +44,8 @@ def dtensor_spec_with_dtype(spec: Any, dtype: torch.dtype) -> Any:
 
 
 def strided_shard(dim: int, split_factor: int) -> Placement:
-    """DTensor's placement for a dim sharded over a mesh dim *inside* each of
-    ``split_factor`` chunks made by a later mesh dim (FSDP's shard of a TP shard).
-
-    ``_StridedShard`` is private, hence wrapped here.
-    """
+    """The (private) placement of a dim sharded over a mesh dim *inside* each of
+    ``split_factor`` chunks made by a later mesh dim (FSDP's shard of a TP shard)."""
     return _StridedShard(dim, split_factor=split_factor)
 
 
@@ -68,12 +54,8 @@ _spmd_meshes: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] =
 
 def concatenate_meshes(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
     """The mesh whose dims are ``outer``'s followed by ``inner``'s (e.g. dp then tp),
-    both sub-meshes of one root mesh; cached so that every parameter of a layout
-    shares one mesh object.
-
-    Built by ``DeviceMesh._concatenate``, as torch's FSDP2 does (private, hence
-    wrapped here).
-    """
+    both sub-meshes of one root mesh, by the private ``DeviceMesh._concatenate`` (as
+    FSDP2 does); cached so that every parameter of a layout shares one mesh object."""
     key = (id(outer), id(inner))
     hit = _spmd_meshes.get(key)
     if hit is not None:
@@ -85,11 +67,8 @@ def concatenate_meshes(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
 
 
 def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a plain tensor whose collective (if any) has completed.
-
-    DTensor redistributions may hand back a functional collective's
-    ``AsyncCollectiveTensor``, which is only safe to read after ``wait()``.
-    """
+    """``tensor`` once its collective (if any) has completed: DTensor may hand back a
+    functional collective's ``AsyncCollectiveTensor``, safe to read after ``wait()``."""
     wait = getattr(tensor, "wait", None)
     if callable(wait) and type(tensor) is not torch.Tensor:
         return wait()
@@ -115,22 +94,6 @@ def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
     return unset_fake_temporarily()
 
 
-# ---------------------------------------------------------------------------
-# torch.compile
-# ---------------------------------------------------------------------------
-
-
-def dynamo_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Keeps torch.compile from tracing into ``fn`` (our hooks mutate Python state
-    and issue collectives); a compiled forward graph-breaks around it instead."""
-    return torch._dynamo.disable(fn, recursive=True)
-
-
-# ---------------------------------------------------------------------------
-# Autograd engine
-# ---------------------------------------------------------------------------
-
-
 def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
     """Runs ``callback`` once the current ``backward()`` has finished all nodes,
     before ``backward()`` returns to the caller."""
@@ -151,35 +114,23 @@ def restore_version(tensor: torch.Tensor, version: int) -> None:
     torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
 
 
-# ---------------------------------------------------------------------------
-# Collectives whose names changed between releases
-# ---------------------------------------------------------------------------
-
-# Recent releases name these ``all_gather_single``/``reduce_scatter_single`` (what
-# torch 2.13's FSDP2 calls); the older names stay the fallback (kept: not checked
-# that 2.11 has the new ones).
-_all_gather_single = getattr(dist, "all_gather_single", None)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None)
+# torch 2.13 names these ``all_gather_single``/``reduce_scatter_single`` and deprecates
+# the older names, kept as the fallback (not checked that 2.11 has the new ones).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> dist.Work | None:
-    if _all_gather_single is not None:
-        return _all_gather_single(output, input, group=group, async_op=async_op)
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return _all_gather(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> dist.Work | None:
-    if _reduce_scatter_single is not None:
-        return _reduce_scatter_single(
-            output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
-        )
-    return dist.reduce_scatter_tensor(
-        output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
-    )
+    """A sum."""
+    return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
@@ -189,13 +140,9 @@ def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tenso
     torch._chunk_cat(list(tensors), dim=0, num_chunks=num_chunks, out=out)
 
 
-def process_group_backend(group: dist.ProcessGroup) -> str:
-    """Lower-case backend name of ``group`` (``"gloo"``, ``"nccl"``, ...)."""
-    return str(dist.get_backend(group)).lower()
-
-
 def backend_name(group: dist.ProcessGroup) -> str:
+    """Lower-case backend name of ``group`` (``"gloo"``, ``"nccl"``, ...)."""
     try:
-        return process_group_backend(group)
+        return str(dist.get_backend(group)).lower()
     except (RuntimeError, ValueError, KeyError):  # a group torch does not know
         return "unknown"

@@ -1,15 +1,13 @@
 """Exception types shared with torch's FSDP2.
 
 [Note: FSDP2's exception types]
-Code written against ``torch.distributed.fsdp.fully_shard`` may catch the
-exceptions FSDP2 raises for a refusal, so fsdp_compose raises the same type for
-the same refusal (issue 21): e.g. ``NotImplementedError`` for an uneven shard on
-a dim other than 0. Where FSDP2 signals a user error with ``AssertionError``
-(applying ``fully_shard`` twice, deep-copying a module, a shard dim out of
-range, a ``shard_placement_fn`` result that is not a ``Shard``), fsdp_compose
-raises a subclass of both ``AssertionError`` and the builtin type that says
-what went wrong (``ValueError``, ``RuntimeError``): ``except AssertionError``
-written for FSDP2 still catches it, and so does the clearer type.
+Code written against FSDP2 may catch the exceptions it raises for a refusal, so
+fsdp_compose raises the same type for the same refusal (e.g. ``NotImplementedError``
+for an uneven shard on a dim other than 0). Where FSDP2 signals a user error with
+``AssertionError`` (``fully_shard`` twice, deep-copying a module, a shard dim out
+of range, a non-``Shard`` placement), fsdp_compose raises a subclass of both
+``AssertionError`` and the builtin type that says what went wrong
+(``ValueError``, ``RuntimeError``): code catching either still works.
 """
 
 from __future__ import annotations
@@ -24,12 +22,8 @@ class FSDPRuntimeError(RuntimeError, AssertionError):
 
 
 class CollectiveMismatchError(RuntimeError):
-    """Ranks of one process group issued different collectives (or some none).
-
-    Raised by the collective checks that attach to the collectives (see [Note:
-    collective extensions] in ``_collectives.py``); public as
-    ``fsdp_compose.debug.CollectiveMismatchError``.
-    """
+    """Ranks of one process group issued different collectives (or some none):
+    raised by the collective checks ([Note: collective extensions])."""
 
 
 CollectiveMismatchError.__module__ = "fsdp_compose.debug"

@@ -1,7 +1,7 @@
 """Errors of failed collectives that say why they failed: a peer (crashed, timed
 out, issued something else) or this rank's own call (a dtype or device the backend
 refuses). An extension: it replaces the core's plain message through
-``_collectives.set_failure_explainer`` when imported.
+``_collectives.explain_failure`` when imported.
 """
 
 from __future__ import annotations
@@ -104,4 +104,4 @@ def _local_cause(
     )
 
 
-_collectives.set_failure_explainer(explain_failure)
+_collectives.explain_failure = explain_failure

@@ -4,11 +4,10 @@
 Each unit owns one flat ``unsharded`` buffer of ``W * S`` elements (``S`` = one
 rank's padded row) laid out parameter-major: parameter p occupies ``W * slot_p``
 elements starting at ``W * offset_p``, and its unsharded ``nn.Parameter`` is a view
-of the first ``numel_p`` of them. The buffer is created once; resharding frees it
-by resizing its storage to zero bytes and unsharding resizes it back and refills
-it. Autograd may have saved the unsharded parameters for backward, and this keeps
-those saved references valid across a reshard/unshard cycle (the refill does not
-bump the version counter: it restores the same values).
+of the first ``numel_p``. The buffer is created once; resharding resizes its
+storage to zero bytes, unsharding resizes it back and refills it, so references
+autograd saved for backward stay valid (the refill restores the same values and
+does not bump the version counter).
 
 The all-gather output is rank-major (``(W, S)``: row r is rank r's slots), so one
 copy (``split_with_sizes_copy``) moves each parameter's ``(W, slot_p)`` block into
@@ -81,7 +80,7 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def comm_buffer(
-    comm: _collectives.AllGatherComm | _collectives.ReduceScatterComm,
+    comm: _collectives.AllGatherComm | _collectives.ReduceScatterComm | _collectives.DefaultComm,
     numel: int,
     dtype: torch.dtype,
     device: torch.device,
@@ -90,7 +89,7 @@ def comm_buffer(
 ) -> torch.Tensor:
     """:func:`~fsdp_compose._collectives.allocate`, except that fsdp_compose's own
     collectives' buffers come from :func:`empty`."""
-    if getattr(comm, "trusted", False):
+    if isinstance(comm, _collectives.DefaultComm):
         return empty(numel, dtype, device)
     return _collectives.allocate(comm, numel, dtype, device, label, kind)
 
@@ -149,8 +148,11 @@ class FlatBuffer:
         self._fused_copy_out = all(p.shard_dim == 0 for p in self.params)
         # Whether the all-gather over the shard group takes this rank's row of its
         # output as input (NCCL; gloo's exchanges) or a separate send buffer.
-        self._gather_in_place = world == 1 or _collectives.gathers_in_place(
-            self.shard_group, row * self._buffer_dtype.itemsize, info.device
+        row_bytes, route_of = row * self._buffer_dtype.itemsize, _collectives.route_of
+        self._gather_in_place = (
+            world == 1
+            or info.device.type != "cpu"
+            or route_of(self.shard_group).gathers_in_place(row_bytes)
         )
         # This rank's shards fill its row without gaps (same dtype, no padding in
         # its slots): copy-in is one concatenation.
@@ -232,12 +234,9 @@ class FlatBuffer:
             p = slot.param
             if p is None or p.local_numel == 0:
                 continue
-            if byte_mode:
-                item = p.compute_dtype.itemsize
-                dst = row[slot.offset : slot.offset + p.local_numel * item].view(p.compute_dtype)
-            else:
-                dst = row[slot.offset : slot.offset + p.local_numel]
-            dsts.append(dst)
+            size = p.local_numel * (p.compute_dtype.itemsize if byte_mode else 1)
+            dst = row[slot.offset : slot.offset + size]
+            dsts.append(dst.view(p.compute_dtype) if byte_mode else dst)
             srcs.append(self._copy_in_source(p).reshape(-1))
         if dsts:
             torch._foreach_copy_(dsts, srcs)
@@ -293,14 +292,9 @@ class FlatBuffer:
         # exactly what an all-gather over its N-rank group must contribute to
         # rebuild the (W, S) rank-major gather layout in backward.
         assert self._unsharded is not None
-        k = self._world // self._post_forward_size
-        i = self._post_forward_rank
+        w, k, i = self._world, self._world // self._post_forward_size, self._post_forward_rank
         pieces = [
-            self._unsharded[
-                self._world * s.offset + i * k * s.size : self._world * s.offset
-                + (i + 1) * k * s.size
-            ]
-            for s in self._slots
+            self._unsharded[w * s.offset + i * k * s.size :][: k * s.size] for s in self._slots
         ]
         numel = sum(p.numel() for p in pieces)
         device = self._unsharded.device

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import _hooks
 from ._collectives import AllGatherComm, ReduceScatterComm
 from ._hooks import UnitState, state_of
 from ._mesh import separate_reduce_scatter_group
@@ -24,28 +25,6 @@ __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share
 
 # The FSDP subclass made for each annotated class (fully_shard fills it in).
 _fsdp_classes: dict[type, type] = {}
-
-
-def _reshard_unit(unit: Unit, state: UnitState) -> None:
-    """Reshards ``unit`` through its scheduler (before the first forward there is
-    none yet, and nothing to account)."""
-    scheduler = state.scheduler
-    if scheduler is not None:
-        scheduler.reshard(unit)
-    else:
-        unit.reshard()
-
-
-def invalidate_units(module: nn.Module) -> None:
-    """Reshards the units of ``module`` (an :class:`FSDPModule`) and makes them
-    re-derive dtypes and buffers from their sharded parameters at their next use
-    (after parameters were replaced or converted in place)."""
-    state = state_of(module)
-    if state is None:
-        return
-    for unit in state.own_units + state.borrowed:
-        _reshard_unit(unit, state)
-        unit.invalidate()
 
 
 class FSDPModule:
@@ -87,10 +66,10 @@ class FSDPModule:
         units = state.own_units
         for unit in units:  # issue every mesh's all-gather before waiting on any
             if state.scheduler is not None:
-                state.scheduler.prefetch_now(unit)
+                state.scheduler.memory.issue(unit)  # at once, outside the limit
             else:
                 unit.unshard()
-        handle = UnshardHandle(units, state)
+        handle = UnshardHandle(units)
         if async_op:
             return handle
         handle.wait()
@@ -101,7 +80,7 @@ class FSDPModule:
         sharded ones. Not recursive."""
         state = self._fsdp_state()
         for unit in state.own_units:
-            _reshard_unit(unit, state)
+            state.reshard(unit)
 
     def reset_iter_state(self) -> None:
         """Recovers from an exception raised inside forward or backward.
@@ -111,7 +90,9 @@ class FSDPModule:
         state cleared, and the failed step's unreduced gradients are dropped. The
         next forward then starts from a clean state.
         """
-        self._fsdp_state().reset()
+        if _hooks.iter_state_reset is None:
+            raise NotImplementedError("reset_iter_state needs the extension fsdp_compose._recovery")
+        _hooks.iter_state_reset(self._fsdp_state())
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Sets whether the next backward is the last of the step (the default).
@@ -144,12 +125,13 @@ class FSDPModule:
             raise ValueError(
                 f"reshard_after_forward must be a bool here, got {type(reshard_after_forward).__name__}"
             )
-        for module in self._fsdp_modules(recurse):
+        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        for module in (m for m in modules if isinstance(m, FSDPModule)):
             state = module._fsdp_state()
             state.auto_reshard_after_forward = False
             for unit in state.own_units:
                 if unit.state is ShardState.PARTIALLY_SHARDED:
-                    _reshard_unit(unit, state)
+                    state.reshard(unit)
                 unit.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(
@@ -268,7 +250,7 @@ class FSDPModule:
             recurse (bool): apply to every FSDPModule in the subtree.
         """
         for unit in self._units(recurse):
-            unit.reduce_scatter_group = (
+            unit.set_reduce_scatter_group(
                 separate_reduce_scatter_group(unit.mesh_info) if enable else None
             )
 
@@ -385,14 +367,11 @@ class FSDPModule:
         this module's own units, or its state when it has none."""
         if not isinstance(modules, (list, tuple)):
             raise TypeError(f"expected a list of FSDPModules, got {type(modules).__name__}")
-        targets = _units_of(list(modules))  # modules without parameters have nothing to gather
+        states = [_check_fsdp_module(m)._fsdp_state() for m in modules]
+        # A module that borrows a shared parameter needs its owner unit too.
+        targets = list(dict.fromkeys(u for s in states for u in [*s.own_units, *s.borrowed]))
         state = self._fsdp_state()
         return targets, [*state.own_units] or [state]
-
-    def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
-        if not recurse:
-            return [self]
-        return [m for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Conversions (.to(), to_empty(), .half()) must see the sharded parameters;
@@ -400,7 +379,7 @@ class FSDPModule:
         state = self._fsdp_state()
         units = state.own_units + state.borrowed
         for unit in units:
-            _reshard_unit(unit, state)
+            state.reshard(unit)
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
         for unit in units:
             unit.invalidate()
@@ -411,17 +390,13 @@ class UnshardHandle:
     """A pending :meth:`FSDPModule.unshard`; :meth:`wait` makes the unsharded
     parameters usable and registers them on the module."""
 
-    def __init__(self, units: list[Unit] | None = None, state: UnitState | None = None) -> None:
+    def __init__(self, units: list[Unit] | None = None) -> None:
         self._units = list(units or [])
-        self._state = state
 
     def wait(self) -> None:
         units, self._units = self._units, []
         for unit in units:
-            if unit.gather_in_flight:
-                unit.wait_unshard()
-            else:
-                unit.ensure_registered()
+            unit.wait_unshard()
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
@@ -429,33 +404,28 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     CUDA streams there). fsdp_compose already uses one set of communication streams
     per device for every root, so this only validates its argument."""
     for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise ValueError(f"expected FSDPModules, got {type(m).__name__}")
+        _check_fsdp_module(m)
 
 
 _noted_comm_settings: set[tuple[str, str]] = set()
 
 
 def _note_comm_buffers_unchanged(setting: str, state: UnitState) -> None:
-    """Logs once per process and device type that ``setting`` keeps the regular
-    allocator for communication buffers (see the two setters' docstrings)."""
-    units = state.units_in_subtree(False)
-    device_type = units[0].mesh_info.device.type if units else "cpu"
-    key = (setting, device_type)
-    if key in _noted_comm_settings:
-        return
-    _noted_comm_settings.add(key)
-    why = (
-        "gloo/CPU has no such allocator"
-        if device_type == "cpu"
-        else f"this path is not implemented for {device_type!r} yet"
-    )
-    logger.warning(
-        "fsdp_compose: %s accepted; communication buffers still come from the regular "
-        "allocator (%s). Collectives and results are unchanged.",
-        setting,
-        why,
-    )
+    """Logs once per device type that ``setting`` keeps the regular allocator."""
+    device_type = state.unit.mesh_info.device.type if state.unit is not None else "cpu"
+    if (setting, device_type) not in _noted_comm_settings:
+        _noted_comm_settings.add((setting, device_type))
+        why = (
+            "gloo/CPU has no such allocator"
+            if device_type == "cpu"
+            else f"this path is not implemented for {device_type!r} yet"
+        )
+        logger.warning(
+            "fsdp_compose: %s accepted; communication buffers still come from the regular "
+            "allocator (%s). Collectives and results are unchanged.",
+            setting,
+            why,
+        )
 
 
 def _check_single_mesh(state: UnitState, method: str) -> None:
@@ -468,9 +438,7 @@ def _check_single_mesh(state: UnitState, method: str) -> None:
 
 
 def _check_comm(comm: object, method: str) -> None:
-    if comm is None:
-        return
-    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+    if comm is not None and not (callable(comm) and callable(getattr(comm, "allocate", None))):
         raise TypeError(
             f"{method} expects an object with an allocate(size, *, dtype, device) method "
             f"that is also callable to issue the collective (FSDP2's Comm interface), got "
@@ -478,19 +446,12 @@ def _check_comm(comm: object, method: str) -> None:
         )
 
 
-def _units_of(modules: list[FSDPModule]) -> list[Unit]:
-    units = []
-    for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise ValueError(
-                f"expected FSDPModules (modules annotated by fully_shard), got {type(m).__name__}"
-            )
-        state = m._fsdp_state()
-        # A module that borrows a shared parameter needs its owner unit too.
-        for unit in [*state.own_units, *state.borrowed]:
-            if unit not in units:
-                units.append(unit)
-    return units
+def _check_fsdp_module(m: object) -> FSDPModule:
+    if not isinstance(m, FSDPModule):
+        raise ValueError(
+            f"expected FSDPModules (modules annotated by fully_shard), got {type(m).__name__}"
+        )
+    return m
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -7,7 +7,7 @@ and with tensor parallel a DTensor laid out by TP alone (a state dict saved befo
 ``fully_shard``): each rank cuts its own shard locally, without communication.
 
 This module is an extension: it fills in the core's registration point in the
-load hooks that ``fully_shard`` installs (:func:`fsdp_compose._fully_shard.set_load_conversion`).
+load hooks that ``fully_shard`` installs (``fsdp_compose._fully_shard.load_conversion``).
 """
 
 from __future__ import annotations
@@ -98,4 +98,4 @@ def _convert(
                 state_dict[key] = sharded
 
 
-_fully_shard.set_load_conversion(_convert)
+_fully_shard.load_conversion = _convert

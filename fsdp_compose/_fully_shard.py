@@ -1,14 +1,10 @@
-"""The annotator: ``fully_shard`` turns a module into a unit, in place.
-
-It validates the arguments, collects the parameters the call manages (those of
-the module's subtree not already owned by a nested ``fully_shard`` or ignored),
-replaces each by a sharded DTensor parameter, attaches the hooks, and swaps the
-module's class to a subclass of :class:`FSDPModule` and of its original class.
-"""
+"""The annotator: ``fully_shard`` turns a module into a unit, in place. It collects
+the parameters the call manages (those of the module's subtree not owned by a
+nested ``fully_shard`` or ignored), replaces each by a sharded DTensor parameter,
+attaches the hooks, and mixes :class:`FSDPModule` into the module's class."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn, overload
 
@@ -18,7 +14,7 @@ from torch.distributed.tensor import DeviceMesh, Shard
 
 from . import _hooks
 from ._errors import FSDPRuntimeError, FSDPValueError
-from ._fsdp_module import FSDPModule, _fsdp_classes, _reshard_unit
+from ._fsdp_module import FSDPModule, _fsdp_classes
 from ._hooks import UnitState, state_of
 from ._mesh import (
     DataParallelMeshDims,
@@ -32,39 +28,25 @@ from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._sharded_param import IGNORED_BY, SHARDED_BY, ShardedParam
 from ._unit import Unit
 
-logger = logging.getLogger("fsdp_compose")
-
 __all__ = ["fully_shard"]
 
 # On an original parameter that was sharded, so misuse is caught where it happens
 # (and SHARDED_BY, from _sharded_param, on the sharded DTensor parameters).
 REPLACED_BY = "_fsdp_compose_replaced_by"
 
-#: Checks of a ``fully_shard`` call beyond FSDP2's, run before anything is modified
-#: (see [Note: atomic fully_shard]): ``check(modules, managed_modules,
-#: ignored_params, mesh_info)`` raises to refuse the call. The extension
-#: ``_validation`` adds them with :func:`add_shard_check`.
-ShardCheck = Callable[[tuple[nn.Module, ...], list[nn.Module], set[nn.Parameter], MeshInfo], None]
-_shard_checks: list[ShardCheck] = []
+#: Checks of a ``fully_shard`` call beyond FSDP2's (``_validation``), run before anything
+#: is modified: ``check(modules, managed_modules, ignored_params, mesh_info,
+#: (mp_policy, offload_policy, shard_placement_fn))`` raises to refuse the call.
+ShardCheck = Callable[
+    [tuple[nn.Module, ...], list[nn.Module], set[nn.Parameter], MeshInfo, tuple[object, ...]], None
+]
+shard_checks: list[ShardCheck] = []
 
 
-def add_shard_check(check: ShardCheck) -> None:
-    """Runs ``check`` in every later ``fully_shard`` call, before it modifies anything."""
-    if check not in _shard_checks:
-        _shard_checks.append(check)
-
-
-#: ``convert(state_dict, prefix, [(name, param)], assign)``: rewrites the values a
-#: module's ``load_state_dict`` gets for its sharded parameters in place (the
-#: extension ``_full_state_dict`` loads full tensors this way).
+#: ``convert(state_dict, prefix, [(name, param)], assign)`` rewrites in place the values
+#: ``load_state_dict`` gets for sharded parameters (``_full_state_dict``: full tensors).
 LoadConversion = Callable[[dict[str, Any], str, list[tuple[str, ShardedParam]], bool], None]
-_load_conversion: LoadConversion | None = None
-
-
-def set_load_conversion(convert: LoadConversion | None) -> None:
-    """Attaches the conversion of loaded state-dict values (``None`` detaches)."""
-    global _load_conversion
-    _load_conversion = convert
+load_conversion: LoadConversion | None = None
 
 
 @overload
@@ -160,17 +142,12 @@ def fully_shard(
         The same module (or list), now an :class:`FSDPModule`.
     """
     modules = _validate_modules(module)
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got "
-            f"{type(offload_policy).__name__}"
-        )
-    if shard_placement_fn is not None and not callable(shard_placement_fn):
-        raise TypeError("shard_placement_fn must be callable (param -> Shard | None)")
     ignored = _validate_ignored_params(ignored_params)
     mesh = default_mesh() if mesh is None else mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard expects mesh to be a torch.distributed.DeviceMesh, got {type(mesh).__name__}"
+        )
     if dp_mesh_dims is None:
         mesh_info = resolve_mesh_info(mesh)
     else:  # a full SPMD mesh, see [Note: dp_mesh_dims]
@@ -186,11 +163,12 @@ def fully_shard(
     # changed: shards are built aside and installed only once every parameter and
     # the unit are valid, so a failed call leaves the module as it was and a
     # retry (with the fix the error names) starts from a clean module. The checks
-    # extensions register (add_shard_check) and the sharing extension's collect
+    # extensions register (shard_checks) and the sharing extension's collect
     # run in this phase too.
     managed_modules = _managed_modules(modules)
-    for check in _shard_checks:
-        check(modules, managed_modules, ignored, mesh_info)
+    policies = (mp_policy, offload_policy, shard_placement_fn)
+    for check in shard_checks:
+        check(modules, managed_modules, ignored, mesh_info, policies)
     owners = _managed_params(managed_modules, ignored)
     # Parameters another unit already sharded: borrowed (the extension _shared).
     sharing = _hooks.param_sharing
@@ -199,24 +177,21 @@ def fully_shard(
     )
     device = mesh_info.device
     offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
+    host = torch.device("cpu") if offload else None
+    pin = offload and getattr(offload_policy, "pin_memory", False)
 
     unit_label = _describe(modules)
     sharded: list[ShardedParam] = []
     # One unit per data-parallel mesh, see [Note: per-parameter meshes].
     groups: dict[MeshInfo, list[ShardedParam]] = {mesh_info: []}
-    param_meshes = _ParamMeshes(mesh_info)
+    meshes = {
+        None: mesh_info,
+        (id(mesh_info.shard_group), id(mesh_info.replicate_group)): mesh_info,
+    }
     for param, param_owners in owners.items():
-        shard_dim, param_mesh_info = _placement(
-            shard_placement_fn, param, param_owners, param_meshes
-        )
+        shard_dim, param_mesh_info = _placement(shard_placement_fn, param, param_owners, meshes)
         sharded_param = ShardedParam(
-            param,
-            param_owners,
-            param_mesh_info,
-            shard_dim,
-            device,
-            offload_device=torch.device("cpu") if offload else None,
-            pin_memory=offload and getattr(offload_policy, "pin_memory", False),
+            param, param_owners, param_mesh_info, shard_dim, device, host, pin
         )
         sharded.append(sharded_param)
         groups.setdefault(param_mesh_info, []).append(sharded_param)
@@ -243,11 +218,9 @@ def fully_shard(
         sharded_param.register(sharded_param.sharded_param)
         sharded_param.mark_owned(unit_label)
         setattr(param, REPLACED_BY, unit_label)
+    # (reshard_after_forward None: the root keeps its parameters)
     state = UnitState(
-        modules,
-        units[0] if units else None,
-        mp_policy,
-        auto_reshard_after_forward=reshard_after_forward is None,
+        modules, units[0] if units else None, mp_policy, reshard_after_forward is None
     )
     state.extra_units = units[1:]
     state.adopt_subtree_settings()
@@ -258,19 +231,11 @@ def fully_shard(
         sharing.install(state, replaced, borrowed)
     for m in modules:
         cls = type(m)
-        fsdp_cls = _fsdp_classes.get(cls)
-        if fsdp_cls is None:
-            fsdp_cls = type(
-                f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy}
-            )
-            _fsdp_classes[cls] = fsdp_cls
-        m.__class__ = fsdp_cls
+        if cls not in _fsdp_classes:
+            bases, attrs = (FSDPModule, cls), {"__deepcopy__": _no_deepcopy}
+            _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", bases, attrs)
+        m.__class__ = _fsdp_classes[cls]
     return module
-
-
-# ---------------------------------------------------------------------------
-# validation and collection
-# ---------------------------------------------------------------------------
 
 
 def _validate_modules(module: object) -> tuple[nn.Module, ...]:
@@ -303,32 +268,24 @@ def _validate_ignored_params(ignored: object) -> set[nn.Parameter]:
         return set()
     if not isinstance(ignored, Iterable) or isinstance(ignored, torch.Tensor):
         raise TypeError("ignored_params must be a set of nn.Parameters")
-    result = set(ignored)
-    for p in result:
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"ignored_params must contain parameters, got {type(p).__name__}")
-    return result
+    return set(ignored)
 
 
 def _managed_modules(modules: tuple[nn.Module, ...]) -> list[nn.Module]:
     """Modules whose parameters this call manages: the subtrees of ``modules``
     minus subtrees already annotated by an earlier (nested) call."""
-    managed: list[nn.Module] = []
-    visited: set[int] = set()
+    managed: dict[nn.Module, None] = {}  # in pre-order
 
-    def visit(m: nn.Module, is_root: bool) -> None:
-        if id(m) in visited:
-            return
-        visited.add(id(m))
-        if not is_root and state_of(m) is not None:
-            return
-        managed.append(m)
+    def visit(m: nn.Module) -> None:
+        managed[m] = None
         for child in m.children():
-            visit(child, False)
+            if child not in managed and state_of(child) is None:
+                visit(child)
 
     for m in modules:
-        visit(m, True)
-    return managed
+        if m not in managed:
+            visit(m)
+    return list(managed)
 
 
 def _managed_params(
@@ -362,74 +319,57 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
 
 # [Note: per-parameter meshes]
 # ``shard_placement_fn`` may return FSDP2's ``ShardPlacementResult`` (a placement and
-# a torch ``FSDPMeshInfo``) to shard a parameter on a mesh of its own, e.g. MoE
-# expert weights on an expert-data-parallel mesh while the rest of the block uses
-# the data-parallel mesh. One ``fully_shard`` call then makes one unit per mesh
-# (each with its own all-gather and reduce-scatter), all owned by the call's
-# ``UnitState``: its hooks gather and reduce every unit together, issuing all of
-# their collectives before waiting for any, so the meshes' collectives overlap.
+# a torch ``FSDPMeshInfo``) to shard a parameter on a mesh of its own (e.g. MoE
+# experts on an expert-data-parallel mesh). One ``fully_shard`` call then makes one
+# unit per mesh, all owned by the call's ``UnitState``, whose hooks gather and reduce
+# them together: every collective issued before any wait, so the meshes' overlap.
 
 
-class _ParamMeshes:
-    """Resolves the meshes ``shard_placement_fn`` names to one :class:`MeshInfo`
-    per set of process groups (parameters on the same groups share a unit)."""
-
-    def __init__(self, default: MeshInfo) -> None:
-        self.default = default
-        self._by_id: dict[int, MeshInfo] = {}
-        self._by_groups: dict[tuple[int, int], MeshInfo] = {self._key(default): default}
-
-    @staticmethod
-    def _key(info: MeshInfo) -> tuple[int, int]:
-        return (id(info.shard_group), id(info.replicate_group))
-
-    def resolve(self, torch_mesh_info: Any, where: str) -> MeshInfo:
-        known = self._by_id.get(id(torch_mesh_info))
-        if known is not None:
-            return known
-        mesh = getattr(torch_mesh_info, "mesh", None)
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(
-                f"shard_placement_fn returned a ShardPlacementResult for {where} whose mesh_info "
-                f"has no DeviceMesh (got {type(torch_mesh_info).__name__}); build it as "
-                "FSDPMeshInfo(mesh, shard_mesh_dim=0) (1-D) or HSDPMeshInfo(mesh, "
-                "shard_mesh_dim=1, replicate_mesh_dim=0) (2-D)"
-            )
-        shard_dim = getattr(torch_mesh_info, "shard_mesh_dim", mesh.ndim - 1)
-        replicate_dim = getattr(torch_mesh_info, "replicate_mesh_dim", None)
-        if shard_dim != mesh.ndim - 1 or (mesh.ndim == 2 and replicate_dim not in (0, None)):
-            raise NotImplementedError(
-                f"shard_placement_fn for {where}: fsdp_compose supports a 1-D mesh (shard dim 0) "
-                "or a 2-D (replicate, shard) mesh per parameter, got shard_mesh_dim="
-                f"{shard_dim}, replicate_mesh_dim={replicate_dim} on {mesh}"
-            )
-        info = resolve_mesh_info(mesh)
-        if info.device != self.default.device:
-            raise ValueError(
-                f"shard_placement_fn for {where}: its mesh is on {info.device} but fully_shard's "
-                f"mesh is on {self.default.device}; use one device type for every mesh"
-            )
-        if self.default.spmd is not None:
-            raise NotImplementedError("per-parameter meshes cannot be combined with dp_mesh_dims")
-        info = self._by_groups.setdefault(self._key(info), info)
-        self._by_id[id(torch_mesh_info)] = info
-        return info
+def _param_mesh(torch_mesh_info: Any, where: str, meshes: dict[Any, MeshInfo]) -> MeshInfo:
+    """The :class:`MeshInfo` of a mesh ``shard_placement_fn`` names, one per set of
+    process groups in ``meshes`` (parameters on the same groups share a unit);
+    ``meshes[None]`` is fully_shard's own."""
+    mesh, default = getattr(torch_mesh_info, "mesh", None), meshes[None]
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"shard_placement_fn returned a ShardPlacementResult for {where} whose mesh_info "
+            f"has no DeviceMesh (got {type(torch_mesh_info).__name__}); build it as "
+            "FSDPMeshInfo(mesh, shard_mesh_dim=0) (1-D) or HSDPMeshInfo(mesh, "
+            "shard_mesh_dim=1, replicate_mesh_dim=0) (2-D)"
+        )
+    shard_dim = getattr(torch_mesh_info, "shard_mesh_dim", mesh.ndim - 1)
+    replicate_dim = getattr(torch_mesh_info, "replicate_mesh_dim", None)
+    if shard_dim != mesh.ndim - 1 or (mesh.ndim == 2 and replicate_dim not in (0, None)):
+        raise NotImplementedError(
+            f"shard_placement_fn for {where}: fsdp_compose supports a 1-D mesh (shard dim 0) "
+            "or a 2-D (replicate, shard) mesh per parameter, got shard_mesh_dim="
+            f"{shard_dim}, replicate_mesh_dim={replicate_dim} on {mesh}"
+        )
+    info = resolve_mesh_info(mesh)
+    if info.device != default.device:
+        raise ValueError(
+            f"shard_placement_fn for {where}: its mesh is on {info.device} but fully_shard's "
+            f"mesh is on {default.device}; use one device type for every mesh"
+        )
+    if default.spmd is not None:
+        raise NotImplementedError("per-parameter meshes cannot be combined with dp_mesh_dims")
+    return meshes.setdefault((id(info.shard_group), id(info.replicate_group)), info)
 
 
 def _placement(
     fn: Callable[[nn.Parameter], Any] | None,
     param: nn.Parameter,
     owners: list[tuple[nn.Module, str]],
-    meshes: _ParamMeshes,
+    meshes: dict[Any, MeshInfo],
 ) -> tuple[int, MeshInfo]:
     """The shard dim and data-parallel mesh ``shard_placement_fn`` chooses for
     ``param`` (default: dim 0 on fully_shard's mesh)."""
     if fn is None:
-        return 0, meshes.default
+        return 0, meshes[None]
     result = fn(param)
-    info = meshes.default
+    info = meshes[None]
     if result is not None and not isinstance(result, Shard) and hasattr(result, "mesh_info"):
-        info = meshes.resolve(result.mesh_info, repr(owners[0][1]))  # FSDP2's ShardPlacementResult
+        info = _param_mesh(result.mesh_info, repr(owners[0][1]), meshes)  # a ShardPlacementResult
         result = getattr(result, "placement", None)
     if result is None:
         return 0, info
@@ -448,12 +388,9 @@ def _describe(modules: tuple[nn.Module, ...]) -> str:
 def register_state_dict_hooks(
     unit: Unit, state: UnitState, owners: list[tuple[nn.Module, str, ShardedParam]] | None = None
 ) -> None:
-    """``state_dict()`` and ``load_state_dict()`` always see the sharded parameters
-    (and a full state dict is sharded on the fly when loaded, see
-    :func:`set_load_conversion`).
-
-    ``owners`` limits the hooks to these registrations of ``unit``'s parameters
-    (a borrower's, see [Note: shared parameters] in ``_shared``); default: all."""
+    """``state_dict()`` and ``load_state_dict()`` see the sharded parameters (full
+    values loaded go through :data:`load_conversion`); ``owners`` limits the hooks to
+    these registrations of ``unit``'s parameters (a borrower's, ``_shared``)."""
     if owners is None:
         owners = [(module, name, p) for p in unit.params for module, name in p.owners]
     owner_params: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
@@ -461,7 +398,7 @@ def register_state_dict_hooks(
         owner_params.setdefault(module, []).append((name, p))
 
     def reshard(*_: Any) -> None:
-        _reshard_unit(unit, state)
+        state.reshard(unit)
 
     for module, params in owner_params.items():
 
@@ -474,13 +411,13 @@ def register_state_dict_hooks(
             _params: list[tuple[str, ShardedParam]] = params,
         ) -> None:
             reshard()
-            if _load_conversion is not None:  # full or TP-only values, see the setter
+            if load_conversion is not None:  # full or TP-only values
                 assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
-                _load_conversion(state_dict, prefix, _params, assign)
+                load_conversion(state_dict, prefix, _params, assign)
 
         def load_post_hook(*_: Any) -> None:
             # Parameters may have been re-assigned (assign=True).
-            _reshard_unit(unit, state)
+            state.reshard(unit)
             unit.invalidate()
 
         module.register_state_dict_pre_hook(reshard)

@@ -2,7 +2,7 @@
 
 An extension: it registers the :class:`GlooRoute` of every group whose CPU backend
 is a real ``ProcessGroupGloo`` (:func:`serves_cpu_with_gloo`) with
-``_collectives.add_route_provider``; every other backend keeps the public
+``_collectives.route_providers``; every other backend keeps the public
 collectives (see [Note: collectives per backend] in ``_collectives.py``).
 
 [Note: collectives matched by what they are]
@@ -367,7 +367,7 @@ def _route(group: dist.ProcessGroup) -> GlooRoute | None:
     return GlooRoute(group)
 
 
-_collectives.add_route_provider(_route)
+_collectives.route_providers.append(_route)
 
 
 # [Note: gloo work at interpreter exit]

@@ -157,7 +157,7 @@ def _communication_device(group: dist.ProcessGroup, scale_device: torch.device) 
     unless the scale is on the CPU and the group has no CPU backend (NCCL only)."""
     if scale_device.type != "cpu":
         return scale_device
-    backend = _compat.process_group_backend(group)
+    backend = _compat.backend_name(group)
     if "gloo" in backend or "mpi" in backend or "cpu" in backend or not torch.cuda.is_available():
         return scale_device
     return torch.device("cuda", torch.cuda.current_device())

@@ -1,21 +1,15 @@
 """Hooks: how forward and autograd tell the scheduler what is happening.
 
-Each :func:`fully_shard` call attaches one :class:`UnitState` to its module(s):
-
-* a forward **pre-hook** gathers the unit's parameters (via the scheduler) and
-  wraps the forward inputs in :class:`_PostBackward`, whose backward runs once
-  autograd has produced the gradients of those inputs, i.e. once backward through
-  the unit is done;
-* a forward **post-hook** reshards (per ``reshard_after_forward``) and registers a
-  gradient hook on each output that requires grad: the first one to fire is the
-  unit's **pre-backward**, which gathers the parameters again if needed;
-* the first pre-backward of an iteration queues the root's **finalize** callback on
-  the autograd engine; it runs when all backward nodes are done and before
-  ``backward()`` returns, and completes every gradient reduction.
-
-The first state to run forward becomes the root: at that moment (lazy init) all
-``fully_shard`` calls are assumed done, so it can see every unit of its tree, name
-them, and create the tree's one :class:`~fsdp_compose._scheduler.Scheduler`.
+Each :func:`fully_shard` call attaches one :class:`UnitState` to its module(s).
+Its forward **pre-hook** gathers the unit's parameters (via the scheduler) and
+wraps the inputs in :class:`_PostBackward`, whose backward runs once backward
+through the unit is done; its **post-hook** reshards (``reshard_after_forward``)
+and hooks each output that requires grad: the first gradient to arrive is the
+unit's **pre-backward** (gather again if needed; the first in an iteration
+queues the root's **finalize** on the autograd engine, which completes every
+reduction before ``backward()`` returns). The first state to run forward becomes
+the root: then (lazy init) it sees every unit of its tree, names them, and
+creates the tree's one :class:`~fsdp_compose._scheduler.Scheduler`.
 """
 
 from __future__ import annotations
@@ -35,24 +29,15 @@ from ._unit import Unit
 
 _STATE_ATTR = "_fsdp_compose_state"
 
-#: Called with every unit of a root's tree once the root is initialized (its
-#: first forward), before any collective of that forward; extensions (the misuse
-#: checks) register here, the core does not import them.
+#: Called with every unit of a root's tree at its lazy init, before any collective (_misuse).
 RootInitCheck = Callable[[list[Unit]], None]
-_root_init_checks: list[RootInitCheck] = []
-
-
-def add_root_init_check(check: RootInitCheck) -> None:
-    """Runs ``check(units)`` at the lazy init of every later root."""
-    if check not in _root_init_checks:
-        _root_init_checks.append(check)
+root_init_checks: list[RootInitCheck] = []
 
 
 class ParamSharing(Protocol):
-    """What the core asks of the extension that shares parameters across units
-    (``_shared``, see [Note: shared parameters] there); attached with
-    :func:`set_param_sharing`. Without it, a parameter under two units' modules is
-    sharded by the first and refused by the second as a top-down ``fully_shard``."""
+    """:data:`param_sharing`: the extension sharing parameters across units. Without
+    it, a parameter under two units' modules is sharded by the first and refused by
+    the second as a top-down ``fully_shard`` ([Note: shared parameters])."""
 
     def is_borrowed(self, param: nn.Parameter, module: nn.Module, name: str) -> bool: ...
     def collect(self, modules: list[nn.Module], ignored: set[nn.Parameter], *args: Any) -> Any: ...
@@ -67,11 +52,8 @@ class ParamSharing(Protocol):
 
 param_sharing: ParamSharing | None = None
 
-
-def set_param_sharing(sharing: ParamSharing | None) -> None:
-    """Attaches the extension that shares parameters across units."""
-    global param_sharing
-    param_sharing = sharing
+#: ``FSDPModule.reset_iter_state``'s work on the root's state (``_recovery``).
+iter_state_reset: Callable[[UnitState], None] | None = None
 
 
 def state_of(module: nn.Module) -> UnitState | None:
@@ -79,13 +61,11 @@ def state_of(module: nn.Module) -> UnitState | None:
     return module.__dict__.get(_STATE_ATTR)
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
-
-
-def _map_floating(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return tree
     return pytree.tree_map(
-        lambda x: fn(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
     )
 
 
@@ -105,15 +85,11 @@ class _PostBackward(torch.autograd.Function):
 
 
 class UnitState:
-    """Runtime state of one fully_shard call (one unit, possibly without params).
-
-    Args:
-        modules: the module(s) passed to fully_shard.
-        unit: the unit of managed parameters, or None if the call manages none.
-        mp_policy: the call's mixed precision policy (input/output casts).
-        auto_reshard_after_forward: ``reshard_after_forward`` was None, so the
-            root keeps its parameters after forward.
-    """
+    """Runtime state of one fully_shard call on ``modules``: its ``unit`` (``None``
+    if it manages no parameters), ``mp_policy`` (input/output casts), and
+    ``auto_reshard_after_forward`` (the call's value was None: a root keeps its
+    parameters). torch.compile does not trace into its hooks (they mutate Python
+    state and issue collectives): a compiled forward graph-breaks around them."""
 
     def __init__(
         self,
@@ -130,41 +106,31 @@ class UnitState:
         self.scheduler: Scheduler | None = None
         self.root_state: UnitState | None = None
         self.all_states: list[UnitState] = []  # root only: every state in its tree
-        # The schedule's settings: one object per tree, see adopt_subtree_settings.
-        self.settings = ScheduleSettings()
-        # Explicit prefetch lists of a call that manages no parameters (a unit's own
-        # lists live on the unit); None: nothing to prefetch.
+        self.settings = ScheduleSettings()  # one object per tree: adopt_subtree_settings
+        # Explicit prefetch lists of a call without parameters (else on the unit).
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
-        # Units owning parameters that this call's modules share (tied weights), and
-        # their use counter: filled in by the extension ``_shared``.
+        # Units whose parameters this call's modules share, and their use counter (_shared).
         self.borrowed: list[Unit] = []
         self.shared: SharedUseCounter | None = None
-        # Units of this call's further meshes, see [Note: per-parameter meshes].
-        self.extra_units: list[Unit] = []
+        self.extra_units: list[Unit] = []  # further meshes': [Note: per-parameter meshes]
         self._began_forward = False
         self._finalize_queued = False
         self._pending_modules: set[nn.Module] = set()  # grouped units: not yet run this pass
-        # Inside a method registered with register_fsdp_forward_method: calls of the
-        # module's own forward from it (generate -> forward) find the parameters
-        # already gathered, and must neither gather nor free them.
+        # Inside a method registered with register_fsdp_forward_method, calls of the
+        # module's forward (generate -> forward) must neither gather nor free.
         self._in_registered_method = False
         self._nested_forwards = 0
         self._cast_inputs_to = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
-        self._handles = []
-        for module in modules:
-            self._handles.append(
-                module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            )
-            self._handles.append(module.register_forward_hook(self._post_forward, prepend=False))
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward)
 
     def adopt_subtree_settings(self) -> None:
-        """Makes this state's :class:`ScheduleSettings` the one of every
-        ``fully_shard`` module below it (annotated earlier, bottom-up), taking over
-        what was set on them: a setting made on any module of a tree applies to
-        the tree's one scheduler."""
+        """Makes this state's :class:`ScheduleSettings` (with what was set on them)
+        those of the ``fully_shard`` modules below it: a setting made on any module
+        of a tree applies to the tree's one scheduler."""
         for module in self.modules:
             for sub in module.modules():
                 state = state_of(sub)
@@ -173,14 +139,19 @@ class UnitState:
                 self.settings.adopt(state.settings)
                 state.settings = self.settings
 
+    def reshard(self, unit: Unit) -> None:
+        """Reshards ``unit`` through the scheduler (none before the first forward)."""
+        if self.scheduler is not None:
+            self.scheduler.memory.reshard(unit)
+        else:
+            unit.reshard()
+
     @property
     def own_units(self) -> list[Unit]:
         """The units of this call: one per data-parallel mesh (usually one)."""
         return [self.unit, *self.extra_units] if self.unit is not None else []
 
-    # ------------------------------------------------------------------
-    # lazy init and root detection
-    # ------------------------------------------------------------------
+    # -- lazy init and root detection ------------------------------------
 
     def lazy_init(self) -> None:
         if self.is_root is not None:
@@ -210,19 +181,20 @@ class UnitState:
                     )
                 state.is_root = False
             for i, unit in enumerate(state.own_units):
-                unit.name = (name or "root") + (f" [{_mesh_label(unit)}]" if i else "")
+                # A further mesh's unit is named after its mesh (the same on every rank).
+                dims = unit.mesh_info.mesh.mesh_dim_names
+                mesh = ",".join(dims) if dims else f"mesh of {unit.mesh_info.shard_size}"
+                unit.name = (name or "root") + (f" [{mesh}]" if i else "")
             states.append(state)
         self.is_root = True
         param_names: dict[int, str] = {}
         for name, param in root_module.named_parameters(remove_duplicate=False):
             param_names.setdefault(id(param), name)
         units = [unit for state in states for unit in state.own_units]
-        for unit in units:
-            for p in unit.params:
-                for candidate in (p.sharded_param, p.unsharded_param):
-                    if candidate is not None and id(candidate) in param_names:
-                        p.fqn = param_names[id(candidate)]
-                        break
+        for p in (p for unit in units for p in unit.params):
+            p.fqn = param_names.get(id(p.sharded_param)) or param_names.get(
+                id(p.unsharded_param), p.fqn
+            )
         if self.auto_reshard_after_forward:
             for unit in self.own_units:
                 unit.set_reshard_after_forward(False)
@@ -235,14 +207,12 @@ class UnitState:
         self.all_states = states
         for unit in units:
             unit.lazy_init()
-        for check in _root_init_checks:
+        for check in root_init_checks:
             check(units)
 
-    # ------------------------------------------------------------------
-    # forward
-    # ------------------------------------------------------------------
+    # -- forward ---------------------------------------------------------
 
-    @_compat.dynamo_disable
+    @torch.compiler.disable
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -256,10 +226,8 @@ class UnitState:
         if _compat.inside_backward():
             # Activation checkpointing recomputes this forward inside backward:
             # parameters must be present, but this is not a new forward pass.
-            for own in self.own_units:
-                scheduler.recompute_forward(own)
-            for used in self.borrowed:
-                scheduler.recompute_forward(used)
+            for used in [*self.own_units, *self.borrowed]:
+                scheduler.memory.require(used)
             return self._cast_inputs(args, kwargs)
         if self._began_forward:
             raise RuntimeError(
@@ -270,7 +238,12 @@ class UnitState:
         if not scheduler.forward_active:
             self._began_forward = True
             scheduler.begin_forward()
-            args, kwargs = self._inputs_to_device(args, kwargs)
+            # Inputs follow the parameters to their accelerator.
+            units = (s.unit for s in (self, *self.all_states) if s.unit is not None)
+            device = next((u.mesh_info.device for u in units), torch.device("cpu"))
+            if device.type != "cpu":
+                to_device = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+                args, kwargs = pytree.tree_map_only(torch.Tensor, to_device, (args, kwargs))
         args, kwargs = self._cast_inputs(args, kwargs)
         if unit is None and not self.borrowed:
             if self.forward_prefetch:
@@ -290,7 +263,7 @@ class UnitState:
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
-    @_compat.dynamo_disable
+    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self._nested_forwards:
             self._nested_forwards -= 1
@@ -302,19 +275,20 @@ class UnitState:
         unit = self.unit
         if unit is not None or self.backward_prefetch or self.borrowed:
             output = self._register_pre_backward(output)
-        if len(self.modules) > 1:
-            self._pending_modules.discard(module)
-            group_done = not self._pending_modules
-        else:
-            group_done = True
-        if group_done:
+        self._pending_modules.discard(module)
+        if not self._pending_modules:  # (grouped units: every module of the group ran)
             for own in self.own_units:
                 scheduler.post_forward(own)
             if self.shared is not None:
                 self.shared.return_forward(self.borrowed)
         if self._began_forward:
             self._began_forward = False
-            self._complete_partial_groups()
+            # Grouped units whose modules did not all run in this forward: reshard.
+            for state in (self.root_state or self).all_states:
+                if state._pending_modules and state.unit is not None:
+                    state._pending_modules.clear()
+                    for unit in state.own_units:
+                        scheduler.post_forward(unit)
             scheduler.end_forward()
         return self._cast_output(output)
 
@@ -339,53 +313,19 @@ class UnitState:
             self._nested_forwards = 0
         return self._post_forward(module, args, output)
 
-    def _complete_partial_groups(self) -> None:
-        """Reshards grouped units whose modules did not all run in this forward."""
-        for state in (self.root_state or self).all_states:
-            if state._pending_modules and state.unit is not None:
-                state._pending_modules.clear()
-                assert self.scheduler is not None
-                for unit in state.own_units:
-                    self.scheduler.post_forward(unit)
-
     def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        dtype = self._cast_inputs_to
-        if dtype is None:
-            return args, kwargs
-        cast = lambda t: t.to(dtype)  # noqa: E731
-        return _map_floating(args, cast), _map_floating(kwargs, cast)
+        return _cast_floating((args, kwargs), self._cast_inputs_to)
 
     def _cast_output(self, output: Any) -> Any:
-        dtype = self.mp_policy.output_dtype
-        if dtype is None:
-            return output
-        return _map_floating(output, lambda t: t.to(dtype))
+        return _cast_floating(output, self.mp_policy.output_dtype)
 
-    def _inputs_to_device(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        unit = self.unit or next((s.unit for s in self.all_states if s.unit is not None), None)
-        if unit is None or unit.mesh_info.device.type == "cpu":
-            return args, kwargs
-        device = unit.mesh_info.device
-        move = lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        return pytree.tree_map(move, args), pytree.tree_map(move, kwargs)
-
-    # ------------------------------------------------------------------
-    # backward
-    # ------------------------------------------------------------------
+    # -- backward --------------------------------------------------------
 
     def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-            # Common case (positional tensors only): skip the pytree round trip,
-            # which costs more than the rest of this hook.
-            positions = [i for i, a in enumerate(args) if a.requires_grad]
-            if not positions:
-                return args, kwargs
-            outputs = _PostBackward.apply(self, *(args[i] for i in positions))
-            new_args = list(args)
-            for i, out in zip(positions, outputs):
-                new_args[i] = out
-            return tuple(new_args), kwargs
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        # Common case (positional tensors only): skip the pytree round trip, which
+        # costs more than the rest of this hook.
+        fast = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+        leaves, spec = (list(args), None) if fast else pytree.tree_flatten((args, kwargs))
         positions = [
             i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
         ]
@@ -394,21 +334,18 @@ class UnitState:
         outputs = _PostBackward.apply(self, *(leaves[i] for i in positions))
         for i, out in zip(positions, outputs):
             leaves[i] = out
-        return pytree.tree_unflatten(leaves, spec)
+        return (tuple(leaves), kwargs) if spec is None else pytree.tree_unflatten(leaves, spec)
 
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
             return output
-        if isinstance(output, torch.Tensor):  # common case: no pytree traversal
-            if output.requires_grad:
-                output.register_hook(self._pre_backward)
-            return output
-        for tensor in _tensors(output):
-            if tensor.requires_grad:
+        # (a tensor, the common case: no pytree traversal)
+        for tensor in [output] if isinstance(output, torch.Tensor) else pytree.tree_leaves(output):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(self._pre_backward)
         return output
 
-    @_compat.dynamo_disable
+    @torch.compiler.disable
     def _pre_backward(self, grad: torch.Tensor) -> None:
         root = self.root_state
         assert root is not None and self.scheduler is not None
@@ -422,7 +359,7 @@ class UnitState:
         if self.shared is not None:
             self.shared.borrow_backward(self.borrowed)
 
-    @_compat.dynamo_disable
+    @torch.compiler.disable
     def post_backward(self) -> None:
         assert self.scheduler is not None
         if self.unit is not None:
@@ -430,7 +367,7 @@ class UnitState:
         if self.shared is not None:
             self.shared.return_backward(self.borrowed)
 
-    @_compat.dynamo_disable
+    @torch.compiler.disable
     def _finalize_backward(self) -> None:
         try:
             assert self.scheduler is not None
@@ -438,41 +375,9 @@ class UnitState:
         finally:
             self._finalize_queued = False
 
-    # ------------------------------------------------------------------
-    # recovery
-    # ------------------------------------------------------------------
-
-    def reset(self) -> None:
-        if self.is_root is False:
-            raise RuntimeError(
-                "reset_iter_state() must be called on the root fully_shard module (the one "
-                "the first forward ran through)."
-            )
-        if self.scheduler is None:
-            return
-        self.scheduler.reset()
-        for state in self.all_states:
-            state._pending_modules.clear()
-            state._began_forward = False
-            state._nested_forwards = 0
-        self._finalize_queued = False
-
     def units_in_subtree(self, recurse: bool) -> list[Unit]:
         """This state's unit, and with ``recurse`` those of every state below it."""
         if not recurse:
             return self.own_units
-        units: list[Unit] = []
-        seen: set[int] = set()
-        for module in self.modules:
-            for sub in module.modules():
-                state = state_of(sub)
-                if state is not None and state.unit is not None and id(state) not in seen:
-                    seen.add(id(state))
-                    units.extend(state.own_units)
-        return units
-
-
-def _mesh_label(unit: Unit) -> str:
-    """Names a further mesh's unit after its mesh dims (the same on every rank)."""
-    names = unit.mesh_info.mesh.mesh_dim_names
-    return ",".join(names) if names else f"mesh of {unit.mesh_info.shard_size}"
+        states = [state_of(sub) for module in self.modules for sub in module.modules()]
+        return [unit for s in dict.fromkeys(states) if s is not None for unit in s.own_units]

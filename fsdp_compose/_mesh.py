@@ -1,10 +1,7 @@
-"""Which ranks a unit shards over and which it replicates over.
-
-A :class:`MeshInfo` is resolved once per :func:`fully_shard` call from the user's
-``DeviceMesh``: a 1-D mesh shards over all of its ranks (FSDP); a 2-D mesh is
-``(replicate, shard)`` (HSDP). Everything downstream reads groups, sizes and ranks
-from here instead of re-deriving them from the mesh.
-"""
+"""Which ranks a unit shards over and which it replicates over: a :class:`MeshInfo`,
+resolved once per :func:`fully_shard` call from the user's ``DeviceMesh`` (1-D:
+FSDP over all of its ranks; 2-D: ``(replicate, shard)``, HSDP), from which
+everything downstream reads groups, sizes and ranks."""
 
 from __future__ import annotations
 
@@ -29,12 +26,8 @@ _caches: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[object, ...], o
 
 
 def _cache() -> dict[tuple[object, ...], object]:
-    world = dist.group.WORLD
-    assert world is not None
-    cache = _caches.get(world)
-    if cache is None:
-        cache = _caches[world] = {}
-    return cache
+    assert dist.group.WORLD is not None
+    return _caches.setdefault(dist.group.WORLD, {})
 
 
 try:  # torch >= 2.13: re-export torch's class, so isinstance checks agree
@@ -62,19 +55,6 @@ except ImportError:  # pragma: no cover - older torch
                     "At least one of shard or replicate must be set in DataParallelMeshDims"
                 )
 
-        @property
-        def shard_names(self) -> tuple[str, ...]:
-            return _names(self.shard)
-
-        @property
-        def replicate_names(self) -> tuple[str, ...]:
-            return _names(self.replicate)
-
-    def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
-        if value is None:
-            return ()
-        return (value,) if isinstance(value, str) else tuple(value)
-
 
 @dataclass(frozen=True)
 class SpmdLayout:
@@ -87,11 +67,7 @@ class SpmdLayout:
 
     @property
     def dp_dims(self) -> tuple[int, ...]:
-        return (
-            (self.shard_dim,)
-            if self.replicate_dim is None
-            else (self.replicate_dim, self.shard_dim)
-        )
+        return tuple(d for d in (self.replicate_dim, self.shard_dim) if d is not None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,10 +94,6 @@ class MeshInfo:
         """Number of ranks whose gradients are averaged (shard x replicate)."""
         return self.shard_size * self.replicate_size
 
-    @property
-    def shard_mesh_dim(self) -> int:
-        return self.mesh.ndim - 1
-
 
 def default_mesh() -> DeviceMesh:
     """A 1-D mesh over the default process group, on the backend's device type."""
@@ -146,10 +118,8 @@ def default_mesh() -> DeviceMesh:
 
 
 def device_of_mesh(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    handle = getattr(torch, mesh.device_type, None)
-    if handle is None or not hasattr(handle, "current_device"):
+    handle: Any = getattr(torch, mesh.device_type, None)
+    if mesh.device_type == "cpu" or not hasattr(handle, "current_device"):
         return torch.device(mesh.device_type)
     return torch.device(mesh.device_type, handle.current_device())
 
@@ -157,22 +127,17 @@ def device_of_mesh(mesh: DeviceMesh) -> torch.device:
 # [Note: dp_mesh_dims]
 # With ``dp_mesh_dims``, ``mesh`` is the full SPMD mesh (e.g. ("dp", "tp")) and every
 # parameter is a DTensor on it, ``Replicate()`` on the data-parallel dims. The unit
-# communicates over the data-parallel sub-mesh (``mesh[shard]``; with ``replicate``,
-# the (replicate, shard) concatenation, i.e. HSDP), exactly as for a 2-D TP layout
-# (see [Note: tensor-parallel parameters]); the sharded parameters are DTensors on
-# the full mesh, with the FSDP placement on the shard dim, ``Replicate()`` on the
-# replicate dim and the original placement on the other dim, and the unsharded
-# parameters are the user's DTensors on the full mesh. Supported: one shard dim
-# name, at most one replicate dim name and at most one other (model-parallel) dim.
+# communicates over the data-parallel sub-mesh (``mesh[shard]``, or with ``replicate``
+# the (replicate, shard) concatenation: HSDP) as for a 2-D TP layout ([Note:
+# tensor-parallel parameters]); sharded parameters are DTensors on the full mesh
+# (FSDP placement on the shard dim, ``Replicate()`` on the replicate dim, the
+# original one on the other), unsharded ones the user's. Supported: one shard dim,
+# at most one replicate dim and at most one other (model-parallel) dim.
 
 
 def resolve_spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
     """Validates a full SPMD ``mesh`` with ``dp_mesh_dims`` and resolves the unit's
     data-parallel layout on it (see [Note: dp_mesh_dims])."""
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"fully_shard expects mesh to be a torch.distributed.DeviceMesh, got {type(mesh).__name__}"
-        )
     if not isinstance(dims, DataParallelMeshDims):
         raise TypeError(
             "dp_mesh_dims must be a DataParallelMeshDims (from fsdp_compose or "
@@ -184,7 +149,7 @@ def resolve_spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
             "mesh must have mesh_dim_names when dp_mesh_dims is provided, e.g. "
             'init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))'
         )
-    shard, rep = tuple(dims.shard_names), tuple(dims.replicate_names)
+    shard, rep = _names(dims.shard), _names(dims.replicate)
     for name in shard + rep:
         if name not in names:
             raise ValueError(
@@ -208,39 +173,31 @@ def resolve_spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
     return replace(info, spmd=layout)
 
 
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if value is None else (value,) if isinstance(value, str) else tuple(value)
+
+
 def resolve_mesh_info(mesh: DeviceMesh) -> MeshInfo:
     """Validates ``mesh`` for fully_shard and resolves its groups for this rank."""
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"fully_shard expects mesh to be a torch.distributed.DeviceMesh, got {type(mesh).__name__}"
-        )
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (replicate, shard) for HSDP, "
             f"but got a {mesh.ndim}-D mesh {mesh}. For FSDP + tensor parallel, pass the "
             'data-parallel sub-mesh, e.g. mesh["dp"].'
         )
-    if mesh.get_coordinate() is None:
-        raise ValueError(f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
-    device = device_of_mesh(mesh)
-    shard_dim = mesh.ndim - 1
-    shard_group = mesh.get_group(shard_dim)
     coordinate = mesh.get_coordinate()
-    assert coordinate is not None
-    if mesh.ndim == 2:
-        replicate_group: dist.ProcessGroup | None = mesh.get_group(0)
-        replicate_size, replicate_rank = mesh.size(0), coordinate[0]
-    else:
-        replicate_group, replicate_size, replicate_rank = None, 1, 0
+    if coordinate is None:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
+    hsdp = mesh.ndim == 2
     return MeshInfo(
         mesh=mesh,
-        device=device,
-        shard_group=shard_group,
-        shard_size=mesh.size(shard_dim),
-        shard_rank=coordinate[shard_dim],
-        replicate_group=replicate_group,
-        replicate_size=replicate_size,
-        replicate_rank=replicate_rank,
+        device=device_of_mesh(mesh),
+        shard_group=mesh.get_group(mesh.ndim - 1),
+        shard_size=mesh.size(mesh.ndim - 1),
+        shard_rank=coordinate[-1],
+        replicate_group=mesh.get_group(0) if hsdp else None,
+        replicate_size=mesh.size(0) if hsdp else 1,
+        replicate_rank=coordinate[0] if hsdp else 0,
     )
 
 
@@ -279,11 +236,8 @@ def validate_reshard_after_forward(value: object, shard_size: int) -> bool | int
 
 def post_forward_subgroup(info: MeshInfo, group_size: int) -> tuple[dist.ProcessGroup, int]:
     """The group of ``group_size`` consecutive shard ranks this rank reshards to after
-    forward (``reshard_after_forward=int``), and this rank's index in it.
-
-    Created with local synchronization so only member ranks take part, which also
-    works when the shard group is a sub-mesh (e.g. the dp dim of a dp x tp mesh).
-    """
+    forward (``reshard_after_forward=int``), and this rank's index in it (created by
+    the member ranks only, so also from a sub-mesh such as dp of dp x tp)."""
     shard_ranks = dist.get_process_group_ranks(info.shard_group)
     start = (info.shard_rank // group_size) * group_size
     return _subgroup(

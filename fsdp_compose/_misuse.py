@@ -57,7 +57,7 @@ def _all_gather_bytes(
 def _is_fake_backend(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` is torch's ``fake`` backend, whose collectives return
     at once without communicating (dry runs of a large world in one process)."""
-    return _compat.process_group_backend(group) == "fake"
+    return _compat.backend_name(group) == "fake"
 
 
 # ---------------------------------------------------------------------------
@@ -305,4 +305,4 @@ def _on_root_init(units: list[Unit]) -> None:
     register_units(units)
 
 
-_hooks.add_root_init_check(_on_root_init)
+_hooks.root_init_checks.append(_on_root_init)

@@ -1,8 +1,5 @@
-"""User-facing policy objects: mixed precision and offloading.
-
-Frozen dataclasses validated on construction, so a bad policy fails where it is
-written rather than deep inside the first forward.
-"""
+"""User-facing policy objects, mixed precision and offloading: frozen dataclasses
+validated on construction, so a bad policy fails where it is written."""
 
 from __future__ import annotations
 

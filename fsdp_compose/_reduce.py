@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ class GradientReduction:
     force_sum_reduction: bool
     pin_memory: bool
     _alias: bool
-    _reduce_scatter: ReduceScatterComm
+    _reduce_scatter: _collectives.DefaultComm
     _reduce_scatter_group: dist.ProcessGroup | None
     _partial_reduce: dict[ShardedParam, torch.Tensor]
     step_context: _collectives.StepContext
@@ -46,9 +47,7 @@ class GradientReduction:
         upcast to the reduce dtype if that differs from the compute dtype."""
         for p in self.trainable_params:
             up = p.unsharded_param
-            if up is None or up.grad is None:
-                continue
-            if self.reduce_dtype is None or up.grad.dtype == self.reduce_dtype:
+            if up is None or up.grad is None or self.reduce_dtype in (None, up.grad.dtype):
                 continue
             grad = p.local_grad(up.grad)  # kept as a plain (TP-local) tensor
             up.grad = None
@@ -64,34 +63,19 @@ class GradientReduction:
             for p in self.trainable_params
         )
 
-    def discard_unsharded_grads(self) -> None:
-        for p in self.params:
-            p.accumulated_grad = None
-            if p.unsharded_param is not None:
-                p.unsharded_param.grad = None
-        self._partial_reduce.clear()
-
-    def merge_partial_reduce(
-        self, params: list[ShardedParam], sizes: list[int], output: torch.Tensor
+    def partial_reduce(
+        self, params: list[ShardedParam], sizes: list[int], output: torch.Tensor, *, keep: bool
     ) -> None:
-        """Adds gradient sums kept from steps without all-reduce into ``output``."""
-        if not self._partial_reduce:
-            return
-        offset = 0
-        for p, size in zip(params, sizes):
-            kept = self._partial_reduce.pop(p, None)
-            if kept is not None:
-                output[offset : offset + p.local_numel].add_(kept)
-            offset += size
-
-    def keep_partial_reduce(
-        self, params: list[ShardedParam], sizes: list[int], output: torch.Tensor
-    ) -> None:
+        """HSDP: keeps ``output``'s sums for a later all-reduce (``keep``), or adds
+        those kept from steps without all-reduce into it."""
         offset = 0
         for p, size in zip(params, sizes):
             piece = output[offset : offset + p.local_numel]
-            kept = self._partial_reduce.get(p)
-            self._partial_reduce[p] = piece.clone() if kept is None else kept.add_(piece)
+            kept = self._partial_reduce.pop(p, None)
+            if keep:
+                self._partial_reduce[p] = piece.clone() if kept is None else kept.add_(piece)
+            elif kept is not None:
+                piece.add_(kept)
             offset += size
 
     def take_unsharded_grads(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
@@ -137,7 +121,7 @@ class GradientReduction:
         )
         sizes = [p.chunk_numel for p in params]
         row = sum(sizes)
-        comm = self._reduce_scatter
+        comm: ReduceScatterComm | _collectives.DefaultComm = self._reduce_scatter
         if self.custom_reduce_scatter is not None and world > 1:
             comm = self.custom_reduce_scatter  # like FSDP2: both buffers come from the comm
         packed = _flat_buffer.comm_buffer(
@@ -165,43 +149,25 @@ class GradientReduction:
         return PendingReduction(self, params, sizes, output, rs, replicate_group, post)
 
 
+@dataclass(eq=False)
 class PendingReduction:
     """A unit's gradients on their way: reduce-scatter, then (HSDP) all-reduce,
     then division and hand-off to the sharded parameters' ``.grad``."""
 
-    def __init__(
-        self,
-        unit: GradientReduction,
-        params: list[ShardedParam],
-        sizes: list[int],
-        output: torch.Tensor,
-        reduce_scatter: PendingCollective | None,
-        replicate_group: dist.ProcessGroup | None,
-        post_divide: float,
-    ) -> None:
-        self.unit = unit
-        self._params = params
-        self._sizes = sizes
-        self._output: torch.Tensor | None = output
-        self._reduce_scatter = reduce_scatter
-        self._replicate_group = replicate_group
-        self._all_reduce: PendingCollective | None = None
-        self._post_divide = post_divide
-        self._scattered = False
-        # HSDP without all-reduce this step: keep the sums for a later all-reduce.
-        self._keep_partial = unit.mesh_info.is_hsdp and replicate_group is None
-        self.done = False
+    unit: GradientReduction
+    _params: list[ShardedParam]
+    _sizes: list[int]
+    _output: torch.Tensor | None
+    _reduce_scatter: PendingCollective | None
+    _replicate_group: dist.ProcessGroup | None
+    _post_divide: float
+    _all_reduce: PendingCollective | None = None
+    _scattered: bool = False
+    done: bool = False
 
-    def _hook_sees_average(self, dtype: torch.dtype) -> bool:
-        # FSDP2 reduces float32/bfloat16 with ReduceOp.AVG unless a divide factor
-        # or force-sum is set, so its all-reduce hook receives the average; with
-        # SUM it receives the sum and divides after the hook. Same here.
-        unit = self.unit
-        return (
-            unit.gradient_divide_factor is None
-            and not unit.force_sum_reduction
-            and dtype in (torch.float32, torch.bfloat16)
-        )
+    def __post_init__(self) -> None:
+        # HSDP without all-reduce this step: keep the sums for a later all-reduce.
+        self._keep_partial = self.unit.mesh_info.is_hsdp and self._replicate_group is None
 
     def advance(self) -> None:
         """Completes the reduce-scatter (freeing its full-size buffers) and starts
@@ -215,7 +181,8 @@ class PendingReduction:
         assert self._output is not None
         if self._keep_partial:
             return
-        self.unit.merge_partial_reduce(self._params, self._sizes, self._output)
+        if self.unit._partial_reduce:
+            self.unit.partial_reduce(self._params, self._sizes, self._output, keep=False)
         if self._replicate_group is not None:
             self._all_reduce = _collectives.all_reduce(
                 self._output,
@@ -236,13 +203,21 @@ class PendingReduction:
         assert output is not None
         with torch.no_grad():
             if self._keep_partial:
-                self.unit.keep_partial_reduce(self._params, self._sizes, output)
+                self.unit.partial_reduce(self._params, self._sizes, output, keep=True)
             else:
-                hook, post = self.unit.all_reduce_hook, self._post_divide
-                if hook is not None and post != 1 and self._hook_sees_average(output.dtype):
-                    output.div_(post)
-                    post = 1
+                hook, post, unit = self.unit.all_reduce_hook, self._post_divide, self.unit
+                # FSDP2 reduces float32/bfloat16 with ReduceOp.AVG unless a divide
+                # factor or force-sum is set, so its all-reduce hook receives the
+                # average; with SUM the sum, divided after the hook. Same here.
                 if hook is not None:
+                    if (
+                        post != 1
+                        and unit.gradient_divide_factor is None
+                        and not unit.force_sum_reduction
+                        and output.dtype in (torch.float32, torch.bfloat16)
+                    ):
+                        output.div_(post)
+                        post = 1
                     hook(output)
                 if post != 1:
                     output.div_(post)
@@ -254,16 +229,8 @@ class PendingReduction:
                 if copies_in_flight:
                     # The optimizer reads the offloaded gradients on the CPU right
                     # after backward returns: block until the copies have landed.
-                    _device_sync_point(self.unit.mesh_info.device).synchronize()
-        self._release()
-
-    def discard(self) -> None:
-        """Waits for in-flight collectives (their buffers must outlive them) and
-        drops the result."""
-        for pending in (self._reduce_scatter, self._all_reduce):
-            if pending is not None:
-                pending.wait()
-        self._reduce_scatter = self._all_reduce = None
+                    device = self.unit.mesh_info.device
+                    getattr(torch, device.type).current_stream(device).synchronize()
         self._release()
 
     def _release(self) -> None:
@@ -276,21 +243,17 @@ def _assign_sharded_grad(
     p: ShardedParam, local_grad: torch.Tensor, pin_memory: bool = False
 ) -> bool:
     """Stores (or accumulates) a reduced local gradient as ``p``'s sharded ``.grad``
-    in the parameter's original dtype, on the CPU when offloaded.
-
-    Returns True if an asynchronous device-to-host copy is still in flight; the
-    caller must synchronize before the CPU reads the gradient.
-    """
+    in its original dtype, on the CPU when offloaded; True if an asynchronous copy
+    to the host is in flight (synchronize before the CPU reads it)."""
     if local_grad.dtype != p.orig_dtype:
         local_grad = local_grad.to(p.orig_dtype)  # cast on the device, before the copy
     param = p.sharded_param
     existing = param.grad
     in_flight = False
     if p.offload_device is not None:
-        # Asynchronous only into a fresh pinned gradient that nothing reads on the
-        # CPU before the caller's synchronization: accumulating into an existing
-        # gradient, or a post-accumulate-grad hook (optimizer in backward), would
-        # read the destination while the copy may still be running.
+        # Asynchronous only into a fresh pinned gradient nothing reads before the
+        # caller synchronizes (accumulating into an existing gradient, or a
+        # post-accumulate-grad hook, would read it while the copy runs).
         in_flight = (
             pin_memory
             and existing is None
@@ -312,20 +275,12 @@ def _assign_sharded_grad(
     return in_flight
 
 
-def _device_sync_point(device: torch.device) -> torch.Event:
-    """An event recorded on ``device``'s current stream (after all work issued so far)."""
-    module = getattr(torch, device.type)
-    return module.current_stream(device).record_event()
-
-
 @functools.cache
 def _divide_factors(world: int, dtype: torch.dtype, custom: float | None) -> tuple[float, float]:
     """How to average over ``world`` ranks: (divide before the sum, divide after).
-
-    Full precision divides once, after the sum (closest to a single-process mean).
-    Low precision splits the division around the sum to avoid both overflow and
-    underflow, using powers of two so the pre-division is exact.
-    """
+    Full precision divides once, after the sum (closest to a single-process mean);
+    low precision splits it around the sum against overflow and underflow, by
+    powers of two so the pre-division is exact."""
     if custom is not None:
         return 1.0, float(custom)
     if dtype.itemsize >= 4:

@@ -1,36 +1,30 @@
-"""When each unit gathers, frees and reduces: one scheduler per root.
+"""When each unit gathers, frees and reduces: one scheduler per root. Hooks report
+what forward and autograd are doing (``pre_forward`` ... ``finalize_backward``);
+the scheduler turns that into unit operations:
 
-Hooks report what autograd and the forward are doing (``pre_forward``,
-``post_forward``, ``pre_backward``, ``post_backward``, ``finalize_backward``); the
-scheduler turns that into unit operations:
-
-* **Prefetch.** Forward order is recorded every iteration. In the next iteration,
-  when unit k starts its forward, the all-gathers of the next ``forward_depth``
-  units of the previous order are issued, so they run (on gloo's threads, or on an
-  all-gather stream) while unit k computes. Backward walks the post-forward order
-  of the most recent complete forward in reverse the same way, restarting at its
-  end for every backward pass, so each of several backwards (pipeline
-  microbatches, gradient accumulation over graphs kept alive) prefetches. An
-  order that changes (conditional modules) only costs an unused prefetch, which
-  is freed at the end of forward.
-  Explicit lists (``set_modules_to_forward_prefetch``) replace the implicit choice.
+* **Prefetch.** When unit k starts its forward, the all-gathers of the next
+  ``forward_depth`` units of the previous iteration's order are issued, so they
+  run (on gloo's threads, or an all-gather stream) while unit k computes.
+  Backward walks the last complete forward's post-forward order in reverse the
+  same way, from its end at every backward pass (pipeline microbatches,
+  accumulation over graphs kept alive). A changed order (conditional modules)
+  costs an unused prefetch, freed at the end of forward. Explicit lists
+  (``set_modules_to_forward_prefetch``) replace the implicit choice.
 * **Rate limiter.** ``max_unsharded_bytes`` bounds the unsharded parameter bytes
-  allocated or in flight. A prefetch that would exceed it is deferred until a unit
-  frees its parameters; a unit that is needed *now* is always gathered.
+  allocated or in flight: a prefetch that would exceed it waits until a unit
+  frees its parameters; a unit needed *now* is always gathered.
 * **Reductions.** A unit's reduce-scatter is issued as soon as its backward ends
-  and overlaps the backward of the units before it. Before issuing the next one,
-  the previous one is completed, so at most one unit's full-size gradient buffers
-  exist at a time. ``finalize_backward`` (queued on the autograd engine) completes
-  all reductions before ``backward()`` returns.
+  and overlaps the backward of the units before it; the previous one is completed
+  first, so one unit's full-size gradient buffers exist at a time.
+  ``finalize_backward`` (queued on the autograd engine) completes all reductions
+  before ``backward()`` returns.
 
-Every decision depends only on the program order of hook calls, which is the same
-on every rank running the same model, so all ranks issue the same collectives in
-the same order.
+Every decision depends only on the program order of hook calls, the same on every
+rank running the same model: all ranks issue the same collectives in order.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -39,12 +33,9 @@ import torch
 from . import _collectives, _unit
 from ._unit import PendingReduction, Phase, ShardState, Unit
 
-logger = logging.getLogger("fsdp_compose")
-
 
 class ScheduleObserver(Protocol):
-    """What an observer of every scheduler in the process is told (the timeline,
-    :mod:`fsdp_compose.trace`, is one); attached with :func:`set_observer`."""
+    """Told what every scheduler does (the timeline, :mod:`fsdp_compose.trace`)."""
 
     def set_step(self, step: int) -> None: ...
     def begin_span(self, kind: str, unit: str) -> None: ...
@@ -54,9 +45,8 @@ class ScheduleObserver(Protocol):
 
 
 class SharedUseCounter(Protocol):
-    """Counts the uses of units whose parameters other units share, so that they
-    are freed and reduced after their last use: the extension ``_shared`` attaches
-    one to a scheduler whose tree shares parameters ([Note: shared parameters])."""
+    """Counts the uses of units whose parameters other units share, to free and reduce
+    them after their last use (the extension ``_shared``: [Note: shared parameters])."""
 
     def __contains__(self, unit: object) -> bool: ...
     def forward_use_begin(self, unit: Unit) -> None: ...
@@ -71,36 +61,21 @@ class SharedUseCounter(Protocol):
     def return_backward(self, units: list[Unit]) -> None: ...
 
 
-_observer: ScheduleObserver | None = None  # read on the hot path: None costs one check
-
-
-def set_observer(observer: ScheduleObserver | None) -> None:
-    """Attaches ``observer`` to every scheduler (``None`` detaches it). The core
-    does not import its observers; they attach themselves."""
-    global _observer
-    _observer = observer
+#: Told what every scheduler does; read on the hot path: ``None`` costs one check.
+observer: ScheduleObserver | None = None
 
 
 @dataclass
 class ScheduleSettings:
     """The settings of one root's schedule, shared by every ``fully_shard`` module
-    of its tree (the ``FSDPModule`` setters write them, the scheduler reads them).
+    of its tree (the ``FSDPModule`` setters write them, the scheduler reads them)."""
 
-    Attributes:
-        forward_depth: units ahead the implicit forward prefetch gathers.
-        backward_depth: units ahead the implicit backward prefetch gathers.
-        max_unsharded_bytes: the rate limiter's bound (None: unbounded).
-        max_inflight_reductions: reduce-scatters whose full-size buffers may be
-            in flight at once (``set_reduce_scatter_max_input_buffers``); 1 bounds
-            memory to one unit.
-        is_last_backward: whether the next backward completes every reduction.
-    """
-
-    forward_depth: int = 1
-    backward_depth: int = 1
-    max_unsharded_bytes: int | None = None
+    forward_depth: int = 1  # units ahead the implicit forward prefetch gathers
+    backward_depth: int = 1  # units ahead the implicit backward prefetch gathers
+    max_unsharded_bytes: int | None = None  # the rate limiter's bound (None: unbounded)
+    # Reduce-scatters whose full-size buffers may be in flight at once (1: one unit's).
     max_inflight_reductions: int = 1
-    is_last_backward: bool = True
+    is_last_backward: bool = True  # whether the next backward completes every reduction
 
     def adopt(self, other: ScheduleSettings) -> None:
         """Takes over what was set on ``other`` (a subtree annotated earlier)."""
@@ -112,65 +87,52 @@ class ScheduleSettings:
 
 
 class RateLimiter:
-    """The memory rate limiter of one scheduler: which units hold unsharded
-    memory (allocated or in flight), and the gathers it issues, defers and
-    drains within ``settings.max_unsharded_bytes``. Every change of a unit's
-    shard state goes through it, so its count is always exact.
-
-    Args:
-        units: every unit of the scheduler's tree; those a user unsharded before
-            the first forward (``FSDPModule.unshard``) are counted at once.
-        settings: the tree's settings (read for the bound).
-    """
+    """A scheduler's memory rate limiter: which of ``units`` hold unsharded memory
+    (allocated or in flight; those a user unsharded before the first forward are
+    counted at once), and the gathers it issues, defers and drains within
+    ``settings.max_unsharded_bytes``. Every change of a unit's shard state goes
+    through it, so its count is always exact."""
 
     def __init__(self, units: list[Unit], settings: ScheduleSettings) -> None:
         self.settings = settings
         self.deferred: list[Unit] = []  # prefetches waiting for memory
         self._holding: dict[Unit, int] = {}  # unit -> unsharded bytes it holds
-        self._holding_bytes = 0
+        self.holding_bytes = 0  # unsharded parameter bytes allocated or in flight now
         for unit in units:
             self.account(unit)
 
-    @property
-    def holding_bytes(self) -> int:
-        """Unsharded parameter bytes allocated or in flight now."""
-        return self._holding_bytes
-
     def account(self, unit: Unit) -> None:
         """Counts (or stops counting) ``unit``'s unsharded bytes after its state changed."""
-        holds = unit.state is ShardState.UNSHARDED or unit.gather_in_flight
+        holds = unit.holds_unsharded
         counted = self._holding.get(unit)
         if holds and counted is None:
             nbytes = unit.unsharded_nbytes
             self._holding[unit] = nbytes
-            self._holding_bytes += nbytes
-            if _observer is not None:
-                _observer.memory_event("alloc", unit.name, nbytes, self._holding_bytes)
+            self.holding_bytes += nbytes
+            if observer is not None:
+                observer.memory_event("alloc", unit.name, nbytes, self.holding_bytes)
         elif not holds and counted is not None:
             del self._holding[unit]
-            self._holding_bytes -= counted
-            if _observer is not None:
-                _observer.memory_event("free", unit.name, counted, self._holding_bytes)
+            self.holding_bytes -= counted
+            if observer is not None:
+                observer.memory_event("free", unit.name, counted, self.holding_bytes)
 
     def issue(self, unit: Unit) -> None:
-        if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
-            return
-        unit.unshard()
-        self.account(unit)
+        if not unit.holds_unsharded:
+            unit.unshard()
+            self.account(unit)
 
     def prefetch(self, unit: Unit) -> None:
-        if unit.state is ShardState.UNSHARDED or unit.gather_in_flight:
+        if unit.holds_unsharded:
             return
-        unit.lazy_init()  # its size is known once initialized (after an invalidate too)
-        limit = self.settings.max_unsharded_bytes
-        if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
+        if not self._fits(unit):
             if unit not in self.deferred:
                 self.deferred.append(unit)
-                if _observer is not None:
-                    _observer.instant("prefetch_deferred", unit.name)
+                if observer is not None:
+                    observer.instant("prefetch_deferred", unit.name)
             return
-        if _observer is not None:
-            _observer.instant("prefetch", unit.name)
+        if observer is not None:
+            observer.instant("prefetch", unit.name)
         self.issue(unit)
 
     def require(self, unit: Unit) -> None:
@@ -178,41 +140,30 @@ class RateLimiter:
         if unit in self.deferred:
             self.deferred.remove(unit)
         self.issue(unit)
-        if unit.gather_in_flight:
-            unit.wait_unshard()
-        else:
-            unit.ensure_registered()
+        unit.wait_unshard()
 
     def reshard(self, unit: Unit, *, to_post_forward_group: bool = False) -> None:
         unit.reshard(to_post_forward_group=to_post_forward_group)
         self.account(unit)
-        if self.deferred:
-            self._drain_deferred()
+        while self.deferred and self._fits(self.deferred[0]):  # freed memory: drain
+            self.issue(self.deferred.pop(0))
 
-    def _drain_deferred(self) -> None:
+    def _fits(self, unit: Unit) -> bool:
         limit = self.settings.max_unsharded_bytes
-        while self.deferred:
-            unit = self.deferred[0]
-            unit.lazy_init()
-            if limit is not None and self._holding_bytes + unit.unsharded_nbytes > limit:
-                return
-            self.deferred.pop(0)
-            self.issue(unit)
+        if limit is None:
+            return True
+        unit.lazy_init()  # its size is known once initialized (after an invalidate too)
+        return self.holding_bytes + unit.unsharded_nbytes <= limit
 
 
 class Scheduler:
-    """Coordinates the units of one root module's tree.
-
-    Args:
-        units: every unit under the root, in module pre-order.
-        settings: the tree's settings (the same object its modules' setters write).
-    """
+    """Coordinates ``units``, every unit of one root's tree in module pre-order,
+    with the tree's ``settings`` (the object its modules' setters write)."""
 
     def __init__(self, units: list[Unit], settings: ScheduleSettings | None = None) -> None:
         self.units = units
         self.settings = settings if settings is not None else ScheduleSettings()
-        # This root's step, shared with its units for the collectives they issue.
-        self.step_context = _collectives.StepContext()
+        self.step_context = _collectives.StepContext()  # shared with its units
         for unit in units:
             unit.step_context = self.step_context
         self.forward_active = False
@@ -243,16 +194,7 @@ class Scheduler:
         for unit in units:
             self.memory.prefetch(unit)
 
-    def prefetch_now(self, unit: Unit) -> None:
-        """A user's explicit ``unshard()``: issued at once, outside the limit."""
-        self.memory.issue(unit)
-
-    def reshard(self, unit: Unit) -> None:
-        self.memory.reshard(unit)
-
-    # ------------------------------------------------------------------
-    # forward
-    # ------------------------------------------------------------------
+    # -- forward ---------------------------------------------------------
 
     def begin_forward(self) -> None:
         """Called once per iteration, by the first unit state to run forward."""
@@ -265,8 +207,8 @@ class Scheduler:
         self._complete_reductions()
         self.forward_active = True
         self.step_context.step += 1
-        if _observer is not None:
-            _observer.set_step(self.step)
+        if observer is not None:
+            observer.set_step(self.step)
         if self._forward_order:
             self._prev_forward_order = self._forward_order
         self._forward_order = []
@@ -299,12 +241,8 @@ class Scheduler:
                     self.memory.prefetch(target)
         for unit in units:
             self.memory.require(unit)
-            if _observer is not None:
-                _observer.begin_span("forward", unit.name)
-
-    def recompute_forward(self, unit: Unit) -> None:
-        """Activation checkpointing re-runs ``unit``'s forward inside backward."""
-        self.memory.require(unit)
+            if observer is not None:
+                observer.begin_span("forward", unit.name)
 
     def _forward_prefetch_targets(self, unit: Unit) -> list[Unit]:
         if unit.forward_prefetch is not None:  # explicit, [] included
@@ -321,8 +259,8 @@ class Scheduler:
         return []
 
     def post_forward(self, unit: Unit) -> None:
-        if _observer is not None:
-            _observer.end_span("forward", unit.name)
+        if observer is not None:
+            observer.end_span("forward", unit.name)
         self._post_forward_order.append(unit)
         shared = self.shared
         if shared is None or shared.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
@@ -330,9 +268,8 @@ class Scheduler:
         unit.phase = Phase.IDLE
 
     def _reshard_after_forward(self, unit: Unit) -> None:
-        reshard = unit.reshard_after_forward
-        if reshard is not False:
-            self.memory.reshard(unit, to_post_forward_group=reshard is not True)
+        if unit.reshard_after_forward is not False:
+            self.memory.reshard(unit, to_post_forward_group=unit.reshard_after_forward is not True)
 
     def end_forward(self) -> None:
         """Called by the state that began the forward, after its post-forward."""
@@ -349,16 +286,13 @@ class Scheduler:
             if unit.gather_in_flight and unit not in ran:
                 self.memory.reshard(unit)  # a prefetch the forward did not use
             elif no_backward and unit.state is ShardState.UNSHARDED:
-                # Units that stay unsharded (the root; reshard_after_forward=False
-                # for evaluation) keep their data across no-grad forwards, as in
-                # FSDP2, but model.parameters() shows the shards again (an
-                # optimizer built after an evaluation must get those).
-                # begin_forward re-gathers a unit whose shards changed meanwhile.
+                # Units that stay unsharded (the root, reshard_after_forward=False)
+                # keep their data across no-grad forwards, as in FSDP2, but
+                # model.parameters() shows the shards again (for an optimizer built
+                # after an evaluation); begin_forward re-gathers stale ones.
                 unit.park()
 
-    # ------------------------------------------------------------------
-    # backward
-    # ------------------------------------------------------------------
+    # -- backward --------------------------------------------------------
 
     def pre_backward(self, *units: Unit) -> None:
         """Called when the gradient of one of the forward outputs of ``units`` (one
@@ -382,9 +316,9 @@ class Scheduler:
                     self.memory.prefetch(target)
         for unit in gather:
             self.memory.require(unit)
-        if _observer is not None:
+        if observer is not None:
             for unit in units:
-                _observer.begin_span("backward", unit.name)
+                observer.begin_span("backward", unit.name)
 
     def _note_backward(self) -> None:
         if not self.backward_active:
@@ -417,10 +351,9 @@ class Scheduler:
         return targets
 
     def post_backward(self, *units: Unit, at_end: bool = False) -> None:
-        """Called when backward through ``units`` (one unit, or one call's units, as
-        in :meth:`pre_forward`) is done (or at finalisation for units whose forward
-        inputs did not require grad, with ``at_end``). One call's reduce-scatters
-        are issued together: earlier ones are completed only before the first."""
+        """Backward through ``units`` (as in :meth:`pre_forward`) is done, or (``at_end``)
+        finalisation reached units whose inputs did not require grad. One call's
+        reduce-scatters are issued together (earlier ones completed before the first)."""
         first = True
         for unit in units:
             if at_end or self.shared is None or self.shared.backward_use_end(unit):
@@ -430,8 +363,8 @@ class Scheduler:
         # its parameters and gradients (see [Note: shared parameters]).
 
     def _post_backward(self, unit: Unit, *, at_end: bool, drain: bool = True) -> None:
-        if unit.phase is Phase.PRE_BACKWARD and _observer is not None:
-            _observer.end_span("backward", unit.name)
+        if unit.phase is Phase.PRE_BACKWARD and observer is not None:
+            observer.end_span("backward", unit.name)
         unit.phase = Phase.POST_BACKWARD
         if not unit.requires_gradient_sync:
             unit.accumulate_unsharded_grads()
@@ -444,10 +377,9 @@ class Scheduler:
             # reduction allocates its buffers, so the two never coexist.
             self.memory.reshard(unit)
         if params:
-            # Complete earlier reduce-scatters first: bounds full-size gradient
-            # buffers, and they have had this unit's backward to finish. At the
-            # end of backward there is no compute left to overlap and activations
-            # are freed: issue at once, so the last reductions run concurrently.
+            # Complete earlier reduce-scatters first (bounds full-size gradient
+            # buffers; they had this unit's backward to finish), except at the end
+            # of backward: nothing left to overlap, so the last ones run together.
             while (
                 drain
                 and not at_end
@@ -491,44 +423,3 @@ class Scheduler:
         self._scattering = []
         for reduction in reductions:
             reduction.finish()
-
-    # ------------------------------------------------------------------
-    # recovery
-    # ------------------------------------------------------------------
-
-    def reset(self) -> None:
-        """Returns every unit to a clean sharded, idle state after a failed step.
-
-        In-flight collectives are waited for (their buffers must outlive them) and
-        their results discarded, as are unsharded and partially reduced gradients.
-        """
-        failures: list[str] = []
-        for reduction in self._reductions:
-            try:
-                reduction.discard()
-            except RuntimeError as exc:  # a collective of the failed step failed too
-                failures.append(str(exc))
-        self._reductions = []
-        self._scattering = []
-        for unit in self.units:
-            unit.discard_unsharded_grads()
-            try:
-                self.memory.reshard(unit)
-            except RuntimeError as exc:
-                failures.append(str(exc))
-                unit.abandon_gather()
-                self.memory.reshard(unit)
-            unit.phase = Phase.IDLE
-        if self.shared is not None:
-            self.shared.reset()
-        if failures:
-            logger.warning(
-                "fsdp_compose: reset_iter_state discarded %d collectives that had failed: %s",
-                len(failures),
-                failures[0],
-            )
-        self.memory.deferred.clear()
-        self.forward_active = False
-        self.backward_active = False
-        self._forward_order = []
-        self._post_forward_order = []

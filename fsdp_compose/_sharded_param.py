@@ -2,32 +2,26 @@
 
 [Note: sharding layout]
 A parameter of shape ``(n, *rest)`` sharded over W ranks on dim 0 is cut into W
-chunks of ``c = ceil(n / W)`` rows, exactly like ``torch.chunk`` and DTensor's
-``Shard(0)``: rank r owns rows ``[min(r*c, n), min((r+1)*c, n))``, which may be
-fewer than ``c`` rows or none at all. The local shard is stored unpadded (as the
-DTensor's local tensor); padding exists only inside communication buffers, where
-every rank contributes a slot of ``c * prod(rest)`` elements. Padding elements are
-never read back, so they are never zeroed.
-
-Sharding on a dim ``k > 0`` (``shard_placement_fn``) requires ``n_k`` divisible by
-W; the local shard is ``chunk(k)[r]`` made contiguous.
+chunks of ``c = ceil(n / W)`` rows, like ``torch.chunk`` and DTensor's
+``Shard(0)``: rank r owns rows ``[min(r*c, n), min((r+1)*c, n))``, possibly fewer
+than ``c`` or none. The local shard is stored unpadded (the DTensor's local
+tensor); padding exists only in communication buffers, where every rank
+contributes a slot of ``c * prod(rest)`` elements, and is never read back (so
+never zeroed). Sharding on a dim ``k > 0`` (``shard_placement_fn``) requires
+``n_k`` divisible by W; the local shard is ``chunk(k)[r]`` made contiguous.
 
 [Note: tensor-parallel parameters]
-A parameter that is already a DTensor on a 1-D tensor-parallel mesh (from
-``parallelize_module``) is sharded the same way, but on its *TP-local* tensor:
-everything above applies with ``(n, *rest)`` the TP-local shape, and the unit
-gathers and reduces TP-local tensors only. The sharded parameter is a DTensor on
-the mesh ``dp x tp`` (``replicate x shard x tp`` with HSDP) with the TP DTensor's
-global shape; its placements are the FSDP placement on the dp dim followed by the
-TP placement. When TP already shards the same tensor dim, FSDP's rows are a slice
-*inside* each TP chunk, not a chunk of the whole tensor: DTensor describes that
-with ``_StridedShard(dim, split_factor=tp_size)`` on the dp dim, which is what
-lets ``full_tensor()``, ``redistribute`` and DCP see the true global layout.
-
+A DTensor parameter on a 1-D tensor-parallel mesh (``parallelize_module``) is
+sharded the same way on its *TP-local* tensor (``(n, *rest)`` the TP-local
+shape); the unit gathers and reduces TP-local tensors only. The sharded
+parameter is a DTensor on the mesh ``dp x tp`` (``replicate x shard x tp`` with
+HSDP) with the TP DTensor's global shape, placed the FSDP way on the dp dim and
+the TP way on tp. When TP shards the same tensor dim, FSDP's rows are a slice
+*inside* each TP chunk: ``_StridedShard(dim, split_factor=tp_size)`` on the dp
+dim, so ``full_tensor()``, ``redistribute`` and DCP see the true global layout.
 The unsharded parameter is a DTensor on the TP mesh with the original placement
-whose local tensor is the gathered view, so TP's forward runs as without FSDP.
-Its gradient is a DTensor that may be ``Partial`` (e.g. a replicated parameter
-used on sharded activations); it is redistributed to the TP placement before its
+whose local tensor is the gathered view (TP's forward runs as without FSDP); its
+gradient, possibly ``Partial``, is redistributed to the TP placement before its
 local tensor is reduce-scattered over dp.
 """
 
@@ -51,19 +45,10 @@ IGNORED_BY = "_fsdp_compose_ignored_by"  # on ignored_params: plain, reduced by 
 
 class ShardedParam:
     """Owns one parameter's sharded DTensor and describes its unsharded form.
-
-    Args:
-        param: the original parameter (full tensor, possibly on the meta device), or
-            a tensor-parallel DTensor parameter (see [Note: tensor-parallel parameters]).
-        owners: every ``(module, attribute)`` under which ``param`` is registered
-            inside the unit (several for tied weights).
-        mesh_info: the unit's data-parallel layout.
-        shard_dim: tensor dim to shard (``Shard(shard_dim)``).
-        device: device the sharded data lives on when not offloaded.
-        offload_device: ``"cpu"`` when the sharded data is offloaded to host memory
-            on an accelerator mesh, else ``None``.
-        pin_memory: pin offloaded host memory.
-    """
+    ``param`` is the original parameter (possibly on the meta device, or a
+    tensor-parallel DTensor), registered as every ``(module, attribute)`` of
+    ``owners`` (several for tied weights); ``shard_dim`` is its ``Shard`` dim; its
+    shard lives on ``device``, or on ``offload_device`` (the CPU, ``pin_memory``)."""
 
     def __init__(
         self,
@@ -77,22 +62,15 @@ class ShardedParam:
     ) -> None:
         self.unit_label: str | None = None  # see mark_owned
         # With tensor parallel, FSDP shards the TP-local tensor (see the note above).
-        if mesh_info.spmd is not None:  # see [Note: dp_mesh_dims]
-            self.tp_spec = _spmd_spec(param, owners, mesh_info)
-        else:
-            self.tp_spec = (
-                _tp_spec(param, owners, mesh_info) if isinstance(param, DTensor) else None
-            )
+        self.tp_spec = _tp_spec(param, owners, mesh_info)
         # The model-parallel dim of tp_spec's mesh and its placement (None: only dp dims).
         self.tp_dim: int | None = None
         self.tp_placement: Placement | None = None
         if self.tp_spec is not None:
             spmd = mesh_info.spmd
-            others = [
-                i for i in range(self.tp_spec.mesh.ndim) if spmd is None or i not in spmd.dp_dims
-            ]
-            if others:
-                self.tp_dim = others[0]
+            dp_dims = () if spmd is None else spmd.dp_dims
+            self.tp_dim = next((i for i in range(self.tp_spec.mesh.ndim) if i not in dp_dims), None)
+            if self.tp_dim is not None:
                 self.tp_placement = self.tp_spec.placements[self.tp_dim]
         self.global_size = param.shape  # the shape users see (the TP DTensor's global shape)
         requires_grad = param.requires_grad  # a DTensor's local tensor never requires grad
@@ -169,53 +147,42 @@ class ShardedParam:
         if self.tp_spec is None:
             size = self.orig_size
             return _compat.make_dtensor_spec(
-                info.mesh, (*replicate, Shard(d)), size, _contiguous_stride(size), dtype
+                info.mesh,
+                (*replicate, Shard(d)),
+                size,
+                torch.empty(size, device="meta").stride(),
+                dtype,
             )
-        if info.spmd is not None:
-            return self._spmd_sharded_spec(dtype)
-        tp_mesh = self.tp_spec.mesh
-        (tp_placement,) = self.tp_spec.placements
-        # FSDP's shard of a TP shard on the same dim (see the note above).
-        split = tp_mesh.size() if _shard_dim_of(tp_placement, len(self.global_size)) == d else 1
-        dp_placement = _compat.strided_shard(d, split) if split > 1 else Shard(d)
+        spmd = info.spmd
+        if spmd is None:  # FSDP's dims, then the TP mesh's one
+            mesh = self._dp_tp_mesh(self.tp_spec.mesh)
+            placements = [*replicate, Shard(d), *self.tp_spec.placements]
+            dp_dim, tp_dim = len(replicate), mesh.ndim - 1
+        else:  # the full SPMD mesh, see [Note: dp_mesh_dims]
+            mesh, placements = spmd.mesh, list(self.tp_spec.placements)
+            if spmd.replicate_dim is not None:
+                placements[spmd.replicate_dim] = Replicate()
+            dp_dim, tp_dim = spmd.shard_dim, self.tp_dim
+        # FSDP's shard of a TP shard of the same tensor dim on a later mesh dim is
+        # a slice inside each TP chunk (see the note above): a strided shard.
+        placements[dp_dim] = Shard(d)
+        tp = self.tp_placement
+        split = mesh.size(tp_dim) if tp_dim is not None and tp_dim > dp_dim else 1
+        if split > 1 and tp is not None and _shard_dim_of(tp, len(self.global_size)) == d:
+            placements[dp_dim] = _compat.strided_shard(d, split)
+        meta = self.tp_spec.tensor_meta
+        return _compat.make_dtensor_spec(mesh, tuple(placements), meta.shape, meta.stride, dtype)
+
+    def _dp_tp_mesh(self, tp_mesh: Any) -> Any:
         try:
-            mesh = _compat.concatenate_meshes(info.mesh, tp_mesh)
+            return _compat.concatenate_meshes(self.mesh_info.mesh, tp_mesh)
         except Exception as exc:
             raise ValueError(
                 f"parameter {self.fqn!r} is a DTensor on mesh {tp_mesh}, which cannot be combined "
-                f"with fully_shard's mesh {info.mesh} ({exc}). Both must be sub-meshes of one "
+                f"with fully_shard's mesh {self.mesh_info.mesh} ({exc}). Both must be sub-meshes of one "
                 'device mesh, e.g. mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", '
                 '"tp")); parallelize_module(block, mesh["tp"], ...); fully_shard(block, mesh=mesh["dp"]).'
             ) from exc
-        meta = self.tp_spec.tensor_meta
-        return _compat.make_dtensor_spec(
-            mesh, (*replicate, dp_placement, tp_placement), meta.shape, meta.stride, dtype
-        )
-
-    def _spmd_sharded_spec(self, dtype: torch.dtype) -> Any:
-        """The sharded spec on the full SPMD mesh (see [Note: dp_mesh_dims])."""
-        spmd = self.mesh_info.spmd
-        assert spmd is not None and self.tp_spec is not None
-        d = self.shard_dim
-        placements = list(self.tp_spec.placements)
-        if spmd.replicate_dim is not None:
-            placements[spmd.replicate_dim] = Replicate()
-        # A model-parallel Shard of the same tensor dim on a later mesh dim splits
-        # first in our layout (FSDP shards the TP-local tensor): a strided shard.
-        split = 1
-        tp_dim, tp_placement = self.tp_dim, self.tp_placement
-        if (
-            tp_dim is not None
-            and tp_dim > spmd.shard_dim
-            and tp_placement is not None
-            and _shard_dim_of(tp_placement, len(self.global_size)) == d
-        ):
-            split = spmd.mesh.size(tp_dim)
-        placements[spmd.shard_dim] = _compat.strided_shard(d, split) if split > 1 else Shard(d)
-        meta = self.tp_spec.tensor_meta
-        return _compat.make_dtensor_spec(
-            spmd.mesh, tuple(placements), meta.shape, meta.stride, dtype
-        )
 
     # -- registration ------------------------------------------------------
 
@@ -240,8 +207,7 @@ class ShardedParam:
 
     def data_version(self) -> int:
         """Changes whenever the sharded data is written in place, through the DTensor
-        (optimizer steps, ``copy_``) or through its local tensor (``to_local()``
-        writes, which DTensor's dispatch does not count on the wrapper)."""
+        (optimizer steps) or its local tensor (not counted on the wrapper)."""
         return self.sharded_param._version + self.local_shard._version
 
     def resync_sharded_param(self) -> None:
@@ -279,14 +245,12 @@ class ShardedParam:
     # -- unsharded side ----------------------------------------------------
 
     def wrap_unsharded(self, local: torch.Tensor) -> nn.Parameter:
-        """The unsharded parameter whose data is ``local`` (an unsharded-layout view
-        of the unit's buffer): ``local`` itself, or with tensor parallel a DTensor
-        on the TP mesh with the original placement."""
-        requires_grad = self.sharded_param.requires_grad
-        if self.tp_spec is None:
-            return nn.Parameter(local, requires_grad=requires_grad)
-        spec = _compat.dtensor_spec_with_dtype(self.tp_spec, local.dtype)
-        return nn.Parameter(_compat.dtensor_from_local(local, spec), requires_grad=requires_grad)
+        """The unsharded parameter on ``local`` (a view of the unit's buffer); with
+        tensor parallel, a DTensor on the TP mesh with the original placement."""
+        if self.tp_spec is not None:
+            spec = _compat.dtensor_spec_with_dtype(self.tp_spec, local.dtype)
+            local = _compat.dtensor_from_local(local, spec)
+        return nn.Parameter(local, requires_grad=self.sharded_param.requires_grad)
 
     @property
     def unsharded_local(self) -> torch.Tensor:
@@ -296,11 +260,8 @@ class ShardedParam:
         return _compat.local_tensor(up) if isinstance(up, DTensor) else up
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """An unsharded gradient as the plain tensor that the unit reduces.
-
-        A TP gradient is first redistributed to the parameter's TP placement (a
-        ``Partial`` gradient is summed over the TP group here).
-        """
+        """An unsharded gradient as the plain tensor that the unit reduces; a TP
+        gradient is first redistributed to the TP placement (summing a ``Partial``)."""
         if not isinstance(grad, DTensor):
             return grad
         assert self.tp_spec is not None, f"{self.fqn}: DTensor gradient of a plain parameter"
@@ -351,72 +312,53 @@ def _shard_dim_of(placement: Placement, ndim: int) -> int | None:
     return None
 
 
-def _tp_spec(param: DTensor, owners: list[tuple[nn.Module, str]], mesh_info: MeshInfo) -> Any:
-    """Validates a tensor-parallel parameter and returns its DTensor spec."""
-    name = f"{owners[0][1]!r} of {type(owners[0][0]).__name__}"
-    spec = param._spec
-    mesh = param.device_mesh
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"parameter {name} is a DTensor on a {mesh.ndim}-D mesh {mesh}; fully_shard composes "
-            "with DTensor parameters on a 1-D (tensor-parallel) mesh only."
-        )
-    (placement,) = param.placements
-    if type(placement) not in (Shard, Replicate):
-        raise NotImplementedError(
-            f"parameter {name} has placement {placement}; fully_shard composes with "
-            "tensor-parallel parameters placed Shard(dim) or Replicate() only."
-        )
-    if mesh.device_type != mesh_info.mesh.device_type:
-        raise ValueError(
-            f"parameter {name} lives on a {mesh.device_type!r} mesh but fully_shard's mesh is "
-            f"{mesh_info.mesh.device_type!r}: use one device type for both."
-        )
-    if not param.is_meta and not _compat.local_tensor(param).is_contiguous():
-        raise NotImplementedError(f"parameter {name} has a non-contiguous local tensor")
-    return spec
-
-
-def _spmd_spec(
-    param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_info: MeshInfo
-) -> Any:
-    """Validates a parameter for ``dp_mesh_dims`` (a DTensor on the full SPMD mesh,
-    ``Replicate()`` on the dp dims) and returns its DTensor spec."""
+def _tp_spec(param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_info: MeshInfo) -> Any:
+    """Validates a DTensor parameter (on a 1-D tensor-parallel mesh, or with
+    ``dp_mesh_dims`` on the full SPMD mesh, ``Replicate()`` on the dp dims) and
+    returns its DTensor spec; ``None`` for a plain parameter."""
     spmd = mesh_info.spmd
-    assert spmd is not None
     name = f"{owners[0][1]!r} of {type(owners[0][0]).__name__}"
     if not isinstance(param, DTensor):
+        if spmd is None:
+            return None
         raise ValueError(
             f"When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
             f"mesh (e.g. via distribute_tensor / distribute_module), but parameter {name} is a "
             f"plain tensor. Distribute it on {spmd.mesh} with Replicate() on the data-parallel dims."
         )
-    if param.device_mesh != spmd.mesh:
-        raise ValueError(
-            f"parameter {name} is a DTensor on mesh {param.device_mesh}, but with dp_mesh_dims it "
-            f"must be on the mesh passed to fully_shard ({spmd.mesh})"
+    mesh = param.device_mesh
+    model_dims = [0]
+    if spmd is None and mesh.ndim != 1:
+        raise NotImplementedError(
+            f"parameter {name} is a DTensor on a {mesh.ndim}-D mesh {mesh}; fully_shard composes "
+            "with DTensor parameters on a 1-D (tensor-parallel) mesh only."
         )
-    dim_names = spmd.mesh.mesh_dim_names or ()
-    for i in spmd.dp_dims:
-        if not isinstance(param.placements[i], Replicate):
+    if spmd is None and mesh.device_type != mesh_info.mesh.device_type:
+        raise ValueError(
+            f"parameter {name} lives on a {mesh.device_type!r} mesh but fully_shard's mesh is "
+            f"{mesh_info.mesh.device_type!r}: use one device type for both."
+        )
+    if spmd is not None:
+        if mesh != spmd.mesh:
             raise ValueError(
-                f"parameter {name}: expected Replicate() on data-parallel mesh dim "
-                f"{dim_names[i]!r} (index {i}) but got {param.placements[i]}"
+                f"parameter {name} is a DTensor on mesh {mesh}, but with dp_mesh_dims it "
+                f"must be on the mesh passed to fully_shard ({spmd.mesh})"
             )
-    for i, placement in enumerate(param.placements):
-        if i not in spmd.dp_dims and type(placement) not in (Shard, Replicate):
+        dim_names = mesh.mesh_dim_names or ()
+        for i in spmd.dp_dims:
+            if not isinstance(param.placements[i], Replicate):
+                raise ValueError(
+                    f"parameter {name}: expected Replicate() on data-parallel mesh dim "
+                    f"{dim_names[i]!r} (index {i}) but got {param.placements[i]}"
+                )
+        model_dims = [i for i in range(mesh.ndim) if i not in spmd.dp_dims]
+    for i in model_dims:
+        if type(param.placements[i]) not in (Shard, Replicate):
             raise NotImplementedError(
-                f"parameter {name} has placement {placement} on mesh dim {dim_names[i]!r}; "
-                "fully_shard composes with Shard(dim) or Replicate() there only."
+                f"parameter {name} has placement {param.placements[i]} on mesh dim {i}; "
+                "fully_shard composes with model-parallel placements Shard(dim) or Replicate() "
+                "only."
             )
     if not param.is_meta and not _compat.local_tensor(param).is_contiguous():
         raise NotImplementedError(f"parameter {name} has a non-contiguous local tensor")
     return param._spec  # the public equivalents rebuild it
-
-
-def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(size):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))

@@ -20,7 +20,7 @@ parameter gathers the owner's whole unit, so give a shared parameter its own
 small unit (e.g. annotate the embedding) when the owner holds much else.
 
 This module is an extension: it fills in the core's registration point for
-parameter sharing (:func:`fsdp_compose._hooks.set_param_sharing`), and
+parameter sharing (``fsdp_compose._hooks.param_sharing``), and
 :class:`SharedUses` counts every use, the owner's own and the
 borrowers':
 
@@ -329,4 +329,4 @@ class _ParamSharing:
         scheduler.shared = uses
 
 
-_hooks.set_param_sharing(_ParamSharing())
+_hooks.param_sharing = _ParamSharing()

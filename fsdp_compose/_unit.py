@@ -1,18 +1,14 @@
 """A unit: the parameters of one ``fully_shard`` call, communicated together.
 
-A unit all-gathers all of its parameters with one collective into one flat buffer
-and reduce-scatters all of its gradients with one collective. It knows *how* to
-unshard, reshard and reduce; the scheduler decides *when*.
-
-This module holds the unit's settings and its gather/free state machine; the
-flat buffer and its copies are :class:`~fsdp_compose._flat_buffer.FlatBuffer`
-(see [Note: unsharded storage] there), gradient reduction is
-:class:`~fsdp_compose._reduce.GradientReduction`.
+A unit all-gathers its parameters into one flat buffer and reduce-scatters its
+gradients, one collective each. It knows *how* to unshard, reshard and reduce;
+the scheduler decides *when*. Here: its settings and gather/free state machine;
+the flat buffer is :class:`~fsdp_compose._flat_buffer.FlatBuffer`, gradient
+reduction :class:`~fsdp_compose._reduce.GradientReduction`.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from enum import Enum
 from typing import Protocol
@@ -22,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _collectives, _flat_buffer
-from ._collectives import AllGatherComm, PendingCollective, ReduceScatterComm
+from ._collectives import AllGatherComm, DefaultComm, PendingCollective, ReduceScatterComm
 from ._flat_buffer import FlatBuffer
 from ._mesh import MeshInfo, post_forward_subgroup
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -30,8 +26,6 @@ from ._reduce import GradientReduction, PendingReduction
 from ._sharded_param import ShardedParam
 
 __all__ = ["PendingReduction", "Phase", "ShardState", "Unit"]
-
-logger = logging.getLogger("fsdp_compose")
 
 
 class ShardState(Enum):
@@ -52,10 +46,8 @@ class Phase(Enum):
 
 
 class UnitChecks(Protocol):
-    """Checks of how a unit is used beyond FSDP2's, each naming the fix (the
-    extension ``_validation``), attached with :func:`set_unit_checks`: called at
-    lazy init, after a gather, before a reshard, and when the scheduler starts
-    the unit's forward and backward."""
+    """Checks of a unit's use beyond FSDP2's (``_validation``, as :data:`unit_checks`):
+    at lazy init, after a gather, before a reshard, at its forward and backward."""
 
     def initializing(self, unit: Unit) -> None: ...
     def gathered(self, unit: Unit) -> None: ...
@@ -64,36 +56,14 @@ class UnitChecks(Protocol):
     def backward(self, unit: Unit) -> None: ...
 
 
-unit_checks: UnitChecks | None = None  # read on the hot path: None costs one check
-
-
-def set_unit_checks(checks: UnitChecks | None) -> None:
-    """Attaches ``checks`` to every unit (``None`` detaches them)."""
-    global unit_checks
-    unit_checks = checks
-
-
-# Placeholders until lazy init decides the default collectives of a unit's groups.
-_UNSET_ALL_GATHER: AllGatherComm = _collectives.DefaultAllGather(
-    _collectives.PUBLIC_ROUTE, in_place=False
-)
-_UNSET_REDUCE_SCATTER: ReduceScatterComm = _collectives.DefaultReduceScatter(
-    _collectives.PUBLIC_ROUTE
-)
+#: Attached to every unit; read on the hot path: ``None`` costs one check.
+unit_checks: UnitChecks | None = None
 
 
 class Unit(FlatBuffer, GradientReduction):
-    """The parameter group of one :func:`fully_shard` call.
-
-    Args:
-        params: the unit's managed parameters, in registration order.
-        modules: the annotated module(s) of this unit.
-        mesh_info: data-parallel layout.
-        reshard_after_forward: True/False, or an int group size; the root's
-            default (None) is resolved by the scheduler.
-        mp_policy: mixed precision for this unit.
-        offload_policy: offloading for this unit.
-    """
+    """The parameter group of one :func:`fully_shard` call: its managed ``params``
+    (in registration order) of the annotated ``modules``, and the call's layout and
+    policies (``reshard_after_forward``: a bool or an int group size)."""
 
     def __init__(
         self,
@@ -123,15 +93,12 @@ class Unit(FlatBuffer, GradientReduction):
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.force_sum_reduction = False  # set_force_sum_reduction_for_comms
         self.unshard_in_backward = True
-        # set_separate_reduce_scatter_group: reduce-scatters on their own group.
         self._reduce_scatter_group: dist.ProcessGroup | None = None
-        # The default collectives on each group (gloo fast paths or the public
-        # ones, see [Note: collectives per backend]), made at lazy init.
-        self._all_gather: AllGatherComm = _UNSET_ALL_GATHER
-        self._post_forward_all_gather: AllGatherComm = _UNSET_ALL_GATHER
-        self._reduce_scatter: ReduceScatterComm = _UNSET_REDUCE_SCATTER
-        # set_custom_all_gather / set_custom_reduce_scatter: user collectives, which
-        # replace the defaults (same interface, same code path).
+        # The default collectives on each group, decided at lazy init.
+        self._all_gather = self._post_forward_all_gather = self._reduce_scatter = DefaultComm(
+            _collectives.PUBLIC_ROUTE
+        )
+        # set_custom_all_gather / set_custom_reduce_scatter: replace the defaults.
         self.custom_all_gather: AllGatherComm | None = None
         self.custom_reduce_scatter: ReduceScatterComm | None = None
         # Explicit prefetch targets (set_modules_to_*_prefetch); None: implicit order.
@@ -139,8 +106,7 @@ class Unit(FlatBuffer, GradientReduction):
         self.backward_prefetch: list[Unit] | None = None
         self.state = ShardState.SHARDED
         self.phase = Phase.IDLE
-        # The step of the root driving this unit (its scheduler's), named by the
-        # collectives; see [Note: collective extensions].
+        # The step of the root driving this unit, named by its collectives.
         self.step_context = _collectives.StepContext()
         self._post_forward_group: dist.ProcessGroup | None = None
         self._post_forward_rank = 0
@@ -154,18 +120,15 @@ class Unit(FlatBuffer, GradientReduction):
         self._post_forward_shard: torch.Tensor | None = None
         self._unsharded: torch.Tensor | None = None  # flat buffer, see [Note: unsharded storage]
         self._alias = False
-        # Parked: gathered data kept after a no-grad forward, but the sharded
-        # parameters registered, so model.parameters() still gives the shards the
-        # optimizer must hold. The next use re-registers without communication.
+        # Parked: gathered data kept after a no-grad forward with the shards
+        # registered (for the optimizer); the next use re-registers, no gather.
         self._parked = False
         self._gathered_versions: list[int] = []
         # HSDP with set_requires_all_reduce(False): reduce-scattered (not yet
         # all-reduced) gradient sums per parameter, added in at the next all-reduce.
         self._partial_reduce: dict[ShardedParam, torch.Tensor] = {}
 
-    # ------------------------------------------------------------------
-    # configuration
-    # ------------------------------------------------------------------
+    # -- configuration ---------------------------------------------------
 
     def set_reshard_after_forward(self, value: bool | int) -> None:
         # Resharding is the scheduler's (its memory accounting follows every state
@@ -177,8 +140,8 @@ class Unit(FlatBuffer, GradientReduction):
         self.reshard_after_forward = value
         self._post_forward_group = None
         if not isinstance(value, bool):
-            group, rank = post_forward_subgroup(self.mesh_info, value)
-            self._post_forward_group, self._post_forward_rank = group, rank
+            subgroup = post_forward_subgroup(self.mesh_info, value)
+            self._post_forward_group, self._post_forward_rank = subgroup
             self._post_forward_size = value
             if self._initialized:
                 self._decide_comms()
@@ -194,17 +157,10 @@ class Unit(FlatBuffer, GradientReduction):
         """Bytes the unsharded parameters occupy (what the rate limiter budgets);
         known once the unit is initialized (:meth:`lazy_init`)."""
         assert self._initialized, f"unit {self.name!r}: unsharded_nbytes before lazy_init"
-        if self._alias:
-            return 0
-        return self._world * self._row * self._buffer_dtype.itemsize
+        return 0 if self._alias else self._world * self._row * self._buffer_dtype.itemsize
 
-    @property
-    def reduce_scatter_group(self) -> dist.ProcessGroup | None:
-        """The group of gradient reduce-scatters if not the shard group."""
-        return self._reduce_scatter_group
-
-    @reduce_scatter_group.setter
-    def reduce_scatter_group(self, group: dist.ProcessGroup | None) -> None:
+    def set_reduce_scatter_group(self, group: dist.ProcessGroup | None) -> None:
+        """Reduce-scatters gradients on ``group`` (``None``: the shard group)."""
         self._reduce_scatter_group = group
         if self._initialized:
             self._decide_comms()
@@ -213,20 +169,12 @@ class Unit(FlatBuffer, GradientReduction):
         """The default collectives of each group this unit communicates on; a
         custom comm, where set, replaces them."""
         route_of = _collectives.route_of
-        self._all_gather = _collectives.DefaultAllGather(
-            route_of(self.shard_group), in_place=self._gather_in_place
-        )
+        self._all_gather = DefaultComm(route_of(self.shard_group), self._gather_in_place)
         if self._post_forward_group is not None:
-            self._post_forward_all_gather = _collectives.DefaultAllGather(
-                route_of(self._post_forward_group), in_place=False
-            )
-        self._reduce_scatter = _collectives.DefaultReduceScatter(
-            route_of(self._reduce_scatter_group or self.shard_group)
-        )
+            self._post_forward_all_gather = DefaultComm(route_of(self._post_forward_group))
+        self._reduce_scatter = DefaultComm(route_of(self._reduce_scatter_group or self.shard_group))
 
-    # ------------------------------------------------------------------
-    # lazy initialisation: dtypes and buffer layout
-    # ------------------------------------------------------------------
+    # -- lazy initialisation: dtypes and buffer layout -------------------
 
     def invalidate(self) -> None:
         """Forces layout and views to be rebuilt (after ``_apply``/dtype changes).
@@ -246,16 +194,13 @@ class Unit(FlatBuffer, GradientReduction):
         # torch.inference_mode() (an evaluation first), they would be inference
         # tensors, unusable for training ever after.
         with torch.inference_mode(False):
-            self._lazy_init()
-
-    def _lazy_init(self) -> None:
-        for p in self.params:
-            p.resync_sharded_param()
-        if unit_checks is not None:
-            unit_checks.initializing(self)
-        self._init_dtypes()
-        self._init_layout()
-        self._decide_comms()
+            for p in self.params:
+                p.resync_sharded_param()
+            if unit_checks is not None:
+                unit_checks.initializing(self)
+            self._init_dtypes()
+            self._init_layout()
+            self._decide_comms()
         self._initialized = True
 
     def _init_dtypes(self) -> None:
@@ -278,72 +223,71 @@ class Unit(FlatBuffer, GradientReduction):
                 )
             self.reduce_dtype = next(iter(dtypes)) if dtypes else None
 
-    # ------------------------------------------------------------------
-    # unshard / reshard
-    # ------------------------------------------------------------------
+    # -- unshard / reshard -----------------------------------------------
 
     @property
     def gather_in_flight(self) -> bool:
         return self._pending_gather is not None
 
-    def unshard(self) -> None:
-        """Issues the all-gather of the unit's parameters (asynchronously).
+    @property
+    def holds_unsharded(self) -> bool:
+        """Whether unsharded memory is allocated or being gathered into."""
+        return self.state is ShardState.UNSHARDED or self._pending_gather is not None
 
-        A no-op if the parameters are already unsharded or being gathered.
-        """
-        if self.state is ShardState.UNSHARDED or self._pending_gather is not None:
+    def unshard(self) -> None:
+        """Issues the all-gather of the unit's parameters (asynchronously); a no-op
+        if they are already unsharded or being gathered."""
+        if self.holds_unsharded:
             return
         self.lazy_init()
         if self._alias:
             self._pending_gather = _DONE
             return
-        device = self.mesh_info.device
-        partial = self.state is ShardState.PARTIALLY_SHARDED
-        if partial:
-            assert self._post_forward_group is not None and self._post_forward_shard is not None
-            world, group, rank = (
+        # Partially sharded: gather this rank's post-forward share in its group.
+        shard = self._post_forward_shard if self.state is ShardState.PARTIALLY_SHARDED else None
+        comm: AllGatherComm | DefaultComm
+        if shard is not None:
+            world, rank, comm = (
                 self._post_forward_size,
-                self._post_forward_group,
                 self._post_forward_rank,
+                self._post_forward_all_gather,
             )
-            row, dtype = self._post_forward_shard.numel(), self._post_forward_shard.dtype
-            comm = self._post_forward_all_gather
+            group, row, dtype = self._post_forward_group, shard.numel(), shard.dtype
         else:
-            world, group, rank = self._world, self.shard_group, self.mesh_info.shard_rank
-            row, dtype = self._row, self._buffer_dtype
-            comm = self._all_gather
+            world, rank, comm = self._world, self.mesh_info.shard_rank, self._all_gather
+            group, row, dtype = self.shard_group, self._row, self._buffer_dtype
+        assert group is not None
         if self.custom_all_gather is not None and self._world > 1:
             comm = self.custom_all_gather
+        device = self.mesh_info.device
         out = _flat_buffer.comm_buffer(comm, world * row, dtype, device, self.name, "all_gather")
         # Like FSDP2, a custom all-gather takes this rank's row of its output as
-        # input; so does the default one on NCCL, and gloo's exchanges.
+        # input; so do the default one on NCCL and gloo's exchanges. gloo's own
+        # all-gather is slower in place (6.3 ms vs 4.5 ms for 7 MiB at W=2): a copy.
         if getattr(comm, "in_place", True):
             send = out.view(world, row)[rank]
-            if partial:
-                assert self._post_forward_shard is not None
-                send.copy_(self._post_forward_shard)
-            else:
-                self._copy_in(send)
-        elif partial:
-            assert self._post_forward_shard is not None
-            send = self._post_forward_shard
         else:
-            # gloo's own all-gather is slower in place (input a view of the
-            # output; 6.3 ms vs 4.5 ms for 7 MiB at W=2): send a copy.
-            send = _flat_buffer.empty(row, dtype, device)
+            send = shard if shard is not None else _flat_buffer.empty(row, dtype, device)
+        if shard is None:
             self._copy_in(send)
+        elif send is not shard:
+            send.copy_(shard)
         self._gather_output, self._gather_world = out, world
-        if world == 1:
-            self._pending_gather = _DONE
-        else:
-            self._pending_gather = _collectives.all_gather(
+        self._pending_gather = (
+            _DONE
+            if world == 1
+            else _collectives.all_gather(
                 out, send, group, self.name, comm=comm, step=self.step_context.step
             )
+        )
 
     def wait_unshard(self) -> None:
-        """Waits for the pending all-gather and registers the unsharded parameters."""
+        """Waits for the pending all-gather and registers the unsharded parameters
+        (with none pending, registers them again if the unit was parked)."""
         pending = self._pending_gather
         if pending is None:
+            if self._parked:
+                self._register_unsharded()
             return
         pending.wait()
         self._pending_gather = None
@@ -370,11 +314,6 @@ class Unit(FlatBuffer, GradientReduction):
                 p.register(p.sharded_param)
             self._parked = True
 
-    def ensure_registered(self) -> None:
-        """Registers the unsharded parameters again if the unit was parked."""
-        if self._parked:
-            self._register_unsharded()
-
     def _register_unsharded(self) -> None:
         self._parked = False
         for p in self.params:
@@ -386,26 +325,16 @@ class Unit(FlatBuffer, GradientReduction):
             p.register(unsharded)
 
     def reshard(self, *, to_post_forward_group: bool = False) -> None:
-        """Frees the unsharded parameters and registers the sharded ones.
-
-        With ``to_post_forward_group`` (``reshard_after_forward=int``), keeps this
-        rank's share of the parameters for its smaller group so that backward
-        all-gathers within that group only.
-        """
+        """Frees the unsharded parameters and registers the sharded ones; with
+        ``to_post_forward_group`` (``reshard_after_forward=int``) keeps this rank's
+        share for its smaller group, within which backward then all-gathers."""
         if self._pending_gather is not None:
             # Gathered but never used (a mistargeted prefetch): the collective still
             # writes into the buffer, so it must complete before the buffer is freed.
             self._pending_gather.wait()
-            self._pending_gather = None
-            self._gather_output = None
+            self.abandon_gather()
+        if self.state is not ShardState.UNSHARDED:
             if self.state is ShardState.PARTIALLY_SHARDED and not to_post_forward_group:
-                self._post_forward_shard = None
-                self.state = ShardState.SHARDED
-            return
-        if self.state is ShardState.SHARDED:
-            return
-        if self.state is ShardState.PARTIALLY_SHARDED:
-            if not to_post_forward_group:
                 self._post_forward_shard = None
                 self.state = ShardState.SHARDED
             return
@@ -427,15 +356,5 @@ class Unit(FlatBuffer, GradientReduction):
         self._gather_output = None
 
 
-class _Done(PendingCollective):
-    """A pending collective that was complete when issued (one-rank groups)."""
-
-    def __init__(self) -> None:
-        super().__init__(None)
-        self._done = True
-
-    def wait(self) -> None:
-        return
-
-
-_DONE = _Done()
+# Complete when issued (one-rank groups): waiting on it does nothing.
+_DONE = PendingCollective(None)

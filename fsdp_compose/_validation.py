@@ -4,6 +4,8 @@ torch's FSDP2 accepts these calls and fails later (or trains silently wrong);
 fsdp_compose refuses them before anything is modified (see [Note: atomic
 fully_shard] in ``_fully_shard.py``):
 
+* a policy that is not a ``MixedPrecisionPolicy``/``OffloadPolicy``, or a
+  ``shard_placement_fn`` that is not callable;
 * an ``nn.ModuleList``/``nn.ModuleDict`` container (no forward: no hook would run),
   or a module already sharded by torch's own ``fully_shard``;
 * a mesh on the meta device, or a named 2-D mesh that is not laid out
@@ -12,13 +14,14 @@ fully_shard] in ``_fully_shard.py``):
 * a submodule under two sibling units (a module shared by two units);
 * parameters on different devices (e.g. a module partly on the meta device).
 
-and, at run time, a unit whose parameters are on the meta or another device at
+and, at run time, a custom comm's ``allocate`` returning a buffer other than the
+one asked for, a unit whose parameters are on the meta or another device at
 its first use, parameters modified in place while unsharded (the change would be
 lost), and a backward through parameters modified after its forward.
 
 This module is an extension: it registers with
-:func:`fsdp_compose._fully_shard.add_shard_check` and
-:func:`fsdp_compose._unit.set_unit_checks`.
+``fsdp_compose._fully_shard.shard_checks``, ``fsdp_compose._unit.unit_checks`` and
+``fsdp_compose._collectives.check_custom_buffer``.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from __future__ import annotations
 import warnings
 import weakref
 
+import torch
 import torch.nn as nn
 
-from . import _fully_shard, _hooks, _unit
+from . import _collectives, _fully_shard, _hooks, _unit
 from ._mesh import MeshInfo
+from ._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._sharded_param import SHARDED_BY
 from ._unit import Unit
 
@@ -100,6 +105,9 @@ def _check_mesh(mesh_info: MeshInfo) -> None:
 
 
 def _check_ignored(ignored: set[nn.Parameter], modules: tuple[nn.Module, ...]) -> None:
+    for p in ignored:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"ignored_params must contain parameters, got {type(p).__name__}")
     if not ignored:
         return
     # Originals of parameters that a nested unit already replaced count as the module's.
@@ -167,12 +175,26 @@ def _check_devices(managed: list[nn.Module], ignored: set[nn.Parameter]) -> None
         )
 
 
+def _check_policies(mp_policy: object, offload_policy: object, shard_placement_fn: object) -> None:
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got "
+            f"{type(offload_policy).__name__}"
+        )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError("shard_placement_fn must be callable (param -> Shard | None)")
+
+
 def _check_call(
     modules: tuple[nn.Module, ...],
     managed: list[nn.Module],
     ignored: set[nn.Parameter],
     mesh_info: MeshInfo,
+    policies: tuple[object, ...],
 ) -> None:
+    _check_policies(*policies)
     _check_modules(modules)
     _check_mesh(mesh_info)
     _check_ignored(ignored, modules)
@@ -185,6 +207,29 @@ def _check_call(
 # forward ran (backward must see the parameters of the forward that built the graph).
 _GATHERED = "_fsdp_compose_gathered_version"
 _FORWARD = "_fsdp_compose_forward_versions"
+
+
+def _check_custom_buffer(
+    buffer: object, numel: int, dtype: torch.dtype, device: torch.device, what: str
+) -> None:
+    if (
+        isinstance(buffer, torch.Tensor)
+        and buffer.numel() == numel
+        and buffer.dtype == dtype
+        and buffer.device == device
+        and buffer.is_contiguous()
+    ):
+        return
+    got = (
+        f"a {'contiguous' if buffer.is_contiguous() else 'non-contiguous'} tensor of "
+        f"{buffer.numel()} {buffer.dtype} elements on {buffer.device}"
+        if isinstance(buffer, torch.Tensor)
+        else type(buffer).__name__
+    )
+    raise ValueError(
+        f"{what}: allocate() returned {got}, but {numel} contiguous {dtype} elements "
+        f"on {device} were asked for"
+    )
 
 
 class _UnitChecks:
@@ -245,5 +290,6 @@ class _UnitChecks:
             )
 
 
-_fully_shard.add_shard_check(_check_call)
-_unit.set_unit_checks(_UnitChecks())
+_fully_shard.shard_checks.append(_check_call)
+_unit.unit_checks = _UnitChecks()
+_collectives.check_custom_buffer = _check_custom_buffer

@@ -72,9 +72,7 @@ def process_group_timeout(group: dist.ProcessGroup) -> float | None:
     version does not expose it (read through the backend's private options)."""
     try:
         device = (
-            torch.device("cpu")
-            if _compat.process_group_backend(group) == "gloo"
-            else torch.device("cuda")
+            torch.device("cpu") if _compat.backend_name(group) == "gloo" else torch.device("cuda")
         )
         return float(group._get_backend(device).options._timeout.total_seconds())
     except (AttributeError, RuntimeError, TypeError, ValueError):

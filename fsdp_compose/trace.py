@@ -81,7 +81,7 @@ def enable() -> None:
     global ENABLED
     if not ENABLED:
         _collective_hooks.add_listener(_on_collective)
-        _scheduler.set_observer(sys.modules[__name__])  # type: ignore[arg-type]
+        _scheduler.observer = sys.modules[__name__]  # type: ignore[assignment]
         ENABLED = True
 
 
@@ -90,7 +90,7 @@ def disable() -> None:
     global ENABLED
     ENABLED = False
     _collective_hooks.remove_listener(_on_collective)
-    _scheduler.set_observer(None)
+    _scheduler.observer = None
 
 
 def is_enabled() -> bool:

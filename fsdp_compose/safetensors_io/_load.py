@@ -198,11 +198,15 @@ def _default_device(targets: list[Target]) -> torch.device:
 
 
 def _invalidate_units(module: nn.Module) -> None:
-    # fsdp_compose units re-derive their buffers from the (new) sharded parameters.
-    from .._fsdp_module import invalidate_units
+    # fsdp_compose units reshard, and re-derive their buffers from the (new)
+    # sharded parameters at their next use.
+    from .._hooks import state_of
 
     for m in module.modules():
-        invalidate_units(m)
+        state = state_of(m)
+        for unit in [] if state is None else state.own_units + state.borrowed:
+            state.reshard(unit)  # type: ignore[union-attr]
+            unit.invalidate()
 
 
 @torch.no_grad()
