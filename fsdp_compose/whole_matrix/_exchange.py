@@ -157,9 +157,11 @@ def newton_schulz_cost(shape: tuple[int, int]) -> float:
     return cost
 
 
-#: Elements of full matrices one owner receives per round (2 MiB in bfloat16): a
+#: Elements of full matrices one owner receives per round (4 MiB in bfloat16): a
 #: round holds an owner's next matrices up to this size (at least one matrix).
-ROUND_NUMEL = 1 << 20
+#: Fewer, larger rounds: on gloo each collective costs CPU of its own (see
+#: [Note: owner compute for whole-matrix optimizers]).
+ROUND_NUMEL = 1 << 21
 
 
 @dataclass
@@ -342,13 +344,17 @@ class ExchangePlan:
         returning: tuple[list[list[int]], Pending] | None = None
         for b, rnd in enumerate(self.rounds):
             assert gathering is not None
-            fulls = assemble(rnd, gathering)
-            # The next round's gather runs while this round computes.
+            # The next round's gather is posted before this round's is waited for:
+            # its rows are written while this round's travel, and it runs while
+            # this round computes.
+            current = gathering
             gathering = post_gather(self.rounds[b + 1]) if b + 1 < len(self.rounds) else None
-            results = []
-            for i, full in zip(rnd[me], fulls):
-                # A tall matrix's result is a transposed view: rows need it contiguous.
-                results.append(compute(i, full).to(result_dtype).contiguous())
+            fulls = assemble(rnd, current)
+            del current  # this round's send and receive buffers
+            # A tall matrix's result is a transposed view: rows need it contiguous.
+            results = [
+                compute(i, full).to(result_dtype).contiguous() for i, full in zip(rnd[me], fulls)
+            ]
             del fulls
             pending = post_return(rnd, results)
             for i, result in zip(rnd[me], results):  # my rows, while the others' travel
