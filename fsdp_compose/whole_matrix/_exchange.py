@@ -64,8 +64,8 @@ on one *owner* rank of the shard group:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -174,6 +174,7 @@ class ExchangePlan:
     shapes: list[tuple[int, int]]
     owners: list[int]
     rounds: list[list[list[int]]]
+    _rounds_cache: list[_Round] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -222,6 +223,48 @@ class ExchangePlan:
             return (end * n, m * n) if start == 0 else (0, m * n)
         return (0, start * n) if end == m else None
 
+    def _schedule(self) -> list[_Round]:
+        """Each round's splits, offsets and row ranges, computed once per plan (a
+        step's Python then only walks these lists)."""
+        if self._rounds_cache is None:
+            self._rounds_cache = [self._round(rnd) for rnd in self.rounds]
+        return self._rounds_cache
+
+    def _round(self, rnd: list[list[int]]) -> _Round:
+        layout, me, world = self.layout, self.layout.rank, self.layout.world
+        others = [r for r in range(world) if r != me]
+        mine = rnd[me]
+        # Gather: to each other owner, in rank order, my rows of its matrices; the
+        # return brings my rows of the results back in the same layout.
+        to_owner = [0 if r == me else self._split(me, rnd[r]) for r in range(world)]
+        from_rank = [0 if r == me else self._split(r, mine) for r in range(world)]
+        my_rows: list[tuple[int, int, int, int]] = []
+        offset = 0
+        for r in others:
+            for i in rnd[r]:
+                numel = self._numel(me, i)
+                if numel:
+                    my_rows.append((i, offset, numel, self.shapes[i][1]))
+                    offset += numel
+        own: list[tuple[int, int, int, int]] = []
+        for k, i in enumerate(mine):
+            start, end = layout.rows(me, self.shapes[i][0])
+            if end > start:
+                own.append((k, i, start, end))
+        # The other ranks' rows of my matrices, in the receive (and return) layout.
+        others_rows: list[tuple[int, int, int, int, int]] = []
+        offset = 0
+        for r in others:
+            for k, i in enumerate(mine):
+                start, end = layout.rows(r, self.shapes[i][0])
+                numel = (end - start) * self.shapes[i][1]
+                if numel:
+                    others_rows.append((k, start, end, offset, numel))
+                    offset += numel
+        block = self._others_block(mine[0]) if len(mine) == 1 else None
+        shapes = [self.shapes[i] for i in mine]
+        return _Round(mine, shapes, to_owner, from_rank, my_rows, own, others_rows, block)
+
     def run(
         self,
         fill: Callable[[int, torch.Tensor], None],
@@ -238,33 +281,16 @@ class ExchangePlan:
         rows); then ``consume(i, rows)`` on every rank with its rows of the result
         (``result_dtype``). ``fill`` is called once per matrix this rank holds rows
         of, round by round. See [Note: owner compute for whole-matrix optimizers]."""
-        layout, me, world = self.layout, self.layout.rank, self.layout.world
-        if layout.group is None or world == 1:
+        layout = self.layout
+        if layout.group is None or layout.world == 1:
             for i in range(len(self.shapes)):
                 full = torch.empty(self.shapes[i], dtype=comm_dtype, device=device)
                 fill(i, full)
                 consume(i, compute(i, full).to(result_dtype))
             return
-        others = [r for r in range(world) if r != me]
 
         def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(numel, dtype=dtype, device=device)
-
-        def rows_of(t: torch.Tensor, rank: int, i: int) -> torch.Tensor:
-            start, end = layout.rows(rank, self.shapes[i][0])
-            return t[start:end]
-
-        def my_rows_of_others(
-            flat: torch.Tensor, rnd: list[list[int]]
-        ) -> Iterator[tuple[int, torch.Tensor]]:
-            # This rank's rows of the other owners' matrices, laid out in rank order.
-            offset = 0
-            for r in others:
-                for i in rnd[r]:
-                    numel = self._numel(me, i)
-                    if numel:
-                        yield i, flat[offset : offset + numel].view(-1, self.shapes[i][1])
-                        offset += numel
 
         def all_to_all(
             out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
@@ -278,90 +304,84 @@ class ExchangePlan:
 
         Pending = tuple[dist.Work, list[torch.Tensor], list[torch.Tensor]]
 
-        def post_gather(rnd: list[list[int]]) -> Pending:
-            mine = rnd[me]
-            fulls = [torch.empty(self.shapes[i], dtype=comm_dtype, device=device) for i in mine]
-            # To each other owner, in rank order: my rows of its matrices, in place.
-            to_owner = [0 if r == me else self._split(me, rnd[r]) for r in range(world)]
-            send = empty(sum(to_owner), comm_dtype)
-            for i, rows in my_rows_of_others(send, rnd):
-                fill(i, rows)
-            from_rank = [0 if r == me else self._split(r, mine) for r in range(world)]
-            block = self._others_block(mine[0]) if len(mine) == 1 else None
-            if block is not None:  # the other ranks' rows land in place
-                recv = fulls[0].view(-1)[block[0] : block[1]]
+        def post_gather(rnd: _Round) -> Pending:
+            fulls = [torch.empty(shape, dtype=comm_dtype, device=device) for shape in rnd.shapes]
+            send = empty(sum(rnd.to_owner), comm_dtype)
+            for i, offset, numel, n in rnd.my_rows:  # written in place
+                fill(i, send[offset : offset + numel].view(-1, n))
+            if rnd.block is not None:  # the other ranks' rows land in place
+                recv = fulls[0].view(-1)[rnd.block[0] : rnd.block[1]]
             else:
-                recv = empty(sum(from_rank), comm_dtype)
-            work = all_to_all(recv, send, from_rank, to_owner)
+                recv = empty(sum(rnd.from_rank), comm_dtype)
+            work = all_to_all(recv, send, rnd.from_rank, rnd.to_owner)
             # My rows straight into my matrices, while the others' arrive (other memory).
-            for i, full in zip(mine, fulls):
-                if self._numel(me, i):
-                    fill(i, rows_of(full, me, i))
+            for k, i, start, end in rnd.own:
+                fill(i, fulls[k][start:end])
             return work, [recv, *fulls], [send]
 
-        def assemble(rnd: list[list[int]], pending: Pending) -> list[torch.Tensor]:
+        def assemble(rnd: _Round, pending: Pending) -> list[torch.Tensor]:
             work, (recv, *fulls), _ = pending
             work.wait()
-            mine = rnd[me]
-            if len(mine) == 1 and self._others_block(mine[0]) is not None:
-                return fulls
-            offset = 0
-            for r in others:
-                for i, full in zip(mine, fulls):
-                    numel = self._numel(r, i)
-                    if numel:
-                        rows_of(full, r, i).view(-1).copy_(recv[offset : offset + numel])
-                        offset += numel
+            if rnd.block is None:
+                for k, start, end, offset, numel in rnd.others_rows:
+                    fulls[k][start:end].view(-1).copy_(recv[offset : offset + numel])
             return fulls
 
-        def post_return(rnd: list[list[int]], results: list[torch.Tensor]) -> Pending:
-            mine = rnd[me]
-            to_rank = [0 if r == me else self._split(r, mine) for r in range(world)]
-            block = self._others_block(mine[0]) if len(mine) == 1 else None
-            if block is not None:  # the other ranks' rows of the result, in place
-                send = results[0].view(-1)[block[0] : block[1]]
-            elif sum(to_rank):
+        def post_return(rnd: _Round, results: list[torch.Tensor]) -> Pending:
+            if rnd.block is not None:  # the other ranks' rows of the result, in place
+                send = results[0].view(-1)[rnd.block[0] : rnd.block[1]]
+            elif rnd.others_rows:
                 send = torch.cat(
-                    [
-                        rows_of(res, r, i).reshape(-1)
-                        for r in others
-                        for i, res in zip(mine, results)
-                    ]
+                    [results[k][start:end].reshape(-1) for k, start, end, _, _ in rnd.others_rows]
                 )
             else:
                 send = empty(0, result_dtype)
-            from_owner = [0 if r == me else self._split(me, rnd[r]) for r in range(world)]
-            back = empty(sum(from_owner), result_dtype)
-            return all_to_all(back, send, from_owner, to_rank), [back], [send, *results]
+            back = empty(sum(rnd.to_owner), result_dtype)
+            return all_to_all(back, send, rnd.to_owner, rnd.from_rank), [back], [send, *results]
 
-        def finish_return(rnd: list[list[int]], pending: Pending) -> None:
+        def finish_return(rnd: _Round, pending: Pending) -> None:
             work, (back,), _ = pending
             work.wait()
-            for i, rows in my_rows_of_others(back, rnd):
-                consume(i, rows)
+            for i, offset, numel, n in rnd.my_rows:
+                consume(i, back[offset : offset + numel].view(-1, n))
 
-        gathering = post_gather(self.rounds[0]) if self.rounds else None
-        returning: tuple[list[list[int]], Pending] | None = None
-        for b, rnd in enumerate(self.rounds):
+        rounds = self._schedule()
+        gathering = post_gather(rounds[0]) if rounds else None
+        returning: tuple[_Round, Pending] | None = None
+        for b, rnd in enumerate(rounds):
             assert gathering is not None
             # The next round's gather is posted before this round's is waited for:
             # its rows are written while this round's travel, and it runs while
             # this round computes.
             current = gathering
-            gathering = post_gather(self.rounds[b + 1]) if b + 1 < len(self.rounds) else None
+            gathering = post_gather(rounds[b + 1]) if b + 1 < len(rounds) else None
             fulls = assemble(rnd, current)
             del current  # this round's send and receive buffers
             # A tall matrix's result is a transposed view: rows need it contiguous.
             results = [
-                compute(i, full).to(result_dtype).contiguous() for i, full in zip(rnd[me], fulls)
+                compute(i, full).to(result_dtype).contiguous() for i, full in zip(rnd.mine, fulls)
             ]
             del fulls
             pending = post_return(rnd, results)
-            for i, result in zip(rnd[me], results):  # my rows, while the others' travel
-                if self._numel(me, i):
-                    consume(i, rows_of(result, me, i))
+            for k, i, start, end in rnd.own:  # my rows, while the others' travel
+                consume(i, results[k][start:end])
             if returning is not None:
                 finish_return(*returning)
             returning = (rnd, pending)
         if returning is not None:
             finish_return(*returning)
+
+
+@dataclass(frozen=True)
+class _Round:
+    """One round of an :class:`ExchangePlan` as this rank runs it (offsets in
+    elements of the flat send and receive buffers)."""
+
+    mine: list[int]  # the matrices this rank computes, and their shapes
+    shapes: list[tuple[int, int]]
+    to_owner: list[int]  # gather splits: my rows to each rank (the return's receive)
+    from_rank: list[int]  # gather splits: each rank's rows of mine (the return's send)
+    my_rows: list[tuple[int, int, int, int]]  # (matrix, offset, numel, columns)
+    own: list[tuple[int, int, int, int]]  # (index in mine, matrix, first row, end row)
+    others_rows: list[tuple[int, int, int, int, int]]  # (index in mine, rows, offset, numel)
+    block: tuple[int, int] | None  # a single matrix's other rows: received in place
