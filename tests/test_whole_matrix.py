@@ -410,3 +410,39 @@ def test_exchange_plan_spreads_tall_and_wide_matrices() -> None:
     for kind in [(1536, 384), (384, 1536), (384, 384)]:
         owners = [o for s, o in zip(shapes, plan.owners) if s == kind]
         assert owners.count(0) == owners.count(1), (kind, owners)
+
+
+def test_exchange_rounds_agree_across_ranks() -> None:
+    """Each rank's precomputed rounds (splits and offsets, see _Round) describe the
+    same all-to-alls: what rank a sends rank b is what b expects from a, the send
+    and receive layouts tile their buffers, and every row of every matrix is
+    written once (by its own rank or received), uneven and empty shards included."""
+    from fsdp_compose.whole_matrix._exchange import ExchangePlan, ShardLayout
+
+    shapes = [(37, 13), (5, 37), (24, 5), (24, 24), (2, 24), (512, 8)]
+    for world in (2, 3, 4):
+        for budget in (1, 320, 1 << 21):
+            plans = [
+                ExchangePlan.build(ShardLayout(None, r, world), shapes, budget)
+                for r in range(world)
+            ]
+            schedules = [p._schedule() for p in plans]
+            for b in range(len(plans[0].rounds)):
+                rounds = [s[b] for s in schedules]
+                for a in range(world):
+                    for c in range(world):
+                        assert rounds[a].to_owner[c] == rounds[c].from_rank[a]
+                    mine = rounds[a]
+                    # Pieces tile the flat buffers, in order, without gaps.
+                    ends = [o + n for _, o, n, _ in mine.my_rows]
+                    assert [o for _, o, _, _ in mine.my_rows] == [0, *ends[:-1]]
+                    assert (ends[-1] if ends else 0) == sum(mine.to_owner)
+                    ends = [o + n for *_, o, n in mine.others_rows]
+                    assert [o for *_, o, _ in mine.others_rows] == [0, *ends[:-1]]
+                    assert (ends[-1] if ends else 0) == sum(mine.from_rank)
+                    # Rows of each of my matrices: mine plus the received ones, once each.
+                    for k, i in enumerate(mine.mine):
+                        rows = [(s, e) for kk, _, s, e in mine.own if kk == k]
+                        rows += [(s, e) for kk, s, e, _, _ in mine.others_rows if kk == k]
+                        covered = sorted(r for s, e in rows for r in range(s, e))
+                        assert covered == list(range(shapes[i][0])), (world, budget, i)
