@@ -435,10 +435,10 @@ def test_exchange_rounds_agree_across_ranks() -> None:
                     mine = rounds[a]
                     # Pieces tile the flat buffers, in order, without gaps.
                     ends = [o + n for _, o, n, _ in mine.my_rows]
-                    assert [o for _, o, _, _ in mine.my_rows] == [0, *ends[:-1]]
+                    assert [o for _, o, _, _ in mine.my_rows] == [0, *ends][: len(ends)]
                     assert (ends[-1] if ends else 0) == sum(mine.to_owner)
                     ends = [o + n for *_, o, n in mine.others_rows]
-                    assert [o for *_, o, _ in mine.others_rows] == [0, *ends[:-1]]
+                    assert [o for *_, o, _ in mine.others_rows] == [0, *ends][: len(ends)]
                     assert (ends[-1] if ends else 0) == sum(mine.from_rank)
                     # Rows of each of my matrices: mine plus the received ones, once each.
                     for k, i in enumerate(mine.mine):
