@@ -32,17 +32,22 @@ on one *owner* rank of the shard group:
   block of the full matrix *is* the receive buffer and the block of the
   result the send buffer. Measured on gloo at ``W=2``, this cut 2-4 ms of CPU
   per rank from a 25-110 ms step against concatenating every piece.
-* The gather of round ``b+1`` is in flight while the owner computes round
-  ``b``, and the return of round ``b`` while it computes round ``b+1``.
+* The gather of round ``b+1`` is posted before round ``b``'s is waited for (its
+  rows are written while round ``b``'s travel) and is in flight while the owner
+  computes round ``b``; the return of round ``b`` is in flight while it computes
+  round ``b+1``. Each round's splits, offsets and row ranges are computed once
+  per plan (:class:`_Round`), so a step's Python only walks lists.
 * Memory, beyond the shards and the optimizer state, in the exchange's dtype
   (bfloat16 for Muon), with ``R = max(ROUND_NUMEL, largest m·n)``: at its peak
   (after posting round ``b``'s return, before applying round ``b-1``'s) a rank
   holds round ``b+1``'s full inputs, receive and send buffers, and for rounds
   ``b`` and ``b-1`` each the results, the return's send buffer and the returned
   rows: nine buffers, each at most ``R`` (a row buffer holds about ``1/W`` of
-  ``W`` owners' rounds), so at most ``9·R`` elements (18 MiB in bfloat16 at the
-  default ``ROUND_NUMEL`` when no matrix exceeds 2^20 elements; fewer where a
-  send buffer is a view of the result), plus the computation's inputs and
+  ``W`` owners' rounds); while it waits for round ``b``'s gather, round ``b``'s
+  and ``b+1``'s inputs, receive and send buffers and round ``b-1``'s return:
+  nine again. So at most ``9·R`` elements (36 MiB in bfloat16 at the default
+  ``ROUND_NUMEL`` when no matrix exceeds 2^21 elements; fewer where a send
+  buffer is a view of the result), plus the computation's inputs and
   temporaries while it runs (round ``b``'s inputs, ``≤ R``; for Newton–Schulz
   the Gram matrix and its polynomial, ``min(m, n)²`` each, and the next
   iterate, ``m·n``).
@@ -55,6 +60,21 @@ on one *owner* rank of the shard group:
   process CPU (more messages and wake-ups; ``send`` on the calling thread waits
   on gloo's I/O thread). Smaller rounds (``2^18``, ``2^19``) were no faster:
   on two busy cores the overlap saves less than the extra collectives cost.
+* Issue 12, stop 15 (same setup, two cores shared with other jobs; on-CPU
+  numbers, which the sharing disturbs least): inside the step each collective
+  costs 0.4-0.6 ms of process CPU (gloo's threads waking on busy cores, and
+  Newton–Schulz slowed by them), against under 0.1 ms for the same exchange
+  alone.
+  Hence rounds of 2^21 elements: the GPT's 8 rounds become 3, 4-6 ms less CPU
+  per rank (~0.03 of one process's step); 3·2^20 and 2^22 (2 rounds) were no
+  better, at more memory. Tried and not kept: uneven rounds (each owner's
+  smallest matrix alone first and its next smallest alone last, so the first
+  Newton–Schulz starts after a short gather and the last return is short):
+  the square stack's 2 collectives become 6, +2.5 ms CPU, no faster; one
+  matrix per round likewise. Weight decay of every shard moved into the first
+  gather's wait (the tail after the last return is adds only): no change, the
+  parameters are read twice. ``os.sched_yield()`` after each post, to let
+  gloo's thread start sending at once: no change.
 * HSDP: owners are chosen within each shard group; every replica group repeats
   the same work on its identical data, which costs no communication across
   replicas (the alternative, splitting the owners over all ranks, would need the
