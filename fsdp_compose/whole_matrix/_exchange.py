@@ -64,8 +64,7 @@ on one *owner* rank of the shard group:
   numbers, which the sharing disturbs least): inside the step each collective
   costs 0.4-0.6 ms of process CPU (gloo's threads waking on busy cores, and
   Newton–Schulz slowed by them), against under 0.1 ms for the same exchange
-  alone.
-  Hence rounds of 2^21 elements: the GPT's 8 rounds become 3, 4-6 ms less CPU
+  alone. Hence rounds of 2^21 elements: the GPT's 8 rounds become 3, 4-6 ms less CPU
   per rank (~0.03 of one process's step); 3·2^20 and 2^22 (2 rounds) were no
   better, at more memory. Tried and not kept: uneven rounds (each owner's
   smallest matrix alone first and its next smallest alone last, so the first
