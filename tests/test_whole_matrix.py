@@ -108,7 +108,7 @@ def _muon_exact(kwargs: dict, hsdp: bool, dtype: torch.dtype) -> dict:
 
 # round_numel 1: one matrix per owner and round (at W=2 the other rank's rows land
 # in place, no copy; at W=3 the middle rank assembles); None: all of an owner's
-# matrices in one round (assembly copies); 320: three rounds of one or two
+# matrices in one round (assembly copies); 320: two or three rounds of one or two
 # matrices (each round's gather posted before the previous one is waited for).
 @pytest.mark.parametrize(
     "world,round_numel", [(2, None), (3, None), (4, None), (2, 1), (3, 1), (2, 320), (3, 320)]
