@@ -194,6 +194,7 @@ class ExchangePlan:
     owners: list[int]
     rounds: list[list[list[int]]]
     _rounds_cache: list[_Round] | None = field(default=None, repr=False, compare=False)
+    pool: BufferPool = field(default_factory=lambda: BufferPool(), repr=False, compare=False)
 
     @classmethod
     def build(
@@ -247,6 +248,13 @@ class ExchangePlan:
         step's Python then only walks these lists)."""
         if self._rounds_cache is None:
             self._rounds_cache = [self._round(rnd) for rnd in self.rounds]
+            # Nine rounds' worth of free buffers (see [Note: exchange buffers are reused]).
+            sizes = [
+                sum(self.shapes[i][0] * self.shapes[i][1] for i in x)
+                for r in self.rounds
+                for x in r
+            ]
+            self.pool.limit = 9 * max(sizes, default=0)
         return self._rounds_cache
 
     def _round(self, rnd: list[list[int]]) -> _Round:
@@ -308,8 +316,10 @@ class ExchangePlan:
                 consume(i, compute(i, full).to(result_dtype))
             return
 
+        pool = self.pool
+
         def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(numel, dtype=dtype, device=device)
+            return pool.take(numel, dtype, device)
 
         def all_to_all(
             out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
@@ -324,7 +334,7 @@ class ExchangePlan:
         Pending = tuple[dist.Work, list[torch.Tensor], list[torch.Tensor]]
 
         def post_gather(rnd: _Round) -> Pending:
-            fulls = [torch.empty(shape, dtype=comm_dtype, device=device) for shape in rnd.shapes]
+            fulls = [empty(m * n, comm_dtype).view(m, n) for m, n in rnd.shapes]
             send = empty(sum(rnd.to_owner), comm_dtype)
             for i, offset, numel, n in rnd.my_rows:  # written in place
                 fill(i, send[offset : offset + numel].view(-1, n))
@@ -339,30 +349,35 @@ class ExchangePlan:
             return work, [recv, *fulls], [send]
 
         def assemble(rnd: _Round, pending: Pending) -> list[torch.Tensor]:
-            work, (recv, *fulls), _ = pending
+            work, (recv, *fulls), (send,) = pending
             work.wait()
             if rnd.block is None:
                 for k, start, end, offset, numel in rnd.others_rows:
                     fulls[k][start:end].view(-1).copy_(recv[offset : offset + numel])
+                pool.give(recv)
+            pool.give(send)
             return fulls
 
         def post_return(rnd: _Round, results: list[torch.Tensor]) -> Pending:
             if rnd.block is not None:  # the other ranks' rows of the result, in place
                 send = results[0].view(-1)[rnd.block[0] : rnd.block[1]]
-            elif rnd.others_rows:
-                send = torch.cat(
-                    [results[k][start:end].reshape(-1) for k, start, end, _, _ in rnd.others_rows]
-                )
             else:
-                send = empty(0, result_dtype)
+                send = empty(sum(rnd.from_rank), result_dtype)
+                for k, start, end, offset, numel in rnd.others_rows:
+                    send[offset : offset + numel].view(-1, results[k].size(1)).copy_(
+                        results[k][start:end]
+                    )
             back = empty(sum(rnd.to_owner), result_dtype)
             return all_to_all(back, send, rnd.to_owner, rnd.from_rank), [back], [send, *results]
 
         def finish_return(rnd: _Round, pending: Pending) -> None:
-            work, (back,), _ = pending
+            work, (back,), (send, *_) = pending
             work.wait()
             for i, offset, numel, n in rnd.my_rows:
                 consume(i, back[offset : offset + numel].view(-1, n))
+            pool.give(back)
+            if rnd.block is None:
+                pool.give(send)
 
         rounds = self._schedule()
         gathering = post_gather(rounds[0]) if rounds else None
@@ -380,6 +395,10 @@ class ExchangePlan:
             results = [
                 compute(i, full).to(result_dtype).contiguous() for i, full in zip(rnd.mine, fulls)
             ]
+            # Inputs go back to the pool unless a result is (a view of) its input.
+            for full, result in zip(fulls, results):
+                if result.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
+                    pool.give(full)
             del fulls
             pending = post_return(rnd, results)
             for k, i, start, end in rnd.own:  # my rows, while the others' travel
@@ -404,3 +423,44 @@ class _Round:
     own: list[tuple[int, int, int, int]]  # (index in mine, matrix, first row, end row)
     others_rows: list[tuple[int, int, int, int, int]]  # (index in mine, rows, offset, numel)
     block: tuple[int, int] | None  # a single matrix's other rows: received in place
+
+
+class BufferPool:
+    """Flat buffers kept from one step to the next, by size, dtype and device.
+
+    [Note: exchange buffers are reused]
+    Each step needs the same buffers (full matrices, send, receive and return
+    rows, and Newton–Schulz's Gram matrix, polynomial and iterates) in the same
+    sizes. Freshly allocated on the CPU, a buffer of a few hundred KiB or more
+    comes from ``mmap`` or from heap memory that ``malloc`` gave back to the
+    system after the previous step, and is paid for again in page faults: on
+    the square benchmark some ranks took 700-1,100 minor faults per step (about
+    4 MiB), others none, depending on the heap's layout. Taken from this pool,
+    a buffer is one the previous step used. A buffer goes back to the pool only
+    once nothing reads or writes it any more (after the collective that used it
+    has been waited for). The pool keeps at most ``limit`` elements of free
+    buffers (a buffer given back beyond that is freed); the exchange sets it to
+    nine rounds' worth, ``9·R`` (see the memory bound in [Note: owner compute
+    for whole-matrix optimizers]), which a step's buffers fit in.
+    """
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = limit
+        self._held = 0
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D buffer of ``numel`` elements, uninitialized."""
+        free = self._free.get((numel, dtype, device))
+        if free:
+            self._held -= numel
+            return free.pop()
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, t: torch.Tensor) -> None:
+        """Gives back ``t`` (or the buffer it views), taken with :meth:`take`."""
+        base = t if t._base is None else t._base
+        if self._held + base.numel() > self.limit:
+            return
+        self._held += base.numel()
+        self._free.setdefault((base.numel(), base.dtype, base.device), []).append(base)

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _compat, _optim
 from .._sharded_param import SHARDED_BY
-from ._exchange import ExchangePlan, ShardLayout, layout_of
+from ._exchange import BufferPool, ExchangePlan, ShardLayout, layout_of
 
 _plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[Any, ExchangePlan]] = (
     weakref.WeakKeyDictionary()
@@ -51,22 +51,45 @@ def newton_schulz(
     eps: float,
     *,
     use_addmm: bool = True,
+    pool: BufferPool | None = None,
 ) -> torch.Tensor:
     """The quintic Newton–Schulz orthogonalization of ``torch.optim.Muon``, in
-    the same op order (so the same bits). ``x`` is a bfloat16 matrix that may be
-    overwritten (normalized in place)."""
+    the same op order (so the same bits). ``x`` is a contiguous bfloat16 matrix
+    that may be overwritten (normalized in place, and with ``pool`` used as an
+    iterate's storage). With ``pool``, the Gram matrix, its polynomial and every
+    iterate but the last are written (``out=``, the same kernels) into buffers
+    taken from and given back to ``pool`` (see [Note: exchange buffers are
+    reused]); the result is always a fresh tensor."""
     a, b, c = coefficients
     tall = x.size(0) > x.size(1)
     y = x.T if tall else x  # iterate on the wide orientation: the Gram matrix is the small one
     y.div_(y.norm().clamp(min=eps))  # spectral norm at most 1
-    for _ in range(steps):
-        gram = y @ y.T
-        if use_addmm:
-            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+    if pool is None or not use_addmm or steps < 2:
+        for _ in range(steps):
+            gram = y @ y.T
+            if use_addmm:
+                poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+                y = torch.addmm(y, poly, y, beta=a)
+            else:
+                poly = b * gram + c * gram @ gram
+                y = a * y + poly @ y
+        return y.T if tall else y
+    rows, cols = y.shape
+    gram = pool.take(rows * rows, x.dtype, x.device).view(rows, rows)
+    poly = pool.take(rows * rows, x.dtype, x.device).view(rows, rows)
+    # Iterates alternate between a pooled buffer and x's own storage (no longer
+    # needed once the first iteration has read it), the last one fresh.
+    spare = [pool.take(rows * cols, x.dtype, x.device).view(rows, cols), x.view(rows, cols)]
+    for step in range(steps):
+        torch.mm(y, y.T, out=gram)
+        torch.addmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+        if step == steps - 1:
             y = torch.addmm(y, poly, y, beta=a)
         else:
-            poly = b * gram + c * gram @ gram
-            y = a * y + poly @ y
+            y = torch.addmm(y, poly, y, beta=a, out=spare[step % 2])
+    pool.give(gram)
+    pool.give(poly)
+    pool.give(spare[0])
     return y.T if tall else y
 
 
@@ -180,6 +203,7 @@ def _run(
             group["ns_steps"],
             group["eps"],
             use_addmm=group.get("use_addmm", True),
+            pool=plan.pool,
         )
 
     def consume(i: int, rows: torch.Tensor) -> None:
