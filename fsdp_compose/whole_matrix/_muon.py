@@ -44,6 +44,12 @@ _plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[Any, ExchangePlan]
 )
 
 
+# Per optimizer, per parameter (by id, checked against the spec): its layout.
+_layouts: weakref.WeakKeyDictionary[
+    torch.optim.Optimizer, dict[int, tuple[Any, torch.Size, ShardLayout]]
+] = weakref.WeakKeyDictionary()
+
+
 def newton_schulz(
     x: torch.Tensor,
     coefficients: tuple[float, float, float],
@@ -121,6 +127,7 @@ def muon_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The sharded step of a ``torch.optim.Muon`` for the parameters ``fully_shard``
     sharded (others are left to torch). Checks everything before changing anything."""
     jobs: list[tuple[dict[str, Any], DTensor, ShardLayout]] = []
+    layouts = _layouts.setdefault(optimizer, {})
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             if p.grad is None or not _ours(p):
@@ -139,7 +146,14 @@ def muon_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
                     f"fsdp_compose: {what} has a gradient not laid out like the parameter."
                 )
             _check_group(group)
-            jobs.append((group, p, layout_of(p, what)))
+            # The layout (mesh lookups, about 50 us a matrix) is worked out once per
+            # parameter and spec: a DTensor's spec is replaced, not mutated, when its
+            # mesh, placements or shape change.
+            spec, local_shape = _compat.dtensor_spec(p), _compat.local_tensor(p).shape
+            known = layouts.get(id(p))
+            if known is None or known[0] is not spec or known[1] != local_shape:
+                known = layouts[id(p)] = (spec, local_shape, layout_of(p, what))
+            jobs.append((group, p, known[2]))
     if not jobs:
         return []
 
