@@ -50,7 +50,12 @@ on one *owner* rank of the shard group:
   buffer is a view of the result), plus the computation's inputs and
   temporaries while it runs (round ``b``'s inputs, ``≤ R``; for Newton–Schulz
   the Gram matrix and its polynomial, ``min(m, n)²`` each, and the next
-  iterate, ``m·n``).
+  iterate, ``m·n``). Buffers are reused from step to step (see [Note:
+  exchange buffers are reused]): between steps a rank keeps at most ``9·R``
+  elements of them (the pool's limit; the benchmark GPT's step uses 11.6 M
+  elements, 22 MiB, against its ``9·R`` = 18.6 M), and during a step the
+  pool's free buffers come on top of the live ones above (at most ``9·R`` more;
+  in steady state a step takes back what the previous one gave).
 * Measured alternatives (gloo, ``W=2``, 1 thread per rank): one matrix per
   owner and round with no copy at all (every receive buffer a full matrix)
   took about 10% more CPU and wall time on the GPT benchmark (18 rounds
@@ -74,6 +79,25 @@ on one *owner* rank of the shard group:
   gather's wait (the tail after the last return is adds only): no change, the
   parameters are read twice. ``os.sched_yield()`` after each post, to let
   gloo's thread start sending at once: no change.
+* Issue 12, stop 15b (same setup, shared machine): on two cores, a ``W=2``
+  step is CPU-bound (both ranks' main threads and gloo's threads share them;
+  the step's wall time is about the ranks' CPU over two plus the ranks'
+  imbalance), so a wait is shortened only by using less CPU somewhere, not by
+  moving work into it (the overlap ideas of stop 15 gained nothing for that
+  reason; the fill of this rank's own rows already runs while the gather
+  travels, and its own results' rows are applied while the return does).
+  Kept: buffers reused from step to step and Newton–Schulz with ``out=``
+  (see [Note: exchange buffers are reused]), and each parameter's layout
+  looked up once per spec: Newton–Schulz's main-thread CPU on the square stack
+  went from 16.6-18.5 to 15.5-16.5 ms per rank, minor faults from up to 1,100
+  to 0 per step, process CPU −0.01 to −0.05 of one process's step. Measured
+  and not kept: one ``isend``/``irecv`` pair per round instead of the
+  all-to-all at ``W=2`` (1 MiB each way, alone: 0.31-0.34 against 0.32-0.37 ms
+  of process CPU, the same; ``batch_isend_irecv`` the same and slower in wall
+  time); the last Newton–Schulz iteration of a tall matrix written straight
+  into a row-major result (``out=`` a transposed view, no ``.contiguous()``
+  copy): not bit-identical for some shapes (``(1000, 300)``) and slower for
+  others (``(2048, 512)``: 3.7 against 2.6 ms).
 * HSDP: owners are chosen within each shard group; every replica group repeats
   the same work on its identical data, which costs no communication across
   replicas (the alternative, splitting the owners over all ranks, would need the
