@@ -72,6 +72,30 @@ def _muon_exact_job(
             _exchange.ROUND_NUMEL = previous
 
 
+def _muon_transport_job(shared: bool) -> dict:
+    """Muon through the shared-memory exchange or gloo's, with a longer chain of
+    matrices (11) and one matrix per owner and round: up to 6 rounds, so every
+    shared-memory slot is written again within a step."""
+    import os
+
+    global SHAPES
+    from fsdp_compose.whole_matrix import _exchange
+
+    env = "FSDP_COMPOSE_SHARED_MEMORY_EXCHANGE"
+    saved = (SHAPES, _exchange.ROUND_NUMEL, os.environ.get(env))
+    SHAPES = [*SHAPES, (2, 13), *SHAPES]
+    _exchange.ROUND_NUMEL = 1
+    os.environ[env] = "1" if shared else "0"
+    try:
+        return _muon_exact({"lr": 0.05, "weight_decay": 0.1, "momentum": 0.9}, False, torch.float32)
+    finally:
+        SHAPES, _exchange.ROUND_NUMEL = saved[0], saved[1]
+        if saved[2] is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = saved[2]
+
+
 def _muon_exact(kwargs: dict, hsdp: bool, dtype: torch.dtype) -> dict:
     ref = _model().to(dtype)
     shard_kw = {}
@@ -97,7 +121,13 @@ def _muon_exact(kwargs: dict, hsdp: bool, dtype: torch.dtype) -> dict:
         isinstance(b, DTensor) and b.placements == p.placements for b, p in zip(bufs, muon)
     )
     grads_back = all(p.grad is not None for p in model.parameters())
+    from fsdp_compose.whole_matrix import _muon
+
+    plans = list(_muon._plans[opts[0]].values())
     return {
+        "rounds": max(len(p.rounds) for p in plans),
+        # Whether every plan's exchange went through shared memory.
+        "shared": all(p._shared_cache and None not in p._shared_cache.values() for p in plans),
         "params_equal": params_equal,
         "worst": worst,
         "bufs_equal": bufs_equal,
@@ -117,6 +147,20 @@ def test_muon_bit_identical_to_one_device(world: int, round_numel: int | None) -
     kwargs = {"lr": 0.05, "weight_decay": 0.1, "momentum": 0.9}
     for r in run_distributed(_muon_exact_job, world, kwargs, False, torch.float32, round_numel):
         assert r["params_equal"] and r["bufs_equal"] and r["layouts"] and r["grads_back"], r
+
+
+@pytest.mark.parametrize("world,shared", [(2, True), (2, False), (3, True)])
+def test_muon_bit_identical_through_both_transports(world: int, shared: bool) -> None:
+    """The shared-memory exchange (ranks on one host) and gloo's give the same
+    bits as one device, with more rounds than shared-memory slots; the
+    shared-memory files are unlinked once mapped."""
+    import glob
+
+    before = set(glob.glob("/dev/shm/fsdp_compose_exchange_*"))
+    for r in run_distributed(_muon_transport_job, world, shared):
+        assert r["params_equal"] and r["bufs_equal"] and r["layouts"] and r["grads_back"], r
+        assert r["rounds"] > 3 and r["shared"] == shared, r
+    assert set(glob.glob("/dev/shm/fsdp_compose_exchange_*")) <= before
 
 
 @pytest.mark.parametrize(

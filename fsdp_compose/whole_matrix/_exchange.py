@@ -116,6 +116,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import _compat
+from . import _shared
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,9 @@ class ExchangePlan:
     rounds: list[list[list[int]]]
     _rounds_cache: list[_Round] | None = field(default=None, repr=False, compare=False)
     pool: BufferPool = field(default_factory=lambda: BufferPool(), repr=False, compare=False)
+    _shared_cache: dict[tuple[torch.dtype, torch.dtype], list[_SharedRound] | None] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @classmethod
     def build(
@@ -316,6 +320,74 @@ class ExchangePlan:
         shapes = [self.shapes[i] for i in mine]
         return _Round(mine, shapes, to_owner, from_rank, my_rows, own, others_rows, block)
 
+    def _shared_rounds(
+        self, comm_dtype: torch.dtype, result_dtype: torch.dtype, device: torch.device
+    ) -> list[_SharedRound] | None:
+        """Each round's views of the shared-memory regions (see [Note: the exchange
+        through shared memory]), or ``None`` where the exchange stays on gloo.
+        A collective the first time for a pair of dtypes."""
+        key = (comm_dtype, result_dtype)
+        if key in self._shared_cache:
+            return self._shared_cache[key]
+        layout, me, world = self.layout, self.layout.rank, self.layout.world
+        assert layout.group is not None
+        # Element offsets, the same on every rank: rank r's rows of matrix i in
+        # r's gather part, and rank x's rows of matrix i in its owner's return part.
+        sent: list[dict[tuple[int, int], int]] = []
+        returned: list[dict[tuple[int, int], int]] = []
+        gather_numel = return_numel = 0
+        for rnd in self.rounds:
+            g: dict[tuple[int, int], int] = {}
+            for r in range(world):
+                offset = 0
+                for o in range(world):
+                    for i in rnd[o] if o != r else []:
+                        g[r, i] = offset
+                        offset += self._numel(r, i)
+                gather_numel = max(gather_numel, offset)
+            t: dict[tuple[int, int], int] = {}
+            for o in range(world):
+                offset = 0
+                for x in range(world):
+                    for i in rnd[o] if x != o else []:
+                        t[x, i] = offset
+                        offset += self._numel(x, i)
+                return_numel = max(return_numel, offset)
+            sent.append(g)
+            returned.append(t)
+        shm = None
+        if device.type == "cpu":
+            shm = _shared.open_regions(
+                layout.group, me, world, gather_numel, return_numel, comm_dtype, result_dtype
+            )
+        if shm is None:
+            self._shared_cache[key] = None
+            return None
+        result: list[_SharedRound] = []
+        for b, rd in enumerate(self._schedule()):
+            slot = b % _shared.SLOTS
+            mine = rd.mine
+            send = shm.gather(me, slot, sum(rd.to_owner))
+            back = shm.result(me, slot, sum(rd.from_rank))
+            peers: list[tuple[int, int, int, torch.Tensor]] = []
+            for r in range(world):
+                if r == me:
+                    continue
+                for k, i in enumerate(mine):
+                    start, end = layout.rows(r, self.shapes[i][0])
+                    numel = (end - start) * self.shapes[i][1]
+                    if numel:
+                        src = shm.gather(r, slot, sent[b][r, i] + numel)[sent[b][r, i] :]
+                        peers.append((k, start, end, src))
+            rows: list[tuple[int, torch.Tensor]] = []
+            for i, _, numel, n in rd.my_rows:
+                owner = self.owners[i]
+                at = returned[b][me, i]
+                rows.append((i, shm.result(owner, slot, at + numel)[at:].view(-1, n)))
+            result.append(_SharedRound(send, back, peers, rows))
+        self._shared_cache[key] = result
+        return result
+
     def run(
         self,
         fill: Callable[[int, torch.Tensor], None],
@@ -325,13 +397,18 @@ class ExchangePlan:
         comm_dtype: torch.dtype,
         result_dtype: torch.dtype,
         device: torch.device,
+        shared_memory: bool = False,
     ) -> None:
         """For each matrix ``i``: ``compute(i, full)`` on its owner, where ``full``
         is the ``(m, n)`` matrix whose rows every rank wrote with ``fill(i, rows)``
         (``rows``: a contiguous ``comm_dtype`` tensor to overwrite with its local
         rows); then ``consume(i, rows)`` on every rank with its rows of the result
         (``result_dtype``). ``fill`` is called once per matrix this rank holds rows
-        of, round by round. See [Note: owner compute for whole-matrix optimizers]."""
+        of, round by round. ``shared_memory``: move the rows through shared memory
+        where every rank of the group is on this host (for a plan that is run
+        many times: the first run maps the regions, a collective). See [Note:
+        owner compute for whole-matrix optimizers] and [Note: the exchange through
+        shared memory]."""
         layout = self.layout
         if layout.group is None or layout.world == 1:
             for i in range(len(self.shapes)):
@@ -403,7 +480,45 @@ class ExchangePlan:
             if rnd.block is None:
                 pool.give(send)
 
+        shared = self._shared_rounds(comm_dtype, result_dtype, device) if shared_memory else None
+        if shared is not None:
+            group = layout.group
+
+            def post_gather_shared(rnd: _Round) -> Pending:
+                fulls = [empty(m * n, comm_dtype).view(m, n) for m, n in rnd.shapes]
+                send = by_round[id(rnd)].send
+                for i, offset, numel, n in rnd.my_rows:  # written in place
+                    fill(i, send[offset : offset + numel].view(-1, n))
+                work = _shared.signal(group)
+                for k, i, start, end in rnd.own:
+                    fill(i, fulls[k][start:end])
+                return work, fulls, []
+
+            def assemble_shared(rnd: _Round, pending: Pending) -> list[torch.Tensor]:
+                work, fulls, _ = pending
+                work.wait()
+                for k, start, end, src in by_round[id(rnd)].peers:
+                    fulls[k][start:end].view(-1).copy_(src)
+                return fulls
+
+            def post_return_shared(rnd: _Round, results: list[torch.Tensor]) -> Pending:
+                back = by_round[id(rnd)].back
+                for k, start, end, offset, numel in rnd.others_rows:
+                    rows = results[k][start:end]
+                    back[offset : offset + numel].view(rows.shape).copy_(rows)
+                return _shared.signal(group), [], results
+
+            def finish_return_shared(rnd: _Round, pending: Pending) -> None:
+                pending[0].wait()
+                for i, rows in by_round[id(rnd)].rows:
+                    consume(i, rows)
+
+            post_gather, assemble = post_gather_shared, assemble_shared
+            post_return, finish_return = post_return_shared, finish_return_shared
+
         rounds = self._schedule()
+        if shared is not None:
+            by_round = {id(rnd): views for rnd, views in zip(rounds, shared)}
         gathering = post_gather(rounds[0]) if rounds else None
         returning: tuple[_Round, Pending] | None = None
         for b, rnd in enumerate(rounds):
@@ -447,6 +562,20 @@ class _Round:
     own: list[tuple[int, int, int, int]]  # (index in mine, matrix, first row, end row)
     others_rows: list[tuple[int, int, int, int, int]]  # (index in mine, rows, offset, numel)
     block: tuple[int, int] | None  # a single matrix's other rows: received in place
+
+
+@dataclass(frozen=True)
+class _SharedRound:
+    """One round's views of the shared-memory regions: this rank's gather part
+    (``send``, the layout of the gather's send buffer) and return part (``back``,
+    the return's send layout), the other ranks' rows of this rank's matrices
+    (index in ``mine``, rows, their view), and this rank's rows of the other
+    owners' results (matrix, view)."""
+
+    send: torch.Tensor
+    back: torch.Tensor
+    peers: list[tuple[int, int, int, torch.Tensor]]
+    rows: list[tuple[int, torch.Tensor]]
 
 
 class BufferPool:

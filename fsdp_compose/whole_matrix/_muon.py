@@ -244,6 +244,7 @@ def _run(
             comm_dtype=torch.bfloat16,
             result_dtype=torch.bfloat16,
             device=device,
+            shared_memory=True,  # the plan is cached: its regions are mapped once
         )
 
 
