@@ -72,7 +72,7 @@ def _muon_exact_job(
             _exchange.ROUND_NUMEL = previous
 
 
-def _muon_transport_job(shared: bool) -> dict:
+def _muon_transport_job(shared: bool, refuse_on: int | None = None) -> dict:
     """Muon through the shared-memory exchange or gloo's, with a longer chain of
     matrices (11) and one matrix per owner and round: up to 6 rounds, so every
     shared-memory slot is written again within a step."""
@@ -85,10 +85,20 @@ def _muon_transport_job(shared: bool) -> dict:
     saved = (SHAPES, _exchange.ROUND_NUMEL, os.environ.get(env))
     SHAPES = [*SHAPES, (2, 13), *SHAPES]
     _exchange.ROUND_NUMEL = 1
-    os.environ[env] = "1" if shared else "0"
+    os.environ[env] = "1" if shared or refuse_on is not None else "0"
+    from fsdp_compose.whole_matrix import _shared
+
+    fallocate = _shared.os.posix_fallocate
+    if refuse_on == rank_world()[0]:  # as on a full /dev/shm, on this rank only
+
+        def refuse(*args: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        _shared.os.posix_fallocate = refuse  # type: ignore[assignment]
     try:
         return _muon_exact({"lr": 0.05, "weight_decay": 0.1, "momentum": 0.9}, False, torch.float32)
     finally:
+        _shared.os.posix_fallocate = fallocate  # type: ignore[assignment]
         SHAPES, _exchange.ROUND_NUMEL = saved[0], saved[1]
         if saved[2] is None:
             os.environ.pop(env, None)
@@ -160,6 +170,17 @@ def test_muon_bit_identical_through_both_transports(world: int, shared: bool) ->
     for r in run_distributed(_muon_transport_job, world, shared):
         assert r["params_equal"] and r["bufs_equal"] and r["layouts"] and r["grads_back"], r
         assert r["rounds"] > 3 and r["shared"] == shared, r
+    assert set(glob.glob("/dev/shm/fsdp_compose_exchange_*")) <= before
+
+
+def test_shared_memory_refused_on_one_rank_falls_back_to_gloo() -> None:
+    """One rank cannot reserve its region (a full /dev/shm): every rank agrees
+    to use gloo, and the result is still single-device Muon's."""
+    import glob
+
+    before = set(glob.glob("/dev/shm/fsdp_compose_exchange_*"))
+    for r in run_distributed(_muon_transport_job, 2, True, 1):
+        assert r["params_equal"] and r["bufs_equal"] and not r["shared"], r
     assert set(glob.glob("/dev/shm/fsdp_compose_exchange_*")) <= before
 
 
