@@ -90,7 +90,11 @@ on one *owner* rank of the shard group:
   (see [Note: exchange buffers are reused]), and each parameter's layout
   looked up once per spec: Newton–Schulz's main-thread CPU on the square stack
   went from 16.6-18.5 to 15.5-16.5 ms per rank, minor faults from up to 1,100
-  to 0 per step, process CPU −0.01 to −0.05 of one process's step. Measured
+  to 0 per step, process CPU −0.01 to −0.05 of one process's step (the GPT's
+  unchanged). Then, on one host, the rows through shared memory (see [Note:
+  the exchange through shared memory]; Muon only, whose plans are cached):
+  gloo's threads' CPU per rank and step 1.5 → 0.5 ms (square stack) and 6.7
+  → 1.8-5 ms (GPT), wall −0.04 to −0.08 of one process's step for both. Measured
   and not kept: one ``isend``/``irecv`` pair per round instead of the
   all-to-all at ``W=2`` (1 MiB each way, alone: 0.31-0.34 against 0.32-0.37 ms
   of process CPU, the same; ``batch_isend_irecv`` the same and slower in wall
