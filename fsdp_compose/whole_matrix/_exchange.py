@@ -224,9 +224,11 @@ class ExchangePlan:
     rounds: list[list[list[int]]]
     _rounds_cache: list[_Round] | None = field(default=None, repr=False, compare=False)
     pool: BufferPool = field(default_factory=lambda: BufferPool(), repr=False, compare=False)
-    _shared_cache: dict[tuple[torch.dtype, torch.dtype], list[_SharedRound] | None] = field(
-        default_factory=dict, repr=False, compare=False
-    )
+    # Per (comm, result) dtype: the mapped regions (kept with their views) and each
+    # round's views, or None where the exchange stays on gloo.
+    _shared_cache: dict[
+        tuple[torch.dtype, torch.dtype], tuple[_shared.SharedRegions, list[_SharedRound]] | None
+    ] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -332,7 +334,8 @@ class ExchangePlan:
         A collective the first time for a pair of dtypes."""
         key = (comm_dtype, result_dtype)
         if key in self._shared_cache:
-            return self._shared_cache[key]
+            cached = self._shared_cache[key]
+            return None if cached is None else cached[1]
         layout, me, world = self.layout, self.layout.rank, self.layout.world
         assert layout.group is not None
         # Element offsets, the same on every rank: rank r's rows of matrix i in
@@ -389,7 +392,7 @@ class ExchangePlan:
                 at = returned[b][me, i]
                 rows.append((i, shm.result(owner, slot, at + numel)[at:].view(-1, n)))
             result.append(_SharedRound(send, back, peers, rows))
-        self._shared_cache[key] = result
+        self._shared_cache[key] = (shm, result)
         return result
 
     def run(

@@ -117,6 +117,8 @@ def open_regions(
     path: str | None = f"/dev/shm/fsdp_compose_exchange_{os.getpid()}_{uuid.uuid4().hex}"
     assert path is not None
     try:
+        if not hasattr(os, "posix_fallocate"):  # not Linux: no /dev/shm to reserve in
+            raise OSError("os.posix_fallocate is not available")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             # Reserve the pages now: on a full /dev/shm this fails here (and the
