@@ -343,25 +343,24 @@ class ExchangePlan:
         sent: list[dict[tuple[int, int], int]] = []
         returned: list[dict[tuple[int, int], int]] = []
         gather_numel = return_numel = 0
+
+        def lay_out(table: dict[tuple[int, int], int], pieces: list[tuple[int, int]]) -> int:
+            """Offsets of consecutive (rank, matrix) row pieces; their total."""
+            offset = 0
+            for r, i in pieces:
+                table[r, i] = offset
+                offset += self._numel(r, i)
+            return offset
+
+        ranks = range(world)
         for rnd in self.rounds:
-            g: dict[tuple[int, int], int] = {}
-            for r in range(world):
-                offset = 0
-                for o in range(world):
-                    for i in rnd[o] if o != r else []:
-                        g[r, i] = offset
-                        offset += self._numel(r, i)
-                gather_numel = max(gather_numel, offset)
-            t: dict[tuple[int, int], int] = {}
-            for o in range(world):
-                offset = 0
-                for x in range(world):
-                    for i in rnd[o] if x != o else []:
-                        t[x, i] = offset
-                        offset += self._numel(x, i)
-                return_numel = max(return_numel, offset)
-            sent.append(g)
-            returned.append(t)
+            sent.append({})
+            returned.append({})
+            for r in ranks:  # r's gather part, and r's return part as an owner
+                outgoing = [(r, i) for o in ranks if o != r for i in rnd[o]]
+                gather_numel = max(gather_numel, lay_out(sent[-1], outgoing))
+                incoming = [(x, i) for x in ranks if x != r for i in rnd[r]]
+                return_numel = max(return_numel, lay_out(returned[-1], incoming))
         shm = None
         if device.type == "cpu":
             shm = _shared.open_regions(
