@@ -404,6 +404,7 @@ class ExchangePlan:
         result_dtype: torch.dtype,
         device: torch.device,
         shared_memory: bool = False,
+        recycle_inputs: bool = False,
     ) -> None:
         """For each matrix ``i``: ``compute(i, full)`` on its owner, where ``full``
         is the ``(m, n)`` matrix whose rows every rank wrote with ``fill(i, rows)``
@@ -414,7 +415,9 @@ class ExchangePlan:
         where every rank of the group is on this host (for a plan that is run
         many times: the first run maps the regions, a collective). See [Note:
         owner compute for whole-matrix optimizers] and [Note: the exchange through
-        shared memory]."""
+        shared memory]. ``recycle_inputs``: ``compute`` keeps no reference to
+        ``full`` (other than through its result), so the buffer is reused
+        afterwards (see [Note: exchange buffers are reused])."""
         layout = self.layout
         if layout.group is None or layout.world == 1:
             for i in range(len(self.shapes)):
@@ -541,7 +544,7 @@ class ExchangePlan:
                 compute(i, full).to(result_dtype).contiguous() for i, full in zip(rnd.mine, fulls)
             ]
             # Inputs go back to the pool unless a result is (a view of) its input.
-            for full, result in zip(fulls, results):
+            for full, result in zip(fulls, results) if recycle_inputs else ():
                 if result.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
                     pool.give(full)
             del fulls
@@ -597,7 +600,9 @@ class BufferPool:
     4 MiB), others none, depending on the heap's layout. Taken from this pool,
     a buffer is one the previous step used. A buffer goes back to the pool only
     once nothing reads or writes it any more (after the collective that used it
-    has been waited for). The pool keeps at most ``limit`` elements of free
+    has been waited for; a full matrix only where the caller says its
+    computation keeps no reference to it, as Muon's Newton–Schulz does not:
+    ``map_full_matrices`` leaves the inputs it hands to user code alone). The pool keeps at most ``limit`` elements of free
     buffers (a buffer given back beyond that is freed); the exchange sets it to
     nine rounds' worth, ``9·R`` (see the memory bound in [Note: owner compute
     for whole-matrix optimizers]), which a step's buffers fit in.

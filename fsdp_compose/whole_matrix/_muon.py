@@ -245,6 +245,7 @@ def _run(
             result_dtype=torch.bfloat16,
             device=device,
             shared_memory=True,  # the plan is cached: its regions are mapped once
+            recycle_inputs=True,  # Newton-Schulz keeps nothing of its input
         )
 
 
