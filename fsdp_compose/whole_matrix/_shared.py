@@ -33,9 +33,12 @@ the largest round's gather and return parts (each at most ``R`` of [Note: owner
 compute for whole-matrix optimizers]): at ``W=2`` in bfloat16, 6 MiB for the
 square stack and 11.8 MiB for the benchmark GPT, kept while the optimizer
 lives, in place of the send, receive and return buffers (the buffer pool then
-keeps only the full matrices and Newton–Schulz's temporaries: 3.5 and 12 MiB). It is used only when every rank of the group reports the same host and
-boot and could map every region; otherwise the exchange stays on gloo.
-``FSDP_COMPOSE_SHARED_MEMORY_EXCHANGE=0`` turns it off.
+keeps only the full matrices and Newton–Schulz's temporaries: 3.5 and 12 MiB).
+
+It is used only when every rank of the group reports the same host and boot and
+could reserve and map every region; otherwise every rank keeps the exchange on
+gloo. ``FSDP_COMPOSE_SHARED_MEMORY_EXCHANGE=0`` turns it off (read when a plan
+first runs).
 """
 
 from __future__ import annotations
