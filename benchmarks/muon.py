@@ -16,7 +16,8 @@ each rank sends to the others) against ``2·(W-1)/W`` of the fp32 matrix bytes.
 ``--profile`` adds where one optimizer step's time goes (Linux: per-thread CPU
 from ``/proc/self/task``): Newton–Schulz and everything else on the main thread,
 gloo's threads (transfers), and the wall time no thread of the rank used; the
-same split of one process's step.
+same split of one process's step; and each rank's phases (its time to the first
+Newton–Schulz and after the last, and where it waits for the exchange).
 
     python benchmarks/muon.py --worlds 2 4 --models square gpt
 """
@@ -162,6 +163,80 @@ def _profile_steps(
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
+PHASES = ("head", "head_wait", "mid_wait", "tail_wait", "tail", "ns_wall", "ns_cpu", "wall")
+
+
+def _phase_steps(step: Any, steps: int, ns_module: Any) -> dict[str, float]:
+    """Median per-step phases of this rank's sharded step (seconds, wall clock
+    unless named cpu): ``head`` from the step's start to its first Newton-Schulz,
+    ``tail`` from its last Newton-Schulz to the step's end, and the time spent in
+    the exchange's waits before, between and after the Newton-Schulz calls. A
+    rank that waits at the tail while the other computes shows the imbalance."""
+    import torch.distributed as dist
+
+    original_ns, original_a2a = ns_module.newton_schulz, dist.all_to_all_single
+    spans: list[tuple[str, float, float]] = []
+    ns_cpu = [0.0]
+
+    def ns(*args: Any, **kwargs: Any) -> Any:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return original_ns(*args, **kwargs)
+        finally:
+            spans.append(("ns", t0, time.perf_counter()))
+            ns_cpu[0] += time.thread_time() - c0
+
+    class _Timed:
+        def __init__(self, work: Any) -> None:
+            self.work = work
+
+        def wait(self) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return self.work.wait()
+            finally:
+                spans.append(("wait", t0, time.perf_counter()))
+
+    def a2a(*args: Any, **kwargs: Any) -> Any:
+        return _Timed(original_a2a(*args, **kwargs))
+
+    def reduce(*args: Any, **kwargs: Any) -> Any:  # the shared-memory exchange's signal
+        work = original_reduce(*args, **kwargs)
+        return _Timed(work) if kwargs.get("async_op") else work
+
+    original_reduce = dist.all_reduce
+    rows = []
+    ns_module.newton_schulz, dist.all_to_all_single = ns, a2a
+    dist.all_reduce = reduce
+    try:
+        for _ in range(steps):
+            dist.barrier()
+            spans.clear()
+            ns_cpu[0] = 0.0
+            start = time.perf_counter()
+            step()
+            end = time.perf_counter()
+            calls = [(a, b) for kind, a, b in spans if kind == "ns"]
+            first, last = (calls[0][0], calls[-1][1]) if calls else (end, end)
+            waits = [(a, b) for kind, a, b in spans if kind == "wait"]
+            rows.append(
+                {
+                    "head": first - start,
+                    "head_wait": sum(b - a for a, b in waits if b <= first),
+                    "mid_wait": sum(b - a for a, b in waits if a >= first and b <= last),
+                    "tail_wait": sum(b - a for a, b in waits if a >= last),
+                    "tail": end - last,
+                    "ns_wall": sum(b - a for a, b in calls),
+                    "ns_cpu": ns_cpu[0],
+                    "wall": end - start,
+                }
+            )
+    finally:
+        ns_module.newton_schulz, dist.all_to_all_single = original_ns, original_a2a
+        dist.all_reduce = original_reduce
+    return {k: statistics.median(r[k] for r in rows) for k in PHASES}
+
+
 def _max_over_ranks(value: float) -> float:
     import torch
     import torch.distributed as dist
@@ -258,6 +333,12 @@ def _rank_main(
             "single": single_split,
             "fsdp_compose": {k: _max_over_ranks(v) for k, v in split.items()},
         }
+        # Each rank's own phases (not the maximum): where its main thread waits.
+        phases = _phase_steps(opts["fsdp_compose"].step, 3 * steps, _muon)
+        mine = torch.tensor([phases[k] for k in PHASES], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        result["phases"] = [dict(zip(PHASES, t.tolist())) for t in every]
     del models["fsdp2"], opts["fsdp2"]
 
     # Whole training steps on fsdp_compose: Muon for the matrices + AdamW for the rest vs AdamW alone.
@@ -341,6 +422,7 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
         "muon_extra_per_rank_ms": 1e3 * (train["muon"] - train["adamw"]),
         "single_extra_over_W_ms": 1e3 * single_extra / r["world"],
         **({"profile": r["profile"]} if "profile" in r else {}),
+        **({"phases": r["phases"]} if "phases" in r else {}),
     }
 
 
@@ -385,7 +467,22 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{1e3 * ours['main_not_on_cpu']:.1f} | {1e3 * one['newton_schulz']:.1f} / "
             f"{1e3 * one['main_rest']:.1f} |\n"
         )
-    return head + body + head2 + body2 + head3 + body3
+    head4 = (
+        "\n| model | W | rank | step (ms) | start to first Newton-Schulz (ms) | its waits (ms) "
+        "| waits between Newton-Schulz calls (ms) | last Newton-Schulz to end (ms) "
+        "| its waits (ms) | Newton-Schulz wall / CPU (ms) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    body4 = ""
+    for r in profiled:
+        for rank, ph in enumerate(r.get("phases", [])):
+            ms = {k: 1e3 * v for k, v in ph.items()}
+            body4 += (
+                f"| {r['model']} | {r['W']} | {rank} | {ms['wall']:.1f} | {ms['head']:.1f} | "
+                f"{ms['head_wait']:.1f} | {ms['mid_wait']:.1f} | {ms['tail']:.1f} | "
+                f"{ms['tail_wait']:.1f} | {ms['ns_wall']:.1f} / {ms['ns_cpu']:.1f} |\n"
+            )
+    return head + body + head2 + body2 + head3 + body3 + (head4 + body4 if body4 else "")
 
 
 def main() -> None:

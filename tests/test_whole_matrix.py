@@ -72,6 +72,40 @@ def _muon_exact_job(
             _exchange.ROUND_NUMEL = previous
 
 
+def _muon_transport_job(shared: bool, refuse_on: int | None = None) -> dict:
+    """Muon through the shared-memory exchange or gloo's, with a longer chain of
+    matrices (11) and one matrix per owner and round: up to 6 rounds, so every
+    shared-memory slot is written again within a step."""
+    import os
+
+    global SHAPES
+    from fsdp_compose.whole_matrix import _exchange
+
+    env = "FSDP_COMPOSE_SHARED_MEMORY_EXCHANGE"
+    saved = (SHAPES, _exchange.ROUND_NUMEL, os.environ.get(env))
+    SHAPES = [*SHAPES, (2, 13), *SHAPES]
+    _exchange.ROUND_NUMEL = 1
+    os.environ[env] = "1" if shared or refuse_on is not None else "0"
+    from fsdp_compose.whole_matrix import _shared
+
+    fallocate = _shared.os.posix_fallocate
+    if refuse_on == rank_world()[0]:  # as on a full /dev/shm, on this rank only
+
+        def refuse(*args: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        _shared.os.posix_fallocate = refuse  # type: ignore[assignment]
+    try:
+        return _muon_exact({"lr": 0.05, "weight_decay": 0.1, "momentum": 0.9}, False, torch.float32)
+    finally:
+        _shared.os.posix_fallocate = fallocate  # type: ignore[assignment]
+        SHAPES, _exchange.ROUND_NUMEL = saved[0], saved[1]
+        if saved[2] is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = saved[2]
+
+
 def _muon_exact(kwargs: dict, hsdp: bool, dtype: torch.dtype) -> dict:
     ref = _model().to(dtype)
     shard_kw = {}
@@ -97,7 +131,13 @@ def _muon_exact(kwargs: dict, hsdp: bool, dtype: torch.dtype) -> dict:
         isinstance(b, DTensor) and b.placements == p.placements for b, p in zip(bufs, muon)
     )
     grads_back = all(p.grad is not None for p in model.parameters())
+    from fsdp_compose.whole_matrix import _muon
+
+    plans = list(_muon._plans[opts[0]].values())
     return {
+        "rounds": max(len(p.rounds) for p in plans),
+        # Whether every plan's exchange went through shared memory.
+        "shared": all(p._shared_cache and None not in p._shared_cache.values() for p in plans),
         "params_equal": params_equal,
         "worst": worst,
         "bufs_equal": bufs_equal,
@@ -108,12 +148,40 @@ def _muon_exact(kwargs: dict, hsdp: bool, dtype: torch.dtype) -> dict:
 
 # round_numel 1: one matrix per owner and round (at W=2 the other rank's rows land
 # in place, no copy; at W=3 the middle rank assembles); None: all of an owner's
-# matrices in one round (assembly copies).
-@pytest.mark.parametrize("world,round_numel", [(2, None), (3, None), (4, None), (2, 1), (3, 1)])
+# matrices in one round (assembly copies); 320: two or three rounds of one or two
+# matrices (each round's gather posted before the previous one is waited for).
+@pytest.mark.parametrize(
+    "world,round_numel", [(2, None), (3, None), (4, None), (2, 1), (3, 1), (2, 320), (3, 320)]
+)
 def test_muon_bit_identical_to_one_device(world: int, round_numel: int | None) -> None:
     kwargs = {"lr": 0.05, "weight_decay": 0.1, "momentum": 0.9}
     for r in run_distributed(_muon_exact_job, world, kwargs, False, torch.float32, round_numel):
         assert r["params_equal"] and r["bufs_equal"] and r["layouts"] and r["grads_back"], r
+
+
+@pytest.mark.parametrize("world,shared", [(2, True), (2, False), (3, True)])
+def test_muon_bit_identical_through_both_transports(world: int, shared: bool) -> None:
+    """The shared-memory exchange (ranks on one host) and gloo's give the same
+    bits as one device, with more rounds than shared-memory slots; the
+    shared-memory files are unlinked once mapped."""
+    import glob
+
+    before = set(glob.glob("/dev/shm/fsdp_compose_exchange_*"))
+    for r in run_distributed(_muon_transport_job, world, shared):
+        assert r["params_equal"] and r["bufs_equal"] and r["layouts"] and r["grads_back"], r
+        assert r["rounds"] > 3 and r["shared"] == shared, r
+    assert set(glob.glob("/dev/shm/fsdp_compose_exchange_*")) <= before
+
+
+def test_shared_memory_refused_on_one_rank_falls_back_to_gloo() -> None:
+    """One rank cannot reserve its region (a full /dev/shm): every rank agrees
+    to use gloo, and the result is still single-device Muon's."""
+    import glob
+
+    before = set(glob.glob("/dev/shm/fsdp_compose_exchange_*"))
+    for r in run_distributed(_muon_transport_job, 2, True, 1):
+        assert r["params_equal"] and r["bufs_equal"] and not r["shared"], r
+    assert set(glob.glob("/dev/shm/fsdp_compose_exchange_*")) <= before
 
 
 @pytest.mark.parametrize(
@@ -407,3 +475,39 @@ def test_exchange_plan_spreads_tall_and_wide_matrices() -> None:
     for kind in [(1536, 384), (384, 1536), (384, 384)]:
         owners = [o for s, o in zip(shapes, plan.owners) if s == kind]
         assert owners.count(0) == owners.count(1), (kind, owners)
+
+
+def test_exchange_rounds_agree_across_ranks() -> None:
+    """Each rank's precomputed rounds (splits and offsets, see _Round) describe the
+    same all-to-alls: what rank a sends rank b is what b expects from a, the send
+    and receive layouts tile their buffers, and every row of every matrix is
+    written once (by its own rank or received), uneven and empty shards included."""
+    from fsdp_compose.whole_matrix._exchange import ExchangePlan, ShardLayout
+
+    shapes = [(37, 13), (5, 37), (24, 5), (24, 24), (2, 24), (512, 8)]
+    for world in (2, 3, 4):
+        for budget in (1, 320, 1 << 21):
+            plans = [
+                ExchangePlan.build(ShardLayout(None, r, world), shapes, budget)
+                for r in range(world)
+            ]
+            schedules = [p._schedule() for p in plans]
+            for b in range(len(plans[0].rounds)):
+                rounds = [s[b] for s in schedules]
+                for a in range(world):
+                    for c in range(world):
+                        assert rounds[a].to_owner[c] == rounds[c].from_rank[a]
+                    mine = rounds[a]
+                    # Pieces tile the flat buffers, in order, without gaps.
+                    ends = [o + n for _, o, n, _ in mine.my_rows]
+                    assert [o for _, o, _, _ in mine.my_rows] == [0, *ends][: len(ends)]
+                    assert (ends[-1] if ends else 0) == sum(mine.to_owner)
+                    ends = [o + n for *_, o, n in mine.others_rows]
+                    assert [o for *_, o, _ in mine.others_rows] == [0, *ends][: len(ends)]
+                    assert (ends[-1] if ends else 0) == sum(mine.from_rank)
+                    # Rows of each of my matrices: mine plus the received ones, once each.
+                    for k, i in enumerate(mine.mine):
+                        rows = [(s, e) for kk, _, s, e in mine.own if kk == k]
+                        rows += [(s, e) for kk, s, e, _, _ in mine.others_rows if kk == k]
+                        covered = sorted(r for s, e in rows for r in range(s, e))
+                        assert covered == list(range(shapes[i][0])), (world, budget, i)

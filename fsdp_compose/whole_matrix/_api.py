@@ -65,7 +65,7 @@ def map_full_matrices(
     unsharded) is gathered onto its owner (see :func:`matrix_owners`), which calls
     ``fn(i, full)``; every rank receives its rows of the result. Owners are
     balanced by ``m·n·min(m, n)`` (a little more for a tall matrix); matrices move in rounds (each owner's next
-    matrices, up to 2^20 elements), each round one all-to-all to the owners and one
+    matrices, up to 2^21 elements), each round one all-to-all to the owners and one
     back, overlapped with ``fn``: a rank holds at most nine buffers of one round's
     size (inputs, results and rows; see [Note: owner compute for whole-matrix
     optimizers]).

@@ -32,20 +32,30 @@ on one *owner* rank of the shard group:
   block of the full matrix *is* the receive buffer and the block of the
   result the send buffer. Measured on gloo at ``W=2``, this cut 2-4 ms of CPU
   per rank from a 25-110 ms step against concatenating every piece.
-* The gather of round ``b+1`` is in flight while the owner computes round
-  ``b``, and the return of round ``b`` while it computes round ``b+1``.
+* The gather of round ``b+1`` is posted before round ``b``'s is waited for (its
+  rows are written while round ``b``'s travel) and is in flight while the owner
+  computes round ``b``; the return of round ``b`` is in flight while it computes
+  round ``b+1``. Each round's splits, offsets and row ranges are computed once
+  per plan (:class:`_Round`), so a step's Python only walks lists.
 * Memory, beyond the shards and the optimizer state, in the exchange's dtype
   (bfloat16 for Muon), with ``R = max(ROUND_NUMEL, largest m·n)``: at its peak
   (after posting round ``b``'s return, before applying round ``b-1``'s) a rank
   holds round ``b+1``'s full inputs, receive and send buffers, and for rounds
   ``b`` and ``b-1`` each the results, the return's send buffer and the returned
   rows: nine buffers, each at most ``R`` (a row buffer holds about ``1/W`` of
-  ``W`` owners' rounds), so at most ``9·R`` elements (18 MiB in bfloat16 at the
-  default ``ROUND_NUMEL`` when no matrix exceeds 2^20 elements; fewer where a
-  send buffer is a view of the result), plus the computation's inputs and
+  ``W`` owners' rounds); while it waits for round ``b``'s gather, round ``b``'s
+  and ``b+1``'s inputs, receive and send buffers and round ``b-1``'s return:
+  nine again. So at most ``9·R`` elements (36 MiB in bfloat16 at the default
+  ``ROUND_NUMEL`` when no matrix exceeds 2^21 elements; fewer where a send
+  buffer is a view of the result), plus the computation's inputs and
   temporaries while it runs (round ``b``'s inputs, ``≤ R``; for Newton–Schulz
   the Gram matrix and its polynomial, ``min(m, n)²`` each, and the next
-  iterate, ``m·n``).
+  iterate, ``m·n``). Buffers are reused from step to step (see [Note:
+  exchange buffers are reused]): between steps a rank keeps at most ``9·R``
+  elements of them (the pool's limit; the benchmark GPT's step uses 11.6 M
+  elements, 22 MiB, against its ``9·R`` = 18.6 M), and during a step the
+  pool's free buffers come on top of the live ones above (at most ``9·R`` more;
+  in steady state a step takes back what the previous one gave).
 * Measured alternatives (gloo, ``W=2``, 1 thread per rank): one matrix per
   owner and round with no copy at all (every receive buffer a full matrix)
   took about 10% more CPU and wall time on the GPT benchmark (18 rounds
@@ -55,6 +65,43 @@ on one *owner* rank of the shard group:
   process CPU (more messages and wake-ups; ``send`` on the calling thread waits
   on gloo's I/O thread). Smaller rounds (``2^18``, ``2^19``) were no faster:
   on two busy cores the overlap saves less than the extra collectives cost.
+* Issue 12, stop 15 (same setup, two cores shared with other jobs; on-CPU
+  numbers, which the sharing disturbs least): inside the step each collective
+  costs 0.4-0.6 ms of process CPU (gloo's threads waking on busy cores, and
+  Newton–Schulz slowed by them), against under 0.1 ms for the same exchange
+  alone. Hence rounds of 2^21 elements: the GPT's 8 rounds become 3, 4-6 ms less CPU
+  per rank (~0.03 of one process's step); 3·2^20 and 2^22 (2 rounds) were no
+  better, at more memory. Tried and not kept: uneven rounds (each owner's
+  smallest matrix alone first and its next smallest alone last, so the first
+  Newton–Schulz starts after a short gather and the last return is short):
+  the square stack's 2 collectives become 6, +2.5 ms CPU, no faster; one
+  matrix per round likewise. Weight decay of every shard moved into the first
+  gather's wait (the tail after the last return is adds only): no change, the
+  parameters are read twice. ``os.sched_yield()`` after each post, to let
+  gloo's thread start sending at once: no change.
+* Issue 12, stop 15b (same setup, shared machine): on two cores, a ``W=2``
+  step is CPU-bound (both ranks' main threads and gloo's threads share them;
+  the step's wall time is about the ranks' CPU over two plus the ranks'
+  imbalance), so a wait is shortened only by using less CPU somewhere, not by
+  moving work into it (the overlap ideas of stop 15 gained nothing for that
+  reason; the fill of this rank's own rows already runs while the gather
+  travels, and its own results' rows are applied while the return does).
+  Kept: buffers reused from step to step and Newton–Schulz with ``out=``
+  (see [Note: exchange buffers are reused]), and each parameter's layout
+  looked up once per spec: Newton–Schulz's main-thread CPU on the square stack
+  went from 16.6-18.5 to 15.5-16.5 ms per rank, minor faults from up to 1,100
+  to 0 per step, process CPU −0.01 to −0.05 of one process's step (the GPT's
+  unchanged). Then, on one host, the rows through shared memory (see [Note:
+  the exchange through shared memory]; Muon only, whose plans are cached):
+  gloo's threads' CPU per rank and step 1.5 → 0.5 ms (square stack) and 6.7
+  → 1.8-5 ms (GPT), wall −0.04 to −0.08 of one process's step for both. Measured
+  and not kept: one ``isend``/``irecv`` pair per round instead of the
+  all-to-all at ``W=2`` (1 MiB each way, alone: 0.31-0.34 against 0.32-0.37 ms
+  of process CPU, the same; ``batch_isend_irecv`` the same and slower in wall
+  time); the last Newton–Schulz iteration of a tall matrix written straight
+  into a row-major result (``out=`` a transposed view, no ``.contiguous()``
+  copy): not bit-identical for some shapes (``(1000, 300)``) and slower for
+  others (``(2048, 512)``: 3.7 against 2.6 ms).
 * HSDP: owners are chosen within each shard group; every replica group repeats
   the same work on its identical data, which costs no communication across
   replicas (the alternative, splitting the owners over all ranks, would need the
@@ -64,8 +111,8 @@ on one *owner* rank of the shard group:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -73,6 +120,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import _compat
+from . import _shared
 
 
 @dataclass(frozen=True)
@@ -157,9 +205,11 @@ def newton_schulz_cost(shape: tuple[int, int]) -> float:
     return cost
 
 
-#: Elements of full matrices one owner receives per round (2 MiB in bfloat16): a
+#: Elements of full matrices one owner receives per round (4 MiB in bfloat16): a
 #: round holds an owner's next matrices up to this size (at least one matrix).
-ROUND_NUMEL = 1 << 20
+#: Fewer, larger rounds: on gloo each collective costs CPU of its own (see
+#: [Note: owner compute for whole-matrix optimizers]).
+ROUND_NUMEL = 1 << 21
 
 
 @dataclass
@@ -172,6 +222,13 @@ class ExchangePlan:
     shapes: list[tuple[int, int]]
     owners: list[int]
     rounds: list[list[list[int]]]
+    _rounds_cache: list[_Round] | None = field(default=None, repr=False, compare=False)
+    pool: BufferPool = field(default_factory=lambda: BufferPool(), repr=False, compare=False)
+    # Per (comm, result) dtype: the mapped regions (kept with their views) and each
+    # round's views, or None where the exchange stays on gloo.
+    _shared_cache: dict[
+        tuple[torch.dtype, torch.dtype], tuple[_shared.SharedRegions, list[_SharedRound]] | None
+    ] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -220,6 +277,123 @@ class ExchangePlan:
             return (end * n, m * n) if start == 0 else (0, m * n)
         return (0, start * n) if end == m else None
 
+    def _schedule(self) -> list[_Round]:
+        """Each round's splits, offsets and row ranges, computed once per plan (a
+        step's Python then only walks these lists)."""
+        if self._rounds_cache is None:
+            self._rounds_cache = [self._round(rnd) for rnd in self.rounds]
+            # Nine rounds' worth of free buffers (see [Note: exchange buffers are reused]).
+            sizes = [
+                sum(self.shapes[i][0] * self.shapes[i][1] for i in x)
+                for r in self.rounds
+                for x in r
+            ]
+            self.pool.limit = 9 * max(sizes, default=0)
+        return self._rounds_cache
+
+    def _round(self, rnd: list[list[int]]) -> _Round:
+        layout, me, world = self.layout, self.layout.rank, self.layout.world
+        others = [r for r in range(world) if r != me]
+        mine = rnd[me]
+        # Gather: to each other owner, in rank order, my rows of its matrices; the
+        # return brings my rows of the results back in the same layout.
+        to_owner = [0 if r == me else self._split(me, rnd[r]) for r in range(world)]
+        from_rank = [0 if r == me else self._split(r, mine) for r in range(world)]
+        my_rows: list[tuple[int, int, int, int]] = []
+        offset = 0
+        for r in others:
+            for i in rnd[r]:
+                numel = self._numel(me, i)
+                if numel:
+                    my_rows.append((i, offset, numel, self.shapes[i][1]))
+                    offset += numel
+        own: list[tuple[int, int, int, int]] = []
+        for k, i in enumerate(mine):
+            start, end = layout.rows(me, self.shapes[i][0])
+            if end > start:
+                own.append((k, i, start, end))
+        # The other ranks' rows of my matrices, in the receive (and return) layout.
+        others_rows: list[tuple[int, int, int, int, int]] = []
+        offset = 0
+        for r in others:
+            for k, i in enumerate(mine):
+                start, end = layout.rows(r, self.shapes[i][0])
+                numel = (end - start) * self.shapes[i][1]
+                if numel:
+                    others_rows.append((k, start, end, offset, numel))
+                    offset += numel
+        block = self._others_block(mine[0]) if len(mine) == 1 else None
+        shapes = [self.shapes[i] for i in mine]
+        return _Round(mine, shapes, to_owner, from_rank, my_rows, own, others_rows, block)
+
+    def _shared_rounds(
+        self, comm_dtype: torch.dtype, result_dtype: torch.dtype, device: torch.device
+    ) -> list[_SharedRound] | None:
+        """Each round's views of the shared-memory regions (see [Note: the exchange
+        through shared memory]), or ``None`` where the exchange stays on gloo.
+        A collective the first time for a pair of dtypes."""
+        key = (comm_dtype, result_dtype)
+        if key in self._shared_cache:
+            cached = self._shared_cache[key]
+            return None if cached is None else cached[1]
+        layout, me, world = self.layout, self.layout.rank, self.layout.world
+        assert layout.group is not None
+        # Element offsets, the same on every rank: rank r's rows of matrix i in
+        # r's gather part, and rank x's rows of matrix i in its owner's return part.
+        sent: list[dict[tuple[int, int], int]] = []
+        returned: list[dict[tuple[int, int], int]] = []
+        gather_numel = return_numel = 0
+
+        def lay_out(table: dict[tuple[int, int], int], pieces: list[tuple[int, int]]) -> int:
+            """Offsets of consecutive (rank, matrix) row pieces; their total."""
+            offset = 0
+            for r, i in pieces:
+                table[r, i] = offset
+                offset += self._numel(r, i)
+            return offset
+
+        ranks = range(world)
+        for rnd in self.rounds:
+            sent.append({})
+            returned.append({})
+            for r in ranks:  # r's gather part, and r's return part as an owner
+                outgoing = [(r, i) for o in ranks if o != r for i in rnd[o]]
+                gather_numel = max(gather_numel, lay_out(sent[-1], outgoing))
+                incoming = [(x, i) for x in ranks if x != r for i in rnd[r]]
+                return_numel = max(return_numel, lay_out(returned[-1], incoming))
+        shm = None
+        if device.type == "cpu":
+            shm = _shared.open_regions(
+                layout.group, me, world, gather_numel, return_numel, comm_dtype, result_dtype
+            )
+        if shm is None:
+            self._shared_cache[key] = None
+            return None
+        result: list[_SharedRound] = []
+        for b, rd in enumerate(self._schedule()):
+            slot = b % _shared.SLOTS
+            mine = rd.mine
+            send = shm.gather(me, slot, sum(rd.to_owner))
+            back = shm.result(me, slot, sum(rd.from_rank))
+            peers: list[tuple[int, int, int, torch.Tensor]] = []
+            for r in range(world):
+                if r == me:
+                    continue
+                for k, i in enumerate(mine):
+                    start, end = layout.rows(r, self.shapes[i][0])
+                    numel = (end - start) * self.shapes[i][1]
+                    if numel:
+                        src = shm.gather(r, slot, sent[b][r, i] + numel)[sent[b][r, i] :]
+                        peers.append((k, start, end, src))
+            rows: list[tuple[int, torch.Tensor]] = []
+            for i, _, numel, n in rd.my_rows:
+                owner = self.owners[i]
+                at = returned[b][me, i]
+                rows.append((i, shm.result(owner, slot, at + numel)[at:].view(-1, n)))
+            result.append(_SharedRound(send, back, peers, rows))
+        self._shared_cache[key] = (shm, result)
+        return result
+
     def run(
         self,
         fill: Callable[[int, torch.Tensor], None],
@@ -229,40 +403,33 @@ class ExchangePlan:
         comm_dtype: torch.dtype,
         result_dtype: torch.dtype,
         device: torch.device,
+        shared_memory: bool = False,
+        recycle_inputs: bool = False,
     ) -> None:
         """For each matrix ``i``: ``compute(i, full)`` on its owner, where ``full``
         is the ``(m, n)`` matrix whose rows every rank wrote with ``fill(i, rows)``
         (``rows``: a contiguous ``comm_dtype`` tensor to overwrite with its local
         rows); then ``consume(i, rows)`` on every rank with its rows of the result
         (``result_dtype``). ``fill`` is called once per matrix this rank holds rows
-        of, round by round. See [Note: owner compute for whole-matrix optimizers]."""
-        layout, me, world = self.layout, self.layout.rank, self.layout.world
-        if layout.group is None or world == 1:
+        of, round by round. ``shared_memory``: move the rows through shared memory
+        where every rank of the group is on this host (for a plan that is run
+        many times: the first run maps the regions, a collective). See [Note:
+        owner compute for whole-matrix optimizers] and [Note: the exchange through
+        shared memory]. ``recycle_inputs``: ``compute`` keeps no reference to
+        ``full`` (other than through its result), so the buffer is reused
+        afterwards (see [Note: exchange buffers are reused])."""
+        layout = self.layout
+        if layout.group is None or layout.world == 1:
             for i in range(len(self.shapes)):
                 full = torch.empty(self.shapes[i], dtype=comm_dtype, device=device)
                 fill(i, full)
                 consume(i, compute(i, full).to(result_dtype))
             return
-        others = [r for r in range(world) if r != me]
+
+        pool = self.pool
 
         def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(numel, dtype=dtype, device=device)
-
-        def rows_of(t: torch.Tensor, rank: int, i: int) -> torch.Tensor:
-            start, end = layout.rows(rank, self.shapes[i][0])
-            return t[start:end]
-
-        def my_rows_of_others(
-            flat: torch.Tensor, rnd: list[list[int]]
-        ) -> Iterator[tuple[int, torch.Tensor]]:
-            # This rank's rows of the other owners' matrices, laid out in rank order.
-            offset = 0
-            for r in others:
-                for i in rnd[r]:
-                    numel = self._numel(me, i)
-                    if numel:
-                        yield i, flat[offset : offset + numel].view(-1, self.shapes[i][1])
-                        offset += numel
+            return pool.take(numel, dtype, device)
 
         def all_to_all(
             out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
@@ -276,86 +443,188 @@ class ExchangePlan:
 
         Pending = tuple[dist.Work, list[torch.Tensor], list[torch.Tensor]]
 
-        def post_gather(rnd: list[list[int]]) -> Pending:
-            mine = rnd[me]
-            fulls = [torch.empty(self.shapes[i], dtype=comm_dtype, device=device) for i in mine]
-            # To each other owner, in rank order: my rows of its matrices, in place.
-            to_owner = [0 if r == me else self._split(me, rnd[r]) for r in range(world)]
-            send = empty(sum(to_owner), comm_dtype)
-            for i, rows in my_rows_of_others(send, rnd):
-                fill(i, rows)
-            from_rank = [0 if r == me else self._split(r, mine) for r in range(world)]
-            block = self._others_block(mine[0]) if len(mine) == 1 else None
-            if block is not None:  # the other ranks' rows land in place
-                recv = fulls[0].view(-1)[block[0] : block[1]]
+        def post_gather(rnd: _Round) -> Pending:
+            fulls = [empty(m * n, comm_dtype).view(m, n) for m, n in rnd.shapes]
+            send = empty(sum(rnd.to_owner), comm_dtype)
+            for i, offset, numel, n in rnd.my_rows:  # written in place
+                fill(i, send[offset : offset + numel].view(-1, n))
+            if rnd.block is not None:  # the other ranks' rows land in place
+                recv = fulls[0].view(-1)[rnd.block[0] : rnd.block[1]]
             else:
-                recv = empty(sum(from_rank), comm_dtype)
-            work = all_to_all(recv, send, from_rank, to_owner)
+                recv = empty(sum(rnd.from_rank), comm_dtype)
+            work = all_to_all(recv, send, rnd.from_rank, rnd.to_owner)
             # My rows straight into my matrices, while the others' arrive (other memory).
-            for i, full in zip(mine, fulls):
-                if self._numel(me, i):
-                    fill(i, rows_of(full, me, i))
+            for k, i, start, end in rnd.own:
+                fill(i, fulls[k][start:end])
             return work, [recv, *fulls], [send]
 
-        def assemble(rnd: list[list[int]], pending: Pending) -> list[torch.Tensor]:
-            work, (recv, *fulls), _ = pending
+        def assemble(rnd: _Round, pending: Pending) -> list[torch.Tensor]:
+            work, (recv, *fulls), (send,) = pending
             work.wait()
-            mine = rnd[me]
-            if len(mine) == 1 and self._others_block(mine[0]) is not None:
-                return fulls
-            offset = 0
-            for r in others:
-                for i, full in zip(mine, fulls):
-                    numel = self._numel(r, i)
-                    if numel:
-                        rows_of(full, r, i).view(-1).copy_(recv[offset : offset + numel])
-                        offset += numel
+            if rnd.block is None:
+                for k, start, end, offset, numel in rnd.others_rows:
+                    fulls[k][start:end].view(-1).copy_(recv[offset : offset + numel])
+                pool.give(recv)
+            pool.give(send)
             return fulls
 
-        def post_return(rnd: list[list[int]], results: list[torch.Tensor]) -> Pending:
-            mine = rnd[me]
-            to_rank = [0 if r == me else self._split(r, mine) for r in range(world)]
-            block = self._others_block(mine[0]) if len(mine) == 1 else None
-            if block is not None:  # the other ranks' rows of the result, in place
-                send = results[0].view(-1)[block[0] : block[1]]
-            elif sum(to_rank):
-                send = torch.cat(
-                    [
-                        rows_of(res, r, i).reshape(-1)
-                        for r in others
-                        for i, res in zip(mine, results)
-                    ]
-                )
+        def post_return(rnd: _Round, results: list[torch.Tensor]) -> Pending:
+            if rnd.block is not None:  # the other ranks' rows of the result, in place
+                send = results[0].view(-1)[rnd.block[0] : rnd.block[1]]
             else:
-                send = empty(0, result_dtype)
-            from_owner = [0 if r == me else self._split(me, rnd[r]) for r in range(world)]
-            back = empty(sum(from_owner), result_dtype)
-            return all_to_all(back, send, from_owner, to_rank), [back], [send, *results]
+                send = empty(sum(rnd.from_rank), result_dtype)
+                for k, start, end, offset, numel in rnd.others_rows:
+                    send[offset : offset + numel].view(-1, results[k].size(1)).copy_(
+                        results[k][start:end]
+                    )
+            back = empty(sum(rnd.to_owner), result_dtype)
+            return all_to_all(back, send, rnd.to_owner, rnd.from_rank), [back], [send, *results]
 
-        def finish_return(rnd: list[list[int]], pending: Pending) -> None:
-            work, (back,), _ = pending
+        def finish_return(rnd: _Round, pending: Pending) -> None:
+            work, (back,), (send, *_) = pending
             work.wait()
-            for i, rows in my_rows_of_others(back, rnd):
-                consume(i, rows)
+            for i, offset, numel, n in rnd.my_rows:
+                consume(i, back[offset : offset + numel].view(-1, n))
+            pool.give(back)
+            if rnd.block is None:
+                pool.give(send)
 
-        gathering = post_gather(self.rounds[0]) if self.rounds else None
-        returning: tuple[list[list[int]], Pending] | None = None
-        for b, rnd in enumerate(self.rounds):
+        shared = self._shared_rounds(comm_dtype, result_dtype, device) if shared_memory else None
+        if shared is not None:
+            group = layout.group
+
+            def post_gather_shared(rnd: _Round) -> Pending:
+                fulls = [empty(m * n, comm_dtype).view(m, n) for m, n in rnd.shapes]
+                send = by_round[id(rnd)].send
+                for i, offset, numel, n in rnd.my_rows:  # written in place
+                    fill(i, send[offset : offset + numel].view(-1, n))
+                work = _shared.signal(group)
+                for k, i, start, end in rnd.own:
+                    fill(i, fulls[k][start:end])
+                return work, fulls, []
+
+            def assemble_shared(rnd: _Round, pending: Pending) -> list[torch.Tensor]:
+                work, fulls, _ = pending
+                work.wait()
+                for k, start, end, src in by_round[id(rnd)].peers:
+                    fulls[k][start:end].view(-1).copy_(src)
+                return fulls
+
+            def post_return_shared(rnd: _Round, results: list[torch.Tensor]) -> Pending:
+                back = by_round[id(rnd)].back
+                for k, start, end, offset, numel in rnd.others_rows:
+                    rows = results[k][start:end]
+                    back[offset : offset + numel].view(rows.shape).copy_(rows)
+                return _shared.signal(group), [], results
+
+            def finish_return_shared(rnd: _Round, pending: Pending) -> None:
+                pending[0].wait()
+                for i, rows in by_round[id(rnd)].rows:
+                    consume(i, rows)
+
+            post_gather, assemble = post_gather_shared, assemble_shared
+            post_return, finish_return = post_return_shared, finish_return_shared
+
+        rounds = self._schedule()
+        if shared is not None:
+            by_round = {id(rnd): views for rnd, views in zip(rounds, shared)}
+        gathering = post_gather(rounds[0]) if rounds else None
+        returning: tuple[_Round, Pending] | None = None
+        for b, rnd in enumerate(rounds):
             assert gathering is not None
-            fulls = assemble(rnd, gathering)
-            # The next round's gather runs while this round computes.
-            gathering = post_gather(self.rounds[b + 1]) if b + 1 < len(self.rounds) else None
-            results = []
-            for i, full in zip(rnd[me], fulls):
-                # A tall matrix's result is a transposed view: rows need it contiguous.
-                results.append(compute(i, full).to(result_dtype).contiguous())
+            # The next round's gather is posted before this round's is waited for:
+            # its rows are written while this round's travel, and it runs while
+            # this round computes.
+            current = gathering
+            gathering = post_gather(rounds[b + 1]) if b + 1 < len(rounds) else None
+            fulls = assemble(rnd, current)
+            del current  # this round's send and receive buffers
+            # A tall matrix's result is a transposed view: rows need it contiguous.
+            results = [
+                compute(i, full).to(result_dtype).contiguous() for i, full in zip(rnd.mine, fulls)
+            ]
+            # Inputs go back to the pool unless a result is (a view of) its input.
+            for full, result in zip(fulls, results) if recycle_inputs else ():
+                if result.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
+                    pool.give(full)
             del fulls
             pending = post_return(rnd, results)
-            for i, result in zip(rnd[me], results):  # my rows, while the others' travel
-                if self._numel(me, i):
-                    consume(i, rows_of(result, me, i))
+            for k, i, start, end in rnd.own:  # my rows, while the others' travel
+                consume(i, results[k][start:end])
             if returning is not None:
                 finish_return(*returning)
             returning = (rnd, pending)
         if returning is not None:
             finish_return(*returning)
+
+
+@dataclass(frozen=True)
+class _Round:
+    """One round of an :class:`ExchangePlan` as this rank runs it (offsets in
+    elements of the flat send and receive buffers)."""
+
+    mine: list[int]  # the matrices this rank computes, and their shapes
+    shapes: list[tuple[int, int]]
+    to_owner: list[int]  # gather splits: my rows to each rank (the return's receive)
+    from_rank: list[int]  # gather splits: each rank's rows of mine (the return's send)
+    my_rows: list[tuple[int, int, int, int]]  # (matrix, offset, numel, columns)
+    own: list[tuple[int, int, int, int]]  # (index in mine, matrix, first row, end row)
+    others_rows: list[tuple[int, int, int, int, int]]  # (index in mine, rows, offset, numel)
+    block: tuple[int, int] | None  # a single matrix's other rows: received in place
+
+
+@dataclass(frozen=True)
+class _SharedRound:
+    """One round's views of the shared-memory regions: this rank's gather part
+    (``send``, the layout of the gather's send buffer) and return part (``back``,
+    the return's send layout), the other ranks' rows of this rank's matrices
+    (index in ``mine``, rows, their view), and this rank's rows of the other
+    owners' results (matrix, view)."""
+
+    send: torch.Tensor
+    back: torch.Tensor
+    peers: list[tuple[int, int, int, torch.Tensor]]
+    rows: list[tuple[int, torch.Tensor]]
+
+
+class BufferPool:
+    """Flat buffers kept from one step to the next, by size, dtype and device.
+
+    [Note: exchange buffers are reused]
+    Each step needs the same buffers (full matrices, send, receive and return
+    rows, and Newton–Schulz's Gram matrix, polynomial and iterates) in the same
+    sizes. Freshly allocated on the CPU, a buffer of a few hundred KiB or more
+    comes from ``mmap`` or from heap memory that ``malloc`` gave back to the
+    system after the previous step, and is paid for again in page faults: on
+    the square benchmark some ranks took 700-1,100 minor faults per step (about
+    4 MiB), others none, depending on the heap's layout. Taken from this pool,
+    a buffer is one the previous step used. A buffer goes back to the pool only
+    once nothing reads or writes it any more (after the collective that used it
+    has been waited for; a full matrix only where the caller says its
+    computation keeps no reference to it, as Muon's Newton–Schulz does not:
+    ``map_full_matrices`` leaves the inputs it hands to user code alone). The pool keeps at most ``limit`` elements of free
+    buffers (a buffer given back beyond that is freed); the exchange sets it to
+    nine rounds' worth, ``9·R`` (see the memory bound in [Note: owner compute
+    for whole-matrix optimizers]), which a step's buffers fit in.
+    """
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = limit
+        self._held = 0
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D buffer of ``numel`` elements, uninitialized."""
+        free = self._free.get((numel, dtype, device))
+        if free:
+            self._held -= numel
+            return free.pop()
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, t: torch.Tensor) -> None:
+        """Gives back ``t`` (or the buffer it views), taken with :meth:`take`."""
+        base = t if t._base is None else t._base
+        if self._held + base.numel() > self.limit:
+            return
+        self._held += base.numel()
+        self._free.setdefault((base.numel(), base.dtype, base.device), []).append(base)

@@ -37,11 +37,17 @@ from torch.distributed.tensor import DTensor
 
 from .. import _compat, _optim
 from .._sharded_param import SHARDED_BY
-from ._exchange import ExchangePlan, ShardLayout, layout_of
+from ._exchange import BufferPool, ExchangePlan, ShardLayout, layout_of
 
 _plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[Any, ExchangePlan]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+# Per optimizer, per parameter (by id, checked against the spec): its layout.
+_layouts: weakref.WeakKeyDictionary[
+    torch.optim.Optimizer, dict[int, tuple[Any, torch.Size, ShardLayout]]
+] = weakref.WeakKeyDictionary()
 
 
 def newton_schulz(
@@ -51,22 +57,45 @@ def newton_schulz(
     eps: float,
     *,
     use_addmm: bool = True,
+    pool: BufferPool | None = None,
 ) -> torch.Tensor:
     """The quintic Newton–Schulz orthogonalization of ``torch.optim.Muon``, in
-    the same op order (so the same bits). ``x`` is a bfloat16 matrix that may be
-    overwritten (normalized in place)."""
+    the same op order (so the same bits). ``x`` is a contiguous bfloat16 matrix
+    that may be overwritten (normalized in place, and with ``pool`` used as an
+    iterate's storage). With ``pool``, the Gram matrix, its polynomial and every
+    iterate but the last are written (``out=``, the same kernels) into buffers
+    taken from and given back to ``pool`` (see [Note: exchange buffers are
+    reused]); the result is always a fresh tensor."""
     a, b, c = coefficients
     tall = x.size(0) > x.size(1)
     y = x.T if tall else x  # iterate on the wide orientation: the Gram matrix is the small one
     y.div_(y.norm().clamp(min=eps))  # spectral norm at most 1
-    for _ in range(steps):
-        gram = y @ y.T
-        if use_addmm:
-            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+    if pool is None or not use_addmm or steps < 2:
+        for _ in range(steps):
+            gram = y @ y.T
+            if use_addmm:
+                poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+                y = torch.addmm(y, poly, y, beta=a)
+            else:
+                poly = b * gram + c * gram @ gram
+                y = a * y + poly @ y
+        return y.T if tall else y
+    rows, cols = y.shape
+    gram = pool.take(rows * rows, x.dtype, x.device).view(rows, rows)
+    poly = pool.take(rows * rows, x.dtype, x.device).view(rows, rows)
+    # Iterates alternate between a pooled buffer and x's own storage (no longer
+    # needed once the first iteration has read it), the last one fresh.
+    spare = [pool.take(rows * cols, x.dtype, x.device).view(rows, cols), x.view(rows, cols)]
+    for step in range(steps):
+        torch.mm(y, y.T, out=gram)
+        torch.addmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+        if step == steps - 1:
             y = torch.addmm(y, poly, y, beta=a)
         else:
-            poly = b * gram + c * gram @ gram
-            y = a * y + poly @ y
+            y = torch.addmm(y, poly, y, beta=a, out=spare[step % 2])
+    pool.give(gram)
+    pool.give(poly)
+    pool.give(spare[0])
     return y.T if tall else y
 
 
@@ -98,6 +127,7 @@ def muon_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The sharded step of a ``torch.optim.Muon`` for the parameters ``fully_shard``
     sharded (others are left to torch). Checks everything before changing anything."""
     jobs: list[tuple[dict[str, Any], DTensor, ShardLayout]] = []
+    layouts = _layouts.setdefault(optimizer, {})
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             if p.grad is None or not _ours(p):
@@ -116,7 +146,14 @@ def muon_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
                     f"fsdp_compose: {what} has a gradient not laid out like the parameter."
                 )
             _check_group(group)
-            jobs.append((group, p, layout_of(p, what)))
+            # The layout (mesh lookups, about 50 us a matrix) is worked out once per
+            # parameter and spec: a DTensor's spec is replaced, not mutated, when its
+            # mesh, placements or shape change.
+            spec, local_shape = _compat.dtensor_spec(p), _compat.local_tensor(p).shape
+            known = layouts.get(id(p))
+            if known is None or known[0] is not spec or known[1] != local_shape:
+                known = layouts[id(p)] = (spec, local_shape, layout_of(p, what))
+            jobs.append((group, p, known[2]))
     if not jobs:
         return []
 
@@ -180,6 +217,7 @@ def _run(
             group["ns_steps"],
             group["eps"],
             use_addmm=group.get("use_addmm", True),
+            pool=plan.pool,
         )
 
     def consume(i: int, rows: torch.Tensor) -> None:
@@ -206,6 +244,8 @@ def _run(
             comm_dtype=torch.bfloat16,
             result_dtype=torch.bfloat16,
             device=device,
+            shared_memory=True,  # the plan is cached: its regions are mapped once
+            recycle_inputs=True,  # Newton-Schulz keeps nothing of its input
         )
 
 
