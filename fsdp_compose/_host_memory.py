@@ -40,22 +40,37 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import weakref
 
 import torch
 
 from . import _flat_buffer
 
-_enabled = False
+#: Where the per-step host buffers come from (:func:`set_mode`).
+MODES = ("pooled", "mapped", "heap")
+_mode = "heap"
+_enabled = False  # outside the heap (read on the hot path)
 
 
-def set_enabled(enabled: bool) -> None:
-    """Puts later per-step host buffers on mappings of their own (see the Note)."""
-    global _enabled
-    _enabled = enabled
-    _flat_buffer.set_host_buffers(_MAPPED if enabled else None)
+def set_mode(mode: str) -> None:
+    """Makes ``mode`` the source of later per-step host buffers (see the Note):
+    ``"pooled"`` (the default), ``"mapped"`` or ``"heap"``. Leaving the pooled
+    mode empties the pool."""
+    global _mode, _enabled
+    if mode not in MODES:
+        raise ValueError(f"host buffers must be one of {MODES}, got {mode!r}")
+    if mode != "pooled":
+        POOL.release()
+    _mode, _enabled = mode, mode != "heap"
+    _flat_buffer.set_host_buffers(_SOURCES[mode])
+
+
+def mode() -> str:
+    return _mode
 
 
 def enabled() -> bool:
+    """Whether the per-step host buffers are outside glibc's heap."""
     return _enabled
 
 
@@ -152,3 +167,75 @@ class _Mapped:
 
 
 _MAPPED = _Mapped()
+
+
+class BufferPool:
+    """Per-step host buffers reused instead of unmapped (see the Note).
+
+    :meth:`empty` hands out a buffer on a private mapping, as :func:`empty` does.
+    When the last tensor viewing it dies (a weak-reference callback on the
+    buffer object the tensor's storage holds), the buffer comes back here, its
+    pages still resident, and the next request of the same page-rounded size
+    takes it: no fault, no zeroing. A new mapping is made only when every buffer
+    of that size is in use, so the pool never holds more buffers of a size than
+    were in use at once since :meth:`release` last emptied it.
+
+    The callback may run on whichever thread frees the storage (gloo's, the
+    autograd engine's): the pool's state changes only by single list and dict
+    operations, each atomic under the GIL.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[tuple[mmap.mmap, int]]] = {}
+        # id(weakref) -> (the weakref, kept alive here; size, mapping, offset)
+        self._live: dict[int, tuple[weakref.ref[memoryview], int, mmap.mmap, int]] = {}
+        self.mappings = 0  # made since the pool was created (tests count them)
+
+    def cached_bytes(self) -> int:
+        """Bytes of the buffers the pool holds for reuse (resident)."""
+        return sum(size * len(slots) for size, slots in list(self._free.items()))
+
+    def in_use_bytes(self) -> int:
+        return sum(entry[1] for entry in list(self._live.values()))
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat CPU tensor of ``numel`` elements from the pool."""
+        nbytes = numel * dtype.itemsize
+        size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        try:
+            mapping, offset = self._free[size].pop()
+        except (KeyError, IndexError):
+            mapping, offset = _private_mapping(size)
+            self.mappings += 1
+        view = memoryview(mapping)[offset : offset + nbytes]
+        ref = weakref.ref(view, self._back)
+        self._live[id(ref)] = (ref, size, mapping, offset)
+        return torch.frombuffer(view, dtype=dtype, count=numel)
+
+    def _back(self, ref: weakref.ref[memoryview]) -> None:
+        _, size, mapping, offset = self._live.pop(id(ref))
+        self._free.setdefault(size, []).append((mapping, offset))
+
+    def release(self) -> None:
+        """Unmaps every buffer the pool holds for reuse; buffers in use come back
+        when freed, as usual."""
+        self._free = {}
+
+
+#: The process's pool (the pooled mode's).
+POOL = BufferPool()
+
+
+class _Pooled(_Mapped):
+    """The core's host buffers in the pooled mode: reused buffers; the unsharded
+    storage as in the mapped mode."""
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        return POOL.empty(numel, dtype) if _outside_heap(numel * dtype.itemsize, device) else None
+
+
+_SOURCES: dict[str, _flat_buffer.HostBuffers | None] = {
+    "pooled": _Pooled(),
+    "mapped": _MAPPED,
+    "heap": None,
+}

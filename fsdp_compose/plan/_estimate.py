@@ -333,7 +333,7 @@ def estimate(
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if host_allocator is None:
-        host_allocator = "glibc+mapped" if _host_memory.enabled() else "glibc"
+        host_allocator = {"heap": "glibc"}.get(_host_memory.mode(), "glibc+" + _host_memory.mode())
     if host_allocator not in HOST_ALLOCATORS:
         raise ValueError(
             f"host_allocator must be one of {HOST_ALLOCATORS} (glibc's default malloc, or "
@@ -373,7 +373,7 @@ def estimate(
         terms = {"unsharded": owner, "activations": 0, "comm_buffers": 0}
     terms["allocator"] = 0
     if device == "cpu" and host_allocator != "mmap":
-        mapped = host_allocator == "glibc+mapped"
+        host_buffers = host_allocator.partition("+")[2] or "heap"
         resident, resident_at = replay(
             step_events(
                 units,
@@ -382,10 +382,10 @@ def estimate(
                 shard,
                 muon_owner_bytes=owner,
                 adam_like=OPTIMIZERS[optimizer] == 2,
-                mapped=mapped,
+                host_buffers=host_buffers,
             ),
             # with the buffers in the heap, glibc trims its free top as it goes
-            trim_top=not mapped,
+            trim_top=host_buffers == "heap",
         )
         if resident > peak:
             terms["allocator"] = resident - peak

@@ -108,9 +108,10 @@ TCACHE_MAX = 1032  # the largest chunk the tcache takes (64 bins)
 FASTBIN_CONSOLIDATION_THRESHOLD = 64 * 1024
 
 OWN_MAPPING = -2  # address of a buffer mapped by fsdp_compose itself (-1: by glibc)
+POOLED = -3  # address of a buffer from fsdp_compose's host-buffer pool
 
 #: Allocator modes :func:`~fsdp_compose.plan.estimate` knows (``host_allocator``).
-HOST_ALLOCATORS = ("glibc", "glibc+mapped", "mmap")
+HOST_ALLOCATORS = ("glibc", "glibc+pooled", "glibc+mapped", "mmap")
 
 
 def _chunk(nbytes: int) -> int:
@@ -143,6 +144,7 @@ class GlibcHeap:
     touched: int = 0  # bytes of touched heap pages
     tcache: dict[int, list[int]] = field(default_factory=dict)
     fastbins: list[tuple[int, int]] = field(default_factory=list)
+    pool_free: dict[int, int] = field(default_factory=dict)  # page-rounded size -> cached
 
     @property
     def resident(self) -> int:
@@ -206,6 +208,18 @@ class GlibcHeap:
         self.used[key] = (OWN_MAPPING, pages)
         self.mapped += pages
 
+    def pooled(self, key: Any, nbytes: int) -> None:
+        """A buffer from fsdp_compose's pool (``_host_memory.BufferPool``): a cached
+        buffer of the same page-rounded size if there is one (already resident),
+        else a new mapping. Freed, it stays resident in the pool, also across
+        ``malloc_trim``."""
+        pages = (nbytes + PAGE - 1) // PAGE * PAGE
+        self.used[key] = (POOLED, pages)
+        if self.pool_free.get(pages, 0):
+            self.pool_free[pages] -= 1
+        else:
+            self.mapped += pages
+
     def _take(self, size: int) -> tuple[int, int] | None:
         """Best fit among the free chunks below the top (glibc's bins)."""
         best = -1
@@ -246,6 +260,9 @@ class GlibcHeap:
         if entry is None:
             return
         addr, size = entry
+        if addr == POOLED:
+            self.pool_free[size] = self.pool_free.get(size, 0) + 1
+            return
         if addr == OWN_MAPPING:
             self.mapped -= size
             return
@@ -303,7 +320,9 @@ def replay(
     events: Sequence[tuple[Any, ...]], passes: int = 2, *, trim_top: bool = False
 ) -> tuple[int, str]:
     """Replays ``events`` (``("a", key, nbytes)``: ``posix_memalign``; ``("map", key,
-    nbytes)``: a mapping of fsdp_compose's own; ``("f", key)``, ``("m", where)``)
+    nbytes)``: a mapping of fsdp_compose's own; ``("pool", key, nbytes)``: a buffer
+    from its pool, which keeps what the first pass left in it; ``("f", key)``,
+    ``("m", where)``)
     ``passes`` times, with ``malloc_trim(0)`` before the last pass.
 
     ``trim_top``: whether a free top above the trim threshold is given back
@@ -323,11 +342,13 @@ def replay(
             heap.malloc_trim()
         for ev in events:
             kind = ev[0]
-            if kind in ("a", "map"):
+            if kind in ("a", "map", "pool"):
                 if kind == "a":
                     heap.malloc((n, ev[1]), ev[2])
-                else:
+                elif kind == "map":
                     heap.map((n, ev[1]), ev[2])
+                else:
+                    heap.pooled((n, ev[1]), ev[2])
                 if last and heap.resident > peak:
                     peak, at = heap.resident, where
             elif kind == "f":
