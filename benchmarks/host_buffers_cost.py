@@ -11,8 +11,9 @@ and on-CPU time (rank 0, all threads) per mode and their ratios to ``heap``.
 
 Modes: ``heap`` (``torch.empty``), ``mapped`` (a fresh mapping per buffer),
 ``pooled`` (the default: mappings reused through the pool, kept between steps),
-``pooled-step`` (the pool emptied after every step: what a pool that does not
-outlive the step would cost).
+``pooled-unparked`` (the pool without parking the unsharded storage's pages: they
+are given back at reshard and fault in again), ``pooled-step`` (the pool emptied
+after every step: what a pool that does not outlive the step would cost).
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness
 
-MODES = ("heap", "mapped", "pooled", "pooled-step")
+MODES = ("heap", "mapped", "pooled", "pooled-unparked", "pooled-step")
+
+
+def _mode(arm: str) -> str:
+    return arm.partition("-")[0]
 
 
 def _worker(
@@ -42,10 +47,10 @@ def _worker(
     from fsdp_compose import _host_memory
 
     modes = args.modes.split(",")
-    pools = {m: _host_memory.BufferPool() for m in modes}
+    pools = {m: _host_memory.BufferPool(0 if m == "pooled-unparked" else None) for m in modes}
     arms = {}
     for mode in modes:
-        _host_memory.set_mode(mode.removesuffix("-step"))
+        _host_memory.set_mode(_mode(mode))
         model = workloads.build_gpt(args.preset, "fsdp_compose")
         arms[mode] = (model, workloads.make_optimizer(model))
     batches = workloads.Batches(workloads.PRESETS[args.preset], args.global_batch, rank, world)
@@ -53,7 +58,7 @@ def _worker(
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     for step in range(args.warmup + args.steps):
         for mode in modes:
-            _host_memory.set_mode(mode.removesuffix("-step"))
+            _host_memory.set_mode(_mode(mode))
             _host_memory.POOL = pools[mode]
             model, optim = arms[mode]
             dist.barrier()
@@ -69,7 +74,7 @@ def _worker(
             {
                 "wall": {m: statistics.median(v) for m, v in wall.items()},
                 "cpu": {m: statistics.median(v) for m, v in cpu.items()},
-                "pool_bytes": {m: p.mapped_bytes for m, p in pools.items()},
+                "pool_bytes": {m: p.cached_bytes() for m, p in pools.items()},
             }
         )
     dist.destroy_process_group()

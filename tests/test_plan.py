@@ -631,3 +631,26 @@ def test_recompute_in_the_allocation_trace() -> None:
         ("f", ("recompute", 1)),
         ("f", 3),
     ]
+
+
+def test_replay_of_the_host_buffer_pool() -> None:
+    """The replay follows the pool (``_host_memory.BufferPool``): a freed buffer stays
+    resident for the next request of its page-rounded size, also in the next step;
+    a resharded unit's pages are parked for the next refill of its size, one slot
+    per size, the rest given back."""
+    from fsdp_compose.plan._heap import replay
+
+    mib = 2**20
+    buffers = [("pool", "g0", mib), ("f", "g0"), ("pool", "g1", mib - 5), ("f", "g1")]
+    buffers += [("pool", "big", 2 * mib), ("pool", "g2", mib), ("f", "g2"), ("f", "big")]
+    # one buffer of each size at a time: 3 MiB cached from the first step on
+    assert replay(buffers)[0] == 3 * mib
+    assert replay([ev if ev[0] != "pool" else ("map", *ev[1:]) for ev in buffers])[0] == 3 * mib
+    two = [("pool", "a", mib), ("pool", "b", mib), ("f", "a"), ("f", "b")]
+    assert replay(two + [("pool", "c", 2 * mib), ("f", "c")])[0] == 4 * mib
+    units = [("pages", ("unsharded", u), 4 * mib) for u in "abc"]
+    chain = [units[0], ("f", units[0][1]), units[1], ("f", units[1][1])]
+    assert replay(chain)[0] == 4 * mib  # the parked pages serve the next unit
+    both = [units[0], units[1], ("f", units[0][1]), ("f", units[1][1]), units[2]]
+    # two unsharded at once: one slot keeps pages, the other's are given back
+    assert replay([*both, ("f", units[2][1])])[0] == 8 * mib

@@ -42,7 +42,7 @@ parameter), with ``W`` the shard group size:
   step's allocation sequence (``_heap.py``, ``[Note: resident memory under
   glibc's default allocator]``; checkpointed modules are recomputed in it,
   :func:`~._events.with_recompute`; fsdp_compose's own buffers from 128 KiB on
-  are mappings of their own, ``_host_memory.py``). 0 with
+  are outside the heap, pooled by default, ``_host_memory.py``). 0 with
   ``host_allocator="mmap"`` and on CUDA.
 
 Not modelled: CUDA caching-allocator fragmentation, kernel workspaces, CUDA
@@ -303,10 +303,12 @@ def estimate(
             tensors can stay resident (the step's allocation sequence is replayed
             through a model of it, and the excess over the live bytes is reported
             as ``breakdown["allocator"]``; see ``[Note: resident memory under
-            glibc's default allocator]``); ``"glibc+mapped"``: the same with
-            fsdp_compose's per-step buffers on mappings of their own
-            (:func:`set_host_buffers`); ``None`` (default): whichever of these
-            two this process uses;
+            glibc's default allocator]``), fsdp_compose's per-step buffers
+            included (``set_host_buffers("heap")``); ``"glibc+pooled"``: the same
+            with those buffers outside the heap, reused through fsdp_compose's
+            pool, which keeps them between steps (the default host buffers);
+            ``"glibc+mapped"``: on a mapping each (``set_host_buffers("mapped")``);
+            ``None`` (default): whichever of these three this process uses;
             ``"mmap"``: an allocator that returns every freed tensor to the
             system, e.g. glibc with ``MALLOC_MMAP_THRESHOLD_=65536`` (or
             ``mallopt(M_MMAP_THRESHOLD, ...)``), which turns the dynamic

@@ -37,7 +37,7 @@ def step_events(
     other optimizers); ``adam_like``: the optimizer keeps two states (AdamW's
     temporaries). ``host_buffers``: where fsdp_compose's own buffers are
     (``fsdp_compose.plan.set_host_buffers``): ``"pooled"`` (reused mappings; the
-    unsharded storage is a mapping of the unit's own, resident while unsharded),
+    unsharded storage's pages parked in the pool between reshard and refill),
     ``"mapped"`` (a mapping each) or ``"heap"``.
     """
     root, blocks = units[0], units[1:]
@@ -60,8 +60,8 @@ def step_events(
         ([Note: per-step host buffers outside the heap] in ``_host_memory.py``)."""
         if host_buffers == "heap" or nbytes < MIN_BYTES:
             return ("a", key, nbytes)
-        if host_buffers == "pooled" and key[0] != "unsharded":
-            return ("pool", key, nbytes)
+        if host_buffers == "pooled":
+            return ("pages" if key[0] == "unsharded" else "pool", key, nbytes)
         return ("map", key, nbytes)
 
     def gather(u: _Unit) -> None:

@@ -38,10 +38,14 @@ that policy:
   post-backward; the reduce-scatter's packed input and gloo receive buffer,
   freed when the next reduction starts, and its output, kept to the end of
   backward), and AdamW's two temporaries per parameter in the optimizer step.
-  fsdp_compose's own buffers from 128 KiB on are not in the heap but on
-  mappings of their own (``[Note: per-step host buffers outside the heap]`` in
-  ``fsdp_compose/_host_memory.py``): replayed as mappings, resident exactly
-  while alive; gloo's receive buffer and autograd's gradients are in the heap;
+  fsdp_compose's own buffers from 128 KiB on are not in the heap
+  (``[Note: per-step host buffers outside the heap]`` in
+  ``fsdp_compose/_host_memory.py``): in the default pooled mode, replayed
+  through the pool's policy (a freed buffer stays resident for the next request
+  of its size, across steps; a resharded unit's pages are parked for the next
+  refill of its size, one slot per size), in the mapped mode as mappings,
+  resident exactly while alive; gloo's receive buffer and autograd's gradients
+  are in the heap;
 * the allocator: ``posix_memalign(64)`` as glibc 2.36 serves it (request plus
   64 + 32 bytes, lead and tail split off to the tcache, 7 per size, then to
   fastbins, consolidated by the next large request or large free); best fit
@@ -95,6 +99,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._host_memory import PARKED_PER_SIZE
+
 PAGE = 4096
 MMAP_THRESHOLD_START = 128 * 1024
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
@@ -109,6 +115,7 @@ FASTBIN_CONSOLIDATION_THRESHOLD = 64 * 1024
 
 OWN_MAPPING = -2  # address of a buffer mapped by fsdp_compose itself (-1: by glibc)
 POOLED = -3  # address of a buffer from fsdp_compose's host-buffer pool
+PAGES = -4  # address of a unit's unsharded storage whose pages the pool parks
 
 #: Allocator modes :func:`~fsdp_compose.plan.estimate` knows (``host_allocator``).
 HOST_ALLOCATORS = ("glibc", "glibc+pooled", "glibc+mapped", "mmap")
@@ -145,6 +152,7 @@ class GlibcHeap:
     tcache: dict[int, list[int]] = field(default_factory=dict)
     fastbins: list[tuple[int, int]] = field(default_factory=list)
     pool_free: dict[int, int] = field(default_factory=dict)  # page-rounded size -> cached
+    parked: dict[int, int] = field(default_factory=dict)  # size -> slots holding pages
 
     @property
     def resident(self) -> int:
@@ -220,6 +228,18 @@ class GlibcHeap:
         else:
             self.mapped += pages
 
+    def unsharded(self, key: Any, nbytes: int) -> None:
+        """A unit's unsharded storage refilled in the pooled mode: pages parked by
+        an earlier reshard of the same size move in (already resident), else they
+        fault in. Freed (resharded), its pages are parked while fewer than
+        ``PARKED_PER_SIZE`` slots of the size hold some, else given back."""
+        pages = (nbytes + PAGE - 1) // PAGE * PAGE
+        self.used[key] = (PAGES, pages)
+        if self.parked.get(pages, 0):
+            self.parked[pages] -= 1
+        else:
+            self.mapped += pages
+
     def _take(self, size: int) -> tuple[int, int] | None:
         """Best fit among the free chunks below the top (glibc's bins)."""
         best = -1
@@ -262,6 +282,12 @@ class GlibcHeap:
         addr, size = entry
         if addr == POOLED:
             self.pool_free[size] = self.pool_free.get(size, 0) + 1
+            return
+        if addr == PAGES:
+            if self.parked.get(size, 0) < PARKED_PER_SIZE:
+                self.parked[size] = self.parked.get(size, 0) + 1
+            else:
+                self.mapped -= size
             return
         if addr == OWN_MAPPING:
             self.mapped -= size
@@ -321,8 +347,9 @@ def replay(
 ) -> tuple[int, str]:
     """Replays ``events`` (``("a", key, nbytes)``: ``posix_memalign``; ``("map", key,
     nbytes)``: a mapping of fsdp_compose's own; ``("pool", key, nbytes)``: a buffer
-    from its pool, which keeps what the first pass left in it; ``("f", key)``,
-    ``("m", where)``)
+    from its pool, ``("pages", key, nbytes)``: a unit's unsharded storage whose
+    pages the pool parks (the pool keeps what the first pass left in it);
+    ``("f", key)``, ``("m", where)``)
     ``passes`` times, with ``malloc_trim(0)`` before the last pass.
 
     ``trim_top``: whether a free top above the trim threshold is given back
@@ -342,13 +369,15 @@ def replay(
             heap.malloc_trim()
         for ev in events:
             kind = ev[0]
-            if kind in ("a", "map", "pool"):
+            if kind in ("a", "map", "pool", "pages"):
                 if kind == "a":
                     heap.malloc((n, ev[1]), ev[2])
                 elif kind == "map":
                     heap.map((n, ev[1]), ev[2])
-                else:
+                elif kind == "pool":
                     heap.pooled((n, ev[1]), ev[2])
+                else:
+                    heap.unsharded((n, ev[1]), ev[2])
                 if last and heap.resident > peak:
                     peak, at = heap.resident, where
             elif kind == "f":
