@@ -50,6 +50,7 @@ def _worker(
     pools = {m: _host_memory.BufferPool(0 if m == "pooled-unparked" else None) for m in modes}
     arms = {}
     for mode in modes:
+        _host_memory.POOL = pools[mode]
         _host_memory.set_mode(_mode(mode))
         model = workloads.build_gpt(args.preset, "fsdp_compose")
         arms[mode] = (model, workloads.make_optimizer(model))
@@ -58,8 +59,8 @@ def _worker(
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     for step in range(args.warmup + args.steps):
         for mode in modes:
+            _host_memory.POOL = pools[mode]  # first: leaving the pooled mode empties POOL
             _host_memory.set_mode(_mode(mode))
-            _host_memory.POOL = pools[mode]
             model, optim = arms[mode]
             dist.barrier()
             start, start_cpu = time.perf_counter(), time.process_time()
