@@ -18,7 +18,8 @@ The ranks keep glibc's default allocator settings, as the memory benchmark does,
 and the estimate models them (``host_allocator="glibc+pooled"`` with the library's
 default host buffers; ``--host-buffers mapped|heap`` for the other modes). ``--mmap-threshold N``
 makes the ranks fix glibc's mmap threshold at N bytes (``mallopt``; freed tensors
-then leave the resident set) and estimates with ``host_allocator="mmap"``.
+then leave the resident set) and estimates with ``host_allocator="mmap"`` (fsdp_compose's buffers then go to
+``torch.empty``, ``set_host_buffers("heap")``, so glibc maps them too).
 
 Models (``MODELS``): the examples' GPT, a Hugging Face Llama built from a config
 (no download), and the GPT with its LM head tied to the token embedding.
@@ -338,6 +339,11 @@ def mmap_large_allocations(threshold: int = 65536) -> None:
     m_mmap_threshold = -3  # <malloc.h>; setting it also turns the dynamic threshold off
     if libc.mallopt(m_mmap_threshold, threshold) != 1:
         raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+    # fsdp_compose's buffers to torch.empty, so that glibc maps them too (the
+    # "mmap" estimate models no pool keeping them between steps)
+    from fsdp_compose.plan import set_host_buffers
+
+    set_host_buffers("heap")
 
 
 def run_case(

@@ -38,9 +38,10 @@ share pages with the interpreter's objects, in one of two ways
 * ``"mapped"``: a fresh mapping per buffer, unmapped when the last reference
   goes; the unsharded storage's pages are given back at reshard and fault in
   again at the refill. Nothing is kept between steps, but the kernel zeroes
-  every page of every buffer again: 6.5% of the small benchmark preset's step
-  at W=2, against 1% for the pool (``benchmarks/host_buffers_cost.py``, an A/B
-  in the same processes; BENCHMARKS.md).
+  every page of every buffer again: 7% of the small benchmark preset's step
+  at W=2 (on-CPU), where the pool measured 0.97-1.01 of the heap's
+  (``benchmarks/host_buffers_cost.py``, an A/B in the same processes;
+  BENCHMARKS.md).
 
 Large buffers ask for transparent huge pages (fewer faults), and buffers below
 :data:`MIN_BYTES`, where the system call would show, stay in the heap. The heap
@@ -349,7 +350,10 @@ class _Pooled(_Mapped):
     storage's pages parked in the pool between reshard and refill."""
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        return POOL.empty(numel, dtype) if _outside_heap(numel * dtype.itemsize, device) else None
+        nbytes = numel * dtype.itemsize
+        if nbytes < MIN_BYTES:  # most calls (small units): the fast way out
+            return None
+        return POOL.empty(numel, dtype) if _outside_heap(nbytes, device) else None
 
     def page_backed(
         self, numel: int, dtype: torch.dtype, device: torch.device

@@ -6,12 +6,16 @@ mode (the default) reused, never while in use, and unmapped on release."""
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 
 import pytest
 import torch
 
-from fsdp_compose import _host_memory
+import fsdp_compose  # noqa: F401  (sets the host buffers from FSDP_COMPOSE_HOST_BUFFERS)
+from fsdp_compose import _flat_buffer, _host_memory
+
+_MODE_AT_IMPORT, _SOURCE_AT_IMPORT = _host_memory.mode(), _flat_buffer.host_buffers
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 
@@ -30,13 +34,10 @@ def _mapped() -> object:
 
 
 def test_pooled_by_default() -> None:
-    import os
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k != "FSDP_COMPOSE_HOST_BUFFERS"}
-    code = "import fsdp_compose; from fsdp_compose import _host_memory as h; print(h.mode())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.split() == ["pooled"], out.stderr
+    if "FSDP_COMPOSE_HOST_BUFFERS" in os.environ:
+        pytest.skip("FSDP_COMPOSE_HOST_BUFFERS is set")
+    assert _MODE_AT_IMPORT == "pooled"
+    assert _SOURCE_AT_IMPORT is _host_memory._SOURCES["pooled"]
 
 
 def test_heap_mode() -> None:

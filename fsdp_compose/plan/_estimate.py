@@ -312,7 +312,8 @@ def estimate(
             ``"mmap"``: an allocator that returns every freed tensor to the
             system, e.g. glibc with ``MALLOC_MMAP_THRESHOLD_=65536`` (or
             ``mallopt(M_MMAP_THRESHOLD, ...)``), which turns the dynamic
-            threshold off. The process's settings cannot be queried, so this is
+            threshold off, with fsdp_compose's buffers not pooled (``"heap"``
+            or ``"mapped"``). The process's settings cannot be queried, so this is
             an explicit choice. Ignored for ``device="cuda"``.
         step_fn: ``fn(model, batch, seq) -> loss`` for one step (default: token
             ids in, cross-entropy on the logits).

@@ -221,22 +221,22 @@ class GlibcHeap:
         buffer of the same page-rounded size if there is one (already resident),
         else a new mapping. Freed, it stays resident in the pool, also across
         ``malloc_trim``."""
-        pages = (nbytes + PAGE - 1) // PAGE * PAGE
-        self.used[key] = (POOLED, pages)
-        if self.pool_free.get(pages, 0):
-            self.pool_free[pages] -= 1
-        else:
-            self.mapped += pages
+        self._reuse_or_map(key, nbytes, POOLED, self.pool_free)
 
     def unsharded(self, key: Any, nbytes: int) -> None:
         """A unit's unsharded storage refilled in the pooled mode: pages parked by
         an earlier reshard of the same size move in (already resident), else they
         fault in. Freed (resharded), its pages are parked while fewer than
         ``PARKED_PER_SIZE`` slots of the size hold some, else given back."""
+        self._reuse_or_map(key, nbytes, PAGES, self.parked)
+
+    def _reuse_or_map(self, key: Any, nbytes: int, kind: int, cached: dict[int, int]) -> None:
+        """Takes one of ``cached``'s resident sets of the page-rounded size, else maps
+        (and touches) a new one."""
         pages = (nbytes + PAGE - 1) // PAGE * PAGE
-        self.used[key] = (PAGES, pages)
-        if self.parked.get(pages, 0):
-            self.parked[pages] -= 1
+        self.used[key] = (kind, pages)
+        if cached.get(pages, 0):
+            cached[pages] -= 1
         else:
             self.mapped += pages
 
