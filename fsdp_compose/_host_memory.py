@@ -34,7 +34,11 @@ share pages with the interpreter's objects, in one of two ways
   the previous one's), beyond it pages are given back (``MADV_DONTNEED``), as
   they are on kernels before Linux 5.7. The pool keeps its buffers and parked
   pages between steps (resident: the memory benchmarks count them) until
-  ``fsdp_compose.plan.release_host_buffers()`` unmaps them.
+  ``fsdp_compose.plan.release_host_buffers()`` unmaps them. A buffer comes back
+  when the last reference to its storage goes, which is not always before the
+  next request of its size: the pool then maps one more and keeps it (gpt W=2:
+  101-132 MiB held after three steps in three runs), which the estimate does not
+  model (it replays the step's own order).
 * ``"mapped"``: a fresh mapping per buffer, unmapped when the last reference
   goes; the unsharded storage's pages are given back at reshard and fault in
   again at the refill. Nothing is kept between steps, but the kernel zeroes
