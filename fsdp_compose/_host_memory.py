@@ -37,8 +37,9 @@ share pages with the interpreter's objects, in one of two ways
   ``fsdp_compose.plan.release_host_buffers()`` unmaps them. A buffer comes back
   when the last reference to its storage goes, which is not always before the
   next request of its size: the pool then maps one more and keeps it (gpt W=2:
-  101-132 MiB held after three steps in three runs), which the estimate does not
-  model (it replays the step's own order).
+  101-132 MiB held after three steps in three runs; the root's reduce-scatter
+  input, which the collective's work on gloo's side sometimes holds past
+  ``wait()``), which the estimate does not model (it replays the step's order).
 * ``"mapped"``: a fresh mapping per buffer, unmapped when the last reference
   goes; the unsharded storage's pages are given back at reshard and fault in
   again at the refill. Nothing is kept between steps, but the kernel zeroes
