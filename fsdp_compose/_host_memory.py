@@ -38,8 +38,7 @@ share pages with the interpreter's objects, in one of two ways
   when the last reference to its storage goes, which is not always before the
   next request of its size: the pool then maps one more and keeps it (gpt W=2:
   101-132 MiB held after three steps in three runs; the root's reduce-scatter
-  input, which the collective's work on gloo's side sometimes holds past
-  ``wait()``), which the estimate does not model (it replays the step's order).
+  input, still referenced at the next step's all-gather now and then), which the estimate does not model (it replays the step's order).
 * ``"mapped"``: a fresh mapping per buffer, unmapped when the last reference
   goes; the unsharded storage's pages are given back at reshard and fault in
   again at the refill. Nothing is kept between steps, but the kernel zeroes
