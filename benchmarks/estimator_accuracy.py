@@ -8,14 +8,18 @@ For each case, ``W`` fresh rank processes (``harness.run_job``, gloo, one thread
 each) build the model on the meta device, apply ``fsdp_compose.auto_wrap`` with
 the case's settings, materialize their shards, create the optimizer, and then
 measure two training steps the way the memory benchmark does (``measure.py``):
-``VmHWM - RSS at reset`` plus this rank's sharded parameter bytes (resident
-before the reset), the largest over ranks. The estimate is computed once, in
+``VmHWM - RSS at reset`` plus what the rank holds across steps and was therefore
+resident before the reset (its sharded parameter, gradient and optimizer-state
+bytes, and the buffers fsdp_compose's host-buffer pool keeps for reuse), the
+largest over ranks. The estimate is computed once, in
 this process, on the meta device, for the same case. Ratio = measured / predicted.
 
 The ranks keep glibc's default allocator settings, as the memory benchmark does,
-and the estimate models them (``host_allocator="glibc"``). ``--mmap-threshold N``
+and the estimate models them (``host_allocator="glibc+pooled"`` with the library's
+default host buffers; ``--host-buffers mapped|heap`` for the other modes). ``--mmap-threshold N``
 makes the ranks fix glibc's mmap threshold at N bytes (``mallopt``; freed tensors
-then leave the resident set) and estimates with ``host_allocator="mmap"``.
+then leave the resident set) and estimates with ``host_allocator="mmap"`` (fsdp_compose's buffers then go to
+``torch.empty``, ``set_host_buffers("heap")``, so glibc maps them too).
 
 Models (``MODELS``): the examples' GPT, a Hugging Face Llama built from a config
 (no download), and the GPT with its LM head tied to the token embedding.
@@ -216,8 +220,12 @@ def measure_rank(
     # One warm-up step first: it creates the optimizer states and the gradients
     # (kept: set_to_none=False) and pages in the code and lazily initialised
     # buffers of torch, gloo and oneDNN, which are process overhead, not the
-    # model's memory. What is resident at the reset is then the sharded state.
+    # model's memory. What is resident at the reset is then the sharded state and
+    # the buffers the host-buffer pool keeps for the next step (counted like it).
     step()
+    from fsdp_compose import _host_memory
+
+    pooled_bytes = _host_memory.POOL.cached_bytes() if _host_memory.mode() == "pooled" else 0
     state_bytes = sum(_local_bytes(p) for p in model.parameters())
     state_bytes += sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
     state_bytes += sum(
@@ -233,7 +241,12 @@ def measure_rank(
     step_s = (time.perf_counter() - started) / steps
     hwm = measure.peak_rss_bytes()
     sent = _ideal_bytes_sent_per_step(step)
-    return {"measured": hwm - rss_at_reset + state_bytes, "step_s": step_s, "sent": sent}
+    return {
+        "measured": hwm - rss_at_reset + state_bytes + pooled_bytes,
+        "step_s": step_s,
+        "sent": sent,
+        "pooled_bytes": pooled_bytes,
+    }
 
 
 def _ideal_bytes_sent_per_step(step: Any) -> float:
@@ -326,10 +339,15 @@ def mmap_large_allocations(threshold: int = 65536) -> None:
     m_mmap_threshold = -3  # <malloc.h>; setting it also turns the dynamic threshold off
     if libc.mallopt(m_mmap_threshold, threshold) != 1:
         raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+    # fsdp_compose's buffers to torch.empty, so that glibc maps them too (the
+    # "mmap" estimate models no pool keeping them between steps)
+    from fsdp_compose.plan import set_host_buffers
+
+    set_host_buffers("heap")
 
 
 def run_case(
-    case: Case, scale: str = "bench", mmap_threshold: int = 0, host_buffers: str = "heap"
+    case: Case, scale: str = "bench", mmap_threshold: int = 0, host_buffers: str = "pooled"
 ) -> dict[str, Any]:
     """Measures ``case`` on fresh ranks and compares with the estimate.
 
@@ -341,7 +359,7 @@ def run_case(
     """
     from harness import run_job
 
-    allocator = "glibc+mapped" if host_buffers == "mapped" else "glibc"
+    allocator = "glibc" if host_buffers == "heap" else f"glibc+{host_buffers}"
     est = predict(case, scale, "mmap" if mmap_threshold else allocator)
     ranks = run_job(
         {
@@ -403,10 +421,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--host-buffers",
-        choices=("heap", "mapped"),
-        default="heap",
+        choices=("pooled", "mapped", "heap"),
+        default="pooled",
         help="where the ranks allocate fsdp_compose's per-step buffers "
-        "(fsdp_compose.plan.set_host_buffers; default: heap, the library's default)",
+        "(fsdp_compose.plan.set_host_buffers; default: pooled, the library's default)",
     )
     args = parser.parse_args()
     rows = []

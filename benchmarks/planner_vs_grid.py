@@ -10,7 +10,8 @@ run on fresh ranks (``harness.run_job``), measuring its peak memory the way
 mean of ``--steps``). The budget is the given quantile of the predicted peaks.
 The ranks fix glibc's mmap threshold at 64 KiB and the estimates assume freed
 tensors leave the resident set (``host_allocator="mmap"``), the mode the
-BENCHMARKS.md table was measured in; ``--mmap-threshold 0`` uses glibc's defaults.
+BENCHMARKS.md table was measured in; ``--mmap-threshold 0`` uses glibc's defaults
+and the library's default (pooled) host buffers, which the estimates then model.
 The planner (``plan_to_budget``, searching the same grid) uses a cost model
 measured on this machine: the FLOP rate of one unsharded step of the model in
 this process (one thread) and the all-gather bandwidth of ``W`` gloo ranks.
@@ -68,8 +69,8 @@ def main() -> None:
         default=65536,
         metavar="BYTES",
         help="glibc's mmap threshold fixed in the ranks, estimates with host_allocator='mmap' "
-        "(the mode of the BENCHMARKS.md table); 0: glibc's default settings and "
-        "host_allocator='glibc'",
+        "(the mode of the BENCHMARKS.md table); 0: glibc's default settings, the default "
+        "(pooled) host buffers and host_allocator=None (glibc+pooled)",
     )
     args = parser.parse_args()
     case = ea.Case("gpt", args.world_size)
@@ -79,7 +80,8 @@ def main() -> None:
         "seq": case.seq,
         "world_size": case.world_size,
         "device": "cpu",
-        "host_allocator": "mmap" if args.mmap_threshold else "glibc",
+        # glibc's defaults: the library's default (pooled) host buffers, as the ranks
+        "host_allocator": "mmap" if args.mmap_threshold else None,
     }
     base = resolve_plan(model, ["Block"])
     grid = candidate_plans(

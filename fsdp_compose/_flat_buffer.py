@@ -42,11 +42,12 @@ class _Slot:
 
 class PageBacked(Protocol):
     """A flat CPU tensor whose memory ``release`` gives back while the tensor (and
-    every view of it) stays valid."""
+    every view of it) stays valid; ``acquire`` precedes the next refill."""
 
     tensor: torch.Tensor
 
     def release(self) -> None: ...
+    def acquire(self) -> None: ...
 
 
 class HostBuffers(Protocol):
@@ -251,6 +252,8 @@ class FlatBuffer:
         out, world = self._gather_output, self._gather_world
         self._gather_output = None
         assert out is not None and self._unsharded is not None
+        if self._pages is not None:
+            self._pages.acquire()
         _alloc_storage(self._unsharded)
         scale = self._world // world
         # Refilling storage autograd may have saved is not a modification: keep

@@ -1,7 +1,7 @@
-"""Per-step host buffers on mappings of their own, outside glibc's heap (opt-in).
+"""Per-step host buffers outside glibc's heap: pooled (the default) or mapped.
 
-An extension: while enabled it is the core's source of large per-step CPU buffers
-(``_flat_buffer.set_host_buffers``).
+An extension: unless the mode is ``"heap"`` it is the core's source of large
+per-step CPU buffers (``_flat_buffer.set_host_buffers``).
 
 [Note: per-step host buffers outside the heap]
 On CPU, every step allocates and frees fsdp_compose's large buffers once per unit:
@@ -12,50 +12,85 @@ a freed buffer stays resident. Small objects the interpreter, autograd and the
 collectives allocate meanwhile are carved out of such a freed chunk and keep it
 from coalescing, so the next buffer, which no longer fits the hole, extends the
 heap: the resident peak grows with every unit and depends on timing (the same
-four-rank step measured 234-287 MiB). The CUDA caching allocator keeps FSDP2's
-buffers out of such interleaving on GPU.
+four-rank step measured 234-287 MiB), and no estimate can follow it (W >= 2 was
+12-54% above ``fsdp_compose.plan.estimate``). The CUDA caching allocator keeps
+FSDP2's buffers out of such interleaving on GPU.
 
-So buffers from :data:`MIN_BYTES` on get a private anonymous mapping each, as
-glibc itself serves large requests before its threshold rises: resident while
-alive and written, unmapped when the last reference goes, so they never share
-pages with the interpreter's objects. The unsharded storage must keep its
-identity (autograd saves views of it; see [Note: unsharded storage] in
-``_flat_buffer.py``): it is one mapping per unit for the unit's life, whose pages
-are given back (``MADV_DONTNEED``) when the unit reshards and fault in again when
-the next all-gather is copied into it. The heap is then left to what a
-one-rank step also allocates (activations, autograd's gradients), and
-``fsdp_compose.plan.estimate`` replays these buffers as mappings.
+So buffers from :data:`MIN_BYTES` on are private anonymous mappings, which never
+share pages with the interpreter's objects, in one of two ways
+(``fsdp_compose.plan.set_host_buffers``, ``FSDP_COMPOSE_HOST_BUFFERS``):
 
-The price is the first write to each page of a fresh mapping (the kernel zeroes
-it): large buffers ask for transparent huge pages to keep that small, and buffers
-below :data:`MIN_BYTES`, where the system call would show, stay in the heap. Even
-so it measured 6.5% of the small benchmark preset's training step at W=2
-(``benchmarks/exchange_cost.py``-style A/B in one process), so it is opt-in:
-``fsdp_compose.plan.set_host_buffers("mapped")`` or
-``FSDP_COMPOSE_HOST_BUFFERS=mapped`` (:func:`set_enabled`); by default the buffers
-stay in the heap.
+* ``"pooled"`` (the default), like the CUDA caching allocator: a freed buffer
+  goes back to :data:`POOL` (:class:`BufferPool`) with its pages resident, and
+  the next request of its page-rounded size takes it. The pool maps a new
+  buffer only when every one of that size is in use, so it holds at most as many
+  of a size as were in use at once. The unsharded storage must keep its
+  identity (autograd saves views of it; see [Note: unsharded storage] in
+  ``_flat_buffer.py``): it is one mapping per unit for the unit's life, and at
+  reshard its pages move into a slot of the pool (``mremap(MREMAP_DONTUNMAP)``:
+  the page tables move, nothing is copied, the unit's range stays mapped and
+  empty); before the next refill of a unit of the same size they move back
+  (:class:`MovablePages`). One slot per size holds pages (the next unit takes
+  the previous one's), beyond it pages are given back (``MADV_DONTNEED``), as
+  they are on kernels before Linux 5.7. The pool keeps its buffers and parked
+  pages between steps (resident: the memory benchmarks count them) until
+  ``fsdp_compose.plan.release_host_buffers()`` unmaps them. A buffer comes back
+  when the last reference to its storage goes, which is not always before the
+  next request of its size: the pool then maps one more and keeps it (gpt W=2:
+  101-132 MiB held after three steps in three runs; the root's reduce-scatter
+  input, still referenced at the next step's all-gather now and then), which the estimate does not model (it replays the step's order).
+* ``"mapped"``: a fresh mapping per buffer, unmapped when the last reference
+  goes; the unsharded storage's pages are given back at reshard and fault in
+  again at the refill. Nothing is kept between steps, but the kernel zeroes
+  every page of every buffer again: 7% of the small benchmark preset's step
+  at W=2 (on-CPU), where the pool measured 0.97-1.01 of the heap's
+  (``benchmarks/host_buffers_cost.py``, an A/B in the same processes;
+  BENCHMARKS.md).
+
+Large buffers ask for transparent huge pages (fewer faults), and buffers below
+:data:`MIN_BYTES`, where the system call would show, stay in the heap. The heap
+is then left to what a one-rank step also allocates (activations, autograd's
+gradients), and ``fsdp_compose.plan.estimate`` replays the pool (per size, what
+it keeps between steps, the parked pages) or the mappings exactly
+(``_heap.py``). ``"heap"``: ``torch.empty``, as before.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import weakref
+from typing import Any
 
 import torch
 
 from . import _flat_buffer
 
-_enabled = False
+#: Where the per-step host buffers come from (:func:`set_mode`).
+MODES = ("pooled", "mapped", "heap")
+_mode = "heap"
+_enabled = False  # outside the heap (read on the hot path)
 
 
-def set_enabled(enabled: bool) -> None:
-    """Puts later per-step host buffers on mappings of their own (see the Note)."""
-    global _enabled
-    _enabled = enabled
-    _flat_buffer.set_host_buffers(_MAPPED if enabled else None)
+def set_mode(mode: str) -> None:
+    """Makes ``mode`` the source of later per-step host buffers (see the Note):
+    ``"pooled"`` (the default), ``"mapped"`` or ``"heap"``. Leaving the pooled
+    mode empties the pool."""
+    global _mode, _enabled
+    if mode not in MODES:
+        raise ValueError(f"host buffers must be one of {MODES}, got {mode!r}")
+    if mode != "pooled":
+        POOL.release()
+    _mode, _enabled = mode, mode != "heap"
+    _flat_buffer.set_host_buffers(_SOURCES[mode])
+
+
+def mode() -> str:
+    return _mode
 
 
 def enabled() -> bool:
+    """Whether the per-step host buffers are outside glibc's heap."""
     return _enabled
 
 
@@ -132,6 +167,60 @@ class PageBackedBuffer:
     def release(self) -> None:
         self._map.madvise(mmap.MADV_DONTNEED)
 
+    def acquire(self) -> None:
+        pass  # the refill faults fresh pages in
+
+
+class MovablePages(PageBackedBuffer):
+    """A :class:`PageBackedBuffer` whose :meth:`release` parks its resident pages
+    in the pool (:meth:`BufferPool.park`) instead of giving them back, and whose
+    :meth:`acquire` moves parked pages of the same size in: no fault, no zeroing
+    (the refill overwrites them). Where the pool declines (its bound, or a kernel
+    without ``MREMAP_DONTUNMAP``) it behaves as its base class."""
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        super().__init__(numel, dtype)
+        self._addr = self.tensor.data_ptr()
+        self._size = -(-numel * dtype.itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
+        self._written = False  # pages worth parking (none before the first refill)
+
+    def release(self) -> None:
+        if not (self._written and POOL.park(self._addr, self._size)):
+            super().release()
+        self._written = False
+
+    def acquire(self) -> None:
+        POOL.unpark(self._addr, self._size)
+        self._written = True
+
+
+_MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
+_mremap: Any = None  # libc's mremap; False where pages cannot be moved
+
+
+def _move_pages(src: int, size: int, dst: int) -> bool:
+    """Moves the pages of ``[src, src + size)`` to ``dst`` (replacing what was
+    mapped there) and leaves ``src`` mapped and empty, as after
+    ``MADV_DONTNEED`` (``mremap(MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP)``,
+    Linux 5.7+, private anonymous mappings). No copy: the page tables move."""
+    global _mremap
+    if _mremap is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).mremap
+            fn.restype = ctypes.c_void_p
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
+            fn.argtypes += [ctypes.c_void_p]
+            _mremap = fn
+        except (OSError, AttributeError):
+            _mremap = False
+    if _mremap is False:
+        return False
+    flags = _MREMAP_MAYMOVE | _MREMAP_FIXED | _MREMAP_DONTUNMAP
+    if _mremap(src, size, size, flags, dst) == dst:
+        return True
+    _mremap = False  # not supported here (EINVAL before Linux 5.7): never again
+    return False
+
 
 class _Mapped:
     """The core's host buffers (``_flat_buffer.HostBuffers``) while enabled."""
@@ -152,3 +241,133 @@ class _Mapped:
 
 
 _MAPPED = _Mapped()
+
+
+#: Slots of one size that hold a resharded unit's pages: one is enough for
+#: units of that size resharding and unsharding in turn (the next unit's refill
+#: takes the previous one's pages).
+PARKED_PER_SIZE = 1
+
+
+class BufferPool:
+    """Per-step host buffers reused instead of unmapped (see the Note).
+
+    :meth:`empty` hands out a buffer on a private mapping, as :func:`empty` does.
+    When the last tensor viewing it dies (a weak-reference callback on the
+    buffer object the tensor's storage holds), the buffer comes back here, its
+    pages still resident, and the next request of the same page-rounded size
+    takes it: no fault, no zeroing. A new mapping is made only when every buffer
+    of that size is in use, so the pool never holds more buffers of a size than
+    were in use at once since :meth:`release` last emptied it.
+
+    The callback may run on whichever thread frees the storage (gloo's, the
+    autograd engine's): the pool's state changes only by single list and dict
+    operations, each atomic under the GIL.
+    """
+
+    def __init__(self, parked_per_size: int | None = None) -> None:
+        #: Slots of one size that may hold parked pages (:data:`PARKED_PER_SIZE`).
+        self.parked_per_size = PARKED_PER_SIZE if parked_per_size is None else parked_per_size
+        self._free: dict[int, list[tuple[mmap.mmap, int]]] = {}
+        # id(weakref) -> (the weakref, kept alive here; size, mapping, offset)
+        self._live: dict[int, tuple[weakref.ref[memoryview], int, mmap.mmap, int]] = {}
+        self.mappings = 0  # made since the pool was created (tests count them)
+        # Slots for parked pages (:meth:`park`): by size, holding pages or empty.
+        self._parked: dict[int, list[tuple[mmap.mmap, int]]] = {}
+        self._slots: dict[int, list[tuple[mmap.mmap, int]]] = {}
+
+    def cached_bytes(self) -> int:
+        """Bytes the pool holds for reuse (resident): buffers and parked pages."""
+        return sum(size * len(slots) for size, slots in list(self._free.items())) + sum(
+            size * len(slots) for size, slots in list(self._parked.items())
+        )
+
+    def park(self, addr: int, size: int) -> bool:
+        """Moves the resident pages of ``[addr, addr + size)`` (a unit's unsharded
+        storage at reshard) into a slot of the pool, leaving the range mapped and
+        empty; at most :attr:`parked_per_size` slots of a size hold pages.
+        Returns whether it did (else the caller gives the pages back)."""
+        parked = self._parked.setdefault(size, [])
+        if len(parked) >= self.parked_per_size:
+            return False
+        slots = self._slots.setdefault(size, [])
+        slot = slots.pop() if slots else _private_mapping(size)
+        if not _move_pages(addr, size, _address(slot)):
+            return False
+        parked.append(slot)
+        return True
+
+    def unpark(self, addr: int, size: int) -> bool:
+        """Moves parked pages of ``size`` bytes onto ``[addr, addr + size)`` (a
+        unit's unsharded storage before its refill), if there are any."""
+        parked = self._parked.get(size)
+        if not parked:
+            return False
+        slot = parked.pop()
+        if not _move_pages(_address(slot), size, addr):
+            return False
+        self._slots.setdefault(size, []).append(slot)
+        return True
+
+    def in_use_bytes(self) -> int:
+        return sum(entry[1] for entry in list(self._live.values()))
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat CPU tensor of ``numel`` elements from the pool."""
+        nbytes = numel * dtype.itemsize
+        size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        try:
+            mapping, offset = self._free[size].pop()
+        except (KeyError, IndexError):
+            mapping, offset = _private_mapping(size)
+            self.mappings += 1
+        view = memoryview(mapping)[offset : offset + nbytes]
+        ref = weakref.ref(view, self._back)
+        self._live[id(ref)] = (ref, size, mapping, offset)
+        return torch.frombuffer(view, dtype=dtype, count=numel)
+
+    def _back(self, ref: weakref.ref[memoryview]) -> None:
+        _, size, mapping, offset = self._live.pop(id(ref))
+        self._free.setdefault(size, []).append((mapping, offset))
+
+    def release(self) -> None:
+        """Unmaps every buffer and parked page the pool holds for reuse; buffers
+        in use come back when freed, as usual."""
+        self._free, self._parked, self._slots = {}, {}, {}
+
+
+def _address(slot: tuple[mmap.mmap, int]) -> int:
+    mapping, offset = slot
+    view = ctypes.c_char.from_buffer(mapping)
+    try:
+        return ctypes.addressof(view) + offset
+    finally:
+        del view
+
+
+#: The process's pool (the pooled mode's).
+POOL = BufferPool()
+
+
+class _Pooled(_Mapped):
+    """The core's host buffers in the pooled mode: reused buffers; the unsharded
+    storage's pages parked in the pool between reshard and refill."""
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        nbytes = numel * dtype.itemsize
+        if nbytes < MIN_BYTES:  # most calls (small units): the fast way out
+            return None
+        return POOL.empty(numel, dtype) if _outside_heap(nbytes, device) else None
+
+    def page_backed(
+        self, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> PageBackedBuffer | None:
+        wanted = PageBackedBuffer.wanted(numel, dtype, device)
+        return MovablePages(numel, dtype) if wanted else None
+
+
+_SOURCES: dict[str, _flat_buffer.HostBuffers | None] = {
+    "pooled": _Pooled(),
+    "mapped": _MAPPED,
+    "heap": None,
+}

@@ -1,15 +1,21 @@
 """Per-step host buffers outside glibc's heap ([Note: per-step host buffers outside
 the heap] in ``fsdp_compose/_host_memory.py``): resident while alive, gone from the
-resident set when freed (or released), whatever the heap's state."""
+resident set when freed (or released), whatever the heap's state; in the pooled
+mode (the default) reused, never while in use, and unmapped on release."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
 
 import pytest
 import torch
 
-from fsdp_compose import _host_memory
+import fsdp_compose  # noqa: F401  (sets the host buffers from FSDP_COMPOSE_HOST_BUFFERS)
+from fsdp_compose import _flat_buffer, _host_memory
+
+_MODE_AT_IMPORT, _SOURCE_AT_IMPORT = _host_memory.mode(), _flat_buffer.host_buffers
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 
@@ -19,17 +25,27 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(autouse=True)
 def _mapped() -> object:
-    """These tests are about the opt-in mapped buffers (``set_host_buffers("mapped")``)."""
-    previous = _host_memory.enabled()
-    _host_memory.set_enabled(True)
+    """Most tests here are about mappings of fsdp_compose's own (``"mapped"``; the
+    pooled mode's buffers are those, reused)."""
+    previous = _host_memory.mode()
+    _host_memory.set_mode("mapped")
     yield
-    _host_memory.set_enabled(previous)
+    _host_memory.set_mode(previous)
 
 
-def test_heap_by_default() -> None:
-    _host_memory.set_enabled(False)
+def test_pooled_by_default() -> None:
+    if "FSDP_COMPOSE_HOST_BUFFERS" in os.environ:
+        pytest.skip("FSDP_COMPOSE_HOST_BUFFERS is set")
+    assert _MODE_AT_IMPORT == "pooled"
+    assert _SOURCE_AT_IMPORT is _host_memory._SOURCES["pooled"]
+
+
+def test_heap_mode() -> None:
+    _host_memory.set_mode("heap")
     assert not _host_memory.PageBackedBuffer.wanted(2**30, torch.uint8, CPU)
     assert _host_memory.empty(2**20, torch.uint8, CPU)._base is None
+    with pytest.raises(ValueError, match="pooled"):
+        _host_memory.set_mode("jemalloc")
 
 
 def _rss() -> int:
@@ -38,6 +54,82 @@ def _rss() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
+
+
+def test_pool_reuses_a_freed_buffer_of_the_same_size() -> None:
+    pool = _host_memory.BufferPool()
+    a = pool.empty(MIB, torch.float32)
+    a.fill_(1.0)
+    ptr = a.data_ptr()
+    del a
+    assert pool.cached_bytes() == 4 * MIB and pool.in_use_bytes() == 0
+    b = pool.empty(MIB, torch.float32)  # the same pages, still written
+    assert b.data_ptr() == ptr and pool.mappings == 1 and b[-1].item() == 1.0
+    c = pool.empty(MIB - 1, torch.float32)  # another page-rounded size: its own mapping
+    d = pool.empty(2 * MIB, torch.bfloat16)  # same bytes, other dtype: reused once b is freed
+    assert pool.mappings == 3 and len({b.data_ptr(), c.data_ptr(), d.data_ptr()}) == 3
+    del b
+    e = pool.empty(2 * MIB, torch.bfloat16)
+    assert e.data_ptr() == ptr and e.dtype == torch.bfloat16 and pool.mappings == 3
+    del c, d, e
+
+
+def test_pool_never_hands_out_a_buffer_in_use() -> None:
+    """A buffer comes back only when the last view of its storage dies (a view
+    kept by autograd or a collective keeps it out of the pool); buffers handed out
+    at once never overlap; the pool holds at most as many as were in use at once."""
+    pool = _host_memory.BufferPool()
+    n = 64 * 1024
+    live = [pool.empty(n, torch.float32) for _ in range(4)]
+    spans = sorted((t.data_ptr(), t.data_ptr() + 4 * n) for t in live)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    kept = live[0][10:20].view(torch.int32)  # a view outlives its base tensor
+    ptr0 = live[0].data_ptr()
+    del live[0]
+    fresh = pool.empty(n, torch.float32)
+    assert fresh.data_ptr() != ptr0 and pool.mappings == 5
+    fresh.fill_(7.0)
+    assert kept.untyped_storage().data_ptr() == ptr0
+    del kept
+    again = pool.empty(n, torch.float32)
+    assert again.data_ptr() == ptr0 and pool.mappings == 5
+    live += [fresh, again]
+    del fresh, again
+    for _ in range(20):  # churn: no new mappings while at most 5 are in use
+        live.pop(0)
+        live.append(pool.empty(n, torch.float32))
+    assert pool.mappings == 5
+    del live
+    assert pool.cached_bytes() == 5 * 4 * n
+
+
+def test_pool_takes_back_buffers_freed_on_another_thread() -> None:
+    import threading
+
+    pool = _host_memory.BufferPool()
+    box = [pool.empty(MIB, torch.uint8)]
+    ptr = box[0].data_ptr()
+    thread = threading.Thread(target=box.clear)
+    thread.start()
+    thread.join()
+    assert pool.cached_bytes() == MIB and pool.empty(MIB, torch.uint8).data_ptr() == ptr
+
+
+def test_release_unmaps_the_cached_buffers() -> None:
+    from fsdp_compose.plan import release_host_buffers
+
+    _host_memory.set_mode("pooled")
+    bufs = [_host_memory._SOURCES["pooled"].empty(8 * MIB, torch.uint8, CPU) for _ in range(4)]  # type: ignore[union-attr]
+    for b in bufs:
+        assert b is not None
+        b.fill_(1)
+    del b
+    before = _rss()
+    bufs.clear()  # back to the pool: still resident
+    assert _host_memory.POOL.cached_bytes() >= 32 * MIB
+    assert _rss() > before - 8 * MIB
+    assert release_host_buffers() >= 32 * MIB
+    assert _host_memory.POOL.cached_bytes() == 0 and _rss() < before - 24 * MIB
 
 
 def test_small_buffers_stay_ordinary_tensors() -> None:
@@ -106,7 +198,7 @@ def test_comm_buffer_uses_a_custom_comms_allocate() -> None:
     assert calls == [(n,)] and out.numel() == n and out.abs().sum().item() == 0
 
 
-def _parity_job() -> dict:
+def _parity_job(mode: str) -> dict:
     import copy
 
     from gpt import GPT, GPTConfig, loss_fn
@@ -115,7 +207,7 @@ def _parity_job() -> dict:
     from fsdp_compose import fully_shard
     from fsdp_compose.plan import set_host_buffers
 
-    set_host_buffers("mapped")
+    set_host_buffers(mode)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=128)
     ref = GPT(cfg)
@@ -123,20 +215,37 @@ def _parity_job() -> dict:
     fully_shard(model.blocks[0])  # resharded after forward: released and refilled
     fully_shard(model.blocks[1], reshard_after_forward=False)
     fully_shard(model)
-    parity = train_side_by_side(model, ref, 3, gpt_batches(cfg), loss_fn)
+    mappings: list[int] = []  # the pool's mappings made so far, at each step's start
+    parity = train_side_by_side(
+        model,
+        ref,
+        3,
+        gpt_batches(cfg),
+        loss_fn,
+        before_model=lambda step: mappings.append(_host_memory.POOL.mappings),
+    )
     units = model._fsdp_state().scheduler.units
-    set_host_buffers("heap")
+    mappings.append(_host_memory.POOL.mappings)
+    set_host_buffers("pooled")
     return {
+        "mappings": mappings,
         **parity,
         "page_backed": [u.name for u in units if u._pages is not None],
     }
 
 
-def test_training_parity_with_page_backed_units() -> None:
-    """Units whose buffers are on mappings of their own train as one process does."""
+@pytest.mark.parametrize("mode", ["pooled", "mapped"])
+def test_training_parity_with_page_backed_units(mode: str) -> None:
+    """Units whose buffers are on mappings of their own train as one process does;
+    pooled, the buffers of a step are the first step's (no new mappings)."""
     from dist_utils import run_distributed
 
-    for r in run_distributed(_parity_job, 2):
+    for r in run_distributed(_parity_job, 2, mode):
         assert r["page_backed"] == ["blocks.0", "blocks.1"], r["page_backed"]
+        made = r["mappings"]
+        if mode == "pooled":
+            assert made[1] > made[0] and made[1] == made[-1], made
+        else:
+            assert made[0] == made[-1], made
         assert max(r["loss_diffs"]) <= 1e-5, r["loss_diffs"]
         assert r["param_diff"] <= 1e-4, (r["param_diff"], r["where"])

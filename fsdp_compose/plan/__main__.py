@@ -21,6 +21,7 @@ from torch import nn
 
 from .._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._estimate import OPTIMIZERS, _check_mesh, estimate, format_bytes, parse_bytes
+from ._heap import HOST_ALLOCATORS
 from ._planner import CostModel, plan_to_budget
 
 _DTYPES = {
@@ -167,10 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where training runs")
     p.add_argument(
         "--host-allocator",
-        choices=("glibc", "mmap"),
-        default="glibc",
-        help="with --device cpu: glibc's default malloc (freed tensors may stay resident), "
-        "or one that returns freed tensors to the system (MALLOC_MMAP_THRESHOLD_ set)",
+        choices=HOST_ALLOCATORS,
+        default=None,
+        help="with --device cpu: glibc's default malloc (freed tensors may stay resident) "
+        "with fsdp_compose's buffers in the heap, pooled (the library's default) or mapped; "
+        "or one that returns freed tensors to the system (MALLOC_MMAP_THRESHOLD_ set); "
+        "default: the host buffers this process has (FSDP_COMPOSE_HOST_BUFFERS)",
     )
     p.add_argument(
         "--policy",

@@ -42,7 +42,7 @@ parameter), with ``W`` the shard group size:
   step's allocation sequence (``_heap.py``, ``[Note: resident memory under
   glibc's default allocator]``; checkpointed modules are recomputed in it,
   :func:`~._events.with_recompute`; fsdp_compose's own buffers from 128 KiB on
-  are mappings of their own, ``_host_memory.py``). 0 with
+  are outside the heap, pooled by default, ``_host_memory.py``). 0 with
   ``host_allocator="mmap"`` and on CUDA.
 
 Not modelled: CUDA caching-allocator fragmentation, kernel workspaces, CUDA
@@ -303,14 +303,17 @@ def estimate(
             tensors can stay resident (the step's allocation sequence is replayed
             through a model of it, and the excess over the live bytes is reported
             as ``breakdown["allocator"]``; see ``[Note: resident memory under
-            glibc's default allocator]``); ``"glibc+mapped"``: the same with
-            fsdp_compose's per-step buffers on mappings of their own
-            (:func:`set_host_buffers`); ``None`` (default): whichever of these
-            two this process uses;
+            glibc's default allocator]``), fsdp_compose's per-step buffers
+            included (``set_host_buffers("heap")``); ``"glibc+pooled"``: the same
+            with those buffers outside the heap, reused through fsdp_compose's
+            pool, which keeps them between steps (the default host buffers);
+            ``"glibc+mapped"``: on a mapping each (``set_host_buffers("mapped")``);
+            ``None`` (default): whichever of these three this process uses;
             ``"mmap"``: an allocator that returns every freed tensor to the
             system, e.g. glibc with ``MALLOC_MMAP_THRESHOLD_=65536`` (or
             ``mallopt(M_MMAP_THRESHOLD, ...)``), which turns the dynamic
-            threshold off. The process's settings cannot be queried, so this is
+            threshold off, with fsdp_compose's buffers not pooled (``"heap"``
+            or ``"mapped"``). The process's settings cannot be queried, so this is
             an explicit choice. Ignored for ``device="cuda"``.
         step_fn: ``fn(model, batch, seq) -> loss`` for one step (default: token
             ids in, cross-entropy on the logits).
@@ -333,7 +336,7 @@ def estimate(
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if host_allocator is None:
-        host_allocator = "glibc+mapped" if _host_memory.enabled() else "glibc"
+        host_allocator = {"heap": "glibc"}.get(_host_memory.mode(), "glibc+" + _host_memory.mode())
     if host_allocator not in HOST_ALLOCATORS:
         raise ValueError(
             f"host_allocator must be one of {HOST_ALLOCATORS} (glibc's default malloc, or "
@@ -373,7 +376,7 @@ def estimate(
         terms = {"unsharded": owner, "activations": 0, "comm_buffers": 0}
     terms["allocator"] = 0
     if device == "cpu" and host_allocator != "mmap":
-        mapped = host_allocator == "glibc+mapped"
+        host_buffers = host_allocator.partition("+")[2] or "heap"
         resident, resident_at = replay(
             step_events(
                 units,
@@ -382,10 +385,10 @@ def estimate(
                 shard,
                 muon_owner_bytes=owner,
                 adam_like=OPTIMIZERS[optimizer] == 2,
-                mapped=mapped,
+                host_buffers=host_buffers,
             ),
             # with the buffers in the heap, glibc trims its free top as it goes
-            trim_top=not mapped,
+            trim_top=host_buffers == "heap",
         )
         if resident > peak:
             terms["allocator"] = resident - peak

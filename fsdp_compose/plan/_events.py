@@ -28,15 +28,17 @@ def step_events(
     *,
     muon_owner_bytes: int,
     adam_like: bool,
-    mapped: bool = True,
+    host_buffers: str = "pooled",
 ) -> list[tuple[Any, ...]]:
     """The step's allocation sequence: the model's traced storages with
     fsdp_compose's buffers inserted at the unit boundaries
     (``[Note: resident memory under glibc's default allocator]``).
     ``muon_owner_bytes``: what a Muon owner holds in the optimizer step (0 for
     other optimizers); ``adam_like``: the optimizer keeps two states (AdamW's
-    temporaries).``mapped``: fsdp_compose's own buffers are on mappings of their own
-    (``fsdp_compose.plan.set_host_buffers("mapped")``), else in the heap.
+    temporaries). ``host_buffers``: where fsdp_compose's own buffers are
+    (``fsdp_compose.plan.set_host_buffers``): ``"pooled"`` (reused mappings; the
+    unsharded storage's pages parked in the pool between reshard and refill),
+    ``"mapped"`` (a mapping each) or ``"heap"``.
     """
     root, blocks = units[0], units[1:]
     by_name = {u.name: u for u in units}
@@ -54,9 +56,13 @@ def step_events(
     out: list[tuple[Any, ...]] = []
 
     def own(key: Any, nbytes: int) -> tuple[Any, ...]:
-        """fsdp_compose's own buffer: on a mapping of its own from ``MIN_BYTES``
+        """fsdp_compose's own buffer: from ``MIN_BYTES`` on, outside the heap
         ([Note: per-step host buffers outside the heap] in ``_host_memory.py``)."""
-        return ("map" if mapped and nbytes >= MIN_BYTES else "a", key, nbytes)
+        if host_buffers == "heap" or nbytes < MIN_BYTES:
+            return ("a", key, nbytes)
+        if host_buffers == "pooled":
+            return ("pages" if key[0] == "unsharded" else "pool", key, nbytes)
+        return ("map", key, nbytes)
 
     def gather(u: _Unit) -> None:
         """Issues the all-gather: its output buffer (``W * row``)."""

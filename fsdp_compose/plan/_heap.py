@@ -38,10 +38,14 @@ that policy:
   post-backward; the reduce-scatter's packed input and gloo receive buffer,
   freed when the next reduction starts, and its output, kept to the end of
   backward), and AdamW's two temporaries per parameter in the optimizer step.
-  fsdp_compose's own buffers from 128 KiB on are not in the heap but on
-  mappings of their own (``[Note: per-step host buffers outside the heap]`` in
-  ``fsdp_compose/_host_memory.py``): replayed as mappings, resident exactly
-  while alive; gloo's receive buffer and autograd's gradients are in the heap;
+  fsdp_compose's own buffers from 128 KiB on are not in the heap
+  (``[Note: per-step host buffers outside the heap]`` in
+  ``fsdp_compose/_host_memory.py``): in the default pooled mode, replayed
+  through the pool's policy (a freed buffer stays resident for the next request
+  of its size, across steps; a resharded unit's pages are parked for the next
+  refill of its size, one slot per size), in the mapped mode as mappings,
+  resident exactly while alive; gloo's receive buffer and autograd's gradients
+  are in the heap;
 * the allocator: ``posix_memalign(64)`` as glibc 2.36 serves it (request plus
   64 + 32 bytes, lead and tail split off to the tcache, 7 per size, then to
   fastbins, consolidated by the next large request or large free); best fit
@@ -95,6 +99,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._host_memory import PARKED_PER_SIZE
+
 PAGE = 4096
 MMAP_THRESHOLD_START = 128 * 1024
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
@@ -108,9 +114,11 @@ TCACHE_MAX = 1032  # the largest chunk the tcache takes (64 bins)
 FASTBIN_CONSOLIDATION_THRESHOLD = 64 * 1024
 
 OWN_MAPPING = -2  # address of a buffer mapped by fsdp_compose itself (-1: by glibc)
+POOLED = -3  # address of a buffer from fsdp_compose's host-buffer pool
+PAGES = -4  # address of a unit's unsharded storage whose pages the pool parks
 
 #: Allocator modes :func:`~fsdp_compose.plan.estimate` knows (``host_allocator``).
-HOST_ALLOCATORS = ("glibc", "glibc+mapped", "mmap")
+HOST_ALLOCATORS = ("glibc", "glibc+pooled", "glibc+mapped", "mmap")
 
 
 def _chunk(nbytes: int) -> int:
@@ -143,6 +151,8 @@ class GlibcHeap:
     touched: int = 0  # bytes of touched heap pages
     tcache: dict[int, list[int]] = field(default_factory=dict)
     fastbins: list[tuple[int, int]] = field(default_factory=list)
+    pool_free: dict[int, int] = field(default_factory=dict)  # page-rounded size -> cached
+    parked: dict[int, int] = field(default_factory=dict)  # size -> slots holding pages
 
     @property
     def resident(self) -> int:
@@ -206,6 +216,30 @@ class GlibcHeap:
         self.used[key] = (OWN_MAPPING, pages)
         self.mapped += pages
 
+    def pooled(self, key: Any, nbytes: int) -> None:
+        """A buffer from fsdp_compose's pool (``_host_memory.BufferPool``): a cached
+        buffer of the same page-rounded size if there is one (already resident),
+        else a new mapping. Freed, it stays resident in the pool, also across
+        ``malloc_trim``."""
+        self._reuse_or_map(key, nbytes, POOLED, self.pool_free)
+
+    def unsharded(self, key: Any, nbytes: int) -> None:
+        """A unit's unsharded storage refilled in the pooled mode: pages parked by
+        an earlier reshard of the same size move in (already resident), else they
+        fault in. Freed (resharded), its pages are parked while fewer than
+        ``PARKED_PER_SIZE`` slots of the size hold some, else given back."""
+        self._reuse_or_map(key, nbytes, PAGES, self.parked)
+
+    def _reuse_or_map(self, key: Any, nbytes: int, kind: int, cached: dict[int, int]) -> None:
+        """Takes one of ``cached``'s resident sets of the page-rounded size, else maps
+        (and touches) a new one."""
+        pages = (nbytes + PAGE - 1) // PAGE * PAGE
+        self.used[key] = (kind, pages)
+        if cached.get(pages, 0):
+            cached[pages] -= 1
+        else:
+            self.mapped += pages
+
     def _take(self, size: int) -> tuple[int, int] | None:
         """Best fit among the free chunks below the top (glibc's bins)."""
         best = -1
@@ -246,6 +280,15 @@ class GlibcHeap:
         if entry is None:
             return
         addr, size = entry
+        if addr == POOLED:
+            self.pool_free[size] = self.pool_free.get(size, 0) + 1
+            return
+        if addr == PAGES:
+            if self.parked.get(size, 0) < PARKED_PER_SIZE:
+                self.parked[size] = self.parked.get(size, 0) + 1
+            else:
+                self.mapped -= size
+            return
         if addr == OWN_MAPPING:
             self.mapped -= size
             return
@@ -303,7 +346,10 @@ def replay(
     events: Sequence[tuple[Any, ...]], passes: int = 2, *, trim_top: bool = False
 ) -> tuple[int, str]:
     """Replays ``events`` (``("a", key, nbytes)``: ``posix_memalign``; ``("map", key,
-    nbytes)``: a mapping of fsdp_compose's own; ``("f", key)``, ``("m", where)``)
+    nbytes)``: a mapping of fsdp_compose's own; ``("pool", key, nbytes)``: a buffer
+    from its pool, ``("pages", key, nbytes)``: a unit's unsharded storage whose
+    pages the pool parks (the pool keeps what the first pass left in it);
+    ``("f", key)``, ``("m", where)``)
     ``passes`` times, with ``malloc_trim(0)`` before the last pass.
 
     ``trim_top``: whether a free top above the trim threshold is given back
@@ -323,11 +369,15 @@ def replay(
             heap.malloc_trim()
         for ev in events:
             kind = ev[0]
-            if kind in ("a", "map"):
+            if kind in ("a", "map", "pool", "pages"):
                 if kind == "a":
                     heap.malloc((n, ev[1]), ev[2])
-                else:
+                elif kind == "map":
                     heap.map((n, ev[1]), ev[2])
+                elif kind == "pool":
+                    heap.pooled((n, ev[1]), ev[2])
+                else:
+                    heap.unsharded((n, ev[1]), ev[2])
                 if last and heap.resident > peak:
                     peak, at = heap.resident, where
             elif kind == "f":

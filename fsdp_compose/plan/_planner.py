@@ -284,7 +284,7 @@ def plan_to_budget(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     optimizer: str = "adamw",
     device: str = "cuda",
-    host_allocator: str = "glibc",
+    host_allocator: str | None = None,
     activation_checkpointing: bool = True,
     cost: CostModel = CostModel(),
     step_fn: StepFn = default_step,
