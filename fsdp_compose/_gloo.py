@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _collectives, _compat, _env, _stall
+from . import _collectives, _compat, _env, _host_memory, _stall
 
 _TAG_MODULUS = _stall.BREAK_TAG  # tags are below it
 _STEP_MIX = 0x9E3779B1  # spreads consecutive steps over the tag space
@@ -183,6 +183,12 @@ class Exchange:
         self._done = True
         if self._finish is not None:
             self._finish()
+        # Completed works still reference the buffers they sent and received:
+        # drop them now, so that the buffers go back to their allocator (e.g. the
+        # host-buffer pool, for the next request of their size) when fsdp_compose
+        # drops them, not when this exchange object happens to be collected.
+        self._recvs = self._sends = []
+        self._finish = None
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -281,18 +287,19 @@ class GlooRoute(_collectives.Route):
                 return _reduce_scatter_by_all_to_all(output, input, group)
             return _compat.reduce_scatter_tensor(output, input, group, True)
         chunks = input.view(peers.size, -1)
-        # Every rank's copy of this rank's chunk, in rank order (the sum's order).
-        # In the heap, not a mapping of its own (_host_memory): a fresh mapping per
-        # step costs ~2% of the small preset's step at W=2 in page faults.
-        received = torch.empty_like(chunks)
+        me, others = peers.rank, peers.others
+        # Every rank's copy of this rank's chunk, in rank order (the sum's order);
+        # at W=2 only the peer's (a binary add: twice as fast as a 2-row sum, the
+        # same bits, and half the buffer).
+        binary = peers.size == 2
+        received = _host_memory.receive_buffer(chunks[:1] if binary else chunks)
+        into = [received[0]] if binary else [received[p] for p in others]
         tag = peers.tag("reduce_scatter", label, input.numel(), input.dtype, step)
-        others = peers.others
-        sends, recvs = _post(peers, tag, [chunks[p] for p in others], [received[p] for p in others])
-        me = peers.rank
+        sends, recvs = _post(peers, tag, [chunks[p] for p in others], into)
 
         def finish() -> None:
-            if peers.size == 2:  # a binary add: twice as fast as a 2-row sum (same bits)
-                torch.add(chunks[me], received[1 - me], out=output)
+            if binary:
+                torch.add(chunks[me], received[0], out=output)
             else:
                 received[me].copy_(chunks[me])
                 torch.sum(received, dim=0, out=output)

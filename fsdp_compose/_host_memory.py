@@ -1,4 +1,4 @@
-"""Per-step host buffers outside glibc's heap: pooled (the default) or mapped.
+"""Per-step host buffers outside glibc's heap, pooled or mapped (opt-in).
 
 An extension: unless the mode is ``"heap"`` it is the core's source of large
 per-step CPU buffers (``_flat_buffer.set_host_buffers``).
@@ -16,11 +16,12 @@ four-rank step measured 234-287 MiB), and no estimate can follow it (W >= 2 was
 12-54% above ``fsdp_compose.plan.estimate``). The CUDA caching allocator keeps
 FSDP2's buffers out of such interleaving on GPU.
 
-So buffers from :data:`MIN_BYTES` on are private anonymous mappings, which never
-share pages with the interpreter's objects, in one of two ways
-(``fsdp_compose.plan.set_host_buffers``, ``FSDP_COMPOSE_HOST_BUFFERS``):
+So, on request (``fsdp_compose.plan.set_host_buffers``,
+``FSDP_COMPOSE_HOST_BUFFERS``), buffers from :data:`MIN_BYTES` on are private
+anonymous mappings, which never share pages with the interpreter's objects, in
+one of two ways:
 
-* ``"pooled"`` (the default), like the CUDA caching allocator: a freed buffer
+* ``"pooled"``, like the CUDA caching allocator: a freed buffer
   goes back to :data:`POOL` (:class:`BufferPool`) with its pages resident, and
   the next request of its page-rounded size takes it. The pool maps a new
   buffer only when every one of that size is in use, so it holds at most as many
@@ -35,10 +36,11 @@ share pages with the interpreter's objects, in one of two ways
   they are on kernels before Linux 5.7. The pool keeps its buffers and parked
   pages between steps (resident: the memory benchmarks count them) until
   ``fsdp_compose.plan.release_host_buffers()`` unmaps them. A buffer comes back
-  when the last reference to its storage goes, which is not always before the
-  next request of its size: the pool then maps one more and keeps it (gpt W=2:
-  101-132 MiB held after three steps in three runs; the root's reduce-scatter
-  input, still referenced at the next step's all-gather now and then), which the estimate does not model (it replays the step's order).
+  when the last reference to its storage goes; gloo's exchanges drop theirs when
+  waited (``_gloo.Exchange.wait``), so the pool's contents after the first
+  steps are the same every step (gpt W=2: 14 mappings from the second step on,
+  in every run), and the estimate replays them. gloo's reduce-scatter receive
+  buffer comes from the pool too (``receive_buffer``).
 * ``"mapped"``: a fresh mapping per buffer, unmapped when the last reference
   goes; the unsharded storage's pages are given back at reshard and fault in
   again at the refill. Nothing is kept between steps, but the kernel zeroes
@@ -52,7 +54,17 @@ Large buffers ask for transparent huge pages (fewer faults), and buffers below
 is then left to what a one-rank step also allocates (activations, autograd's
 gradients), and ``fsdp_compose.plan.estimate`` replays the pool (per size, what
 it keeps between steps, the parked pages) or the mappings exactly
-(``_heap.py``). ``"heap"``: ``torch.empty``, as before.
+(``_heap.py``): 27 of 27 cases within 10% in the pooled mode, against 5 of 27 in
+the heap (BENCHMARKS.md).
+
+``"heap"`` (``torch.empty``) stays the default because the pool's price is
+memory: it keeps, per size, as many buffers as were in use at once, resident
+through the whole step, where the heap reuses a freed chunk for any later
+request. On the benchmark's large preset (``python benchmarks/run.py --preset
+large --world-sizes 2 4 --impls fsdp2 fsdp_compose ...``) the pooled peak per
+rank was 2893 MiB at W=2 and 2376 MiB at W=4, against FSDP2's 2866 and 2002 and
+the heap's 2412-2416 and 1587-1621: above FSDP2. Choose ``"pooled"`` where a
+predictable peak (the planner's budget) matters more than the lowest one.
 """
 
 from __future__ import annotations
@@ -366,8 +378,21 @@ class _Pooled(_Mapped):
         return MovablePages(numel, dtype) if wanted else None
 
 
+_POOLED = _Pooled()
 _SOURCES: dict[str, _flat_buffer.HostBuffers | None] = {
-    "pooled": _Pooled(),
+    "pooled": _POOLED,
     "mapped": _MAPPED,
     "heap": None,
 }
+
+
+def receive_buffer(like: torch.Tensor) -> torch.Tensor:
+    """A buffer shaped like ``like`` for a collective's received data (gloo's
+    reduce-scatter exchange): from the pool in the pooled mode, where reuse costs
+    no page fault; in the heap otherwise (a fresh mapping per step faults in
+    every page: about 2% of the small preset's step at ``W=2``)."""
+    if _mode == "pooled":
+        tensor = _POOLED.empty(like.numel(), like.dtype, like.device)
+        if tensor is not None:
+            return tensor.view(like.shape)
+    return torch.empty_like(like)

@@ -543,7 +543,7 @@ def test_estimate_within_10_percent_with_glibc_default_allocator(case: dict) -> 
     """Fresh rank processes with glibc's default settings (a pooled rank's heap
     carries earlier tests' history): the estimate includes what the heap keeps,
     with fsdp_compose's own buffers outside it at W > 1, reused through the pool
-    (the default host buffers) and counted with what it keeps between steps."""
+    (``set_host_buffers("pooled")``) and counted with what it keeps between steps."""
     if _BENCH not in sys.path:
         sys.path.insert(0, _BENCH)
     import estimator_accuracy

@@ -42,7 +42,7 @@ parameter), with ``W`` the shard group size:
   step's allocation sequence (``_heap.py``, ``[Note: resident memory under
   glibc's default allocator]``; checkpointed modules are recomputed in it,
   :func:`~._events.with_recompute`; fsdp_compose's own buffers from 128 KiB on
-  are outside the heap, pooled by default, ``_host_memory.py``). 0 with
+  are outside the heap when pooled or mapped, ``_host_memory.py``). 0 with
   ``host_allocator="mmap"`` and on CUDA.
 
 Not modelled: CUDA caching-allocator fragmentation, kernel workspaces, CUDA
@@ -304,9 +304,9 @@ def estimate(
             through a model of it, and the excess over the live bytes is reported
             as ``breakdown["allocator"]``; see ``[Note: resident memory under
             glibc's default allocator]``), fsdp_compose's per-step buffers
-            included (``set_host_buffers("heap")``); ``"glibc+pooled"``: the same
+            included (``set_host_buffers("heap")``, the default); ``"glibc+pooled"``: the same
             with those buffers outside the heap, reused through fsdp_compose's
-            pool, which keeps them between steps (the default host buffers);
+            pool, which keeps them between steps (``set_host_buffers("pooled")``);
             ``"glibc+mapped"``: on a mapping each (``set_host_buffers("mapped")``);
             ``None`` (default): whichever of these three this process uses;
             ``"mmap"``: an allocator that returns every freed tensor to the

@@ -105,8 +105,12 @@ def step_events(
             else:  # the outputs are assigned to the sharded gradients at the end
                 received, reduced = ("received", u.name), ("reduced", u.name)
                 out.append(own(reduced, u.reduce_row))
-                # the gloo exchange's receive buffer (``torch.empty_like``): in the heap
-                out.append(("a", received, shard * u.reduce_row))
+                # the gloo exchange's receive buffer (``_host_memory.receive_buffer``):
+                # from the pool in the pooled mode, else in the heap; at W=2 one row
+                nbytes = (1 if shard == 2 else shard) * u.reduce_row
+                out.append(
+                    own(received, nbytes) if host_buffers == "pooled" else ("a", received, nbytes)
+                )
                 pending = [packed, received]
                 results.append(reduced)
         out.extend(("f", k) for k in grad_keys[u.name] if k is not None)

@@ -40,12 +40,13 @@ that policy:
   backward), and AdamW's two temporaries per parameter in the optimizer step.
   fsdp_compose's own buffers from 128 KiB on are not in the heap
   (``[Note: per-step host buffers outside the heap]`` in
-  ``fsdp_compose/_host_memory.py``): in the default pooled mode, replayed
+  ``fsdp_compose/_host_memory.py``) unless in the heap mode: in the pooled mode, replayed
   through the pool's policy (a freed buffer stays resident for the next request
   of its size, across steps; a resharded unit's pages are parked for the next
   refill of its size, one slot per size), in the mapped mode as mappings,
-  resident exactly while alive; gloo's receive buffer and autograd's gradients
-  are in the heap;
+  resident exactly while alive; gloo's reduce-scatter receive buffer is pooled
+  in the pooled mode and in the heap otherwise; autograd's gradients are in the
+  heap;
 * the allocator: ``posix_memalign(64)`` as glibc 2.36 serves it (request plus
   64 + 32 bytes, lead and tail split off to the tcache, 7 per size, then to
   fastbins, consolidated by the next large request or large free); best fit
