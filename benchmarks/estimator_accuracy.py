@@ -15,8 +15,8 @@ largest over ranks. The estimate is computed once, in
 this process, on the meta device, for the same case. Ratio = measured / predicted.
 
 The ranks keep glibc's default allocator settings, as the memory benchmark does,
-and the estimate models them (``host_allocator="glibc+pooled"`` with the library's
-default host buffers; ``--host-buffers mapped|heap`` for the other modes). ``--mmap-threshold N``
+and the estimate models them (``host_allocator="glibc"`` with the library's
+default host buffers, the heap; ``--host-buffers pooled|mapped`` for the others). ``--mmap-threshold N``
 makes the ranks fix glibc's mmap threshold at N bytes (``mallopt``; freed tensors
 then leave the resident set) and estimates with ``host_allocator="mmap"`` (fsdp_compose's buffers then go to
 ``torch.empty``, ``set_host_buffers("heap")``, so glibc maps them too).
@@ -347,7 +347,7 @@ def mmap_large_allocations(threshold: int = 65536) -> None:
 
 
 def run_case(
-    case: Case, scale: str = "bench", mmap_threshold: int = 0, host_buffers: str = "pooled"
+    case: Case, scale: str = "bench", mmap_threshold: int = 0, host_buffers: str = "heap"
 ) -> dict[str, Any]:
     """Measures ``case`` on fresh ranks and compares with the estimate.
 
@@ -421,10 +421,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--host-buffers",
-        choices=("pooled", "mapped", "heap"),
-        default="pooled",
+        choices=("heap", "pooled", "mapped"),
+        default="heap",
         help="where the ranks allocate fsdp_compose's per-step buffers "
-        "(fsdp_compose.plan.set_host_buffers; default: pooled, the library's default)",
+        "(fsdp_compose.plan.set_host_buffers; default: heap, the library's default)",
     )
     args = parser.parse_args()
     rows = []

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import harness  # noqa: E402
+import harness
 
 _BROADCAST_MIN_ROW_BYTES = 64 * 1024
 
@@ -172,14 +172,7 @@ def _worker(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--preset", default="small")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=12, help="timed steps per side")
+    p = harness.ab_parser(__doc__, 2, 12, "timed steps per side")
     p.add_argument("--calls", type=int, default=300, help="timed calls per side and probe")
     args = p.parse_args()
     result = harness.spawn_ranks(_worker, args.world_size, args, "fsdp_compose_exchange_")

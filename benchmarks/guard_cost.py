@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import harness  # noqa: E402
+import harness
 
 
 def _worker(
@@ -132,14 +132,7 @@ def _worker(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--preset", default="small")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per side (on and off)")
+    p = harness.ab_parser(__doc__, 2, 10, "timed steps per side (on and off)")
     p.add_argument("--calls", type=int, default=500, help="guard calls timed on their own")
     args = p.parse_args()
     result = harness.spawn_ranks(_worker, args.world_size, args, "fsdp_compose_guard_")

@@ -8,6 +8,7 @@ writes its results as JSON, and the harness collects them.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -131,3 +132,17 @@ def spawn_ranks(worker: Any, world_size: int, args: Any, prefix: str) -> Any:
     for proc in procs:
         proc.join()
     return result
+
+
+def ab_parser(doc: str | None, warmup: int, steps: int, steps_help: str) -> argparse.ArgumentParser:
+    """The options every same-process A/B benchmark takes (model preset, ranks,
+    batch, warm-up and timed steps); the caller adds its own."""
+    p = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--preset", default="small")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--steps", type=int, default=steps, help=steps_help)
+    return p

@@ -82,14 +82,7 @@ def _worker(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--preset", default="small")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=30, help="timed steps per mode")
+    p = harness.ab_parser(__doc__, 3, 30, "timed steps per mode")
     p.add_argument("--modes", default=",".join(MODES))
     args = p.parse_args()
     r = harness.spawn_ranks(_worker, args.world_size, args, "fsdp_compose_hostbuf_")

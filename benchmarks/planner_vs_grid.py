@@ -11,7 +11,8 @@ mean of ``--steps``). The budget is the given quantile of the predicted peaks.
 The ranks fix glibc's mmap threshold at 64 KiB and the estimates assume freed
 tensors leave the resident set (``host_allocator="mmap"``), the mode the
 BENCHMARKS.md table was measured in; ``--mmap-threshold 0`` uses glibc's defaults
-and the library's default (pooled) host buffers, which the estimates then model.
+and the host buffers of ``--host-buffers`` (the library's default, the heap, unless
+given), which the estimates then model.
 The planner (``plan_to_budget``, searching the same grid) uses a cost model
 measured on this machine: the FLOP rate of one unsharded step of the model in
 this process (one thread) and the all-gather bandwidth of ``W`` gloo ranks.
@@ -69,10 +70,22 @@ def main() -> None:
         default=65536,
         metavar="BYTES",
         help="glibc's mmap threshold fixed in the ranks, estimates with host_allocator='mmap' "
-        "(the mode of the BENCHMARKS.md table); 0: glibc's default settings, the default "
-        "(pooled) host buffers and host_allocator=None (glibc+pooled)",
+        "(the mode of the BENCHMARKS.md table); 0: glibc's default settings, the host "
+        "buffers of --host-buffers and host_allocator=None (which follows them)",
+    )
+    parser.add_argument(
+        "--host-buffers",
+        choices=("heap", "pooled", "mapped"),
+        default="heap",
+        help="with --mmap-threshold 0: where the ranks put fsdp_compose's per-step buffers "
+        "(fsdp_compose.plan.set_host_buffers; default: heap, the library's default)",
     )
     args = parser.parse_args()
+    host_buffers = None if args.mmap_threshold else args.host_buffers
+    if host_buffers is not None:
+        from fsdp_compose.plan import set_host_buffers
+
+        set_host_buffers(host_buffers)
     case = ea.Case("gpt", args.world_size)
     model = ea.build_meta(case.model)
     common = {
@@ -80,7 +93,7 @@ def main() -> None:
         "seq": case.seq,
         "world_size": case.world_size,
         "device": "cpu",
-        # glibc's defaults: the library's default (pooled) host buffers, as the ranks
+        # glibc's defaults: the host buffers the ranks use (set in this process too)
         "host_allocator": "mmap" if args.mmap_threshold else None,
     }
     base = resolve_plan(model, ["Block"])
@@ -98,6 +111,7 @@ def main() -> None:
             "calibrate": True,
             "case": asdict(case),
             "mmap_threshold": args.mmap_threshold,
+            "host_buffers": host_buffers,
         }
     )[0]["bandwidth"]
     cost = CostModel(flop_rate=measured_flop_rate(case, flops), bandwidth=bandwidth, latency=1e-3)
@@ -134,6 +148,7 @@ def main() -> None:
                 "plan": ea.plan_to_dict(plan),
                 "steps": args.steps,
                 "mmap_threshold": args.mmap_threshold,
+                "host_buffers": host_buffers,
             },
             timeout_s=1800,
         )
