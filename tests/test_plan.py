@@ -572,6 +572,25 @@ def test_host_allocator_is_checked_and_ignored_on_cuda() -> None:
     )
 
 
+def test_heap_estimate_says_it_is_a_lower_bound(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fsdp_compose.plan import _estimate
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=64))
+    kw = {"batch": 2, "seq": 32, "policy": [Block], "device": "cpu"}
+    monkeypatch.setattr(_estimate, "_warned_heap_bound", False)
+    with caplog.at_level("WARNING", logger="fsdp_compose"):
+        estimate(model, world_size=1, host_allocator="glibc", **kw)  # W=1: exact enough
+        estimate(model, world_size=2, host_allocator="glibc+pooled", **kw)
+        assert not caplog.records, caplog.text
+        estimate(model, world_size=2, host_allocator="glibc", **kw)
+        estimate(model, world_size=4, host_allocator="glibc", **kw)  # once per process
+    assert len(caplog.records) == 1, caplog.text
+    assert "set_host_buffers('pooled')" in caplog.text, caplog.text
+
+
 def test_muon_owner_step_can_be_the_peak() -> None:
     from fsdp_compose.whole_matrix._exchange import ROUND_NUMEL
 
