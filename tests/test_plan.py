@@ -589,6 +589,7 @@ def test_heap_estimate_says_it_is_a_lower_bound(
         estimate(model, world_size=4, host_allocator="glibc", **kw)  # once per process
     assert len(caplog.records) == 1, caplog.text
     assert "set_host_buffers('pooled')" in caplog.text, caplog.text
+    assert "10% of" in caplog.text and "%%" not in caplog.text, caplog.text
 
 
 def test_muon_owner_step_can_be_the_peak() -> None:
