@@ -406,26 +406,35 @@ def cases(quick: bool) -> list[Case]:
     return out
 
 
+def add_allocator_options(parser: argparse.ArgumentParser, mmap_threshold: int) -> None:
+    """``--mmap-threshold`` (default ``mmap_threshold``; 0: glibc's defaults) and
+    ``--host-buffers``: how the ranks allocate, which the estimates then model."""
+    from fsdp_compose._host_memory import MODES
+
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=mmap_threshold,
+        metavar="BYTES",
+        help="fix glibc's mmap threshold in the ranks (e.g. 65536) and estimate with "
+        "host_allocator='mmap'; 0: glibc's default settings, the host buffers of "
+        f"--host-buffers and the estimate that follows them (default: {mmap_threshold})",
+    )
+    parser.add_argument(
+        "--host-buffers",
+        choices=MODES,
+        default="heap",
+        help="with --mmap-threshold 0: where the ranks allocate fsdp_compose's per-step "
+        "buffers (fsdp_compose.plan.set_host_buffers; default: heap, the library's default)",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="a few cases only")
-    parser.add_argument(
-        "--mmap-threshold",
-        type=int,
-        default=0,
-        metavar="BYTES",
-        help="fix glibc's mmap threshold in the ranks (e.g. 65536) and estimate with "
-        "host_allocator='mmap' (default: glibc's default settings, host_allocator='glibc')",
-    )
-    parser.add_argument(
-        "--host-buffers",
-        choices=("heap", "pooled", "mapped"),
-        default="heap",
-        help="where the ranks allocate fsdp_compose's per-step buffers "
-        "(fsdp_compose.plan.set_host_buffers; default: heap, the library's default)",
-    )
+    add_allocator_options(parser, mmap_threshold=0)
     args = parser.parse_args()
     rows = []
     print("| case | predicted (MiB) | measured (MiB) | measured / predicted | predicted peak at |")

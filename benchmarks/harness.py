@@ -93,7 +93,7 @@ def _describe(config: dict[str, Any]) -> str:
     return f"{config['kind']} {config.get('preset', '')} {config['impl']} W={config['world_size']}"
 
 
-def init_gloo(rank: int, world_size: int, init_file: str) -> None:
+def init_gloo(rank: int, world_size: int, init_file: str, timeout_s: float = 300.0) -> None:
     """Joins the gloo group of a :func:`spawn_ranks` job (one thread per rank)."""
     from datetime import timedelta
 
@@ -106,7 +106,7 @@ def init_gloo(rank: int, world_size: int, init_file: str) -> None:
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=300),
+        timeout=timedelta(seconds=timeout_s),
     )
 
 

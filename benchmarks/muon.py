@@ -31,7 +31,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from typing import Any
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -258,17 +257,11 @@ def _rank_main(
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     sys.path[:0] = [_REPO, os.path.join(_REPO, "examples"), os.path.join(_REPO, "benchmarks")]
+    import harness
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=1800),
-    )
+    harness.init_gloo(rank, world, store, timeout_s=1800)
     from fsdp_compose.whole_matrix import _muon
 
     models, opts = {}, {}

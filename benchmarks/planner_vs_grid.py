@@ -64,22 +64,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--budget-quantile", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument(
-        "--mmap-threshold",
-        type=int,
-        default=65536,
-        metavar="BYTES",
-        help="glibc's mmap threshold fixed in the ranks, estimates with host_allocator='mmap' "
-        "(the mode of the BENCHMARKS.md table); 0: glibc's default settings, the host "
-        "buffers of --host-buffers and host_allocator=None (which follows them)",
-    )
-    parser.add_argument(
-        "--host-buffers",
-        choices=("heap", "pooled", "mapped"),
-        default="heap",
-        help="with --mmap-threshold 0: where the ranks put fsdp_compose's per-step buffers "
-        "(fsdp_compose.plan.set_host_buffers; default: heap, the library's default)",
-    )
+    ea.add_allocator_options(parser, mmap_threshold=65536)  # the BENCHMARKS.md table's mode
     args = parser.parse_args()
     host_buffers = None if args.mmap_threshold else args.host_buffers
     if host_buffers is not None:

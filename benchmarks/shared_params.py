@@ -30,7 +30,6 @@ import argparse
 import os
 import sys
 import tempfile
-from datetime import timedelta
 from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,6 +56,7 @@ def _rank_main(
     rank: int, world: int, store: str, variant: str, preset: str, steps: int, queue: Any
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    import harness
     import torch
     import torch.distributed as dist
     from gpt import GPT, PRESETS, loss_fn, make_batch
@@ -64,14 +64,7 @@ def _rank_main(
 
     from fsdp_compose import _collective_hooks, _scheduler
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=300),
-    )
+    harness.init_gloo(rank, world, store)
     # Peak of the scheduler's accounting of unsharded parameter bytes (private API,
     # read-only: wraps the one method that updates it).
     peak_unsharded = [0]
