@@ -90,6 +90,7 @@ class _Peers:
 
     __slots__ = (
         "closed",
+        "closed_at",
         "count",
         "global_ranks",
         "group",
@@ -110,6 +111,7 @@ class _Peers:
         self.issued: collections.deque[int] = collections.deque(maxlen=_HISTORY)
         self.count = 0
         self.closed = False  # by _stall.break_group: no exchange on it can complete
+        self.closed_at = 0.0  # when (time.monotonic()) break_group was first called
 
     def tag(self, kind: str, label: str, numel: int, dtype: torch.dtype, step: int) -> int:
         """The tag of a collective: the same on every rank that issues it, and

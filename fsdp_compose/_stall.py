@@ -31,6 +31,14 @@ error:
   that (other groups, such as the default one, are unaffected). To stop before any
   data moves and keep the group usable, use the collective guard
   (``debug.enable_collective_guard()``).
+* Closing must not cut off a transfer under way: gloo wakes a receive that is
+  still waiting for its message when the connection closes, but not one whose
+  message had begun to arrive, which then waits until the group's timeout (30
+  minutes for a group made without one). On four ranks a rank outside the
+  mismatch hung that way in about one run in forty on a loaded machine. A rank
+  therefore closes its connections :data:`CLOSE_GRACE_S` after it decided to
+  (on whichever thread decided first), so that the transfers already under way,
+  all of them between ranks that agree, finish first.
 """
 
 from __future__ import annotations
@@ -58,6 +66,9 @@ _TICK_S = 0.2
 _KEY = "fsdp_compose/stall"
 # Exchange tags are 31-bit and never this one (see break_group).
 BREAK_TAG = 0x7FFFFFFF
+#: Seconds a rank lets the transfers under way finish before it closes its
+#: connections on a group (see the Note).
+CLOSE_GRACE_S = 0.5
 
 
 class _Watch:
@@ -230,8 +241,15 @@ def break_group(peers: _Peers) -> None:
     on the peers with an error. A wait that began on a pair that was still open,
     for a peer that waits elsewhere, is not woken that way: every rank closes its
     own connections (see [Note: stalled exchanges]), and no later wait on a closed
-    group blocks (:attr:`_Peers.closed`). The tag is never a collective's."""
-    peers.closed = True
+    group blocks (:attr:`_Peers.closed`). The tag is never a collective's. The
+    connections close :data:`CLOSE_GRACE_S` after the first call (on any thread)
+    began: see the Note."""
+    now = time.monotonic()
+    if not peers.closed:
+        peers.closed, peers.closed_at = True, now
+    grace = peers.closed_at + CLOSE_GRACE_S - now
+    if grace > 0:
+        time.sleep(grace)
     with contextlib.suppress(RuntimeError):
         work = peers.group.recv([torch.empty(1)], peers.others[0], BREAK_TAG)
         work.wait(datetime.timedelta(milliseconds=1))

@@ -34,7 +34,7 @@ from helpers import GUARDED, rank_world
 from models import TINY_GPT
 from torch import nn
 
-from fsdp_compose import MixedPrecisionPolicy, _guard, fully_shard
+from fsdp_compose import MixedPrecisionPolicy, _guard, _stall, fully_shard
 from fsdp_compose.debug import CollectiveMismatchError, enable_collective_guard
 
 TINY = TINY_GPT
@@ -180,6 +180,41 @@ def test_desync_raises_on_every_rank(case: str) -> None:
         assert "reduce_scatter for gpt.blocks." in messages[0], messages[0]
 
 
+def _transfer_under_way(grace: float) -> str:
+    """Rank 0 closes its connections right after it began sending 64 MiB to rank
+    1, whose receive was already posted. gloo does not wake a receive whose
+    message was cut off part-way (it waits for the group's timeout, here 5 s): the
+    grace before closing lets the transfer finish. Returns how rank 1's wait ended
+    (rank 0's own wait fails: its group is closed)."""
+    from datetime import timedelta
+
+    from fsdp_compose import _gloo
+
+    rank, _ = rank_world()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=5))
+    peers = _gloo.GlooRoute(group).peers
+    numel = 16 * 2**20
+    tag = peers.tag("all_gather", "cut", numel, torch.float32, 0)
+    received = torch.zeros(numel)
+    recvs = [group.recv([received], 0, tag)] if rank == 1 else []
+    dist.barrier()
+    time.sleep(0.2)  # rank 1's receive is known to rank 0: the send starts at once
+    sends = [group.send([torch.ones(numel)], 1, tag)] if rank == 0 else []
+    if rank == 0:
+        default, _stall.CLOSE_GRACE_S = _stall.CLOSE_GRACE_S, grace
+        try:
+            _stall.break_group(peers)
+        finally:
+            _stall.CLOSE_GRACE_S = default
+    name = ("all_gather", "cut", 0, numel, torch.float32)
+    exchange = _gloo.Exchange(peers, tag, name, recvs, sends)
+    try:
+        exchange.wait()
+    except RuntimeError:
+        return "raised"
+    return f"received {int(received.sum())} of {numel}"
+
+
 def _default_mode_case(case: str) -> str:
     """The desync ``case`` with the guard off (the default): the exchanges are
     matched by what they are, so the ranks wait instead of mis-pairing, and the
@@ -188,6 +223,8 @@ def _default_mode_case(case: str) -> str:
     from torch.distributed.device_mesh import DeviceMesh
 
     assert not _guard.enabled
+    if case.startswith("transfer_under_way"):
+        return _transfer_under_way(float(case.split("=")[1]))
     group = dist.new_group(backend="gloo")
     start = time.monotonic()
     message, _ = _desync_steps(case, mesh=DeviceMesh.from_group(group, "cpu"))
@@ -264,6 +301,16 @@ def test_desync_in_default_mode_at_four_ranks(tmp_path: Path) -> None:
             message,
         )
         assert len(re.findall(r"rank \d waits for (all_gather|reduce_scatter) for ", message)) == 2
+
+
+@pytest.mark.skipif(GUARDED, reason="the default (unguarded) mode")
+def test_closing_lets_a_transfer_under_way_finish(tmp_path: Path) -> None:
+    """A rank that closes its connections after a desync first lets the transfers
+    already under way finish: the peer receives all of it instead of waiting for
+    the group's timeout ([Note: stalled exchanges])."""
+    cases = [f"transfer_under_way={_stall.CLOSE_GRACE_S}"]
+    (_, (message,)) = _in_fresh_ranks(tmp_path, 2, cases)
+    assert message == f"received {16 * 2**20} of {16 * 2**20}", message
 
 
 def _slow_peer_job() -> tuple[list[float], bool]:
