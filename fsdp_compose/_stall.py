@@ -31,14 +31,19 @@ error:
   that (other groups, such as the default one, are unaffected). To stop before any
   data moves and keep the group usable, use the collective guard
   (``debug.enable_collective_guard()``).
+* A receive that times out closes every connection of the rank, but a receive on
+  a connection the peer already closed fails at once and closes nothing else:
+  :func:`break_group` tries the peers in turn until one times out. (Trying only
+  the first let a rank outside the mismatch, on four ranks, keep its connection
+  to a rank that had stopped, and wait on it until the group's timeout: the CI
+  failure of stop 15.)
 * Closing must not cut off a transfer under way: gloo wakes a receive that is
   still waiting for its message when the connection closes, but not one whose
   message had begun to arrive, which then waits until the group's timeout (30
-  minutes for a group made without one). On four ranks a rank outside the
-  mismatch hung that way in about one run in forty on a loaded machine. A rank
-  therefore closes its connections :data:`CLOSE_GRACE_S` after it decided to
-  (on whichever thread decided first), so that the transfers already under way,
-  all of them between ranks that agree, finish first.
+  minutes for a group made without one). A rank therefore closes its connections
+  :data:`CLOSE_GRACE_S` after it decided to (on whichever thread decided first),
+  so that the transfers already under way, all of them between ranks that agree,
+  finish first.
 """
 
 from __future__ import annotations
@@ -250,9 +255,13 @@ def break_group(peers: _Peers) -> None:
     grace = peers.closed_at + CLOSE_GRACE_S - now
     if grace > 0:
         time.sleep(grace)
-    with contextlib.suppress(RuntimeError):
-        work = peers.group.recv([torch.empty(1)], peers.others[0], BREAK_TAG)
-        work.wait(datetime.timedelta(milliseconds=1))
+    # Only a receive that times out closes every connection: on a connection
+    # the peer already closed the receive fails at once and closes nothing else,
+    # so try each peer until one times out (after that every receive fails at once).
+    for peer in peers.others:
+        with contextlib.suppress(RuntimeError):
+            work = peers.group.recv([torch.empty(1)], peer, BREAK_TAG)
+            work.wait(datetime.timedelta(milliseconds=1))
 
 
 def explain(exchange: Exchange) -> CollectiveMismatchError | None:

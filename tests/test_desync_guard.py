@@ -215,6 +215,42 @@ def _transfer_under_way(grace: float) -> str:
     return f"received {int(received.sum())} of {numel}"
 
 
+def _close_after_a_peer_closed() -> str:
+    """On three ranks, rank 0 closes its connections first; then rank 1 closes its
+    own while it waits for a message from rank 2. Its connection to rank 0 is
+    already closed, and a receive on a closed connection fails at once without
+    closing any other: before ``break_group`` tried every peer, rank 1's wait on
+    rank 2 stayed open until the group's timeout (here 20 s). Returns how rank 1's
+    wait ended, and when."""
+    from datetime import timedelta
+
+    from fsdp_compose import _gloo
+
+    rank, _ = rank_world()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    peers = _gloo.GlooRoute(group).peers
+    pending = group.recv([torch.empty(1)], 2, 12345) if rank == 1 else None
+    default, _stall.CLOSE_GRACE_S = _stall.CLOSE_GRACE_S, 0.0
+    try:
+        dist.barrier()
+        if rank == 0:
+            _stall.break_group(peers)
+        dist.barrier()
+        time.sleep(0.5)  # rank 1 has seen its connection to rank 0 close
+        if pending is None:
+            return "not waiting"
+        _stall.break_group(peers)
+    finally:
+        _stall.CLOSE_GRACE_S = default
+    start = time.monotonic()
+    try:
+        pending.wait()
+        ended = "completed"
+    except RuntimeError:
+        ended = "raised"
+    return f"{ended} after {time.monotonic() - start:.1f} s"
+
+
 def _default_mode_case(case: str) -> str:
     """The desync ``case`` with the guard off (the default): the exchanges are
     matched by what they are, so the ranks wait instead of mis-pairing, and the
@@ -223,6 +259,8 @@ def _default_mode_case(case: str) -> str:
     from torch.distributed.device_mesh import DeviceMesh
 
     assert not _guard.enabled
+    if case == "close_after_a_peer_closed":
+        return _close_after_a_peer_closed()
     if case.startswith("transfer_under_way"):
         return _transfer_under_way(float(case.split("=")[1]))
     group = dist.new_group(backend="gloo")
@@ -311,6 +349,15 @@ def test_closing_lets_a_transfer_under_way_finish(tmp_path: Path) -> None:
     cases = [f"transfer_under_way={_stall.CLOSE_GRACE_S}"]
     (_, (message,)) = _in_fresh_ranks(tmp_path, 2, cases)
     assert message == f"received {16 * 2**20} of {16 * 2**20}", message
+
+
+@pytest.mark.skipif(GUARDED, reason="the default (unguarded) mode")
+def test_closing_reaches_every_connection_when_a_peer_closed_first(tmp_path: Path) -> None:
+    """A rank closing its connections after a peer closed its own still closes all
+    of them: its wait on a third rank ends at once, not at the group's timeout."""
+    _, (message,), _ = _in_fresh_ranks(tmp_path, 3, ["close_after_a_peer_closed"])
+    ended, seconds = re.fullmatch(r"(\w+) after ([\d.]+) s", message).groups()
+    assert ended == "raised" and float(seconds) < 5, message
 
 
 def _slow_peer_job() -> tuple[list[float], bool]:
