@@ -260,6 +260,12 @@ _MAPPED = _Mapped()
 #: takes the previous one's pages).
 PARKED_PER_SIZE = 1
 
+#: The largest buffer the pool keeps for reuse (and whose pages it parks): glibc's
+#: largest dynamic mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit), above
+#: which the heap, too, maps every buffer afresh and unmaps it when freed. Larger
+#: ones are mappings of their own, resident only while in use.
+MAX_CACHED = 32 * 1024 * 1024
+
 
 class BufferPool:
     """Per-step host buffers reused instead of unmapped (see the Note).
@@ -277,9 +283,11 @@ class BufferPool:
     operations, each atomic under the GIL.
     """
 
-    def __init__(self, parked_per_size: int | None = None) -> None:
+    def __init__(self, parked_per_size: int | None = None, max_cached: int | None = None) -> None:
         #: Slots of one size that may hold parked pages (:data:`PARKED_PER_SIZE`).
         self.parked_per_size = PARKED_PER_SIZE if parked_per_size is None else parked_per_size
+        #: The largest buffer the pool keeps for reuse (:data:`MAX_CACHED`).
+        self.max_cached = MAX_CACHED if max_cached is None else max_cached
         self._free: dict[int, list[tuple[mmap.mmap, int]]] = {}
         # id(weakref) -> (the weakref, kept alive here; size, mapping, offset)
         self._live: dict[int, tuple[weakref.ref[memoryview], int, mmap.mmap, int]] = {}
@@ -300,7 +308,7 @@ class BufferPool:
         empty; at most :attr:`parked_per_size` slots of a size hold pages.
         Returns whether it did (else the caller gives the pages back)."""
         parked = self._parked.setdefault(size, [])
-        if len(parked) >= self.parked_per_size:
+        if len(parked) >= self.parked_per_size or size > self.max_cached:
             return False
         slots = self._slots.setdefault(size, [])
         slot = slots.pop() if slots else _private_mapping(size)
@@ -340,7 +348,8 @@ class BufferPool:
 
     def _back(self, ref: weakref.ref[memoryview]) -> None:
         _, size, mapping, offset = self._live.pop(id(ref))
-        self._free.setdefault(size, []).append((mapping, offset))
+        if size <= self.max_cached:
+            self._free.setdefault(size, []).append((mapping, offset))
 
     def release(self) -> None:
         """Unmaps every buffer and parked page the pool holds for reuse; buffers

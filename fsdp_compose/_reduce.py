@@ -138,8 +138,10 @@ class GradientReduction:
         if world == 1:
             output, rs = packed, None
         else:
+            # Without gradients yet, the output becomes them: it outlives the step.
+            fresh = all(p.sharded_param.grad is None for p in params)
             output = _flat_buffer.comm_buffer(
-                comm, row, reduce_dtype, info.device, self.name, "reduce_scatter"
+                comm, row, reduce_dtype, info.device, self.name, "reduce_scatter", not fresh
             )
             group = self._reduce_scatter_group or self.mesh_info.shard_group
             rs = _collectives.reduce_scatter(
