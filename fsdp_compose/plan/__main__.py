@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=HOST_ALLOCATORS,
         default=None,
         help="with --device cpu: glibc's default malloc (freed tensors may stay resident) "
-        "with fsdp_compose's buffers in the heap (the library's default), pooled or mapped; "
+        "with fsdp_compose's buffers pooled (the library's default), in the heap or mapped; "
         "or one that returns freed tensors to the system (MALLOC_MMAP_THRESHOLD_ set); "
         "default: the host buffers this process has (FSDP_COMPOSE_HOST_BUFFERS)",
     )

@@ -308,9 +308,10 @@ def estimate(
             through a model of it, and the excess over the live bytes is reported
             as ``breakdown["allocator"]``; see ``[Note: resident memory under
             glibc's default allocator]``), fsdp_compose's per-step buffers
-            included (``set_host_buffers("heap")``, the default); ``"glibc+pooled"``: the same
+            included (``set_host_buffers("heap")``); ``"glibc+pooled"``: the same
             with those buffers outside the heap, reused through fsdp_compose's
-            pool, which keeps them between steps (``set_host_buffers("pooled")``);
+            pool, which keeps them between steps (``set_host_buffers("pooled")``,
+            the default);
             ``"glibc+mapped"``: on a mapping each (``set_host_buffers("mapped")``);
             ``None`` (default): whichever of these three this process uses;
             ``"mmap"``: an allocator that returns every freed tensor to the

@@ -102,7 +102,9 @@ def step_events(
             out.append(own(packed, shard * u.reduce_row))
             if shard == 1:  # the packed buffer is the result
                 results.append(packed)
-            else:  # the outputs are assigned to the sharded gradients at the end
+            else:  # the outputs are added to the sharded gradients at the end
+                # (kept between steps: the first step's outputs, which became them,
+                # came from torch.empty, the later steps' come from the pool)
                 received, reduced = ("received", u.name), ("reduced", u.name)
                 out.append(own(reduced, u.reduce_row))
                 # the gloo exchange's receive buffer (``_host_memory.receive_buffer``):
