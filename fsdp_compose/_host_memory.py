@@ -1,4 +1,4 @@
-"""Per-step host buffers outside glibc's heap, pooled or mapped (opt-in).
+"""Per-step host buffers outside glibc's heap: pooled (the default) or mapped.
 
 An extension: unless the mode is ``"heap"`` it is the core's source of large
 per-step CPU buffers (``_flat_buffer.set_host_buffers``).
@@ -16,12 +16,12 @@ four-rank step measured 234-287 MiB), and no estimate can follow it (W >= 2 was
 12-54% above ``fsdp_compose.plan.estimate``). The CUDA caching allocator keeps
 FSDP2's buffers out of such interleaving on GPU.
 
-So, on request (``fsdp_compose.plan.set_host_buffers``,
+So, by default (``fsdp_compose.plan.set_host_buffers``,
 ``FSDP_COMPOSE_HOST_BUFFERS``), buffers from :data:`MIN_BYTES` on are private
 anonymous mappings, which never share pages with the interpreter's objects, in
 one of two ways:
 
-* ``"pooled"``, like the CUDA caching allocator: a freed buffer
+* ``"pooled"`` (the default), like the CUDA caching allocator: a freed buffer
   goes back to :data:`POOL` (:class:`BufferPool`) with its pages resident, and
   the next request of its page-rounded size takes it. The pool maps a new
   buffer only when every one of that size is in use, so it holds at most as many
@@ -74,14 +74,15 @@ it keeps between steps, the parked pages) or the mappings exactly
 (``_heap.py``): 27 of 27 cases within 10% in the pooled mode, against 5 of 27 in
 the heap (BENCHMARKS.md).
 
-``"heap"`` (``torch.empty``) stays the default because the pool's price is
-memory: it keeps, per size, as many buffers as were in use at once, resident
-through the whole step, where the heap reuses a freed chunk for any later
-request. On the benchmark's large preset (``python benchmarks/run.py --preset
-large --world-sizes 2 4 --impls fsdp2 fsdp_compose ...``) the pooled peak per
-rank was 2893 MiB at W=2 and 2376 MiB at W=4, against FSDP2's 2866 and 2002 and
-the heap's 2412-2416 and 1587-1621: above FSDP2. Choose ``"pooled"`` where a
-predictable peak (the planner's budget) matters more than the lowest one.
+``"pooled"`` is the default. With the two bounds its peak is close to the
+heap's on the benchmark's large preset (``python benchmarks/run.py --preset
+large --world-sizes 2 4 --impls fsdp2 fsdp_compose --local-batch 1 --warmup 1
+--steps 1 --instrumented 0``, fsdp_compose's peak per rank, runs of one
+sitting): W=4 1564-1578 MiB pooled against the heap's 1559-1623; W=2 2245-2302
+against 2177-2222 (the heap varies with timing: 2251-2309 in a per-rank trace,
+2412-2416 in the full suite); both below FSDP2's (2089-2136 and 2777-2881).
+Without the bounds the pool read 2376 and 2893. ``"heap"`` and ``"mapped"``
+stay selectable.
 """
 
 from __future__ import annotations
