@@ -662,7 +662,7 @@ def _warn_heap_lower_bound() -> None:
         _warned_heap_bound = True
         logger.warning(
             "fsdp_compose.plan.estimate: with fsdp_compose's per-step CPU buffers in glibc's "
-            "heap (the default host buffers) the estimate is a lower bound at W > 1 (measured "
-            "peaks up to 1.54x it); call fsdp_compose.plan.set_host_buffers('pooled') before "
-            "training (and estimating) for a peak within 10% of the estimate"
+            "heap (set_host_buffers('heap')) the estimate is a lower bound at W > 1 (measured "
+            "peaks up to 1.54x it); call fsdp_compose.plan.set_host_buffers('pooled') (the "
+            "default) before training (and estimating) for a peak within 10% of the estimate"
         )
