@@ -274,6 +274,7 @@ def estimate(
     optimizer: str = "adamw",
     device: str = "cuda",
     host_allocator: str | None = None,
+    set_to_none: bool = False,
     step_fn: StepFn = default_step,
     profile: ModelProfile | None = None,
 ) -> MemoryEstimate:
@@ -320,6 +321,13 @@ def estimate(
             threshold off, with fsdp_compose's buffers not pooled (``"heap"``
             or ``"mapped"``). The process's settings cannot be queried, so this is
             an explicit choice. Ignored for ``device="cuda"``.
+        set_to_none: whether the training loop drops the gradients
+            (``optimizer.zero_grad(set_to_none=True)``, torch's default) instead of
+            keeping them between steps. Gradients are counted all step either way;
+            with ``set_to_none`` the CPU replay (``device="cpu"``) has each
+            reduce-scatter output become them instead of a per-step buffer that
+            is added to them and freed (fsdp_compose takes the former from
+            ``torch.empty``, the latter from its pool).
         step_fn: ``fn(model, batch, seq) -> loss`` for one step (default: token
             ids in, cross-entropy on the logits).
         profile: a profile from an earlier call with the same model, units,
@@ -393,6 +401,7 @@ def estimate(
                 muon_owner_bytes=owner,
                 adam_like=OPTIMIZERS[optimizer] == 2,
                 host_buffers=host_buffers,
+                grads_kept=not set_to_none,
             ),
             # with the buffers in the heap, glibc trims its free top as it goes
             trim_top=host_buffers == "heap",
