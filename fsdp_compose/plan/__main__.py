@@ -176,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
         "default: the host buffers this process has (FSDP_COMPOSE_HOST_BUFFERS)",
     )
     p.add_argument(
+        "--set-to-none",
+        action="store_true",
+        help="with --device cpu: the loop calls zero_grad(set_to_none=True) (torch's default) "
+        "rather than keeping the gradients between steps",
+    )
+    p.add_argument(
         "--policy",
         default=None,
         help="module class names (comma separated) or a parameter count (default: _no_split_modules)",
@@ -231,6 +237,7 @@ def _run(args: argparse.Namespace) -> int:
         "optimizer": args.optimizer,
         "device": args.device,
         "host_allocator": args.host_allocator,
+        "set_to_none": args.set_to_none,
     }
     est = estimate(
         model,
