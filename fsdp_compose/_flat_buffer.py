@@ -90,8 +90,7 @@ def comm_buffer(
     per_step: bool = True,
 ) -> torch.Tensor:
     """:func:`~fsdp_compose._collectives.allocate`, except that fsdp_compose's own
-    collectives' buffers come from :func:`empty` (``torch.empty`` when not
-    ``per_step``: one that outlives the step, as the gradients do)."""
+    collectives' buffers come from :func:`empty` (``torch.empty`` if not ``per_step``)."""
     if isinstance(comm, _collectives.DefaultComm):
         if not per_step:
             return torch.empty(numel, dtype=dtype, device=device)

@@ -294,7 +294,8 @@ class BufferPool:
     pages still resident, and the next request of the same page-rounded size
     takes it: no fault, no zeroing. A new mapping is made only when every buffer
     of that size is in use, so the pool never holds more buffers of a size than
-    were in use at once since :meth:`release` last emptied it.
+    were in use at once since :meth:`release` last emptied it, and it holds none
+    (nor parked pages) above :attr:`max_cached`: those are unmapped when freed.
 
     The callback may run on whichever thread frees the storage (gloo's, the
     autograd engine's): the pool's state changes only by single list and dict

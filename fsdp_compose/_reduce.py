@@ -138,8 +138,13 @@ class GradientReduction:
         if world == 1:
             output, rs = packed, None
         else:
-            # Without gradients yet, the output becomes them: it outlives the step.
-            fresh = all(p.sharded_param.grad is None for p in params)
+            # No gradients yet, no cast, no host copy: the output becomes them (lasts).
+            fresh = all(
+                p.sharded_param.grad is None
+                and p.orig_dtype == reduce_dtype
+                and p.offload_device is None
+                for p in params
+            )
             output = _flat_buffer.comm_buffer(
                 comm, row, reduce_dtype, info.device, self.name, "reduce_scatter", not fresh
             )
