@@ -78,7 +78,7 @@ the heap (BENCHMARKS.md).
 heap's on the benchmark's large preset (``python benchmarks/run.py --preset
 large --world-sizes 2 4 --impls fsdp2 fsdp_compose --local-batch 1 --warmup 1
 --steps 1 --instrumented 0``, fsdp_compose's peak per rank, runs of one
-sitting): W=4 1564-1578 MiB pooled against the heap's 1559-1623; W=2 2245-2302
+sitting): W=4 1564-1578 MiB pooled against the heap's 1559-1623; W=2 2216-2302
 against 2177-2222 (the heap varies with timing: 2251-2309 in a per-rank trace,
 2412-2416 in the full suite); both below FSDP2's (2089-2136 and 2777-2881).
 Without the bounds the pool read 2376 and 2893. ``"heap"`` and ``"mapped"``
