@@ -575,7 +575,8 @@ def test_host_allocator_is_checked_and_ignored_on_cuda() -> None:
 def test_set_to_none_makes_the_reduce_scatter_outputs_the_gradients() -> None:
     """With ``zero_grad(set_to_none=True)`` each reduce-scatter output becomes the
     sharded gradients (from ``torch.empty``, counted as ``grads``), so the replay
-    has no per-step output buffer for it; the states are the same."""
+    has no per-step output buffer for it, unless it is cast; the states are the
+    same."""
     from fsdp_compose.plan import _estimate, _events
 
     with torch.device("meta"):
@@ -590,13 +591,16 @@ def test_set_to_none_makes_the_reduce_scatter_outputs_the_gradients() -> None:
         seen.append(any(key[0] == "reduced" for key in keys))
         return events
 
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     _estimate.step_events = spy  # type: ignore[assignment]
     try:
         kept = estimate(model, host_allocator="glibc+pooled", **kw)
         dropped = estimate(model, host_allocator="glibc+pooled", set_to_none=True, **kw)
+        # reduced in bfloat16, cast to the float32 gradients: still a per-step buffer
+        estimate(model, host_allocator="glibc+pooled", set_to_none=True, mp_policy=bf16, **kw)
     finally:
         _estimate.step_events = real  # type: ignore[assignment]
-    assert seen == [True, False]
+    assert seen == [True, False, True]
     for key in ("params", "grads", "optimizer_state"):
         assert kept.breakdown[key] == dropped.breakdown[key]
     assert dropped.peak_bytes_per_rank < kept.peak_bytes_per_rank

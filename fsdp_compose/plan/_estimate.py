@@ -327,7 +327,8 @@ def estimate(
             with ``set_to_none`` the CPU replay (``device="cpu"``) has each
             reduce-scatter output become them instead of a per-step buffer that
             is added to them and freed (fsdp_compose takes the former from
-            ``torch.empty``, the latter from its pool).
+            ``torch.empty``, the latter from its pool); with a reduce dtype other
+            than the parameters' the output is cast, a per-step buffer either way.
         step_fn: ``fn(model, batch, seq) -> loss`` for one step (default: token
             ids in, cross-entropy on the logits).
         profile: a profile from an earlier call with the same model, units,
@@ -392,6 +393,11 @@ def estimate(
     terms["allocator"] = 0
     if device == "cpu" and host_allocator != "mmap":
         host_buffers = host_allocator.partition("+")[2] or "heap"
+        # a reduce-scatter output cast to the parameters' dtype stays a per-step buffer
+        reduce_dtype = mp_policy.reduce_dtype or mp_policy.param_dtype
+        cast = reduce_dtype is not None and any(
+            p.dtype != reduce_dtype for u in units for p in u.profile.params if p.trainable
+        )
         resident, resident_at = replay(
             step_events(
                 units,
@@ -401,7 +407,7 @@ def estimate(
                 muon_owner_bytes=owner,
                 adam_like=OPTIMIZERS[optimizer] == 2,
                 host_buffers=host_buffers,
-                grads_kept=not set_to_none,
+                grads_kept=not set_to_none or cast,
             ),
             # with the buffers in the heap, glibc trims its free top as it goes
             trim_top=host_buffers == "heap",
