@@ -15,8 +15,8 @@ largest over ranks. The estimate is computed once, in
 this process, on the meta device, for the same case. Ratio = measured / predicted.
 
 The ranks keep glibc's default allocator settings, as the memory benchmark does,
-and the estimate models them (``host_allocator="glibc"`` with the library's
-default host buffers, the heap; ``--host-buffers pooled|mapped`` for the others). ``--mmap-threshold N``
+and the estimate models them (``host_allocator="glibc+pooled"`` with the library's
+default host buffers, pooled; ``--host-buffers heap|mapped`` for the others). ``--mmap-threshold N``
 makes the ranks fix glibc's mmap threshold at N bytes (``mallopt``; freed tensors
 then leave the resident set) and estimates with ``host_allocator="mmap"`` (fsdp_compose's buffers then go to
 ``torch.empty``, ``set_host_buffers("heap")``, so glibc maps them too).
@@ -347,7 +347,7 @@ def mmap_large_allocations(threshold: int = 65536) -> None:
 
 
 def run_case(
-    case: Case, scale: str = "bench", mmap_threshold: int = 0, host_buffers: str = "heap"
+    case: Case, scale: str = "bench", mmap_threshold: int = 0, host_buffers: str = "pooled"
 ) -> dict[str, Any]:
     """Measures ``case`` on fresh ranks and compares with the estimate.
 
@@ -423,9 +423,9 @@ def add_allocator_options(parser: argparse.ArgumentParser, mmap_threshold: int) 
     parser.add_argument(
         "--host-buffers",
         choices=MODES,
-        default="heap",
+        default="pooled",
         help="with --mmap-threshold 0: where the ranks allocate fsdp_compose's per-step "
-        "buffers (fsdp_compose.plan.set_host_buffers; default: heap, the library's default)",
+        "buffers (fsdp_compose.plan.set_host_buffers; default: pooled, the library's default)",
     )
 
 

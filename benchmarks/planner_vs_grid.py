@@ -11,7 +11,7 @@ mean of ``--steps``). The budget is the given quantile of the predicted peaks.
 The ranks fix glibc's mmap threshold at 64 KiB and the estimates assume freed
 tensors leave the resident set (``host_allocator="mmap"``), the mode the
 BENCHMARKS.md table was measured in; ``--mmap-threshold 0`` uses glibc's defaults
-and the host buffers of ``--host-buffers`` (the library's default, the heap, unless
+and the host buffers of ``--host-buffers`` (the library's default, pooled, unless
 given), which the estimates then model.
 The planner (``plan_to_budget``, searching the same grid) uses a cost model
 measured on this machine: the FLOP rate of one unsharded step of the model in

@@ -87,10 +87,13 @@ def comm_buffer(
     device: torch.device,
     label: str,
     kind: _collectives.CollectiveKind,
+    per_step: bool = True,
 ) -> torch.Tensor:
     """:func:`~fsdp_compose._collectives.allocate`, except that fsdp_compose's own
-    collectives' buffers come from :func:`empty`."""
+    collectives' buffers come from :func:`empty` (``torch.empty`` if not ``per_step``)."""
     if isinstance(comm, _collectives.DefaultComm):
+        if not per_step:
+            return torch.empty(numel, dtype=dtype, device=device)
         return empty(numel, dtype, device)
     return _collectives.allocate(comm, numel, dtype, device, label, kind)
 

@@ -1,4 +1,4 @@
-"""Per-step host buffers outside glibc's heap, pooled or mapped (opt-in).
+"""Per-step host buffers outside glibc's heap: pooled (the default) or mapped.
 
 An extension: unless the mode is ``"heap"`` it is the core's source of large
 per-step CPU buffers (``_flat_buffer.set_host_buffers``).
@@ -16,12 +16,12 @@ four-rank step measured 234-287 MiB), and no estimate can follow it (W >= 2 was
 12-54% above ``fsdp_compose.plan.estimate``). The CUDA caching allocator keeps
 FSDP2's buffers out of such interleaving on GPU.
 
-So, on request (``fsdp_compose.plan.set_host_buffers``,
+So, by default (``fsdp_compose.plan.set_host_buffers``,
 ``FSDP_COMPOSE_HOST_BUFFERS``), buffers from :data:`MIN_BYTES` on are private
 anonymous mappings, which never share pages with the interpreter's objects, in
 one of two ways:
 
-* ``"pooled"``, like the CUDA caching allocator: a freed buffer
+* ``"pooled"`` (the default), like the CUDA caching allocator: a freed buffer
   goes back to :data:`POOL` (:class:`BufferPool`) with its pages resident, and
   the next request of its page-rounded size takes it. The pool maps a new
   buffer only when every one of that size is in use, so it holds at most as many
@@ -40,7 +40,24 @@ one of two ways:
   waited (``_gloo.Exchange.wait``), so the pool's contents after the first
   steps are the same every step (gpt W=2: 14 mappings from the second step on,
   in every run), and the estimate replays them. gloo's reduce-scatter receive
-  buffer comes from the pool too (``receive_buffer``).
+  buffer comes from the pool too (``receive_buffer``). Two bounds keep what the
+  pool holds unused close to what the heap would (at the memory benchmark's
+  large preset, W=2, the pool without them held 844 MiB free through the
+  optimizer step and 1306 MiB between steps, 0.7 GiB above the heap's peak):
+
+  - It keeps no buffer, and parks no pages, above :data:`MAX_CACHED` (32 MiB,
+    glibc's largest dynamic mmap threshold): such a buffer is a mapping of its
+    own, unmapped when freed, as glibc maps and unmaps every buffer that large
+    in the heap mode (the same page faults). Kept, each was resident through
+    the whole step for one or two uses (the root's all-gather output, from the
+    forward's start to the root's reduce-scatter at the end of backward).
+  - A reduce-scatter output that becomes the sharded gradients (the unit has no
+    ``.grad`` yet) lives until ``zero_grad``, not one step: it comes from
+    ``torch.empty``, as autograd's gradients do (``_flat_buffer.comm_buffer``'s
+    ``per_step``). From the pool, every one came back at ``zero_grad`` and
+    stayed cached, unused, through the next forward (360 MiB at W=2 on the
+    large preset). Accumulating steps (``.grad`` kept) take their outputs from
+    the pool and give them back.
 * ``"mapped"``: a fresh mapping per buffer, unmapped when the last reference
   goes; the unsharded storage's pages are given back at reshard and fault in
   again at the refill. Nothing is kept between steps, but the kernel zeroes
@@ -57,14 +74,15 @@ it keeps between steps, the parked pages) or the mappings exactly
 (``_heap.py``): 27 of 27 cases within 10% in the pooled mode, against 5 of 27 in
 the heap (BENCHMARKS.md).
 
-``"heap"`` (``torch.empty``) stays the default because the pool's price is
-memory: it keeps, per size, as many buffers as were in use at once, resident
-through the whole step, where the heap reuses a freed chunk for any later
-request. On the benchmark's large preset (``python benchmarks/run.py --preset
-large --world-sizes 2 4 --impls fsdp2 fsdp_compose ...``) the pooled peak per
-rank was 2893 MiB at W=2 and 2376 MiB at W=4, against FSDP2's 2866 and 2002 and
-the heap's 2412-2416 and 1587-1621: above FSDP2. Choose ``"pooled"`` where a
-predictable peak (the planner's budget) matters more than the lowest one.
+``"pooled"`` is the default. With the two bounds its peak is close to the
+heap's on the benchmark's large preset (``python benchmarks/run.py --preset
+large --world-sizes 2 4 --impls fsdp2 fsdp_compose --local-batch 1 --warmup 1
+--steps 1 --instrumented 0``, fsdp_compose's peak per rank, runs of one
+sitting): W=4 1564-1578 MiB pooled against the heap's 1559-1623; W=2 2216-2302
+against 2177-2222 (the heap varies with timing: 2251-2309 in a per-rank trace,
+2412-2416 in the full suite); both below FSDP2's (2089-2136 and 2777-2881).
+Without the bounds the pool read 2376 and 2893. ``"heap"`` and ``"mapped"``
+stay selectable.
 """
 
 from __future__ import annotations
@@ -260,6 +278,12 @@ _MAPPED = _Mapped()
 #: takes the previous one's pages).
 PARKED_PER_SIZE = 1
 
+#: The largest buffer the pool keeps for reuse (and whose pages it parks): glibc's
+#: largest dynamic mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit), above
+#: which the heap, too, maps every buffer afresh and unmaps it when freed. Larger
+#: ones are mappings of their own, resident only while in use.
+MAX_CACHED = 32 * 1024 * 1024
+
 
 class BufferPool:
     """Per-step host buffers reused instead of unmapped (see the Note).
@@ -270,16 +294,19 @@ class BufferPool:
     pages still resident, and the next request of the same page-rounded size
     takes it: no fault, no zeroing. A new mapping is made only when every buffer
     of that size is in use, so the pool never holds more buffers of a size than
-    were in use at once since :meth:`release` last emptied it.
+    were in use at once since :meth:`release` last emptied it, and it holds none
+    (nor parked pages) above :attr:`max_cached`: those are unmapped when freed.
 
     The callback may run on whichever thread frees the storage (gloo's, the
     autograd engine's): the pool's state changes only by single list and dict
     operations, each atomic under the GIL.
     """
 
-    def __init__(self, parked_per_size: int | None = None) -> None:
+    def __init__(self, parked_per_size: int | None = None, max_cached: int | None = None) -> None:
         #: Slots of one size that may hold parked pages (:data:`PARKED_PER_SIZE`).
         self.parked_per_size = PARKED_PER_SIZE if parked_per_size is None else parked_per_size
+        #: The largest buffer the pool keeps for reuse (:data:`MAX_CACHED`).
+        self.max_cached = MAX_CACHED if max_cached is None else max_cached
         self._free: dict[int, list[tuple[mmap.mmap, int]]] = {}
         # id(weakref) -> (the weakref, kept alive here; size, mapping, offset)
         self._live: dict[int, tuple[weakref.ref[memoryview], int, mmap.mmap, int]] = {}
@@ -300,7 +327,7 @@ class BufferPool:
         empty; at most :attr:`parked_per_size` slots of a size hold pages.
         Returns whether it did (else the caller gives the pages back)."""
         parked = self._parked.setdefault(size, [])
-        if len(parked) >= self.parked_per_size:
+        if len(parked) >= self.parked_per_size or size > self.max_cached:
             return False
         slots = self._slots.setdefault(size, [])
         slot = slots.pop() if slots else _private_mapping(size)
@@ -340,7 +367,8 @@ class BufferPool:
 
     def _back(self, ref: weakref.ref[memoryview]) -> None:
         _, size, mapping, offset = self._live.pop(id(ref))
-        self._free.setdefault(size, []).append((mapping, offset))
+        if size <= self.max_cached:
+            self._free.setdefault(size, []).append((mapping, offset))
 
     def release(self) -> None:
         """Unmaps every buffer and parked page the pool holds for reuse; buffers

@@ -138,8 +138,15 @@ class GradientReduction:
         if world == 1:
             output, rs = packed, None
         else:
+            # No gradients yet, no cast, no host copy: the output becomes them (lasts).
+            fresh = all(
+                p.sharded_param.grad is None
+                and p.orig_dtype == reduce_dtype
+                and p.offload_device is None
+                for p in params
+            )
             output = _flat_buffer.comm_buffer(
-                comm, row, reduce_dtype, info.device, self.name, "reduce_scatter"
+                comm, row, reduce_dtype, info.device, self.name, "reduce_scatter", not fresh
             )
             group = self._reduce_scatter_group or self.mesh_info.shard_group
             rs = _collectives.reduce_scatter(

@@ -33,12 +33,13 @@ def _mapped() -> object:
     _host_memory.set_mode(previous)
 
 
-def test_heap_by_default() -> None:
-    # The pool's peak is higher (BENCHMARKS.md): the heap stays the default.
+def test_pooled_by_default() -> None:
+    # Bounded (MAX_CACHED, gradients in the heap), the pool's peak is not above the
+    # heap's on the benchmark's large preset, and the estimate follows it (BENCHMARKS.md).
     if "FSDP_COMPOSE_HOST_BUFFERS" in os.environ:
         pytest.skip("FSDP_COMPOSE_HOST_BUFFERS is set")
-    assert _MODE_AT_IMPORT == "heap"
-    assert _SOURCE_AT_IMPORT is None
+    assert _MODE_AT_IMPORT == "pooled"
+    assert _SOURCE_AT_IMPORT is _host_memory._POOLED
 
 
 def test_heap_mode() -> None:
@@ -288,3 +289,91 @@ def test_waited_exchange_gives_its_buffers_back_to_the_pool() -> None:
     for in_use, after, correct in run_distributed(_exchange_job, 2):
         assert correct
         assert (in_use, after) == (0, 0), (in_use, after)
+
+
+def test_pool_keeps_no_buffer_above_max_cached() -> None:
+    """Above ``max_cached`` (by default glibc's largest mmap threshold, where the
+    heap maps afresh too) a buffer is a mapping of its own, unmapped when freed,
+    and its pages are never parked: the pool's cached bytes are all of sizes up
+    to the bound."""
+    assert _host_memory.BufferPool().max_cached == _host_memory.MAX_CACHED == 32 * MIB
+    pool = _host_memory.BufferPool(max_cached=2 * MIB)
+    big = pool.empty(16 * MIB // 4, torch.float32).fill_(1.0)  # 16 MiB: above the bound
+    kept = pool.empty(2 * MIB // 4, torch.float32).fill_(1.0)  # 2 MiB: at the bound
+    before = _rss()
+    del big
+    assert _rss() < before - 12 * MIB  # unmapped, not cached
+    del kept
+    assert pool.cached_bytes() == 2 * MIB and pool.in_use_bytes() == 0
+    again = pool.empty(16 * MIB // 4, torch.float32)
+    assert pool.mappings == 3 and pool.cached_bytes() == 2 * MIB
+    del again
+    pages = _host_memory.PageBackedBuffer(4 * MIB // 4, torch.float32)
+    pages.tensor.fill_(1.0)
+    assert not pool.park(pages.tensor.data_ptr(), 4 * MIB)  # the caller gives them back
+    assert pool.cached_bytes() == 2 * MIB
+    pages.release()
+
+
+def test_replay_follows_the_pools_bound() -> None:
+    """The estimate's replay of the pool (``plan/_heap.py``) keeps what the pool
+    keeps: buffers and parked pages up to ``MAX_CACHED``, nothing above it."""
+    from fsdp_compose.plan._heap import GlibcHeap
+
+    heap = GlibcHeap()
+    small, large = MIB, _host_memory.MAX_CACHED + MIB
+    for kind in ("pooled", "unsharded"):
+        for n, size in enumerate((small, large)):
+            getattr(heap, kind)((kind, n), size)
+    assert heap.resident == 2 * (small + large)
+    for kind in ("pooled", "unsharded"):
+        for n in range(2):
+            heap.free((kind, n))
+    assert heap.resident == 2 * small  # the small ones stay cached (parked)
+    heap.pooled("again", large)
+    assert heap.resident == 2 * small + large
+
+
+def _gradients_job() -> tuple[int, int, float]:
+    import torch.distributed as dist
+    from gpt import GPT, GPTConfig, loss_fn
+    from helpers import gpt_batches
+
+    from fsdp_compose import fully_shard
+
+    previous = _host_memory.mode()
+    _host_memory.set_mode("pooled")
+    try:
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=128)
+        model = GPT(cfg)
+        for block in model.blocks:  # 0.75 MiB each: reduce-scatter rows from the pool
+            fully_shard(block)
+        fully_shard(model)
+        pool = _host_memory.POOL
+        base = pool.in_use_bytes()  # other tests' buffers in this reused rank process
+        x, y = gpt_batches(cfg)(0)
+        x, y = x[dist.get_rank() :: 2], y[dist.get_rank() :: 2]
+        loss_fn(model(x), y).backward()
+        fresh = pool.in_use_bytes() - base  # the outputs became the gradients
+        first = model.blocks[0].mlp.fc.weight.grad.to_local().clone()
+        loss_fn(model(x), y).backward()  # accumulates: outputs from the pool, given back
+        accumulated = pool.in_use_bytes() - base
+        second = model.blocks[0].mlp.fc.weight.grad.to_local()
+        return fresh, accumulated, float((second - 2 * first).abs().max())
+    finally:
+        _host_memory.set_mode(previous)
+
+
+def test_reduce_scatter_output_that_becomes_the_gradient_is_not_pooled() -> None:
+    """A reduce-scatter output that becomes the sharded ``.grad`` lives until
+    ``zero_grad``: it comes from the heap, as autograd's gradients do, so the
+    pool holds only per-step buffers (a pooled gradient kept the pool's buffers
+    of its size unused from one backward to the next: 360 MiB per rank on the
+    large benchmark preset at W=2). Accumulating steps take the output from the
+    pool and give it back."""
+    from dist_utils import run_distributed
+
+    for fresh, accumulated, diff in run_distributed(_gradients_job, 2):
+        assert (fresh, accumulated) == (0, 0), (fresh, accumulated)
+        assert diff < 1e-5, diff

@@ -572,6 +572,40 @@ def test_host_allocator_is_checked_and_ignored_on_cuda() -> None:
     )
 
 
+def test_set_to_none_makes_the_reduce_scatter_outputs_the_gradients() -> None:
+    """With ``zero_grad(set_to_none=True)`` each reduce-scatter output becomes the
+    sharded gradients (from ``torch.empty``, counted as ``grads``), so the replay
+    has no per-step output buffer for it, unless it is cast; the states are the
+    same."""
+    from fsdp_compose.plan import _estimate, _events
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=256))
+    kw = {"batch": 2, "seq": 32, "world_size": 2, "policy": [Block], "device": "cpu"}
+    seen: list[bool] = []
+    real = _events.step_events
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        events = real(*args, **kwargs)
+        keys = [ev[1] for ev in events if ev[0] != "f" and isinstance(ev[1], tuple)]
+        seen.append(any(key[0] == "reduced" for key in keys))
+        return events
+
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    _estimate.step_events = spy  # type: ignore[assignment]
+    try:
+        kept = estimate(model, host_allocator="glibc+pooled", **kw)
+        dropped = estimate(model, host_allocator="glibc+pooled", set_to_none=True, **kw)
+        # reduced in bfloat16, cast to the float32 gradients: still a per-step buffer
+        estimate(model, host_allocator="glibc+pooled", set_to_none=True, mp_policy=bf16, **kw)
+    finally:
+        _estimate.step_events = real  # type: ignore[assignment]
+    assert seen == [True, False, True]
+    for key in ("params", "grads", "optimizer_state"):
+        assert kept.breakdown[key] == dropped.breakdown[key]
+    assert dropped.peak_bytes_per_rank < kept.peak_bytes_per_rank
+
+
 def test_heap_estimate_says_it_is_a_lower_bound(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -24,14 +24,14 @@ def set_host_buffers(kind: str) -> None:
     outputs, unsharded parameters, reduce-scatter buffers) from now on.
 
     Args:
-        kind: ``"heap"`` (default): ``torch.empty``, glibc's heap, where small
+        kind: ``"pooled"`` (default): private mappings outside glibc's heap,
+            reused through a pool (a freed buffer's resident pages serve the
+            next request of its size, up to 32 MiB; unmapped by
+            :func:`release_host_buffers`), which the estimate follows within
+            10%; ``"heap"``: ``torch.empty``, glibc's heap, where small
             objects carved out of freed buffers make the resident peak grow and
-            depend on timing (measured peaks up to 1.54x the estimate at W >= 2);
-            ``"pooled"``: private mappings outside glibc's heap, reused through
-            a pool (a freed buffer's resident pages serve the next request of
-            its size; unmapped by :func:`release_host_buffers`), which the
-            estimate follows within 10%, at a higher peak (the pool keeps per
-            size as many buffers as were in use at once);
+            depend on timing (measured peaks up to 1.54x the estimate at W >= 2:
+            the estimate is then a lower bound);
             ``"mapped"``: a fresh mapping per buffer, unmapped when freed (the
             kernel zeroes every page again: 6.5% of the small benchmark preset's
             step at W=2). ``estimate`` models each (see [Note: per-step
@@ -58,7 +58,7 @@ def release_host_buffers() -> int:
     return released
 
 
-set_host_buffers(_env.choice("FSDP_COMPOSE_HOST_BUFFERS", _host_memory.MODES, "heap"))
+set_host_buffers(_env.choice("FSDP_COMPOSE_HOST_BUFFERS", _host_memory.MODES, "pooled"))
 
 __all__ = [
     "CostModel",

@@ -171,9 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=HOST_ALLOCATORS,
         default=None,
         help="with --device cpu: glibc's default malloc (freed tensors may stay resident) "
-        "with fsdp_compose's buffers in the heap (the library's default), pooled or mapped; "
+        "with fsdp_compose's buffers pooled (the library's default), in the heap or mapped; "
         "or one that returns freed tensors to the system (MALLOC_MMAP_THRESHOLD_ set); "
         "default: the host buffers this process has (FSDP_COMPOSE_HOST_BUFFERS)",
+    )
+    p.add_argument(
+        "--set-to-none",
+        action="store_true",
+        help="with --device cpu: the loop calls zero_grad(set_to_none=True) (torch's default) "
+        "rather than keeping the gradients between steps",
     )
     p.add_argument(
         "--policy",
@@ -231,6 +237,7 @@ def _run(args: argparse.Namespace) -> int:
         "optimizer": args.optimizer,
         "device": args.device,
         "host_allocator": args.host_allocator,
+        "set_to_none": args.set_to_none,
     }
     est = estimate(
         model,

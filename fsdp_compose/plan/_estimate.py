@@ -274,6 +274,7 @@ def estimate(
     optimizer: str = "adamw",
     device: str = "cuda",
     host_allocator: str | None = None,
+    set_to_none: bool = False,
     step_fn: StepFn = default_step,
     profile: ModelProfile | None = None,
 ) -> MemoryEstimate:
@@ -308,9 +309,10 @@ def estimate(
             through a model of it, and the excess over the live bytes is reported
             as ``breakdown["allocator"]``; see ``[Note: resident memory under
             glibc's default allocator]``), fsdp_compose's per-step buffers
-            included (``set_host_buffers("heap")``, the default); ``"glibc+pooled"``: the same
+            included (``set_host_buffers("heap")``); ``"glibc+pooled"``: the same
             with those buffers outside the heap, reused through fsdp_compose's
-            pool, which keeps them between steps (``set_host_buffers("pooled")``);
+            pool, which keeps them between steps (``set_host_buffers("pooled")``,
+            the default);
             ``"glibc+mapped"``: on a mapping each (``set_host_buffers("mapped")``);
             ``None`` (default): whichever of these three this process uses;
             ``"mmap"``: an allocator that returns every freed tensor to the
@@ -319,6 +321,14 @@ def estimate(
             threshold off, with fsdp_compose's buffers not pooled (``"heap"``
             or ``"mapped"``). The process's settings cannot be queried, so this is
             an explicit choice. Ignored for ``device="cuda"``.
+        set_to_none: whether the training loop drops the gradients
+            (``optimizer.zero_grad(set_to_none=True)``, torch's default) instead of
+            keeping them between steps. Gradients are counted all step either way;
+            with ``set_to_none`` the CPU replay (``device="cpu"``) has each
+            reduce-scatter output become them instead of a per-step buffer that
+            is added to them and freed (fsdp_compose takes the former from
+            ``torch.empty``, the latter from its pool); with a reduce dtype other
+            than the parameters' the output is cast, a per-step buffer either way.
         step_fn: ``fn(model, batch, seq) -> loss`` for one step (default: token
             ids in, cross-entropy on the logits).
         profile: a profile from an earlier call with the same model, units,
@@ -383,6 +393,11 @@ def estimate(
     terms["allocator"] = 0
     if device == "cpu" and host_allocator != "mmap":
         host_buffers = host_allocator.partition("+")[2] or "heap"
+        # a reduce-scatter output cast to the parameters' dtype stays a per-step buffer
+        reduce_dtype = mp_policy.reduce_dtype or mp_policy.param_dtype
+        cast = reduce_dtype is not None and any(
+            p.dtype != reduce_dtype for u in units for p in u.profile.params if p.trainable
+        )
         resident, resident_at = replay(
             step_events(
                 units,
@@ -392,6 +407,7 @@ def estimate(
                 muon_owner_bytes=owner,
                 adam_like=OPTIMIZERS[optimizer] == 2,
                 host_buffers=host_buffers,
+                grads_kept=not set_to_none or cast,
             ),
             # with the buffers in the heap, glibc trims its free top as it goes
             trim_top=host_buffers == "heap",
@@ -661,7 +677,7 @@ def _warn_heap_lower_bound() -> None:
         _warned_heap_bound = True
         logger.warning(
             "fsdp_compose.plan.estimate: with fsdp_compose's per-step CPU buffers in glibc's "
-            "heap (the default host buffers) the estimate is a lower bound at W > 1 (measured "
-            "peaks up to 1.54x it); call fsdp_compose.plan.set_host_buffers('pooled') before "
-            "training (and estimating) for a peak within 10% of the estimate"
+            "heap (set_host_buffers('heap')) the estimate is a lower bound at W > 1 (measured "
+            "peaks up to 1.54x it); call fsdp_compose.plan.set_host_buffers('pooled') (the "
+            "default) before training (and estimating) for a peak within 10% of the estimate"
         )

@@ -29,6 +29,7 @@ def step_events(
     muon_owner_bytes: int,
     adam_like: bool,
     host_buffers: str = "pooled",
+    grads_kept: bool = True,
 ) -> list[tuple[Any, ...]]:
     """The step's allocation sequence: the model's traced storages with
     fsdp_compose's buffers inserted at the unit boundaries
@@ -38,7 +39,10 @@ def step_events(
     temporaries). ``host_buffers``: where fsdp_compose's own buffers are
     (``fsdp_compose.plan.set_host_buffers``): ``"pooled"`` (reused mappings; the
     unsharded storage's pages parked in the pool between reshard and refill),
-    ``"mapped"`` (a mapping each) or ``"heap"``.
+    ``"mapped"`` (a mapping each) or ``"heap"``. ``grads_kept``: the sharded
+    gradients outlive the step (``zero_grad(set_to_none=False)``), so each
+    reduce-scatter output is a per-step buffer added to them; else it becomes
+    them (counted with the gradients, not here).
     """
     root, blocks = units[0], units[1:]
     by_name = {u.name: u for u in units}
@@ -102,9 +106,13 @@ def step_events(
             out.append(own(packed, shard * u.reduce_row))
             if shard == 1:  # the packed buffer is the result
                 results.append(packed)
-            else:  # the outputs are assigned to the sharded gradients at the end
+            else:  # the outputs are added to the sharded gradients at the end
+                # (kept between steps: the first step's outputs, which became them,
+                # came from torch.empty, the later steps' come from the pool)
                 received, reduced = ("received", u.name), ("reduced", u.name)
-                out.append(own(reduced, u.reduce_row))
+                if grads_kept:
+                    out.append(own(reduced, u.reduce_row))
+                    results.append(reduced)
                 # the gloo exchange's receive buffer (``_host_memory.receive_buffer``):
                 # from the pool in the pooled mode, else in the heap; at W=2 one row
                 nbytes = (1 if shard == 2 else shard) * u.reduce_row
@@ -112,7 +120,6 @@ def step_events(
                     own(received, nbytes) if host_buffers == "pooled" else ("a", received, nbytes)
                 )
                 pending = [packed, received]
-                results.append(reduced)
         out.extend(("f", k) for k in grad_keys[u.name] if k is not None)
         grad_keys[u.name] = []
 

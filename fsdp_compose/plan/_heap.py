@@ -43,7 +43,8 @@ that policy:
   ``fsdp_compose/_host_memory.py``) unless in the heap mode: in the pooled mode, replayed
   through the pool's policy (a freed buffer stays resident for the next request
   of its size, across steps; a resharded unit's pages are parked for the next
-  refill of its size, one slot per size), in the mapped mode as mappings,
+  refill of its size, one slot per size; above ``MAX_CACHED`` neither, a
+  mapping each), in the mapped mode as mappings,
   resident exactly while alive; gloo's reduce-scatter receive buffer is pooled
   in the pooled mode and in the heap otherwise; autograd's gradients are in the
   heap;
@@ -100,7 +101,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._host_memory import PARKED_PER_SIZE
+from .._host_memory import MAX_CACHED, PARKED_PER_SIZE
 
 PAGE = 4096
 MMAP_THRESHOLD_START = 128 * 1024
@@ -221,7 +222,7 @@ class GlibcHeap:
         """A buffer from fsdp_compose's pool (``_host_memory.BufferPool``): a cached
         buffer of the same page-rounded size if there is one (already resident),
         else a new mapping. Freed, it stays resident in the pool, also across
-        ``malloc_trim``."""
+        ``malloc_trim``, up to ``MAX_CACHED`` bytes (a larger one is unmapped)."""
         self._reuse_or_map(key, nbytes, POOLED, self.pool_free)
 
     def unsharded(self, key: Any, nbytes: int) -> None:
@@ -233,8 +234,12 @@ class GlibcHeap:
 
     def _reuse_or_map(self, key: Any, nbytes: int, kind: int, cached: dict[int, int]) -> None:
         """Takes one of ``cached``'s resident sets of the page-rounded size, else maps
-        (and touches) a new one."""
+        (and touches) a new one; above ``MAX_CACHED`` a mapping that leaves when
+        freed, as in the mapped mode."""
         pages = (nbytes + PAGE - 1) // PAGE * PAGE
+        if pages > MAX_CACHED:  # the pool keeps none of this size: a mapping of its own
+            self.map(key, nbytes)
+            return
         self.used[key] = (kind, pages)
         if cached.get(pages, 0):
             cached[pages] -= 1

@@ -285,6 +285,7 @@ def plan_to_budget(
     optimizer: str = "adamw",
     device: str = "cuda",
     host_allocator: str | None = None,
+    set_to_none: bool = False,
     activation_checkpointing: bool = True,
     cost: CostModel = CostModel(),
     step_fn: StepFn = default_step,
@@ -300,8 +301,9 @@ def plan_to_budget(
         model: the unwrapped model (usually on the meta device).
         budget: bytes per rank (``int``) or a size such as ``"80GiB"``.
         batch, seq, world_size, mesh_shape, policy, mp_policy, offload_policy,
-            optimizer, device, host_allocator, step_fn: as for :func:`estimate`; ``policy``
-            gives the finest unit boundaries the planner groups.
+            optimizer, device, host_allocator, set_to_none, step_fn: as for
+            :func:`estimate`; ``policy`` gives the finest unit boundaries the
+            planner groups.
         activation_checkpointing: whether the planner may turn it on.
         cost: the rates of the step-time model.
         groups, depths: the unit groupings and prefetch depths searched.
@@ -326,6 +328,7 @@ def plan_to_budget(
         "optimizer": optimizer,
         "device": device,
         "host_allocator": host_allocator,
+        "set_to_none": set_to_none,
         "step_fn": step_fn,
         "profile": profile,
     }
