@@ -347,7 +347,11 @@ def mmap_large_allocations(threshold: int = 65536) -> None:
 
 
 def run_case(
-    case: Case, scale: str = "bench", mmap_threshold: int = 0, host_buffers: str = "pooled"
+    case: Case,
+    scale: str = "bench",
+    mmap_threshold: int = 0,
+    host_buffers: str = "pooled",
+    steps: int = 1,
 ) -> dict[str, Any]:
     """Measures ``case`` on fresh ranks and compares with the estimate.
 
@@ -355,7 +359,8 @@ def run_case(
     (:func:`mmap_large_allocations`) and the estimate assumes freed tensors
     leave the resident set (``host_allocator="mmap"``); else both use glibc's
     default settings. ``host_buffers``: where the ranks put fsdp_compose's
-    per-step buffers (``fsdp_compose.plan.set_host_buffers``).
+    per-step buffers (``fsdp_compose.plan.set_host_buffers``). ``steps``: the
+    measured steps after the warm-up one (the peak over all of them).
     """
     from harness import run_job
 
@@ -370,6 +375,7 @@ def run_case(
             "scale": scale,
             "mmap_threshold": mmap_threshold,
             "host_buffers": host_buffers,
+            "steps": steps,
         },
         timeout_s=900,
     )
@@ -434,13 +440,27 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="a few cases only")
+    parser.add_argument(
+        "--cases", nargs="+", metavar="LABEL", help="only the cases whose label starts so"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=1, help="measured steps after the warm-up one (default 1)"
+    )
     add_allocator_options(parser, mmap_threshold=0)
     args = parser.parse_args()
     rows = []
     print("| case | predicted (MiB) | measured (MiB) | measured / predicted | predicted peak at |")
     print("| --- | ---: | ---: | ---: | --- |")
-    for case in cases(args.quick):
-        r = run_case(case, mmap_threshold=args.mmap_threshold, host_buffers=args.host_buffers)
+    selected = [
+        c for c in cases(args.quick) if not args.cases or c.label.startswith(tuple(args.cases))
+    ]
+    for case in selected:
+        r = run_case(
+            case,
+            mmap_threshold=args.mmap_threshold,
+            host_buffers=args.host_buffers,
+            steps=args.steps,
+        )
         rows.append(r)
         print(
             f"| {r['case']} | {r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "
