@@ -1,0 +1,71 @@
+"""The resident peak over consecutive steps in one process, with and without fsdp_compose.
+
+    python benchmarks/heap_drift.py fsdp|plain gpt|llama no|ac
+
+One rank (W=1, gloo), the estimator benchmark's model at its "bench" scale, AdamW,
+one warm-up step, then 8 steps; prints ``VmHWM - RSS at reset`` (MiB) after each.
+``plain`` is the same model without fsdp_compose (torch only), to tell growth that
+glibc's heap shows in any torch process from growth of fsdp_compose's own.
+"""
+
+import os
+import sys
+import tempfile
+
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_here, os.path.join(_here, "..", "examples"), os.path.join(_here, "..")]
+import torch, torch.distributed as dist, torch.nn.functional as F
+import estimator_accuracy as ea, measure
+from torch.distributed.device_mesh import init_device_mesh
+
+torch.set_num_threads(1)
+variant, model_name, ckpt = sys.argv[1], sys.argv[2], sys.argv[3] == "ac"
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+torch.manual_seed(0)
+if variant == "fsdp":
+    from fsdp_compose import auto_wrap
+
+    model = ea.build_meta(model_name, "bench")
+    auto_wrap(
+        model, ea._policy(model), mesh=init_device_mesh("cpu", (1,)), activation_checkpointing=ckpt
+    )
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.to_local() if hasattr(p, "to_local") else p).normal_(0.0, 0.02)
+        for b in model.buffers():
+            b.zero_()
+else:
+    with torch.device("meta"):
+        model = ea.build_meta(model_name, "bench")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+        for b in model.buffers():
+            b.zero_()
+optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+vocab = model.cfg.vocab_size if hasattr(model, "cfg") else model.config.vocab_size
+gen = torch.Generator().manual_seed(0)
+case = ea.Case(model_name, 1)
+
+
+def step():
+    ids = torch.randint(0, vocab, (case.batch, case.seq), generator=gen)
+    out = model(ids)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids.reshape(-1))
+    del out, logits
+    loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=False)
+
+
+step()
+r0 = measure.reset_peak_rss()
+vals = []
+for i in range(8):
+    step()
+    vals.append((measure.peak_rss_bytes() - r0) / 2**20)
+print(variant, model_name, "ac" if ckpt else "", " ".join(f"{v:.1f}" for v in vals), flush=True)
+os._exit(0)
