@@ -333,16 +333,26 @@ class _SumAfter:
     __slots__ = ("_output", "_received", "_work")
 
     def __init__(self, work: dist.Work, received: torch.Tensor, output: torch.Tensor) -> None:
-        self._work = work
-        self._received = received
+        self._work: dist.Work | None = work
+        self._received: torch.Tensor | None = received
         self._output = output
 
     def wait(self) -> bool:
-        self._work.wait()
-        torch.sum(self._received.view(-1, self._output.numel()), dim=0, out=self._output)
+        work, received = self._work, self._received
+        if work is None or received is None:
+            return True
+        work.wait()
+        torch.sum(received.view(-1, self._output.numel()), dim=0, out=self._output)
+        # gloo's work holds the input until it is destroyed: drop it now, so that
+        # a pooled input goes back to the pool (as ``Exchange.wait`` does).
+        self._work = self._received = None
         return True
 
     def get_future(self) -> torch.futures.Future:
+        if self._work is None:  # waited: complete
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_result(None)
+            return future
         return self._work.get_future()
 
 
