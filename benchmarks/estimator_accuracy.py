@@ -322,6 +322,13 @@ def calibrate_bandwidth(nbytes: int = 16 << 20, repeats: int = 5) -> dict[str, A
         dist.all_gather_into_tensor(out, chunk)
     elapsed = (time.perf_counter() - start) / repeats
     sent = (world - 1) / world * out.numel() * 4
+    # gloo's worker drops its reference to the last collective's tensors a moment
+    # after the wait returns; freeing them first made the rank abort at exit now
+    # and then ("terminate called without an active exception": [Note: gloo work
+    # at interpreter exit] in fsdp_compose/_gloo.py).
+    dist.barrier()
+    time.sleep(0.2)
+    del chunk, out
     return {"measured": 0, "bandwidth": sent / elapsed, "step_s": elapsed}
 
 

@@ -64,6 +64,13 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--budget-quantile", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        default=None,
+        help="the planner's headroom (plan_to_budget(headroom=...)): the fraction of the "
+        "budget its plan's estimate leaves free (default: the planner's, 0.1 on CPU)",
+    )
     ea.add_allocator_options(parser, mmap_threshold=65536)  # the BENCHMARKS.md table's mode
     args = parser.parse_args()
     host_buffers = None if args.mmap_threshold else args.host_buffers
@@ -110,10 +117,12 @@ def main() -> None:
         cost=cost,
         policy=["Block"],
         keeps=sorted({c["keep"] for c, _ in grid}),
+        headroom=args.headroom,
         **common,
     )
     print(
-        f"W={case.world_size}, micro-batch {case.batch} x {case.seq}; budget {budget / 2**20:.1f} MiB; "
+        f"W={case.world_size}, micro-batch {case.batch} x {case.seq}; budget {budget / 2**20:.1f} MiB "
+        f"(the planner's headroom {args.headroom if args.headroom is not None else 'default'}); "
         f"cost model: {cost.flop_rate / 1e9:.2f} GFLOP/s, {cost.bandwidth / 1e6:.0f} MB/s, "
         f"latency {cost.latency * 1e3:.1f} ms\n"
     )

@@ -317,6 +317,29 @@ def test_planned_run_fits_its_budget() -> None:
         assert abs(r["sent"] / predicted_sent - 1) < 0.01, (r["sent"], predicted_sent)
 
 
+def test_headroom_holds_the_plan_below_the_budget() -> None:
+    """``headroom`` leaves that fraction of the budget free: the plan chosen for a
+    budget with headroom h is the one chosen for (1 - h) of it, and a bad value is
+    refused."""
+    if _BENCH not in sys.path:
+        sys.path.insert(0, _BENCH)
+    import estimator_accuracy
+
+    model = estimator_accuracy.build_meta("gpt", "test")
+    kwargs = {"batch": 4, "seq": 128, "world_size": 2, "policy": ["Block"]}
+    loose = plan_to_budget(model, 1 << 40, **kwargs)
+    budget = loose.estimate.peak_bytes_per_rank  # the fastest plan just fits
+    plain = plan_to_budget(model, budget, **kwargs)
+    kept = plan_to_budget(model, budget, headroom=0.2, **kwargs)
+    assert plain.fits and kept.fits
+    assert kept.estimate.peak_bytes_per_rank <= 0.8 * budget
+    assert kept.estimate.peak_bytes_per_rank < plain.estimate.peak_bytes_per_rank
+    same = plan_to_budget(model, int(budget * 0.8), **kwargs)
+    assert same.estimate.peak_bytes_per_rank == kept.estimate.peak_bytes_per_rank
+    with pytest.raises(ValueError, match="headroom"):
+        plan_to_budget(model, budget, headroom=1.0, **kwargs)
+
+
 # ---------------------------------------------------------------------------
 # the command line, at scale
 # ---------------------------------------------------------------------------
@@ -395,6 +418,11 @@ def test_cli_bad_input(tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture
         capsys, LLAMA_70B, "--world-size", "8", "--batch", "1", "--seq", "8", "--budget", "lots"
     )
     assert code == 2 and "cannot read 'lots' as a memory size" in err, err
+    code, err = _cli_in_process(
+        capsys, LLAMA_70B, "--world-size", "8", "--batch", "1", "--seq", "8", "--budget", "80GiB",
+        "--headroom", "1.5",
+    )  # fmt: skip
+    assert code == 2 and "headroom is a fraction of the budget" in err, err
     code, err = _cli_in_process(
         capsys, "no.such.module:build", "--world-size", "8", "--batch", "1", "--seq", "8"
     )

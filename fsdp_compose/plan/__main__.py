@@ -182,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
         "rather than keeping the gradients between steps",
     )
     p.add_argument(
+        "--headroom",
+        type=float,
+        default=None,
+        help="the fraction of --budget the plan leaves free for what the estimate does not "
+        "model (default: 0.1 with --device cpu, where glibc's heap grows over the first "
+        "steps; else 0)",
+    )
+    p.add_argument(
         "--policy",
         default=None,
         help="module class names (comma separated) or a parameter count (default: _no_split_modules)",
@@ -253,6 +261,7 @@ def _run(args: argparse.Namespace) -> int:
             args.budget,
             activation_checkpointing=not args.no_checkpointing_in_plan,
             cost=CostModel(flop_rate=args.flop_rate, bandwidth=args.bandwidth),
+            headroom=args.headroom,
             **common,
         )
     params = sum(p.numel() for p in model.parameters())

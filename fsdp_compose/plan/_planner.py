@@ -76,7 +76,7 @@ class PlanResult:
             ``auto_wrap(model, plan=result.plan, ...)``.
         estimate: the chosen plan's estimate (when nothing fits: the plan
             with the smallest peak).
-        budget_bytes: the budget.
+        budget_bytes: the budget the estimates were held to (less the headroom).
         step_time_s, exposed_comm_s: the cost model's prediction for the plan.
         candidates: how many candidates were evaluated.
         shortfall_bytes: how much more memory per rank the smallest candidate
@@ -271,6 +271,10 @@ def step_time(est: MemoryEstimate, cost: CostModel, depth: int) -> tuple[float, 
     return end, end - compute_total
 
 
+#: ``plan_to_budget``'s default headroom on CPU (see its docstring).
+CPU_HEADROOM = 0.1
+
+
 def plan_to_budget(
     model: nn.Module,
     budget: int | str,
@@ -292,6 +296,7 @@ def plan_to_budget(
     groups: Sequence[int] = (1, 2, 4),
     depths: Sequence[int] = (0, 1, 2),
     keeps: Sequence[int] | None = None,
+    headroom: float | None = None,
 ) -> PlanResult:
     """Chooses unit boundaries, ``reshard_after_forward`` per unit, the prefetch
     depth and (optionally) activation checkpointing to fit ``budget`` per rank
@@ -309,12 +314,23 @@ def plan_to_budget(
         groups, depths: the unit groupings and prefetch depths searched.
         keeps: the numbers of units (last in forward order) searched with
             ``reshard_after_forward=False`` (default: 0, 1, 2, 4, ... and all).
+        headroom: the fraction of ``budget`` left free for what the estimate does
+            not model: a plan fits when its estimate is at most
+            ``(1 - headroom) * budget``. Default: ``0.1`` with ``device="cpu"``,
+            where glibc's heap grows over the first steps of any torch process
+            (measured peaks 1.02-1.14 times the estimate over two steps on the
+            benchmark models; BENCHMARKS.md), else ``0``.
 
     Returns:
         A :class:`PlanResult`; ``result.fits`` is False (with what is missing in
         ``result.suggestions``) when no candidate fits.
     """
     budget_bytes = parse_bytes(budget)
+    if headroom is None:
+        headroom = CPU_HEADROOM if device == "cpu" else 0.0
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError(f"headroom is a fraction of the budget in [0, 1), got {headroom!r}")
+    budget_bytes = int(budget_bytes * (1.0 - headroom))
     replicate, shard = _check_mesh(world_size, mesh_shape)
     base = resolve_plan(model, policy)
     leaves = [m for u in base.units[:-1] for m in u.modules]
