@@ -167,6 +167,27 @@ def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+def training_step(model: Any, optim: Any, case: Case, seed: int) -> Any:
+    """One training step of ``model`` on random tokens of ``case``'s shape (the
+    gradients kept between steps: ``zero_grad(set_to_none=False)``)."""
+    import torch.nn.functional as F
+
+    vocab = model.cfg.vocab_size if hasattr(model, "cfg") else model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+
+    def step() -> None:
+        ids = torch.randint(0, vocab, (case.batch, case.seq), generator=gen)
+        out = model(ids)
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids.reshape(-1))
+        del out, logits
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=False)
+
+    return step
+
+
 def measure_rank(
     case_dict: dict[str, Any], scale: str = "bench", plan: Any = None, steps: int = 1
 ) -> dict[str, int]:
@@ -174,7 +195,6 @@ def measure_rank(
     returns the measured peak (bytes) as the memory benchmark defines it."""
     import measure
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_compose import auto_wrap
@@ -204,18 +224,7 @@ def measure_rank(
         for b in model.buffers():  # e.g. rotary frequencies: recompute as the model would
             b.zero_()
     optim = _optimizer(model, case.optimizer)
-    vocab = model.cfg.vocab_size if hasattr(model, "cfg") else model.config.vocab_size
-    gen = torch.Generator().manual_seed(dist.get_rank())
-
-    def step() -> None:
-        ids = torch.randint(0, vocab, (case.batch, case.seq), generator=gen)
-        out = model(ids)
-        logits = out if isinstance(out, torch.Tensor) else out.logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids.reshape(-1))
-        del out, logits
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=False)
+    step = training_step(model, optim, case, seed=dist.get_rank())
 
     # One warm-up step first: it creates the optimizer states and the gradients
     # (kept: set_to_none=False) and pages in the code and lazily initialised

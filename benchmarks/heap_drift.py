@@ -14,8 +14,10 @@ import tempfile
 
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_here, os.path.join(_here, "..", "examples"), os.path.join(_here, "..")]
-import torch, torch.distributed as dist, torch.nn.functional as F
-import estimator_accuracy as ea, measure
+import estimator_accuracy as ea
+import measure
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 torch.set_num_threads(1)
@@ -45,26 +47,11 @@ else:
         for b in model.buffers():
             b.zero_()
 optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-vocab = model.cfg.vocab_size if hasattr(model, "cfg") else model.config.vocab_size
-gen = torch.Generator().manual_seed(0)
-case = ea.Case(model_name, 1)
-
-
-def step():
-    ids = torch.randint(0, vocab, (case.batch, case.seq), generator=gen)
-    out = model(ids)
-    logits = out if isinstance(out, torch.Tensor) else out.logits
-    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids.reshape(-1))
-    del out, logits
-    loss.backward()
-    optim.step()
-    optim.zero_grad(set_to_none=False)
-
-
+step = ea.training_step(model, optim, ea.Case(model_name, 1), seed=0)
 step()
 r0 = measure.reset_peak_rss()
 vals = []
-for i in range(8):
+for _ in range(8):
     step()
     vals.append((measure.peak_rss_bytes() - r0) / 2**20)
 print(variant, model_name, "ac" if ckpt else "", " ".join(f"{v:.1f}" for v in vals), flush=True)
