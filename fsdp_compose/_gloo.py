@@ -334,18 +334,18 @@ class _SumAfter:
 
     def __init__(self, work: dist.Work, received: torch.Tensor, output: torch.Tensor) -> None:
         self._work: dist.Work | None = work
-        self._received: torch.Tensor | None = received
+        self._received = received
         self._output = output
 
     def wait(self) -> bool:
-        work, received = self._work, self._received
-        if work is None or received is None:
+        work = self._work
+        if work is None:
             return True
         work.wait()
-        torch.sum(received.view(-1, self._output.numel()), dim=0, out=self._output)
+        torch.sum(self._received.view(-1, self._output.numel()), dim=0, out=self._output)
         # gloo's work holds the input until it is destroyed: drop it now, so that
         # a pooled input goes back to the pool (as ``Exchange.wait`` does).
-        self._work = self._received = None
+        self._work = None
         return True
 
     def get_future(self) -> torch.futures.Future:

@@ -180,7 +180,7 @@ def test_desync_raises_on_every_rank(case: str) -> None:
         assert "reduce_scatter for gpt.blocks." in messages[0], messages[0]
 
 
-def _transfer_under_way(grace: float) -> str:
+def _transfer_under_way() -> str:
     """Rank 0 closes its connections right after it began sending 64 MiB to rank
     1, whose receive was already posted. gloo does not wake a receive whose
     message was cut off part-way (it waits for the group's timeout, here 5 s): the
@@ -201,11 +201,7 @@ def _transfer_under_way(grace: float) -> str:
     time.sleep(0.2)  # rank 1's receive is known to rank 0: the send starts at once
     sends = [group.send([torch.ones(numel)], 1, tag)] if rank == 0 else []
     if rank == 0:
-        default, _stall.CLOSE_GRACE_S = _stall.CLOSE_GRACE_S, grace
-        try:
-            _stall.break_group(peers)
-        finally:
-            _stall.CLOSE_GRACE_S = default
+        _stall.break_group(peers)
     name = ("all_gather", "cut", 0, numel, torch.float32)
     exchange = _gloo.Exchange(peers, tag, name, recvs, sends)
     try:
@@ -261,8 +257,8 @@ def _default_mode_case(case: str) -> str:
     assert not _guard.enabled
     if case == "close_after_a_peer_closed":
         return _close_after_a_peer_closed()
-    if case.startswith("transfer_under_way"):
-        return _transfer_under_way(float(case.split("=")[1]))
+    if case == "transfer_under_way":
+        return _transfer_under_way()
     group = dist.new_group(backend="gloo")
     start = time.monotonic()
     message, _ = _desync_steps(case, mesh=DeviceMesh.from_group(group, "cpu"))
@@ -346,7 +342,7 @@ def test_closing_lets_a_transfer_under_way_finish(tmp_path: Path) -> None:
     """A rank that closes its connections after a desync first lets the transfers
     already under way finish: the peer receives all of it instead of waiting for
     the group's timeout ([Note: stalled exchanges])."""
-    cases = [f"transfer_under_way={_stall.CLOSE_GRACE_S}"]
+    cases = ["transfer_under_way"]
     (_, (message,)) = _in_fresh_ranks(tmp_path, 2, cases)
     assert message == f"received {16 * 2**20} of {16 * 2**20}", message
 
