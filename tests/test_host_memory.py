@@ -8,9 +8,11 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import time
 
 import pytest
 import torch
+from helpers import GUARDED
 
 import fsdp_compose  # noqa: F401  (sets the host buffers from FSDP_COMPOSE_HOST_BUFFERS)
 from fsdp_compose import _flat_buffer, _host_memory
@@ -200,6 +202,15 @@ def test_comm_buffer_uses_a_custom_comms_allocate() -> None:
     assert calls == [(n,)] and out.numel() == n and out.abs().sum().item() == 0
 
 
+def _let_gloo_workers_release() -> None:
+    """With the collective guard on, the collectives are gloo's own: its worker
+    thread drops its references to a collective's tensors a moment after the
+    wait returns ([Note: gloo work at interpreter exit]), so a pooled buffer
+    comes back a moment later."""
+    if GUARDED:
+        time.sleep(0.05)
+
+
 def _parity_job(mode: str) -> dict:
     import copy
 
@@ -224,7 +235,10 @@ def _parity_job(mode: str) -> dict:
         3,
         gpt_batches(cfg),
         loss_fn,
-        before_model=lambda step: mappings.append(_host_memory.POOL.mappings),
+        before_model=lambda step: (
+            _let_gloo_workers_release(),
+            mappings.append(_host_memory.POOL.mappings),
+        ),
     )
     units = model._fsdp_state().scheduler.units
     mappings.append(_host_memory.POOL.mappings)
@@ -355,9 +369,11 @@ def _gradients_job() -> tuple[int, int, float]:
         x, y = gpt_batches(cfg)(0)
         x, y = x[dist.get_rank() :: 2], y[dist.get_rank() :: 2]
         loss_fn(model(x), y).backward()
+        _let_gloo_workers_release()
         fresh = pool.in_use_bytes() - base  # the outputs became the gradients
         first = model.blocks[0].mlp.fc.weight.grad.to_local().clone()
         loss_fn(model(x), y).backward()  # accumulates: outputs from the pool, given back
+        _let_gloo_workers_release()
         accumulated = pool.in_use_bytes() - base
         second = model.blocks[0].mlp.fc.weight.grad.to_local()
         return fresh, accumulated, float((second - 2 * first).abs().max())
