@@ -318,7 +318,9 @@ def plan_from_dict(d: dict[str, Any]) -> Any:
 
 
 def calibrate_bandwidth(nbytes: int = 16 << 20, repeats: int = 5) -> dict[str, Any]:
-    """Bytes/s one rank sends in an all-gather over the default group (gloo)."""
+    """Bytes/s one rank sends in an all-gather over the default group (gloo), and
+    the fraction of that all-gather's time that passes while the rank computes
+    (``overlap``: 1 when it costs compute nothing, 0 when compute and it take turns)."""
     import torch.distributed as dist
 
     world = dist.get_world_size()
@@ -331,6 +333,27 @@ def calibrate_bandwidth(nbytes: int = 16 << 20, repeats: int = 5) -> dict[str, A
         dist.all_gather_into_tensor(out, chunk)
     elapsed = (time.perf_counter() - start) / repeats
     sent = (world - 1) / world * out.numel() * 4
+
+    a = torch.randn(256, 256)
+
+    def compute(n: int) -> float:
+        begin = time.perf_counter()
+        for _ in range(n):
+            torch.mm(a, a)
+        return time.perf_counter() - begin
+
+    n = max(1, round(elapsed / (compute(20) / 20)))  # compute about as long as one all-gather
+    overlaps = []
+    for _ in range(repeats):
+        dist.barrier()
+        alone = compute(n)
+        dist.barrier()
+        begin = time.perf_counter()
+        work = dist.all_gather_into_tensor(out, chunk, async_op=True)
+        compute(n)
+        work.wait()  # type: ignore[union-attr]
+        both = time.perf_counter() - begin
+        overlaps.append(min(1.0, max(0.0, (alone + elapsed - both) / elapsed)))
     # gloo's worker drops its reference to the last collective's tensors a moment
     # after the wait returns; freeing them first made the rank abort at exit now
     # and then ("terminate called without an active exception": [Note: gloo work
@@ -338,7 +361,12 @@ def calibrate_bandwidth(nbytes: int = 16 << 20, repeats: int = 5) -> dict[str, A
     dist.barrier()
     time.sleep(0.2)
     del chunk, out
-    return {"measured": 0, "bandwidth": sent / elapsed, "step_s": elapsed}
+    return {
+        "measured": 0,
+        "bandwidth": sent / elapsed,
+        "overlap": sorted(overlaps)[len(overlaps) // 2],
+        "step_s": elapsed,
+    }
 
 
 def mmap_large_allocations(threshold: int = 65536) -> None:

@@ -15,7 +15,9 @@ and the host buffers of ``--host-buffers`` (the library's default, pooled, unles
 given), which the estimates then model.
 The planner (``plan_to_budget``, searching the same grid) uses a cost model
 measured on this machine: the FLOP rate of one unsharded step of the model in
-this process (one thread) and the all-gather bandwidth of ``W`` gloo ranks.
+this process (one thread), the all-gather bandwidth of ``W`` gloo ranks and the
+fraction of an all-gather's time that passes while the rank computes
+(``CostModel.overlap``; ``--overlap`` sets it).
 Reported: each grid point, the planner's choice, the fastest measured plan that
 fits, and the ratio of their measured step times.
 """
@@ -71,6 +73,12 @@ def main() -> None:
         help="the planner's headroom (plan_to_budget(headroom=...)): the fraction of the "
         "budget its plan's estimate leaves free (default: the planner's, 0.1 on CPU)",
     )
+    parser.add_argument(
+        "--overlap",
+        type=float,
+        default=None,
+        help="the cost model's overlap (default: measured, CostModel(overlap=...))",
+    )
     ea.add_allocator_options(parser, mmap_threshold=65536)  # the BENCHMARKS.md table's mode
     args = parser.parse_args()
     host_buffers = None if args.mmap_threshold else args.host_buffers
@@ -95,18 +103,30 @@ def main() -> None:
     grid = [(c, p) for c, p in grid if c["keep"] in (0, len(p.units) - 1)]
     preds = [estimate(model, plan=p, **common) for _, p in grid]
     flops = sum(u.flops for u in preds[0].units)
-    bandwidth = run_job(
-        {
-            "kind": "estimate",
-            "impl": "fsdp_compose",
-            "world_size": case.world_size,
-            "calibrate": True,
-            "case": asdict(case),
-            "mmap_threshold": args.mmap_threshold,
-            "host_buffers": host_buffers,
-        }
-    )[0]["bandwidth"]
-    cost = CostModel(flop_rate=measured_flop_rate(case, flops), bandwidth=bandwidth, latency=1e-3)
+    if case.world_size > 1:
+        calibration = run_job(
+            {
+                "kind": "estimate",
+                "impl": "fsdp_compose",
+                "world_size": case.world_size,
+                "calibrate": True,
+                "case": asdict(case),
+                "mmap_threshold": args.mmap_threshold,
+                "host_buffers": host_buffers,
+            }
+        )
+        bandwidth = min(r["bandwidth"] for r in calibration)
+        overlap = min(r["overlap"] for r in calibration)
+    else:  # one rank sends nothing: the rates do not matter
+        bandwidth, overlap = CostModel.bandwidth, 1.0
+    if args.overlap is not None:
+        overlap = args.overlap
+    cost = CostModel(
+        flop_rate=measured_flop_rate(case, flops),
+        bandwidth=bandwidth,
+        latency=1e-3,
+        overlap=overlap,
+    )
     peaks = sorted(e.peak_bytes_per_rank for e in preds)
     budget = peaks[min(len(peaks) - 1, int(args.budget_quantile * len(peaks)))]
     chosen = plan_to_budget(
@@ -124,7 +144,7 @@ def main() -> None:
         f"W={case.world_size}, micro-batch {case.batch} x {case.seq}; budget {budget / 2**20:.1f} MiB "
         f"(the planner's headroom {args.headroom if args.headroom is not None else 'default'}); "
         f"cost model: {cost.flop_rate / 1e9:.2f} GFLOP/s, {cost.bandwidth / 1e6:.0f} MB/s, "
-        f"latency {cost.latency * 1e3:.1f} ms\n"
+        f"latency {cost.latency * 1e3:.1f} ms, overlap {cost.overlap:.2f}\n"
     )
     print(
         "| units of | no-reshard units | prefetch | AC | predicted peak (MiB) | measured peak (MiB) | fits (measured) "

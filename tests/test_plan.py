@@ -291,6 +291,48 @@ def test_estimate_within_10_percent_of_measured_peak(world: int, case: dict) -> 
         )
 
 
+def test_cost_model_overlap() -> None:
+    """With ``overlap=1`` prefetching hides the all-gathers behind compute; with
+    ``overlap=0`` communication takes the compute's time whatever the schedule, so
+    the step is compute plus every collective and prefetching gains nothing."""
+    from fsdp_compose.plan import CostModel
+    from fsdp_compose.plan._planner import step_time
+
+    model = _meta_gpt()
+    est = {
+        d: estimate(
+            model,
+            batch=2,
+            seq=16,
+            world_size=4,
+            plan=resolve_plan(model, [Block], prefetch_depth=d),
+        )
+        for d in (0, 1)
+    }
+    compute = sum(u.flops for u in est[0].units)
+    flop_rate = compute / 1.0  # one second of compute per step
+    nbytes = est[0].comm_bytes_per_rank_per_step
+    collectives = sum(
+        (u.all_gather_bytes > u.backward_gather_bytes)
+        + (u.backward_gather_bytes > 0)
+        + (u.reduce_bytes > 0)
+        for u in est[0].units
+    )
+    latency = 1e-3
+    full = CostModel(flop_rate=flop_rate, bandwidth=nbytes / 0.5, latency=latency)
+    serial = CostModel(flop_rate=flop_rate, bandwidth=nbytes / 0.5, latency=latency, overlap=0)
+    comm = 0.5 + collectives * latency
+    step = {d: step_time(est[d], full, d)[0] for d in (0, 1)}
+    assert step[1] < step[0] < 1.0 + comm  # prefetch overlaps, depth 0 overlaps reductions
+    for d in (0, 1):
+        assert step_time(est[d], serial, d)[0] == pytest.approx(1.0 + comm)
+        half = step_time(est[d], CostModel(flop_rate, nbytes / 0.5, latency, 0.5), d)[0]
+        assert half == pytest.approx((step[d] + 1.0 + comm) / 2)
+    for bad in (-0.1, 1.5, float("nan"), "1"):
+        with pytest.raises(ValueError, match="overlap"):
+            CostModel(overlap=bad)  # type: ignore[arg-type]
+
+
 def test_planned_run_fits_its_budget() -> None:
     from dist_utils import run_distributed
 

@@ -200,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bandwidth", type=_rate, default=CostModel.bandwidth, help="bytes/s per rank (planner)"
     )
+    p.add_argument(
+        "--overlap",
+        type=float,
+        default=CostModel.overlap,
+        help="fraction of communication time that can pass during compute, 0-1 (planner; "
+        "1: a GPU's own engine, near 0: gloo on a CPU the ranks already fill)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -260,7 +267,9 @@ def _run(args: argparse.Namespace) -> int:
             model,
             args.budget,
             activation_checkpointing=not args.no_checkpointing_in_plan,
-            cost=CostModel(flop_rate=args.flop_rate, bandwidth=args.bandwidth),
+            cost=CostModel(
+                flop_rate=args.flop_rate, bandwidth=args.bandwidth, overlap=args.overlap
+            ),
             headroom=args.headroom,
             **common,
         )

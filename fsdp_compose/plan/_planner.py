@@ -13,7 +13,14 @@ Step time = compute + exposed communication, per rank:
   all-gather is issued when the unit ``d`` places earlier (in forward, or in
   backward's reverse order) starts computing (``d = 0``: when it is needed);
   a unit's compute starts when its parameters have arrived; its reduce-scatter
-  is issued when its backward ends and the step ends when the last one is done.
+  is issued when its backward ends and the step ends when the last one is done;
+* ``overlap`` is the fraction of a collective's time that can pass while the
+  rank computes: 1 where communication has an engine of its own (NCCL beside
+  compute on a GPU); near 0 where it takes the cores compute uses (gloo on a
+  CPU whose cores the ranks already fill: its copies and checksums are CPU work,
+  and prefetching then hides nothing). The schedule above is simulated with
+  full overlap, and ``(1 - overlap)`` of the communication it hid behind compute
+  is added back.
 
 Exposed communication = step time - compute. The search is exhaustive over the
 choices below (each candidate costs one pass of the memory walk, the model is
@@ -51,11 +58,16 @@ class CostModel:
         flop_rate: sustained FLOP/s of one rank's training compute.
         bandwidth: bytes/s one rank sends in a collective.
         latency: seconds of fixed cost per collective.
+        overlap: the fraction of a collective's time that can pass while the
+            rank computes, from 0 (communication competes with compute for the
+            same cores, as gloo on a CPU the ranks already fill) to 1 (a
+            separate engine, as NCCL on a GPU).
     """
 
     flop_rate: float = 400e12
     bandwidth: float = 25e9
     latency: float = 20e-6
+    overlap: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("flop_rate", "bandwidth"):
@@ -64,6 +76,8 @@ class CostModel:
                 raise ValueError(f"CostModel.{name} must be a positive number, got {v!r}")
         if not self.latency >= 0:
             raise ValueError(f"CostModel.latency must be >= 0, got {self.latency!r}")
+        if not isinstance(self.overlap, (int, float)) or not 0 <= self.overlap <= 1:
+            raise ValueError(f"CostModel.overlap must be in [0, 1], got {self.overlap!r}")
 
 
 @dataclass(frozen=True)
@@ -242,6 +256,7 @@ def step_time(est: MemoryEstimate, cost: CostModel, depth: int) -> tuple[float, 
     channel = 0.0  # when the (single) communication channel is next free
     t = 0.0
     compute_total = 0.0
+    comm_total = sum(gather_fwd.values()) + sum(gather_bwd.values()) + sum(reduce.values())
 
     def run_phase(
         order: list[Any], gathers: dict[str, float], times: dict[str, float], backward: bool
@@ -268,6 +283,8 @@ def step_time(est: MemoryEstimate, cost: CostModel, depth: int) -> tuple[float, 
     run_phase([root, *blocks], gather_fwd, fwd, backward=False)
     run_phase([*reversed(blocks), root], gather_bwd, bwd, backward=True)
     end = max(t, channel)
+    hidden = max(0.0, comm_total - (end - compute_total))
+    end += (1 - cost.overlap) * hidden  # what the hidden part still takes from compute
     return end, end - compute_total
 
 
