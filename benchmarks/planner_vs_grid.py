@@ -4,7 +4,8 @@
 
 For the benchmark GPT (``estimator_accuracy.MODELS["gpt"]``) at ``W`` ranks,
 every plan of a grid (units of 1 or 2 blocks; ``reshard_after_forward=False`` on
-no unit or on all; prefetch depth 0 or 1; activation checkpointing off or on) is
+none, half or all of them; prefetch depth 0 or 1; activation checkpointing off or
+on; the planner searches the same 20 plans) is
 run on fresh ranks (``harness.run_job``), measuring its peak memory the way
 ``estimator_accuracy.py`` does and its step time (one warm-up step, then the
 mean of ``--steps``). The budget is the given quantile of the predicted peaks.
@@ -15,7 +16,8 @@ and the host buffers of ``--host-buffers`` (the library's default, pooled, unles
 given), which the estimates then model.
 The planner (``plan_to_budget``, searching the same grid) uses a cost model
 measured on this machine: the FLOP rate of one unsharded step of the model in
-this process (one thread), the all-gather bandwidth of ``W`` gloo ranks and the
+this process (one thread; times the share of a core each rank gets when the ranks
+outnumber the cores), the all-gather bandwidth of ``W`` gloo ranks and the
 fraction of an all-gather's time that passes while the rank computes
 (``CostModel.overlap``; ``--overlap`` sets it).
 Reported: each grid point, the planner's choice, the fastest measured plan that
@@ -56,6 +58,10 @@ def measured_flop_rate(case: ea.Case, flops: float) -> float:
     return flops / min(times[1:])
 
 
+#: ``reshard_after_forward=False`` on none, half or all of the four blocks' units
+KEEPS = (0, 2, 4)
+
+
 def main() -> None:
     from fsdp_compose.plan import CostModel, estimate, plan_to_budget, resolve_plan
     from fsdp_compose.plan._planner import candidate_plans, step_time
@@ -65,6 +71,7 @@ def main() -> None:
     )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--budget-quantile", type=float, default=0.5)
+    parser.add_argument("--budget", type=float, default=None, help="MiB (overrides the quantile)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument(
         "--headroom",
@@ -98,9 +105,8 @@ def main() -> None:
     }
     base = resolve_plan(model, ["Block"])
     grid = candidate_plans(
-        base, groups=(1, 2), depths=(0, 1), checkpointing=(False, True), keeps=None
+        base, groups=(1, 2), depths=(0, 1), checkpointing=(False, True), keeps=KEEPS
     )
-    grid = [(c, p) for c, p in grid if c["keep"] in (0, len(p.units) - 1)]
     preds = [estimate(model, plan=p, **common) for _, p in grid]
     flops = sum(u.flops for u in preds[0].units)
     if case.world_size > 1:
@@ -121,14 +127,18 @@ def main() -> None:
         bandwidth, overlap = CostModel.bandwidth, 1.0
     if args.overlap is not None:
         overlap = args.overlap
+    # ranks beyond the machine's cores share them: each computes that much slower
+    share = min(1.0, (os.cpu_count() or 1) / case.world_size)
     cost = CostModel(
-        flop_rate=measured_flop_rate(case, flops),
+        flop_rate=measured_flop_rate(case, flops) * share,
         bandwidth=bandwidth,
         latency=1e-3,
         overlap=overlap,
     )
     peaks = sorted(e.peak_bytes_per_rank for e in preds)
     budget = peaks[min(len(peaks) - 1, int(args.budget_quantile * len(peaks)))]
+    if args.budget is not None:
+        budget = int(args.budget * 2**20)
     chosen = plan_to_budget(
         model,
         budget,
@@ -136,7 +146,7 @@ def main() -> None:
         depths=(0, 1),
         cost=cost,
         policy=["Block"],
-        keeps=sorted({c["keep"] for c, _ in grid}),
+        keeps=KEEPS,
         headroom=args.headroom,
         **common,
     )
@@ -188,8 +198,10 @@ def main() -> None:
             f"{'fits' if mine[2] <= budget else 'DOES NOT FIT'}), step {mine[3]:.2f} s; fastest fitting grid "
             f"point: {best[3]:.2f} s; ratio {mine[3] / best[3]:.3f}"
         )
+    elif not chosen.fits:
+        print("\nthe planner: " + chosen.table().replace("\n", "\n  "))
     else:
-        print("\nno comparison: the planner found no plan or nothing measured fits")
+        print("\nno comparison: no grid point measured within the budget")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ since the previous phase, reset after each), the pool's buffers in use, cached
 (free buffers and parked pages) and, per page-rounded size, how many are free
 or parked (``_host_memory.BufferPool``). ``--max-cached`` changes the largest
 buffer the pool keeps (``BufferPool(max_cached=...)``; e.g. ``1e12`` for no
-bound). The measurement behind BENCHMARKS.md's "Bounded pool" subsection.
+bound). The measurement behind the "Bounded pool" subsection of benchmarks/HISTORY.md.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ one of two ways:
   every page of every buffer again: 7% of the small benchmark preset's step
   at W=2 (on-CPU), where the pool measured 0.97-1.01 of the heap's
   (``benchmarks/host_buffers_cost.py``, an A/B in the same processes;
-  BENCHMARKS.md).
+  benchmarks/HISTORY.md).
 
 Large buffers ask for transparent huge pages (fewer faults), and buffers below
 :data:`MIN_BYTES`, where the system call would show, stay in the heap. The heap
@@ -72,7 +72,7 @@ is then left to what a one-rank step also allocates (activations, autograd's
 gradients), and ``fsdp_compose.plan.estimate`` replays the pool (per size, what
 it keeps between steps, the parked pages) or the mappings exactly
 (``_heap.py``): 27 of 27 cases within 10% in the pooled mode, against 5 of 27 in
-the heap (BENCHMARKS.md).
+the heap (BENCHMARKS.md, benchmarks/HISTORY.md).
 
 ``"pooled"`` is the default. With the two bounds its peak is close to the
 heap's on the benchmark's large preset (``python benchmarks/run.py --preset

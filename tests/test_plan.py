@@ -328,6 +328,16 @@ def test_cost_model_overlap() -> None:
         assert step_time(est[d], serial, d)[0] == pytest.approx(1.0 + comm)
         half = step_time(est[d], CostModel(flop_rate, nbytes / 0.5, latency, 0.5), d)[0]
         assert half == pytest.approx((step[d] + 1.0 + comm) / 2)
+    # one rank communicates nothing, but recompute still costs its forward again
+    one = {
+        ck: estimate(
+            model, batch=2, seq=16, world_size=1, plan=resolve_plan(model, [Block], checkpoint=ck)
+        )
+        for ck in (False, True)
+    }
+    assert step_time(one[False], full, 1)[0] == pytest.approx(1.0)
+    blocks = sum(u.flops for u in one[True].units if u.checkpoint) / compute
+    assert step_time(one[True], full, 1)[0] == pytest.approx(1.0 + blocks / 3)
     for bad in (-0.1, 1.5, float("nan"), "1"):
         with pytest.raises(ValueError, match="overlap"):
             CostModel(overlap=bad)  # type: ignore[arg-type]
@@ -380,6 +390,37 @@ def test_headroom_holds_the_plan_below_the_budget() -> None:
     assert same.estimate.peak_bytes_per_rank == kept.estimate.peak_bytes_per_rank
     with pytest.raises(ValueError, match="headroom"):
         plan_to_budget(model, budget, headroom=1.0, **kwargs)
+
+
+def test_cpu_headroom_is_larger_for_checkpointed_plans() -> None:
+    """On CPU the default headroom is 0.13, and 0.18 for a plan that checkpoints
+    (glibc's heap grows more over the steps when recompute interleaves with the
+    gradients): a budget the smallest checkpointed plan fits with 0.13 but not 0.18
+    fits nothing by default, and the report names the headroom."""
+    if _BENCH not in sys.path:
+        sys.path.insert(0, _BENCH)
+    import estimator_accuracy
+
+    model = estimator_accuracy.build_meta("gpt", "test")
+    kwargs = {"batch": 4, "seq": 128, "world_size": 2, "policy": ["Block"], "device": "cpu"}
+    smallest = {
+        ck: estimate(
+            model, plan=resolve_plan(model, ["Block"], checkpoint=ck, prefetch_depth=0), **kwargs
+        ).peak_bytes_per_rank
+        for ck in (False, True)
+    }
+    budget = int(smallest[True] / 0.85)  # 0.82 of it < the checkpointed plan <= 0.87 of it
+    assert smallest[False] > 0.87 * budget  # no plan without checkpointing fits either way
+    default = plan_to_budget(model, budget, **kwargs)
+    assert not default.fits and default.headroom == 0.18
+    assert default.budget_bytes == int(budget * (1 - 0.18)) and default.requested_bytes == budget
+    assert "less the headroom of 0.18" in default.table()
+    uniform = plan_to_budget(model, budget, headroom=0.13, **kwargs)
+    assert uniform.fits and uniform.choice["checkpoint"] and uniform.headroom == 0.13
+    loose = plan_to_budget(model, 1 << 40, activation_checkpointing=False, **kwargs)
+    assert loose.fits and loose.headroom == 0.13
+    on_cuda = plan_to_budget(model, budget, **{**kwargs, "device": "cuda"})
+    assert on_cuda.headroom == 0.0 and on_cuda.budget_bytes == budget
 
 
 # ---------------------------------------------------------------------------

@@ -186,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="the fraction of --budget the plan leaves free for what the estimate does not "
-        "model (default: 0.1 with --device cpu, where glibc's heap grows over the first "
-        "steps; else 0)",
+        "model (default with --device cpu, where glibc's heap grows over the first steps: "
+        "0.13, or 0.18 for a plan that checkpoints; else 0)",
     )
     p.add_argument(
         "--policy",
@@ -291,7 +291,7 @@ def _run(args: argparse.Namespace) -> int:
     print(est.table())
     if result is not None:
         print()
-        print(f"plan for a budget of {format_bytes(result.budget_bytes)} per rank:")
+        print(f"plan for a budget of {format_bytes(result.requested_bytes)} per rank:")
         print(result.table())
     return 0 if result is None or result.fits else 1
 

@@ -77,7 +77,7 @@ decide the resident peak, and the model takes both into account:
   so a later buffer that no longer fits extends the heap. When fsdp_compose's
   per-unit buffers were in the heap this added 15-58% at W >= 2, varying from
   run to run (a rank's full ``malloc`` log replayed through glibc: 215 MiB above
-  the reset, its tensor allocations alone 151 MiB; BENCHMARKS.md). With those
+  the reset, its tensor allocations alone 151 MiB; benchmarks/HISTORY.md). With those
   buffers on mappings of their own no freed chunk of theirs is left to carve.
 * They are allocated from the top of the heap between the tensors, so the top
   is never free above the trim threshold while a step runs: a rank's resident

@@ -90,12 +90,15 @@ class PlanResult:
             ``auto_wrap(model, plan=result.plan, ...)``.
         estimate: the chosen plan's estimate (when nothing fits: the plan
             with the smallest peak).
-        budget_bytes: the budget the estimates were held to (less the headroom).
+        budget_bytes: what the plan's estimate was held to: the budget less the
+            headroom (of the chosen plan, or of the closest when nothing fits).
         step_time_s, exposed_comm_s: the cost model's prediction for the plan.
         candidates: how many candidates were evaluated.
         shortfall_bytes: how much more memory per rank the smallest candidate
             needs (0 when it fits).
         suggestions: what would fit when nothing does.
+        requested_bytes: the budget as given.
+        headroom: the fraction of it left free (``budget_bytes`` is the rest).
     """
 
     fits: bool
@@ -108,6 +111,16 @@ class PlanResult:
     shortfall_bytes: int = 0
     suggestions: tuple[str, ...] = ()
     choice: dict[str, Any] = field(default_factory=dict)
+    requested_bytes: int = 0
+    headroom: float = 0.0
+
+    def _held_to(self) -> str:
+        if not self.headroom:
+            return format_bytes(self.budget_bytes)
+        return (
+            f"{format_bytes(self.budget_bytes)} ({format_bytes(self.requested_bytes)} less "
+            f"the headroom of {self.headroom:g})"
+        )
 
     def table(self) -> str:
         """The plan (or the "does not fit" report) as text."""
@@ -116,7 +129,7 @@ class PlanResult:
             lines.append(
                 f"DOES NOT FIT: the smallest plan needs {format_bytes(self.estimate.peak_bytes_per_rank)} "
                 f"per rank, {format_bytes(self.shortfall_bytes)} more than the budget of "
-                f"{format_bytes(self.budget_bytes)}."
+                f"{self._held_to()}."
             )
             lines += [f"  - {s}" for s in self.suggestions]
             return "\n".join(lines)
@@ -129,7 +142,7 @@ class PlanResult:
         )
         lines.append(
             f"predicted peak {format_bytes(self.estimate.peak_bytes_per_rank)} of "
-            f"{format_bytes(self.budget_bytes)}; step {self.step_time_s * 1e3:.1f} ms, "
+            f"{self._held_to()}; step {self.step_time_s * 1e3:.1f} ms, "
             f"exposed communication {self.exposed_comm_s * 1e3:.1f} ms"
         )
         rows: list[tuple[str, ...]] = [
@@ -156,6 +169,8 @@ class PlanResult:
         return {
             "fits": self.fits,
             "budget_bytes": self.budget_bytes,
+            "requested_bytes": self.requested_bytes,
+            "headroom": self.headroom,
             "step_time_s": self.step_time_s,
             "exposed_comm_s": self.exposed_comm_s,
             "candidates": self.candidates,
@@ -236,8 +251,8 @@ def step_time(est: MemoryEstimate, cost: CostModel, depth: int) -> tuple[float, 
     """(step seconds, exposed communication seconds) of ``est`` under ``cost``."""
     root, blocks = est.units[0], list(est.units[1:])
     world = est.config["mesh_shape"][-1]
-    if world == 1 and est.config["mesh_shape"][0] == 1:
-        total = sum(u.flops for u in est.units) / cost.flop_rate
+    if world == 1 and est.config["mesh_shape"][0] == 1:  # no collectives; recompute still costs
+        total = sum(u.flops * (4 / 3 if u.checkpoint else 1) for u in est.units) / cost.flop_rate
         return total, 0.0
 
     def comm(nbytes: float) -> float:
@@ -288,8 +303,10 @@ def step_time(est: MemoryEstimate, cost: CostModel, depth: int) -> tuple[float, 
     return end, end - compute_total
 
 
-#: ``plan_to_budget``'s default headroom on CPU (see its docstring).
-CPU_HEADROOM = 0.1
+#: ``plan_to_budget``'s default headroom on CPU, without and with activation
+#: checkpointing (see its docstring).
+CPU_HEADROOM = 0.13
+CPU_HEADROOM_CHECKPOINTED = 0.18
 
 
 def plan_to_budget(
@@ -333,21 +350,28 @@ def plan_to_budget(
             ``reshard_after_forward=False`` (default: 0, 1, 2, 4, ... and all).
         headroom: the fraction of ``budget`` left free for what the estimate does
             not model: a plan fits when its estimate is at most
-            ``(1 - headroom) * budget``. Default: ``0.1`` with ``device="cpu"``,
-            where glibc's heap grows over the first steps of any torch process
-            (measured peaks 1.02-1.14 times the estimate over two steps on the
-            benchmark models; BENCHMARKS.md), else ``0``.
+            ``(1 - headroom) * budget``. Default: ``0`` on CUDA; with
+            ``device="cpu"`` ``0.13``, or ``0.18`` for a plan that checkpoints:
+            glibc's heap grows over the first steps of any torch process, which
+            the estimate (one step after a warm-up step) does not model; over
+            five steps the benchmark models measured up to 1.141 times their
+            estimate without checkpointing and 1.207 times with it (recompute
+            interleaves with the gradients; BENCHMARKS.md): the least round
+            values that cover both.
 
     Returns:
         A :class:`PlanResult`; ``result.fits`` is False (with what is missing in
         ``result.suggestions``) when no candidate fits.
     """
-    budget_bytes = parse_bytes(budget)
+    given = parse_bytes(budget)
     if headroom is None:
-        headroom = CPU_HEADROOM if device == "cpu" else 0.0
-    if not 0.0 <= headroom < 1.0:
+        kept = (CPU_HEADROOM, CPU_HEADROOM_CHECKPOINTED) if device == "cpu" else (0.0, 0.0)
+    elif not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom is a fraction of the budget in [0, 1), got {headroom!r}")
-    budget_bytes = int(budget_bytes * (1.0 - headroom))
+    else:
+        kept = (headroom, headroom)
+    # what a plan's estimate may reach, without and with activation checkpointing
+    caps = (int(given * (1.0 - kept[0])), int(given * (1.0 - kept[1])))
     replicate, shard = _check_mesh(world_size, mesh_shape)
     base = resolve_plan(model, policy)
     leaves = [m for u in base.units[:-1] for m in u.modules]
@@ -377,12 +401,13 @@ def plan_to_budget(
         tuple[tuple[float, int, int], dict[str, Any], ShardingPlan, MemoryEstimate, float, float]
         | None
     ) = None
-    smallest: tuple[int, MemoryEstimate] | None = None
+    smallest: tuple[int, MemoryEstimate, bool] | None = None  # (over its cap, estimate, AC)
     for choice, plan in candidates:
         est = estimate(model, plan=plan, mesh_shape=shape, offload_policy=offload_policy, **common)
-        if smallest is None or est.peak_bytes_per_rank < smallest[0]:
-            smallest = (est.peak_bytes_per_rank, est)
-        if est.peak_bytes_per_rank > budget_bytes:
+        cap = caps[bool(choice["checkpoint"])]
+        if smallest is None or est.peak_bytes_per_rank - cap < smallest[0]:
+            smallest = (est.peak_bytes_per_rank - cap, est, bool(choice["checkpoint"]))
+        if est.peak_bytes_per_rank > cap:
             continue
         total, exposed = step_time(est, cost, plan.prefetch_depth)
         key = (total, est.comm_bytes_per_rank_per_step, est.peak_bytes_per_rank)
@@ -391,14 +416,24 @@ def plan_to_budget(
     assert smallest is not None
     if best is not None:
         _, choice, plan, est, total, exposed = best
+        ck = bool(choice["checkpoint"])
         return PlanResult(
-            True, plan, est, budget_bytes, total, exposed, len(candidates), choice=choice
+            True,
+            plan,
+            est,
+            caps[ck],
+            total,
+            exposed,
+            len(candidates),
+            choice=choice,
+            requested_bytes=given,
+            headroom=kept[ck],
         )
-    shortfall = smallest[0] - budget_bytes
+    shortfall, closest, ck = smallest
     suggestions = _suggest(
         model,
         base,
-        budget_bytes,
+        caps,
         replicate,
         shard,
         offload_policy,
@@ -409,13 +444,15 @@ def plan_to_budget(
     return PlanResult(
         False,
         None,
-        smallest[1],
-        budget_bytes,
+        closest,
+        caps[ck],
         math.nan,
         math.nan,
         len(candidates),
         shortfall_bytes=shortfall,
         suggestions=tuple(suggestions),
+        requested_bytes=given,
+        headroom=kept[ck],
     )
 
 
@@ -425,28 +462,26 @@ def _min_peak(
     shape: tuple[int, ...],
     offload: OffloadPolicy,
     common: dict[str, Any],
-) -> int:
-    """The smallest peak of the search space (every unit resharded, AC on, no prefetch)."""
-    units = tuple(UnitPlan(u.modules, True, True) for u in base.units[:-1]) + (UnitPlan((ROOT,)),)
-    plans = [
-        ShardingPlan(units, 0),
-        ShardingPlan(
-            tuple(UnitPlan(u.modules, True, False) for u in base.units[:-1]) + (UnitPlan((ROOT,)),),
-            0,
-        ),
-    ]
-    return min(
-        estimate(
-            model, plan=p, mesh_shape=shape, offload_policy=offload, **common
+    caps: tuple[int, int],
+) -> tuple[int, int]:
+    """(peak, cap) of the smallest plans of the search space (every unit
+    resharded, no prefetch; checkpointed or not): the one nearest its cap."""
+    nearest = []
+    for checkpoint in (True, False):
+        units = tuple(UnitPlan(u.modules, True, checkpoint) for u in base.units[:-1])
+        plan = ShardingPlan((*units, UnitPlan((ROOT,))), 0)
+        peak = estimate(
+            model, plan=plan, mesh_shape=shape, offload_policy=offload, **common
         ).peak_bytes_per_rank
-        for p in plans
-    )
+        nearest.append((peak - caps[checkpoint], peak, caps[checkpoint]))
+    _, peak, cap = min(nearest)
+    return peak, cap
 
 
 def _suggest(
     model: nn.Module,
     base: ShardingPlan,
-    budget: int,
+    caps: tuple[int, int],
     replicate: int,
     shard: int,
     offload: OffloadPolicy,
@@ -460,8 +495,8 @@ def _suggest(
         if w > 1 << 20:
             break
         shape = (replicate, w) if replicate > 1 else (w,)
-        peak = _min_peak(model, base, shape, offload, common)
-        if peak <= budget:
+        peak, cap = _min_peak(model, base, shape, offload, common, caps)
+        if peak <= cap:
             what = f"a shard group of {w} ranks" if replicate > 1 else f"W={w}"
             out.append(f"{what} would fit (smallest plan: {format_bytes(peak)} per rank)")
             break
@@ -474,8 +509,8 @@ def _suggest(
         from .._policies import CPUOffloadPolicy
 
         shape = (replicate, shard) if replicate > 1 else (shard,)
-        peak = _min_peak(model, base, shape, CPUOffloadPolicy(), common)
-        verdict = "would fit" if peak <= budget else "would not be enough"
+        peak, cap = _min_peak(model, base, shape, CPUOffloadPolicy(), common, caps)
+        verdict = "would fit" if peak <= cap else "would not be enough"
         out.append(f"CPUOffloadPolicy() {verdict} (device peak {format_bytes(peak)} per rank)")
     if not ac_allowed:
         out.append("allowing activation checkpointing may fit")
