@@ -402,7 +402,9 @@ def test_cpu_headroom_is_larger_for_checkpointed_plans() -> None:
     import estimator_accuracy
 
     model = estimator_accuracy.build_meta("gpt", "test")
+    # the default host buffers' estimate, whatever this process's mode
     kwargs = {"batch": 4, "seq": 128, "world_size": 2, "policy": ["Block"], "device": "cpu"}
+    kwargs["host_allocator"] = "glibc+pooled"
     smallest = {
         ck: estimate(
             model, plan=resolve_plan(model, ["Block"], checkpoint=ck, prefetch_depth=0), **kwargs
