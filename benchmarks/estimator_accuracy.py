@@ -167,6 +167,17 @@ def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+def materialize(model: nn.Module) -> None:
+    """Gives a meta-device model (sharded or not) CPU storage and random weights."""
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.normal_(0.0, 0.02)
+        for b in model.buffers():  # e.g. rotary frequencies: recompute as the model would
+            b.zero_()
+
+
 def training_step(model: Any, optim: Any, case: Case, seed: int) -> Any:
     """One training step of ``model`` on random tokens of ``case``'s shape (the
     gradients kept between steps: ``zero_grad(set_to_none=False)``)."""
@@ -216,13 +227,7 @@ def measure_rank(
         )
     else:
         auto_wrap(model, plan=plan, mesh=mesh, mp_policy=mp, offload_policy=offload)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            local.normal_(0.0, 0.02)
-        for b in model.buffers():  # e.g. rotary frequencies: recompute as the model would
-            b.zero_()
+    materialize(model)
     optim = _optimizer(model, case.optimizer)
     step = training_step(model, optim, case, seed=dist.get_rank())
 

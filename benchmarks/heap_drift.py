@@ -31,21 +31,10 @@ if variant == "fsdp":
     auto_wrap(
         model, ea._policy(model), mesh=init_device_mesh("cpu", (1,)), activation_checkpointing=ckpt
     )
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            (p.to_local() if hasattr(p, "to_local") else p).normal_(0.0, 0.02)
-        for b in model.buffers():
-            b.zero_()
 else:
     with torch.device("meta"):
         model = ea.build_meta(model_name, "bench")
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-        for b in model.buffers():
-            b.zero_()
+ea.materialize(model)
 optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
 step = ea.training_step(model, optim, ea.Case(model_name, 1), seed=0)
 step()

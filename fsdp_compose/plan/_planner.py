@@ -250,19 +250,17 @@ def _group(leaves: list[tuple[str, ...]], g: int) -> list[tuple[str, ...]]:
 def step_time(est: MemoryEstimate, cost: CostModel, depth: int) -> tuple[float, float]:
     """(step seconds, exposed communication seconds) of ``est`` under ``cost``."""
     root, blocks = est.units[0], list(est.units[1:])
-    world = est.config["mesh_shape"][-1]
-    if world == 1 and est.config["mesh_shape"][0] == 1:  # no collectives; recompute still costs
-        total = sum(u.flops * (4 / 3 if u.checkpoint else 1) for u in est.units) / cost.flop_rate
-        return total, 0.0
-
-    def comm(nbytes: float) -> float:
-        return cost.latency + nbytes / cost.bandwidth
-
     fwd = {u.name: u.flops / 3 / cost.flop_rate for u in est.units}
     bwd = {
         u.name: u.flops * (2 / 3 + (1 / 3 if u.checkpoint else 0)) / cost.flop_rate
         for u in est.units
     }
+    if est.config["mesh_shape"][-1] == 1 and est.config["mesh_shape"][0] == 1:
+        return sum(fwd.values()) + sum(bwd.values()), 0.0  # one rank: no collectives
+
+    def comm(nbytes: float) -> float:
+        return cost.latency + nbytes / cost.bandwidth
+
     gather_fwd = {u.name: comm(u.all_gather_bytes - u.backward_gather_bytes) for u in est.units}
     gather_bwd = {
         u.name: comm(u.backward_gather_bytes) if u.backward_gather_bytes else 0.0 for u in est.units
@@ -364,14 +362,14 @@ def plan_to_budget(
         ``result.suggestions``) when no candidate fits.
     """
     given = parse_bytes(budget)
+    # the headroom and what a plan's estimate may reach, without and with checkpointing
     if headroom is None:
-        kept = (CPU_HEADROOM, CPU_HEADROOM_CHECKPOINTED) if device == "cpu" else (0.0, 0.0)
+        headrooms = (CPU_HEADROOM, CPU_HEADROOM_CHECKPOINTED) if device == "cpu" else (0.0, 0.0)
     elif not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom is a fraction of the budget in [0, 1), got {headroom!r}")
     else:
-        kept = (headroom, headroom)
-    # what a plan's estimate may reach, without and with activation checkpointing
-    caps = (int(given * (1.0 - kept[0])), int(given * (1.0 - kept[1])))
+        headrooms = (headroom, headroom)
+    caps = (int(given * (1.0 - headrooms[0])), int(given * (1.0 - headrooms[1])))
     replicate, shard = _check_mesh(world_size, mesh_shape)
     base = resolve_plan(model, policy)
     leaves = [m for u in base.units[:-1] for m in u.modules]
@@ -404,9 +402,10 @@ def plan_to_budget(
     smallest: tuple[int, MemoryEstimate, bool] | None = None  # (over its cap, estimate, AC)
     for choice, plan in candidates:
         est = estimate(model, plan=plan, mesh_shape=shape, offload_policy=offload_policy, **common)
-        cap = caps[bool(choice["checkpoint"])]
+        ck = bool(choice["checkpoint"])
+        cap = caps[ck]
         if smallest is None or est.peak_bytes_per_rank - cap < smallest[0]:
-            smallest = (est.peak_bytes_per_rank - cap, est, bool(choice["checkpoint"]))
+            smallest = (est.peak_bytes_per_rank - cap, est, ck)
         if est.peak_bytes_per_rank > cap:
             continue
         total, exposed = step_time(est, cost, plan.prefetch_depth)
@@ -427,7 +426,7 @@ def plan_to_budget(
             len(candidates),
             choice=choice,
             requested_bytes=given,
-            headroom=kept[ck],
+            headroom=headrooms[ck],
         )
     shortfall, closest, ck = smallest
     suggestions = _suggest(
@@ -452,7 +451,7 @@ def plan_to_budget(
         shortfall_bytes=shortfall,
         suggestions=tuple(suggestions),
         requested_bytes=given,
-        headroom=kept[ck],
+        headroom=headrooms[ck],
     )
 
 
