@@ -2,24 +2,15 @@
 
     python benchmarks/estimator_accuracy.py                 # the BENCHMARKS.md table
     python benchmarks/estimator_accuracy.py --quick         # a few rows
-    python benchmarks/estimator_accuracy.py --mmap-threshold 65536   # glibc's threshold fixed
 
 For each case, ``W`` fresh rank processes (``harness.run_job``, gloo, one thread
 each) build the model on the meta device, apply ``fsdp_compose.auto_wrap`` with
-the case's settings, materialize their shards, create the optimizer, and then
-measure two training steps the way the memory benchmark does (``measure.py``):
-``VmHWM - RSS at reset`` plus what the rank holds across steps and was therefore
-resident before the reset (its sharded parameter, gradient and optimizer-state
-bytes, and the buffers fsdp_compose's host-buffer pool keeps for reuse), the
-largest over ranks. The estimate is computed once, in
-this process, on the meta device, for the same case. Ratio = measured / predicted.
-
-The ranks keep glibc's default allocator settings, as the memory benchmark does,
-and the estimate models them (``host_allocator="glibc+pooled"`` with the library's
-default host buffers, pooled; ``--host-buffers heap|mapped`` for the others). ``--mmap-threshold N``
-makes the ranks fix glibc's mmap threshold at N bytes (``mallopt``; freed tensors
-then leave the resident set) and estimates with ``host_allocator="mmap"`` (fsdp_compose's buffers then go to
-``torch.empty``, ``set_host_buffers("heap")``, so glibc maps them too).
+the case's settings, materialize their shards, create the optimizer, run a
+warm-up step and then measure one step with torch's allocated-bytes tracker
+(``torch.distributed._tools.mem_tracker.MemTracker``, the model and optimizer
+state counted): the quantity ``torch.cuda.max_memory_allocated`` reports on a
+GPU, the largest over ranks. The estimate is computed once, in this process, on
+the meta device, for the same case. Ratio = measured / predicted.
 
 Models (``MODELS``): the examples' GPT, a Hugging Face Llama built from a config
 (no download), and the GPT with its LM head tied to the token embedding.
@@ -137,7 +128,7 @@ def _policies(case: Case) -> tuple[Any, Any]:
     return mp, (CPUOffloadPolicy(pin_memory=False) if case.offload else OffloadPolicy())
 
 
-def predict(case: Case, scale: str = "bench", host_allocator: str = "glibc") -> Any:
+def predict(case: Case, scale: str = "bench") -> Any:
     """The estimator's :class:`MemoryEstimate` for ``case``."""
     from fsdp_compose.plan import estimate
 
@@ -155,7 +146,6 @@ def predict(case: Case, scale: str = "bench", host_allocator: str = "glibc") -> 
         offload_policy=offload,
         optimizer=case.optimizer,
         device="cpu",
-        host_allocator=host_allocator,
     )
 
 
@@ -203,8 +193,7 @@ def measure_rank(
     case_dict: dict[str, Any], scale: str = "bench", plan: Any = None, steps: int = 1
 ) -> dict[str, int]:
     """Runs ``steps`` training steps on this rank (process group already up);
-    returns the measured peak (bytes) as the memory benchmark defines it."""
-    import measure
+    returns the measured peak of allocated tensor bytes."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -232,57 +221,50 @@ def measure_rank(
     step = training_step(model, optim, case, seed=dist.get_rank())
 
     # One warm-up step first: it creates the optimizer states and the gradients
-    # (kept: set_to_none=False) and pages in the code and lazily initialised
-    # buffers of torch, gloo and oneDNN, which are process overhead, not the
-    # model's memory. What is resident at the reset is then the sharded state and
-    # the buffers the host-buffer pool keeps for the next step (counted like it).
+    # (kept: set_to_none=False). The measured step then runs under torch's own
+    # allocated-bytes tracker (the quantity torch.cuda.max_memory_allocated
+    # reports on a GPU), with the model and optimizer state counted as live.
     step()
-    from fsdp_compose import _host_memory
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-    pooled_bytes = _host_memory.POOL.cached_bytes() if _host_memory.mode() == "pooled" else 0
-    state_bytes = sum(_local_bytes(p) for p in model.parameters())
-    state_bytes += sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    state_bytes += sum(
-        _local_bytes(v)
-        for st in optim.state.values()
-        for v in st.values()
-        if isinstance(v, torch.Tensor) and v.dim() > 0
-    )
-    rss_at_reset = measure.reset_peak_rss()
+    tracker = MemTracker()
+    tracker.track_external(model, optim)
+    peak = 0
     started = time.perf_counter()
     for _ in range(steps):
-        step()
+        with tracker:
+            step()
+        peak = max(peak, int(sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())))
+        tracker.reset_mod_stats()
     step_s = (time.perf_counter() - started) / steps
-    hwm = measure.peak_rss_bytes()
-    sent = _ideal_bytes_sent_per_step(step)
-    return {
-        "measured": hwm - rss_at_reset + state_bytes + pooled_bytes,
-        "step_s": step_s,
-        "sent": sent,
-        "pooled_bytes": pooled_bytes,
-    }
+    sent = _ideal_bytes_sent_per_step(step, model)
+    return {"measured": peak, "step_s": step_s, "sent": sent}
 
 
-def _ideal_bytes_sent_per_step(step: Any) -> float:
-    """Bytes this rank sent in one more step, by an ideal algorithm, from the size of
-    every collective fsdp_compose issued (``probes.ideal_bytes_sent``)."""
-    from probes import ideal_bytes_sent
-
-    from fsdp_compose import _collective_hooks
+def _ideal_bytes_sent_per_step(step: Any, model: Any) -> float:
+    """Bytes this rank sends in one more step, the ring ideal of each collective."""
+    from fsdp_compose import Observer
 
     sent = [0.0]
 
-    def listener(event: str, info: Any) -> None:
-        if event == "issue":
-            sent[0] += ideal_bytes_sent(
-                info.kind, info.group_size, info.input_bytes, info.output_bytes
-            )
+    class _Sent(Observer):
+        def on_collective(self, event: str, info: Any) -> None:  # type: ignore[override]
+            if event != "issue":
+                return
+            w = info.group_size
+            if info.kind == "all_gather":
+                sent[0] += info.output_bytes * (w - 1) / w
+            elif info.kind == "reduce_scatter":
+                sent[0] += info.input_bytes * (w - 1) / w
+            else:
+                sent[0] += 2 * info.input_bytes * (w - 1) / w
 
-    _collective_hooks.add_listener(listener)
+    observer = _Sent()
+    model.register_observer(observer)
     try:
         step()
     finally:
-        _collective_hooks.remove_listener(listener)
+        model.unregister_observer(observer)
     return sent[0]
 
 
@@ -293,12 +275,6 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 def measure_job(config: dict[str, Any]) -> dict[str, Any]:
     """``worker.py`` entry point (``kind: "estimate"``)."""
-    if config.get("mmap_threshold"):
-        mmap_large_allocations(config["mmap_threshold"])
-    if config.get("host_buffers"):
-        from fsdp_compose.plan import set_host_buffers
-
-        set_host_buffers(config["host_buffers"])
     if config.get("calibrate"):
         return calibrate_bandwidth()
     plan = plan_from_dict(config["plan"]) if config.get("plan") else None
@@ -360,9 +336,7 @@ def calibrate_bandwidth(nbytes: int = 16 << 20, repeats: int = 5) -> dict[str, A
         both = time.perf_counter() - begin
         overlaps.append(min(1.0, max(0.0, (alone + elapsed - both) / elapsed)))
     # gloo's worker drops its reference to the last collective's tensors a moment
-    # after the wait returns; freeing them first made the rank abort at exit now
-    # and then ("terminate called without an active exception": [Note: gloo work
-    # at interpreter exit] in fsdp_compose/_gloo.py).
+    # after the wait returns: free them only after every rank is past it.
     dist.barrier()
     time.sleep(0.2)
     del chunk, out
@@ -374,47 +348,13 @@ def calibrate_bandwidth(nbytes: int = 16 << 20, repeats: int = 5) -> dict[str, A
     }
 
 
-def mmap_large_allocations(threshold: int = 65536) -> None:
-    """Makes glibc serve every allocation above ``threshold`` bytes with its own
-    mapping, returned to the kernel when freed, so that the resident set follows
-    the live tensors. With glibc's default (a dynamic threshold that grows to
-    32 MiB after the first large free), freed blocks stay in the heap and the
-    resident peak adds fragmentation that depends on the order of frees.
-    """
-    import ctypes
-    import ctypes.util
-
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    m_mmap_threshold = -3  # <malloc.h>; setting it also turns the dynamic threshold off
-    if libc.mallopt(m_mmap_threshold, threshold) != 1:
-        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
-    # fsdp_compose's buffers to torch.empty, so that glibc maps them too (the
-    # "mmap" estimate models no pool keeping them between steps)
-    from fsdp_compose.plan import set_host_buffers
-
-    set_host_buffers("heap")
-
-
-def run_case(
-    case: Case,
-    scale: str = "bench",
-    mmap_threshold: int = 0,
-    host_buffers: str = "pooled",
-    steps: int = 1,
-) -> dict[str, Any]:
-    """Measures ``case`` on fresh ranks and compares with the estimate.
-
-    With ``mmap_threshold``, the ranks fix glibc's mmap threshold there
-    (:func:`mmap_large_allocations`) and the estimate assumes freed tensors
-    leave the resident set (``host_allocator="mmap"``); else both use glibc's
-    default settings. ``host_buffers``: where the ranks put fsdp_compose's
-    per-step buffers (``fsdp_compose.plan.set_host_buffers``). ``steps``: the
-    measured steps after the warm-up one (the peak over all of them).
-    """
+def run_case(case: Case, scale: str = "bench", steps: int = 1) -> dict[str, Any]:
+    """Measures ``case`` on fresh ranks (allocated tensor bytes, torch's
+    ``MemTracker``) and compares with the estimate. ``steps``: the measured
+    steps after the warm-up one (the peak over all of them)."""
     from harness import run_job
 
-    allocator = "glibc" if host_buffers == "heap" else f"glibc+{host_buffers}"
-    est = predict(case, scale, "mmap" if mmap_threshold else allocator)
+    est = predict(case, scale)
     ranks = run_job(
         {
             "kind": "estimate",
@@ -422,8 +362,6 @@ def run_case(
             "world_size": case.world_size,
             "case": asdict(case),
             "scale": scale,
-            "mmap_threshold": mmap_threshold,
-            "host_buffers": host_buffers,
             "steps": steps,
         },
         timeout_s=900,
@@ -461,29 +399,6 @@ def cases(quick: bool) -> list[Case]:
     return out
 
 
-def add_allocator_options(parser: argparse.ArgumentParser, mmap_threshold: int) -> None:
-    """``--mmap-threshold`` (default ``mmap_threshold``; 0: glibc's defaults) and
-    ``--host-buffers``: how the ranks allocate, which the estimates then model."""
-    from fsdp_compose._host_memory import MODES
-
-    parser.add_argument(
-        "--mmap-threshold",
-        type=int,
-        default=mmap_threshold,
-        metavar="BYTES",
-        help="fix glibc's mmap threshold in the ranks (e.g. 65536) and estimate with "
-        "host_allocator='mmap'; 0: glibc's default settings, the host buffers of "
-        f"--host-buffers and the estimate that follows them (default: {mmap_threshold})",
-    )
-    parser.add_argument(
-        "--host-buffers",
-        choices=MODES,
-        default="pooled",
-        help="with --mmap-threshold 0: where the ranks allocate fsdp_compose's per-step "
-        "buffers (fsdp_compose.plan.set_host_buffers; default: pooled, the library's default)",
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -495,7 +410,6 @@ def main() -> None:
     parser.add_argument(
         "--steps", type=int, default=1, help="measured steps after the warm-up one (default 1)"
     )
-    add_allocator_options(parser, mmap_threshold=0)
     args = parser.parse_args()
     rows = []
     print("| case | predicted (MiB) | measured (MiB) | measured / predicted | predicted peak at |")
@@ -504,12 +418,7 @@ def main() -> None:
         c for c in cases(args.quick) if not args.cases or c.label.startswith(tuple(args.cases))
     ]
     for case in selected:
-        r = run_case(
-            case,
-            mmap_threshold=args.mmap_threshold,
-            host_buffers=args.host_buffers,
-            steps=args.steps,
-        )
+        r = run_case(case, steps=args.steps)
         rows.append(r)
         print(
             f"| {r['case']} | {r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "
@@ -519,7 +428,7 @@ def main() -> None:
     ratios = [r["ratio"] for r in rows]
     print(
         f"\n{len(rows)} cases; measured/predicted from {min(ratios):.3f} to {max(ratios):.3f}; "
-        f"{sum(abs(x - 1) <= 0.10 for x in ratios)} within 10%"
+        f"{sum(abs(x - 1) <= 0.05 for x in ratios)} within 5%"
     )
 
 

@@ -199,7 +199,7 @@ def _phase_steps(step: Any, steps: int, ns_module: Any) -> dict[str, float]:
     def a2a(*args: Any, **kwargs: Any) -> Any:
         return _Timed(original_a2a(*args, **kwargs))
 
-    def reduce(*args: Any, **kwargs: Any) -> Any:  # the shared-memory exchange's signal
+    def reduce(*args: Any, **kwargs: Any) -> Any:
         work = original_reduce(*args, **kwargs)
         return _Timed(work) if kwargs.get("async_op") else work
 
@@ -271,7 +271,12 @@ def _rank_main(
             model, kind, rank if impl != "single" else 0, world if impl != "single" else 1
         )
         matrices, _ = _muon_params(model, kind)
-        models[impl], opts[impl] = model, torch.optim.Muon(matrices, lr=1e-3)
+        opt = torch.optim.Muon(matrices, lr=1e-3)
+        if impl == "fsdp_compose":
+            from fsdp_compose import enable_sharded_step
+
+            enable_sharded_step(opt)  # the whole-matrix step (owner compute)
+        models[impl], opts[impl] = model, opt
         opts[impl].step()  # warm-up (creates the momentum buffers)
 
     result: dict[str, Any] = {"kind": kind, "world": world, "optimizer_step_s": {}}
@@ -337,11 +342,10 @@ def _rank_main(
     # Whole training steps on fsdp_compose: Muon for the matrices + AdamW for the rest vs AdamW alone.
     model = models["fsdp_compose"]
     matrices, rest = _muon_params(model, kind)
-    with_muon = (
-        [torch.optim.Muon(matrices, lr=1e-3), torch.optim.AdamW(rest, lr=1e-3)]
-        if rest
-        else [torch.optim.Muon(matrices, lr=1e-3)]
-    )
+    from fsdp_compose import enable_sharded_step
+
+    muon = enable_sharded_step(torch.optim.Muon(matrices, lr=1e-3))
+    with_muon = [muon, torch.optim.AdamW(rest, lr=1e-3)] if rest else [muon]
     adamw = [torch.optim.AdamW(model.parameters(), lr=1e-3)]
 
     def train(optims: list[Any]) -> None:

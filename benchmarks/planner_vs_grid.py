@@ -9,11 +9,8 @@ on; the planner searches the same 20 plans) is
 run on fresh ranks (``harness.run_job``), measuring its peak memory the way
 ``estimator_accuracy.py`` does and its step time (one warm-up step, then the
 mean of ``--steps``). The budget is the given quantile of the predicted peaks.
-The ranks fix glibc's mmap threshold at 64 KiB and the estimates assume freed
-tensors leave the resident set (``host_allocator="mmap"``), the mode the
-BENCHMARKS.md table was measured in; ``--mmap-threshold 0`` uses glibc's defaults
-and the host buffers of ``--host-buffers`` (the library's default, pooled, unless
-given), which the estimates then model.
+Peak memory is allocated tensor bytes (torch's ``MemTracker``), what the
+estimate predicts; the planner's CPU headroom is for the resident excess above it.
 The planner (``plan_to_budget``, searching the same grid) uses a cost model
 measured on this machine: the FLOP rate of one unsharded step of the model in
 this process (one thread; times the share of a core each rank gets when the ranks
@@ -86,13 +83,7 @@ def main() -> None:
         default=None,
         help="the cost model's overlap (default: measured, CostModel(overlap=...))",
     )
-    ea.add_allocator_options(parser, mmap_threshold=65536)  # the BENCHMARKS.md table's mode
     args = parser.parse_args()
-    host_buffers = None if args.mmap_threshold else args.host_buffers
-    if host_buffers is not None:
-        from fsdp_compose.plan import set_host_buffers
-
-        set_host_buffers(host_buffers)
     case = ea.Case("gpt", args.world_size)
     model = ea.build_meta(case.model)
     common = {
@@ -100,8 +91,6 @@ def main() -> None:
         "seq": case.seq,
         "world_size": case.world_size,
         "device": "cpu",
-        # glibc's defaults: the host buffers the ranks use (set in this process too)
-        "host_allocator": "mmap" if args.mmap_threshold else None,
     }
     base = resolve_plan(model, ["Block"])
     grid = candidate_plans(
@@ -117,8 +106,6 @@ def main() -> None:
                 "world_size": case.world_size,
                 "calibrate": True,
                 "case": asdict(case),
-                "mmap_threshold": args.mmap_threshold,
-                "host_buffers": host_buffers,
             }
         )
         bandwidth = min(r["bandwidth"] for r in calibration)
@@ -171,8 +158,6 @@ def main() -> None:
                 "case": asdict(case),
                 "plan": ea.plan_to_dict(plan),
                 "steps": args.steps,
-                "mmap_threshold": args.mmap_threshold,
-                "host_buffers": host_buffers,
             },
             timeout_s=1800,
         )

@@ -4,8 +4,8 @@ The timed steps run with nothing attached. Afterwards a few more steps run under
 probe that records what the implementation itself says about its communication:
 
 * ``fsdp_compose``: its timeline (``fsdp_compose.trace``, which measures the time
-  the training thread waited on collectives) and its collective listener
-  (``fsdp_compose._collective_hooks.add_listener``: kind and size of every collective).
+  the training thread waited on collectives and sees the kind and size of every
+  collective), an observer of the model (``FSDPModule.register_observer``).
 * ``fsdp2``: torch FSDP2 issues its collectives through ``dist.all_gather_single``,
   ``dist.reduce_scatter_single`` and ``dist.all_reduce``; the probe wraps those
   module attributes to record sizes (and restores them afterwards).
@@ -76,11 +76,12 @@ class Probe:
 
 
 @contextlib.contextmanager
-def probe(impl: str) -> Iterator[Probe]:
-    """Attaches ``impl``'s probe for the duration of the ``with`` block."""
+def probe(impl: str, model: Any = None) -> Iterator[Probe]:
+    """Attaches ``impl``'s probe (for fsdp_compose: to ``model``, the root) for the
+    duration of the ``with`` block."""
     result = Probe()
     if impl == "fsdp_compose":
-        with _fsdp_compose_probe(result):
+        with _fsdp_compose_probe(result, model):
             yield result
     elif impl == "fsdp2":
         with _fsdp2_probe(result):
@@ -90,20 +91,22 @@ def probe(impl: str) -> Iterator[Probe]:
 
 
 @contextlib.contextmanager
-def _fsdp_compose_probe(result: Probe) -> Iterator[None]:
-    from fsdp_compose import _collective_hooks, trace
+def _fsdp_compose_probe(result: Probe, model: Any) -> Iterator[None]:
+    from fsdp_compose import Observer, trace
 
-    def listener(event: str, info: Any) -> None:
-        if event == "issue":
-            result.record(info.kind, info.group_size, info.input_bytes, info.output_bytes)
+    class _Sizes(Observer):
+        def on_collective(self, event: Any, info: Any) -> None:
+            if event == "issue":
+                result.record(info.kind, info.group_size, info.input_bytes, info.output_bytes)
 
-    _collective_hooks.add_listener(listener)
+    sizes, timeline = _Sizes(), trace.Timeline()
+    model.register_observer(sizes)
     try:
-        with trace.recording():
+        with trace.recording(model, timeline=timeline):
             yield
     finally:
-        _collective_hooks.remove_listener(listener)
-    result.exposed_by_step = list(trace.exposed_communication().values())
+        model.unregister_observer(sizes)
+    result.exposed_by_step = list(timeline.exposed_communication().values())
 
 
 def _nbytes(t: torch.Tensor) -> int:

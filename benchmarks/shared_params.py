@@ -62,26 +62,28 @@ def _rank_main(
     from gpt import GPT, PRESETS, loss_fn, make_batch
     from measure import loopback_tx_bytes, peak_rss_bytes, reset_peak_rss
 
-    from fsdp_compose import _collective_hooks, _scheduler
+    from fsdp_compose import Observer
 
     harness.init_gloo(rank, world, store)
-    # Peak of the scheduler's accounting of unsharded parameter bytes (private API,
-    # read-only: wraps the one method that updates it).
+    # The peak of the scheduler's count of unsharded parameter bytes, and the
+    # ideal bytes sent, from the runtime's events.
     peak_unsharded = [0]
-    account = _scheduler.RateLimiter.account
-
-    def tracking(self: Any, unit: Any) -> None:
-        account(self, unit)
-        peak_unsharded[0] = max(peak_unsharded[0], self.holding_bytes)
-
-    _scheduler.RateLimiter.account = tracking  # type: ignore[method-assign]
     ideal = [0.0]
 
-    def listener(event: str, info: Any) -> None:
-        if event != "issue" or info.group_size == 1:
-            return
-        share = (info.group_size - 1) / info.group_size
-        ideal[0] += share * (info.output_bytes if info.kind == "all_gather" else info.input_bytes)
+    class _Probe(Observer):
+        counting = False
+
+        def on_memory(self, event: Any, unit: Any, nbytes: int, total: int) -> None:
+            peak_unsharded[0] = max(peak_unsharded[0], total)
+
+        def on_collective(self, event: Any, info: Any) -> None:
+            if not self.counting or event != "issue" or info.group_size == 1:
+                return
+            share = (info.group_size - 1) / info.group_size
+            out = info.output_bytes if info.kind == "all_gather" else info.input_bytes
+            ideal[0] += share * out
+
+    probe = _Probe()
 
     cfg = PRESETS[preset]
     cfg = type(cfg)(**{**cfg.__dict__, "tie_weights": True})
@@ -92,6 +94,7 @@ def _rank_main(
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     assert model.lm_head.weight is model.tok_emb.weight
+    model.register_observer(probe)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     per_rank = 2
 
@@ -109,9 +112,9 @@ def _rank_main(
     dist.barrier()
     base = reset_peak_rss()
     lo_before = loopback_tx_bytes() if rank == 0 else 0
-    _collective_hooks.add_listener(listener)
+    probe.counting = True
     losses = [step(i) for i in range(1, 1 + steps)]
-    _collective_hooks.remove_listener(listener)
+    probe.counting = False
     dist.barrier()
     lo = (loopback_tx_bytes() - lo_before) / world / steps if rank == 0 else 0.0
     queue.put(

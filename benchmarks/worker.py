@@ -108,7 +108,7 @@ def train_job(config: dict[str, Any]) -> dict[str, Any]:
     vm_hwm = measure.peak_rss_bytes()
 
     instrumented: list[dict[str, float]] = []
-    with probes.probe(impl) as probe:
+    with probes.probe(impl, model) as probe:
         for _ in range(config["instrumented"]):
             batch = batches.get(step)
             start = measure.thread_times()

@@ -108,14 +108,14 @@ def desync(rank: int, use_debug: bool) -> float:
         fully_shard(block)
     fully_shard(model)
     if use_debug:
-        debug.enable_collective_checks(timeout=PG_TIMEOUT_S)
+        model.register_observer(debug.CollectiveChecks(timeout=PG_TIMEOUT_S))
     return train(model, 5, 2)
 
 
 def uneven_batches(rank: int, use_debug: bool) -> float:
-    if use_debug:
-        debug.enable_collective_checks(timeout=PG_TIMEOUT_S)
     model = sharded_gpt()
+    if use_debug:
+        model.register_observer(debug.CollectiveChecks(timeout=PG_TIMEOUT_S))
     # rank 1 has one more batch than rank 0; rank 0 then waits in a barrier-free exit
     # rank 0 then reports "finished" and stays alive (see _rank_main), so rank 1
     # sees a timeout, not a crash

@@ -94,8 +94,9 @@ def main() -> None:
 
     # --- training loop ----------------------------------------------------------
     local_batch = args.batch_size // world
+    timeline = trace.Timeline()
     if args.trace:
-        trace.enable()
+        model.register_observer(timeline)  # the per-rank timeline of every unit and collective
     start = time.perf_counter()
     for step in range(args.steps):
         x, y = make_batch(cfg, args.batch_size, step)  # (B, T) global batch
@@ -120,10 +121,10 @@ def main() -> None:
             print(line)
     elapsed = time.perf_counter() - start
     if args.trace:
-        trace.disable()
+        model.unregister_observer(timeline)
         root, ext = os.path.splitext(args.trace)
         paths = [f"{root}.rank{r}{ext or '.json'}" for r in range(world)]
-        trace.export_chrome_trace(paths[rank])
+        timeline.export_chrome_trace(paths[rank])
         dist.barrier()  # every rank's file is written before rank 0 merges them
         if rank == 0:
             trace.merge_chrome_traces(paths, args.trace)
@@ -140,7 +141,7 @@ def main() -> None:
         "params": mib(params),
         "optim": mib(states),
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "exposed_comm": sum(trace.exposed_communication().values()) if args.trace else None,
+        "exposed_comm": sum(timeline.exposed_communication().values()) if args.trace else None,
     }
     # One float64 row per rank (torch's object collectives would need NumPy).
     keys = ("params", "optim", "peak_rss", "exposed_comm")

@@ -135,14 +135,14 @@ def main() -> None:
         x = x[dp_rank * local : (dp_rank + 1) * local].to(device)
         y = y[dp_rank * local : (dp_rank + 1) * local].to(device)
         losses: list[torch.Tensor] = []
-        with trace.recording():  # the timeline also lists every collective
+        with trace.recording(module) as timeline:  # the timeline lists every collective
             if stage.is_first:
                 schedule.step(x)
             elif stage.is_last:
                 schedule.step(target=y, losses=losses)
             else:
                 schedule.step()
-        reduce_scatters = sum(e.get("cat") == "reduce_scatter" for e in trace.events())
+        reduce_scatters = sum(e.get("cat") == "reduce_scatter" for e in timeline.events())
         optim.step()
         optim.zero_grad(set_to_none=True)
         # The last stage knows the loss: average it over microbatches and dp ranks,

@@ -3,23 +3,19 @@
 Annotate modules bottom-up with :func:`fully_shard`; parameters become sharded
 ``DTensor``s in place and a per-root scheduler gathers them just in time (with
 prefetch) and reduce-scatters gradients per unit. See the README for usage.
+
+The tools (``plan``, ``safetensors_io``, ``whole_matrix``, ``trace``, ``debug``)
+use the public API and are imported on first access: importing fsdp_compose
+changes nothing in torch or in the process.
 """
 
-# Extensions that attach to the core's registration points when imported.
-from . import (  # noqa: F401
-    _failures,  # errors of failed collectives that say why
-    _full_state_dict,  # load_state_dict of full (unsharded) tensors
-    _gloo,  # gloo's collectives as exchanges matched by what they are
-    _guard,  # the collective guard, if FSDP_COMPOSE_COLLECTIVE_GUARD=1
-    _misuse,  # misuse checks at the root's lazy init and at optimizer steps
-    _recovery,  # reset_iter_state after an exception inside forward or backward
-    _shared,  # parameters shared across units (tied weights)
-    _validation,  # checks of fully_shard's arguments beyond FSDP2's
-    debug,
-    safetensors_io,
-    trace,
-    whole_matrix,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._collectives import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
+from ._events import CollectiveInfo, Observer
 from ._fsdp_module import (
     FSDPModule,
     UnshardHandle,
@@ -29,24 +25,48 @@ from ._fsdp_module import (
 from ._fully_shard import fully_shard
 from ._grad_scaler import ShardedGradScaler
 from ._mesh import DataParallelMeshDims
+from ._optim import enable_sharded_step
 from ._pipelining import PipelineStage
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .plan import auto_wrap
+
+if TYPE_CHECKING:
+    from . import debug, plan, safetensors_io, trace, whole_matrix
+    from .plan import auto_wrap
 
 __version__ = "0.1.0"
 
+_TOOLS = ("debug", "plan", "safetensors_io", "trace", "whole_matrix")
+
+
+def __getattr__(name: str) -> Any:
+    # Tools load on first use (PEP 562), so that importing the library stays cheap.
+    if name in _TOOLS:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name == "auto_wrap":
+        return importlib.import_module(f"{__name__}.plan").auto_wrap
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "AllGather",
     "CPUOffloadPolicy",
+    "CollectiveInfo",
     "DataParallelMeshDims",
+    "DefaultAllGather",
+    "DefaultReduceScatter",
     "FSDPModule",
     "MixedPrecisionPolicy",
+    "Observer",
     "OffloadPolicy",
     "PipelineStage",
+    "ReduceScatter",
     "ShardedGradScaler",
     "UnshardHandle",
     "auto_wrap",
     "debug",
+    "enable_sharded_step",
     "fully_shard",
+    "plan",
     "register_fsdp_forward_method",
     "safetensors_io",
     "share_comm_ctx",

@@ -127,10 +127,13 @@ def all_gather_into_tensor(
 
 
 def reduce_scatter_tensor(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    async_op: bool,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,  # type: ignore[assignment]
 ) -> dist.Work | None:
-    """A sum."""
-    return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
 
 
 def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
@@ -146,3 +149,19 @@ def backend_name(group: dist.ProcessGroup) -> str:
         return str(dist.get_backend(group)).lower()
     except (RuntimeError, ValueError, KeyError):  # a group torch does not know
         return "unknown"
+
+
+def default_store() -> dist.Store:
+    """The key-value store of the default process group (the job's store, e.g.
+    torchrun's): rank checks exchange through it instead of issuing collectives."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def process_group_timeout(group: dist.ProcessGroup) -> float | None:
+    """The timeout (seconds) ``group`` was created with, or None if this torch
+    version does not expose it (read through the backend's private options)."""
+    try:
+        device = torch.device("cpu") if backend_name(group) == "gloo" else torch.device("cuda")
+        return float(group._get_backend(device).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None

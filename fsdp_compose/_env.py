@@ -61,3 +61,17 @@ def seconds(name: str) -> float | None:
     if not (math.isfinite(number) and number > 0):
         raise _invalid(name, value, "a positive number of seconds")
     return number
+
+
+# -- the variables fsdp_compose reads ------------------------------------------
+
+
+def debug_collectives() -> bool:
+    """``FSDP_COMPOSE_DEBUG_COLLECTIVES``: every root subscribes the debug
+    collective checks at its lazy init (``fsdp_compose.debug``)."""
+    return flag("FSDP_COMPOSE_DEBUG_COLLECTIVES", False)
+
+
+def debug_timeout() -> float | None:
+    """``FSDP_COMPOSE_DEBUG_TIMEOUT``: seconds the debug checks wait for the other ranks."""
+    return seconds("FSDP_COMPOSE_DEBUG_TIMEOUT")

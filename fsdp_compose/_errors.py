@@ -23,7 +23,4 @@ class FSDPRuntimeError(RuntimeError, AssertionError):
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks of one process group issued different collectives (or some none):
-    raised by the collective checks ([Note: collective extensions])."""
-
-
-CollectiveMismatchError.__module__ = "fsdp_compose.debug"
+    raised on every rank by the debug checks (``fsdp_compose.debug``)."""

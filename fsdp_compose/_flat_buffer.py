@@ -21,12 +21,11 @@ unwrapped model costs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from . import _collectives, _compat
+from . import _compat
 from ._mesh import MeshInfo
 from ._sharded_param import ShardedParam
 
@@ -38,64 +37,6 @@ class _Slot:
     param: ShardedParam | None  # None: alignment gap
     offset: int  # within one rank's row, in buffer elements
     size: int  # per-rank padded slot, in buffer elements
-
-
-class PageBacked(Protocol):
-    """A flat CPU tensor whose memory ``release`` gives back while the tensor (and
-    every view of it) stays valid; ``acquire`` precedes the next refill."""
-
-    tensor: torch.Tensor
-
-    def release(self) -> None: ...
-    def acquire(self) -> None: ...
-
-
-class HostBuffers(Protocol):
-    """Where the large per-step CPU buffers come from when an extension says so
-    (``_host_memory.py``, opt-in): ``empty`` returns ``None`` to leave a buffer to
-    ``torch.empty``, ``page_backed`` to leave the unsharded storage to it."""
-
-    def empty(
-        self, numel: int, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor | None: ...
-
-    def page_backed(
-        self, numel: int, dtype: torch.dtype, device: torch.device
-    ) -> PageBacked | None: ...
-
-
-host_buffers: HostBuffers | None = None
-
-
-def set_host_buffers(buffers: HostBuffers | None) -> None:
-    """Makes ``buffers`` the source of later per-step CPU buffers (``None``: ``torch.empty``)."""
-    global host_buffers
-    host_buffers = buffers
-
-
-def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A per-step buffer: ``torch.empty``, or from :data:`host_buffers`."""
-    buffers = host_buffers
-    tensor = None if buffers is None else buffers.empty(numel, dtype, device)
-    return torch.empty(numel, dtype=dtype, device=device) if tensor is None else tensor
-
-
-def comm_buffer(
-    comm: _collectives.AllGatherComm | _collectives.ReduceScatterComm | _collectives.DefaultComm,
-    numel: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    label: str,
-    kind: _collectives.CollectiveKind,
-    per_step: bool = True,
-) -> torch.Tensor:
-    """:func:`~fsdp_compose._collectives.allocate`, except that fsdp_compose's own
-    collectives' buffers come from :func:`empty` (``torch.empty`` if not ``per_step``)."""
-    if isinstance(comm, _collectives.DefaultComm):
-        if not per_step:
-            return torch.empty(numel, dtype=dtype, device=device)
-        return empty(numel, dtype, device)
-    return _collectives.allocate(comm, numel, dtype, device, label, kind)
 
 
 class FlatBuffer:
@@ -114,7 +55,6 @@ class FlatBuffer:
     _gather_output: torch.Tensor | None
     _gather_world: int
     _unsharded: torch.Tensor | None
-    _pages: PageBacked | None
     _alias: bool
 
     @property
@@ -150,14 +90,6 @@ class FlatBuffer:
             and all(p.compute_dtype == p.orig_dtype for p in self.params)
         )
         self._fused_copy_out = all(p.shard_dim == 0 for p in self.params)
-        # Whether the all-gather over the shard group takes this rank's row of its
-        # output as input (NCCL; gloo's exchanges) or a separate send buffer.
-        row_bytes, route_of = row * self._buffer_dtype.itemsize, _collectives.route_of
-        self._gather_in_place = (
-            world == 1
-            or info.device.type != "cpu"
-            or route_of(self.shard_group).gathers_in_place(row_bytes)
-        )
         # This rank's shards fill its row without gaps (same dtype, no padding in
         # its slots): copy-in is one concatenation.
         self._dense_copy_in = uniform and all(
@@ -165,7 +97,6 @@ class FlatBuffer:
         )
         self._copy_out_sizes: dict[int, list[int]] = {}
         device = info.device
-        self._pages = None
         if self._alias:
             self._unsharded = None
             for p in self.params:
@@ -173,15 +104,7 @@ class FlatBuffer:
             return
         # Views are created while the storage exists (slicing checks bounds), then
         # the storage is freed until the first unshard.
-        # With mapped host buffers, a large one is on pages of its own ([Note:
-        # per-step host buffers outside the heap] in _host_memory.py).
-        buffers = host_buffers
-        if buffers is not None:
-            self._pages = buffers.page_backed(world * row, self._buffer_dtype, device)
-        if self._pages is not None:
-            flat = self._pages.tensor
-        else:
-            flat = torch.empty(world * row, dtype=self._buffer_dtype, device=device)
+        flat = torch.empty(world * row, dtype=self._buffer_dtype, device=device)
         self._unsharded = flat
         for slot in slots:
             sp = slot.param
@@ -204,9 +127,7 @@ class FlatBuffer:
 
     def _free_unsharded(self) -> None:
         """Frees the unsharded storage's memory (the storage itself stays)."""
-        if self._pages is not None:
-            self._pages.release()
-        elif self._unsharded is not None:
+        if self._unsharded is not None:
             _free_storage(self._unsharded)
 
     def _copy_out_views(self, world: int) -> list[torch.Tensor]:
@@ -255,8 +176,6 @@ class FlatBuffer:
         out, world = self._gather_output, self._gather_world
         self._gather_output = None
         assert out is not None and self._unsharded is not None
-        if self._pages is not None:
-            self._pages.acquire()
         _alloc_storage(self._unsharded)
         scale = self._world // world
         # Refilling storage autograd may have saved is not a modification: keep
@@ -304,7 +223,7 @@ class FlatBuffer:
         ]
         numel = sum(p.numel() for p in pieces)
         device = self._unsharded.device
-        return torch.cat(pieces, out=empty(numel, self._buffer_dtype, device))
+        return torch.cat(pieces, out=torch.empty(numel, dtype=self._buffer_dtype, device=device))
 
 
 def _alloc_storage(tensor: torch.Tensor) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import _hooks
-from ._collectives import AllGatherComm, ReduceScatterComm
+from ._collectives import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
+from ._events import Observer
 from ._hooks import UnitState, state_of
 from ._mesh import separate_reduce_scatter_group
 from ._unit import ShardState, Unit
@@ -90,9 +90,7 @@ class FSDPModule:
         state cleared, and the failed step's unreduced gradients are dropped. The
         next forward then starts from a clean state.
         """
-        if _hooks.iter_state_reset is None:
-            raise NotImplementedError("reset_iter_state needs the extension fsdp_compose._recovery")
-        _hooks.iter_state_reset(self._fsdp_state())
+        self._fsdp_state().reset_iter_state()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Sets whether the next backward is the last of the step (the default).
@@ -250,7 +248,7 @@ class FSDPModule:
             recurse (bool): apply to every FSDPModule in the subtree.
         """
         for unit in self._units(recurse):
-            unit.set_reduce_scatter_group(
+            unit.reduce_scatter_group = (
                 separate_reduce_scatter_group(unit.mesh_info) if enable else None
             )
 
@@ -291,7 +289,7 @@ class FSDPModule:
             raise ValueError(f'set_symm_mem_for_comm supports backend="NCCL" only, got {backend!r}')
         _note_comm_buffers_unchanged("set_symm_mem_for_comm()", self._fsdp_state())
 
-    def set_custom_all_gather(self, comm: AllGatherComm | None) -> None:
+    def set_custom_all_gather(self, comm: AllGather | None) -> None:
         """Issues this module's parameter all-gathers with ``comm`` instead of the
         default collective.
 
@@ -310,9 +308,9 @@ class FSDPModule:
         _check_comm(comm, "set_custom_all_gather")
         _check_single_mesh(self._fsdp_state(), "set_custom_all_gather")
         for unit in self._units(False):
-            unit.custom_all_gather = comm
+            unit.all_gather_comm = DefaultAllGather() if comm is None else comm
 
-    def set_custom_reduce_scatter(self, comm: ReduceScatterComm | None) -> None:
+    def set_custom_reduce_scatter(self, comm: ReduceScatter | None) -> None:
         """Issues this module's gradient reduce-scatters with ``comm`` instead of
         the default collective.
 
@@ -330,9 +328,21 @@ class FSDPModule:
         _check_comm(comm, "set_custom_reduce_scatter")
         _check_single_mesh(self._fsdp_state(), "set_custom_reduce_scatter")
         for unit in self._units(False):
-            unit.custom_reduce_scatter = comm
+            unit.reduce_scatter_comm = DefaultReduceScatter() if comm is None else comm
 
     # -- additions beyond FSDP2's API ----------------------------------------
+
+    def register_observer(self, observer: Observer) -> None:
+        """Subscribes ``observer`` to the runtime events of this module's tree: its
+        units' lifecycle, forward/backward spans, memory and every collective
+        (see :class:`fsdp_compose.Observer`). Applies to the whole tree of the
+        root this module belongs to; call it on the root module, before or after
+        the first forward."""
+        self._fsdp_state().settings.events.add(observer)
+
+    def unregister_observer(self, observer: Observer) -> None:
+        """Unsubscribes an observer added by :meth:`register_observer`."""
+        self._fsdp_state().settings.events.remove(observer)
 
     def set_prefetch_depth(
         self, *, forward: int | None = None, backward: int | None = None

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, Shard
 
-from . import _hooks
+from . import _shared, _validation
 from ._errors import FSDPRuntimeError, FSDPValueError
 from ._fsdp_module import FSDPModule, _fsdp_classes
 from ._hooks import UnitState, state_of
@@ -25,28 +25,11 @@ from ._mesh import (
     validate_reshard_after_forward,
 )
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._sharded_param import IGNORED_BY, SHARDED_BY, ShardedParam
+from ._sharded_param import IGNORED_BY, REPLACED_BY, SHARDED_BY, ShardedParam
+from ._state_dict import register_state_dict_hooks
 from ._unit import Unit
 
 __all__ = ["fully_shard"]
-
-# On an original parameter that was sharded, so misuse is caught where it happens
-# (and SHARDED_BY, from _sharded_param, on the sharded DTensor parameters).
-REPLACED_BY = "_fsdp_compose_replaced_by"
-
-#: Checks of a ``fully_shard`` call beyond FSDP2's (``_validation``), run before anything
-#: is modified: ``check(modules, managed_modules, ignored_params, mesh_info,
-#: (mp_policy, offload_policy, shard_placement_fn))`` raises to refuse the call.
-ShardCheck = Callable[
-    [tuple[nn.Module, ...], list[nn.Module], set[nn.Parameter], MeshInfo, tuple[object, ...]], None
-]
-shard_checks: list[ShardCheck] = []
-
-
-#: ``convert(state_dict, prefix, [(name, param)], assign)`` rewrites in place the values
-#: ``load_state_dict`` gets for sharded parameters (``_full_state_dict``: full tensors).
-LoadConversion = Callable[[dict[str, Any], str, list[tuple[str, ShardedParam]], bool], None]
-load_conversion: LoadConversion | None = None
 
 
 @overload
@@ -163,16 +146,16 @@ def fully_shard(
     # changed: shards are built aside and installed only once every parameter and
     # the unit are valid, so a failed call leaves the module as it was and a
     # retry (with the fix the error names) starts from a clean module. The checks
-    # extensions register (shard_checks) and the sharing extension's collect
-    # run in this phase too.
+    # beyond FSDP2's and the collection of shared parameters run in this phase too.
     managed_modules = _managed_modules(modules)
     policies = (mp_policy, offload_policy, shard_placement_fn)
-    for check in shard_checks:
-        check(modules, managed_modules, ignored, mesh_info, policies)
+    _validation.check_call(
+        modules, managed_modules, ignored, mesh_info, policies, _shared.is_borrowed
+    )
     owners = _managed_params(managed_modules, ignored)
-    # Parameters another unit already sharded: borrowed (the extension _shared).
-    sharing = _hooks.param_sharing
-    borrowed = sharing and sharing.collect(
+    _validation.check_devices(owners)
+    # Parameters another unit already sharded: borrowed ([Note: shared parameters]).
+    borrowed = _shared.collect_borrowed(
         managed_modules, ignored, mesh_info, mp_policy, offload_policy
     )
     device = mesh_info.device
@@ -212,8 +195,8 @@ def fully_shard(
     unit_of = {id(p): u for u in units for p in u.params}
     # Validated: from here on the module changes.
     _move_buffers(managed_modules, device)
-    for param in ignored:  # left plain on purpose: not a forgotten root (_missing_root)
-        setattr(param, IGNORED_BY, unit_label)
+    for param in ignored & set(_all_params(managed_modules)):
+        setattr(param, IGNORED_BY, unit_label)  # left plain on purpose, not forgotten
     for param, sharded_param in zip(owners, sharded):
         sharded_param.register(sharded_param.sharded_param)
         sharded_param.mark_owned(unit_label)
@@ -226,9 +209,8 @@ def fully_shard(
     state.adopt_subtree_settings()
     for unit in units:
         register_state_dict_hooks(unit, state)
-    if sharing is not None:
-        replaced = [(p, sp, unit_of[id(sp)]) for p, sp in zip(owners, sharded)]
-        sharing.install(state, replaced, borrowed)
+    replaced = [(p, sp, unit_of[id(sp)]) for p, sp in zip(owners, sharded)]
+    _shared.install(state, replaced, borrowed)
     for m in modules:
         cls = type(m)
         if cls not in _fsdp_classes:
@@ -294,9 +276,8 @@ def _managed_params(
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     for m in modules:
         for name, p in m._parameters.items():
-            sharing = _hooks.param_sharing
-            if p is None or p in ignored or (sharing and sharing.is_borrowed(p, m, name)):
-                continue  # shared with an earlier unit: the extension _shared handles it
+            if p is None or p in ignored or _shared.is_borrowed(p, m, name):
+                continue  # shared with an earlier unit: [Note: shared parameters]
             if getattr(p, SHARDED_BY, None) is not None:
                 raise ValueError(
                     f"parameter {name!r} of {type(m).__name__} is already sharded by "
@@ -306,6 +287,10 @@ def _managed_params(
             # DTensor parameters (tensor parallel) are validated by ShardedParam.
             owners.setdefault(p, []).append((m, name))
     return owners
+
+
+def _all_params(modules: list[nn.Module]) -> list[nn.Parameter]:
+    return [p for m in modules for p in m._parameters.values() if p is not None]
 
 
 def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
@@ -383,46 +368,6 @@ def _placement(
 
 def _describe(modules: tuple[nn.Module, ...]) -> str:
     return ", ".join(type(m).__name__ for m in modules)
-
-
-def register_state_dict_hooks(
-    unit: Unit, state: UnitState, owners: list[tuple[nn.Module, str, ShardedParam]] | None = None
-) -> None:
-    """``state_dict()`` and ``load_state_dict()`` see the sharded parameters (full
-    values loaded go through :data:`load_conversion`); ``owners`` limits the hooks to
-    these registrations of ``unit``'s parameters (a borrower's, ``_shared``)."""
-    if owners is None:
-        owners = [(module, name, p) for p in unit.params for module, name in p.owners]
-    owner_params: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
-    for module, name, p in owners:
-        owner_params.setdefault(module, []).append((name, p))
-
-    def reshard(*_: Any) -> None:
-        state.reshard(unit)
-
-    for module, params in owner_params.items():
-
-        def load_pre_hook(
-            _module: nn.Module,
-            state_dict: dict[str, Any],
-            prefix: str,
-            local_metadata: dict[str, Any] | None = None,
-            *_: Any,
-            _params: list[tuple[str, ShardedParam]] = params,
-        ) -> None:
-            reshard()
-            if load_conversion is not None:  # full or TP-only values
-                assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
-                load_conversion(state_dict, prefix, _params, assign)
-
-        def load_post_hook(*_: Any) -> None:
-            # Parameters may have been re-assigned (assign=True).
-            state.reshard(unit)
-            unit.invalidate()
-
-        module.register_state_dict_pre_hook(reshard)
-        module.register_load_state_dict_pre_hook(load_pre_hook)
-        module.register_load_state_dict_post_hook(load_post_hook)
 
 
 def _no_deepcopy(*_: Any) -> NoReturn:

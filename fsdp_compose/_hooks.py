@@ -14,46 +14,21 @@ creates the tree's one :class:`~fsdp_compose._scheduler.Scheduler`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 
-from . import _compat
+from . import _compat, _env, _shared, _validation
+from ._events import Events
 from ._policies import MixedPrecisionPolicy
-from ._scheduler import Scheduler, ScheduleSettings, SharedUseCounter
-from ._sharded_param import ShardedParam
+from ._scheduler import Scheduler, ScheduleSettings
 from ._unit import Unit
 
 _STATE_ATTR = "_fsdp_compose_state"
-
-#: Called with every unit of a root's tree at its lazy init, before any collective (_misuse).
-RootInitCheck = Callable[[list[Unit]], None]
-root_init_checks: list[RootInitCheck] = []
-
-
-class ParamSharing(Protocol):
-    """:data:`param_sharing`: the extension sharing parameters across units. Without
-    it, a parameter under two units' modules is sharded by the first and refused by
-    the second as a top-down ``fully_shard`` ([Note: shared parameters])."""
-
-    def is_borrowed(self, param: nn.Parameter, module: nn.Module, name: str) -> bool: ...
-    def collect(self, modules: list[nn.Module], ignored: set[nn.Parameter], *args: Any) -> Any: ...
-    def install(
-        self,
-        state: UnitState,
-        replaced: Iterable[tuple[nn.Parameter, ShardedParam, Unit]],
-        borrowed: Any,
-    ) -> None: ...
-    def attach(self, scheduler: Scheduler, states: list[UnitState], root: nn.Module) -> None: ...
-
-
-param_sharing: ParamSharing | None = None
-
-#: ``FSDPModule.reset_iter_state``'s work on the root's state (``_recovery``).
-iter_state_reset: Callable[[UnitState], None] | None = None
 
 
 def state_of(module: nn.Module) -> UnitState | None:
@@ -106,13 +81,14 @@ class UnitState:
         self.scheduler: Scheduler | None = None
         self.root_state: UnitState | None = None
         self.all_states: list[UnitState] = []  # root only: every state in its tree
-        self.settings = ScheduleSettings()  # one object per tree: adopt_subtree_settings
+        # One object per tree (adopt_subtree_settings), with the tree's event list.
+        self.settings = ScheduleSettings(events=Events([_validation.USE_CHECKS]))
         # Explicit prefetch lists of a call without parameters (else on the unit).
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
-        # Units whose parameters this call's modules share, and their use counter (_shared).
+        # Units whose parameters this call's modules share ([Note: shared parameters]).
         self.borrowed: list[Unit] = []
-        self.shared: SharedUseCounter | None = None
+        self.name = type(modules[0]).__name__  # the module's FQN once the root knows it
         self.extra_units: list[Unit] = []  # further meshes': [Note: per-parameter meshes]
         self._began_forward = False
         self._finalize_queued = False
@@ -134,10 +110,13 @@ class UnitState:
         for module in self.modules:
             for sub in module.modules():
                 state = state_of(sub)
-                if state is None or state.settings is self.settings:
+                if state is None:
                     continue
-                self.settings.adopt(state.settings)
-                state.settings = self.settings
+                if state.settings is not self.settings:
+                    self.settings.adopt(state.settings)
+                    state.settings = self.settings
+                for unit in state.own_units:
+                    unit.events = self.settings.events
 
     def reshard(self, unit: Unit) -> None:
         """Reshards ``unit`` through the scheduler (none before the first forward)."""
@@ -171,6 +150,7 @@ class UnitState:
                     for unit in state.own_units:
                         unit.name += f", {name}"  # a grouped unit's further modules
                 continue
+            state.name = name or "root"
             if state is not self:
                 if state.is_root is not None:
                     raise RuntimeError(
@@ -198,17 +178,36 @@ class UnitState:
         if self.auto_reshard_after_forward:
             for unit in self.own_units:
                 unit.set_reshard_after_forward(False)
+        if _env.debug_collectives():
+            from .debug import CollectiveChecks  # the user turned debug mode on
+
+            self.settings.events.add(CollectiveChecks())
         scheduler = Scheduler(units, self.settings)
-        if param_sharing is not None:
-            param_sharing.attach(scheduler, states, root_module)
+        scheduler.shared = _shared.count_uses(units, states, root_module)
         for state in states:
             state.scheduler = scheduler
             state.root_state = self
         self.all_states = states
         for unit in units:
             unit.lazy_init()
-        for check in root_init_checks:
-            check(units)
+        _validation.check_same_structure(units)
+
+    def reset_iter_state(self) -> None:
+        """Returns every unit of this root's tree to a clean sharded, idle state
+        after an exception inside forward or backward (``FSDPModule.reset_iter_state``)."""
+        if self.is_root is False:
+            raise RuntimeError(
+                "reset_iter_state() must be called on the root fully_shard module (the one "
+                "the first forward ran through)."
+            )
+        if self.scheduler is None:
+            return
+        self.scheduler.reset()
+        for state in self.all_states:
+            state._pending_modules.clear()
+            state._began_forward = False
+            state._nested_forwards = 0
+        self._finalize_queued = False
 
     # -- forward ---------------------------------------------------------
 
@@ -220,6 +219,12 @@ class UnitState:
             self._nested_forwards += 1
             return self._cast_inputs(args, kwargs)
         self.lazy_init()
+        with record_function(f"fsdp_compose::pre_forward ({self.name})"):
+            return self._run_pre_forward(module, args, kwargs)
+
+    def _run_pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         scheduler = self.scheduler
         assert scheduler is not None
         unit = self.unit
@@ -253,8 +258,8 @@ class UnitState:
             if self._pending_modules:  # another module of the group already gathered
                 return args, kwargs
             self._pending_modules = set(self.modules)
-        if self.shared is not None:
-            self.shared.borrow_forward(self.borrowed)
+        if self.borrowed:
+            scheduler.borrow_forward(self.borrowed)
         if unit is not None:
             scheduler.pre_forward(*self.own_units)
         elif self.forward_prefetch:
@@ -268,6 +273,10 @@ class UnitState:
         if self._nested_forwards:
             self._nested_forwards -= 1
             return self._cast_output(output)
+        with record_function(f"fsdp_compose::post_forward ({self.name})"):
+            return self._run_post_forward(module, output)
+
+    def _run_post_forward(self, module: nn.Module, output: Any) -> Any:
         scheduler = self.scheduler
         assert scheduler is not None
         if _compat.inside_backward():
@@ -279,8 +288,8 @@ class UnitState:
         if not self._pending_modules:  # (grouped units: every module of the group ran)
             for own in self.own_units:
                 scheduler.post_forward(own)
-            if self.shared is not None:
-                self.shared.return_forward(self.borrowed)
+            if self.borrowed:
+                scheduler.return_forward(self.borrowed)
         if self._began_forward:
             self._began_forward = False
             # Grouped units whose modules did not all run in this forward: reshard.
@@ -347,31 +356,35 @@ class UnitState:
 
     @torch.compiler.disable
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        root = self.root_state
-        assert root is not None and self.scheduler is not None
-        if not root._finalize_queued:
-            root._finalize_queued = True
-            _compat.queue_end_of_backward_callback(root._finalize_backward)
-        if self.unit is not None:
-            self.scheduler.pre_backward(*self.own_units)
-        elif self.backward_prefetch:
-            self.scheduler.prefetch(self.backward_prefetch)
-        if self.shared is not None:
-            self.shared.borrow_backward(self.borrowed)
+        root, scheduler = self.root_state, self.scheduler
+        assert root is not None and scheduler is not None
+        with record_function(f"fsdp_compose::pre_backward ({self.name})"):
+            if not root._finalize_queued:
+                root._finalize_queued = True
+                _compat.queue_end_of_backward_callback(root._finalize_backward)
+            if self.unit is not None:
+                scheduler.pre_backward(*self.own_units)
+            elif self.backward_prefetch:
+                scheduler.prefetch(self.backward_prefetch)
+            if self.borrowed:
+                scheduler.borrow_backward(self.borrowed)
 
     @torch.compiler.disable
     def post_backward(self) -> None:
-        assert self.scheduler is not None
-        if self.unit is not None:
-            self.scheduler.post_backward(*self.own_units)
-        if self.shared is not None:
-            self.shared.return_backward(self.borrowed)
+        scheduler = self.scheduler
+        assert scheduler is not None
+        with record_function(f"fsdp_compose::post_backward ({self.name})"):
+            if self.unit is not None:
+                scheduler.post_backward(*self.own_units)
+            if self.borrowed:
+                scheduler.return_backward(self.borrowed)
 
     @torch.compiler.disable
     def _finalize_backward(self) -> None:
         try:
             assert self.scheduler is not None
-            self.scheduler.finalize_backward()
+            with record_function("fsdp_compose::finalize_backward"):
+                self.scheduler.finalize_backward()
         finally:
             self._finalize_queued = False
 

@@ -20,21 +20,23 @@ It applies only where that equivalence holds: the optimizer's class is exactly
 one of torch's elementwise optimizers (a subclass may add non-elementwise logic,
 such as a norm), ``differentiable`` is off, it is not being compiled, and every
 DTensor it holds is a parameter sharded by fsdp_compose. Anything else keeps the
-DTensor path. ``FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP=0`` turns it off.
+DTensor path. It is off by default (FSDP2's behaviour): the user turns it on
+per optimizer with :func:`enable_sharded_step`.
 
 [Note: sharded steps run inside step hooks]
 ``optimizer.step`` itself is never replaced: LR schedulers mark it
 (``_wrapped_by_lr_sched``) and warn when the mark is gone, and users and
-libraries introspect or wrap it. Instead, an accelerated optimizer gets one
-step pre-hook and one step post-hook of its own. The pre-hook is kept the last
-of the optimizer's pre-hooks (every global and user hook has run, and may have
-changed gradients or learning rates, exactly as before torch's own update). It
-runs the sharded update (the elementwise swap above, or a handler registered
-for the optimizer's class, such as the whole-matrix Muon step in
-``fsdp_compose.whole_matrix``) and then hides the gradients of the parameters
+libraries introspect or wrap it. Instead, an optimizer passed to
+:func:`enable_sharded_step` gets one step pre-hook and one step post-hook of its
+own. The pre-hook runs after the pre-hooks registered before the call (they
+may change gradients or learning rates, exactly as before torch's own update);
+register further hooks before calling it. It runs the sharded
+update (the elementwise swap above, or the whole-matrix step of
+``fsdp_compose.whole_matrix`` for ``torch.optim.Muon`` and
+``torch.optim.Adafactor``) and then hides the gradients of the parameters
 it updated (``p.grad = None``), so the body of torch's ``step`` skips them: every
 optimizer handled here skips parameters without a gradient, state counters
-included. The post-hook, kept the first of the post-hooks, gives the gradients
+included. The post-hook, the first of the post-hooks, gives the gradients
 back before any user post-hook sees them. A ``closure`` is evaluated by the
 pre-hook (under ``enable_grad``, before the update, as torch does) and replaced
 by one returning its loss, so ``step(closure)`` returns the same value.
@@ -51,21 +53,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _compat, _env
+from . import _compat
 from ._sharded_param import SHARDED_BY
 
 #: A sharded update for one optimizer class: it updates the parameters it can
 #: (their states included) and returns them; torch's own ``step`` then skips them.
 StepHandler = Callable[[torch.optim.Optimizer], "list[torch.Tensor]"]
-
-
-@dataclass(frozen=True)
-class _Registration:
-    handler: StepHandler
-    optional: bool  # a speed-up only: FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP=0 turns it off
-
-
-_handlers: dict[type[torch.optim.Optimizer], _Registration] = {}
 
 _ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -80,7 +73,6 @@ _ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Rprop,
     torch.optim.ASGD,
 )
-_accelerated: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 @dataclass
@@ -95,47 +87,58 @@ class _Record:
 _records: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Record] = weakref.WeakKeyDictionary()
 
 
-def enabled() -> bool:
-    return _env.flag("FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP", True)
+def _handler(optimizer: torch.optim.Optimizer) -> StepHandler | None:
+    """The sharded update for ``optimizer``'s exact class, if there is one."""
+    cls = type(optimizer)
+    if cls in _ELEMENTWISE:
+        return _elementwise_step
+    if cls is getattr(torch.optim, "Muon", None):
+        from .whole_matrix._muon import muon_step
+
+        return muon_step
+    if cls is getattr(torch.optim, "Adafactor", None):
+        from .whole_matrix._adafactor import adafactor_step
+
+        return adafactor_step
+    return None
 
 
-def register_step_handler(
-    cls: type[torch.optim.Optimizer], handler: StepHandler, *, optional: bool = False
-) -> None:
-    """Runs ``handler`` for optimizers whose class is exactly ``cls`` (see
-    [Note: sharded steps run inside step hooks]). Extensions call this at import;
-    ``optional`` marks a pure speed-up that ``FSDP_COMPOSE_LOCAL_OPTIMIZER_STEP=0``
-    turns off (a handler needed for a correct result is never turned off)."""
-    _handlers[cls] = _Registration(handler, optional)
+def enable_sharded_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Runs ``optimizer.step()`` on the local shards of fsdp_compose's parameters
+    instead of through DTensor dispatch.
 
+    torch's elementwise optimizers (SGD, Adam, AdamW, ...) update the local
+    tensors directly, bit-identical to the DTensor path and several times faster
+    on small parameters; ``torch.optim.Muon`` and ``torch.optim.Adafactor`` update
+    each whole matrix on one owner rank (``fsdp_compose.whole_matrix``), equal
+    to their single-device update. Off by default, as in FSDP2. Only the
+    optimizer's exact class qualifies (a subclass may add non-elementwise logic)
+    and only while every DTensor it holds is a parameter sharded by fsdp_compose;
+    otherwise the step keeps the DTensor path. See [Note: local optimizer steps].
 
-def _registration(optimizer: torch.optim.Optimizer) -> _Registration | None:
-    reg = _handlers.get(type(optimizer))
-    if reg is None or (reg.optional and not enabled()):
-        return None
-    return reg
+    Args:
+        optimizer (torch.optim.Optimizer): built from the sharded model's parameters.
 
-
-def accelerate(optimizer: torch.optim.Optimizer) -> None:
-    """Makes ``optimizer.step()`` run the sharded update registered for its class,
-    this step included (see [Note: sharded steps run inside step hooks]).
-
-    Called from fsdp_compose's global step pre-hook, which runs before any
-    per-optimizer hook, at every step: it keeps this module's pre-hook the last
-    and its post-hook the first of the optimizer's hooks. Only an optimizer that
-    holds parameters sharded by fsdp_compose is touched: any other optimizer in
-    the process keeps torch's step and gets no hook."""
-    if _registration(optimizer) is None or not _manages(optimizer):
-        return
-    record = _records.get(optimizer)
-    if record is None:
+    Returns:
+        The same optimizer.
+    """
+    if _handler(optimizer) is None:
+        raise ValueError(
+            f"enable_sharded_step: {type(optimizer).__name__} has no sharded step; supported "
+            f"are {', '.join(c.__name__ for c in _ELEMENTWISE)}, Muon and Adafactor "
+            "(exactly these classes, not subclasses)."
+        )
+    if not any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            f"enable_sharded_step: this {type(optimizer).__name__} holds no parameter sharded by "
+            "fsdp_compose; build it from model.parameters() after fully_shard."
+        )
+    if optimizer not in _records:
         pre = optimizer.register_step_pre_hook(_sharded_step_hook)
         post = optimizer.register_step_post_hook(_give_grads_back_hook)
-        record = _records[optimizer] = _Record(pre.id, post.id)
-        _accelerated.add(optimizer)
-    _give_grads_back(record)  # a step that raised after the pre-hook never reached the post-hook
-    _move(optimizer, "_optimizer_step_pre_hooks", record.pre_id, last=True)
-    _move(optimizer, "_optimizer_step_post_hooks", record.post_id, last=False)
+        _move(optimizer, "_optimizer_step_post_hooks", post.id, last=False)
+        _records[optimizer] = _Record(pre.id, post.id)
+    return optimizer
 
 
 # Per optimizer: (parameter count when looked at, holds a parameter of ours).
@@ -170,10 +173,10 @@ def _move(optimizer: torch.optim.Optimizer, attr: str, key: int, *, last: bool) 
 def _sharded_step_hook(
     optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    reg = _registration(optimizer)
-    record = _records.get(optimizer)
-    if reg is None or record is None or torch.compiler.is_compiling():
+    handler, record = _handler(optimizer), _records.get(optimizer)
+    if handler is None or record is None or torch.compiler.is_compiling():
         return None
+    _give_grads_back(record)  # a step that raised after this hook never reached the post-hook
     replaced = None
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if closure is not None:
@@ -182,7 +185,7 @@ def _sharded_step_hook(
             loss = closure()
         args = args[:1] if len(args) > 1 else args
         replaced = (args, {**kwargs, "closure": lambda: loss})
-    updated = reg.handler(optimizer)
+    updated = handler(optimizer)
     for p in updated:
         if p.grad is not None:
             record.hidden.append((p, p.grad))
@@ -219,10 +222,6 @@ def _elementwise_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     finally:
         swap.restore()
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-for _cls in _ELEMENTWISE:
-    register_step_handler(_cls, _elementwise_step, optional=True)
 
 
 def _eligible(optimizer: torch.optim.Optimizer) -> bool:

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _collectives, _compat, _flat_buffer
-from ._collectives import PendingCollective, ReduceScatterComm
+from . import _collectives, _compat
+from ._collectives import PendingCollective, ReduceScatter
+from ._events import Events
 from ._mesh import MeshInfo
 from ._sharded_param import ShardedParam
 
@@ -28,15 +29,14 @@ class GradientReduction:
     reduce_dtype: torch.dtype | None
     gradient_divide_factor: float | None
     reduce_scatter_unused_params: bool
-    custom_reduce_scatter: ReduceScatterComm | None
+    reduce_scatter_comm: ReduceScatter
+    reduce_scatter_group: dist.ProcessGroup | None
     all_reduce_hook: Callable[[torch.Tensor], None] | None
     force_sum_reduction: bool
     pin_memory: bool
     _alias: bool
-    _reduce_scatter: _collectives.DefaultComm
-    _reduce_scatter_group: dist.ProcessGroup | None
     _partial_reduce: dict[ShardedParam, torch.Tensor]
-    step_context: _collectives.StepContext
+    events: Events
 
     @property
     def trainable_params(self) -> list[ShardedParam]:
@@ -55,6 +55,14 @@ class GradientReduction:
                 p.accumulated_grad = grad.to(self.reduce_dtype)
             else:
                 p.accumulated_grad.add_(grad)
+
+    def discard_unsharded_grads(self) -> None:
+        """Drops the gradients of a failed step that were not reduced yet."""
+        for p in self.params:
+            p.accumulated_grad = None
+            if p.unsharded_param is not None:
+                p.unsharded_param.grad = None
+        self._partial_reduce.clear()
 
     def has_unsharded_grads(self) -> bool:
         return any(
@@ -121,11 +129,10 @@ class GradientReduction:
         )
         sizes = [p.chunk_numel for p in params]
         row = sum(sizes)
-        comm: ReduceScatterComm | _collectives.DefaultComm = self._reduce_scatter
-        if self.custom_reduce_scatter is not None and world > 1:
-            comm = self.custom_reduce_scatter  # like FSDP2: both buffers come from the comm
-        packed = _flat_buffer.comm_buffer(
-            comm, world * row, reduce_dtype, info.device, self.name, "reduce_scatter"
+        comm = self.reduce_scatter_comm  # as in FSDP2, both buffers come from the comm
+        device, name = info.device, self.name
+        packed = _collectives.allocate(
+            comm, world * row, reduce_dtype, device, name, "reduce_scatter"
         )
         # Gradients from autograd do not require grad: no no_grad context needed.
         chunks = [g if p.shard_dim == 0 else p.rank_chunks(g, world) for p, g in zip(params, grads)]
@@ -138,20 +145,9 @@ class GradientReduction:
         if world == 1:
             output, rs = packed, None
         else:
-            # No gradients yet, no cast, no host copy: the output becomes them (lasts).
-            fresh = all(
-                p.sharded_param.grad is None
-                and p.orig_dtype == reduce_dtype
-                and p.offload_device is None
-                for p in params
-            )
-            output = _flat_buffer.comm_buffer(
-                comm, row, reduce_dtype, info.device, self.name, "reduce_scatter", not fresh
-            )
-            group = self._reduce_scatter_group or self.mesh_info.shard_group
-            rs = _collectives.reduce_scatter(
-                output, packed, group, self.name, comm=comm, step=self.step_context.step
-            )
+            output = _collectives.allocate(comm, row, reduce_dtype, device, name, "reduce_scatter")
+            group = self.reduce_scatter_group or self.mesh_info.shard_group
+            rs = _collectives.reduce_scatter(comm, output, packed, group, self.name, self.events)
         replicate_group = info.replicate_group if all_reduce else None
         return PendingReduction(self, params, sizes, output, rs, replicate_group, post)
 
@@ -192,10 +188,7 @@ class PendingReduction:
             self.unit.partial_reduce(self._params, self._sizes, self._output, keep=False)
         if self._replicate_group is not None:
             self._all_reduce = _collectives.all_reduce(
-                self._output,
-                self._replicate_group,
-                self.unit.name,
-                step=self.unit.step_context.step,
+                self._output, self._replicate_group, self.unit.name, self.unit.events
             )
 
     def finish(self) -> None:
@@ -238,6 +231,15 @@ class PendingReduction:
                     # after backward returns: block until the copies have landed.
                     device = self.unit.mesh_info.device
                     getattr(torch, device.type).current_stream(device).synchronize()
+        self._release()
+
+    def discard(self) -> None:
+        """Drops this reduction (``reset_iter_state``), after waiting for the
+        collectives still in flight (their buffers must outlive them)."""
+        for pending in (self._reduce_scatter, self._all_reduce):
+            if pending is not None:
+                pending.wait()
+        self._reduce_scatter = self._all_reduce = None
         self._release()
 
     def _release(self) -> None:

@@ -25,44 +25,17 @@ rank running the same model: all ranks issue the same collectives in order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Protocol
+import logging
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from . import _collectives, _unit
-from ._unit import PendingReduction, Phase, ShardState, Unit
+from ._events import Events
+from ._reduce import PendingReduction
+from ._shared import SharedUses
+from ._unit import Phase, ShardState, Unit
 
-
-class ScheduleObserver(Protocol):
-    """Told what every scheduler does (the timeline, :mod:`fsdp_compose.trace`)."""
-
-    def set_step(self, step: int) -> None: ...
-    def begin_span(self, kind: str, unit: str) -> None: ...
-    def end_span(self, kind: str, unit: str) -> None: ...
-    def instant(self, name: str, unit: str) -> None: ...
-    def memory_event(self, kind: str, unit: str, nbytes: int, total: int) -> None: ...
-
-
-class SharedUseCounter(Protocol):
-    """Counts the uses of units whose parameters other units share, to free and reduce
-    them after their last use (the extension ``_shared``: [Note: shared parameters])."""
-
-    def __contains__(self, unit: object) -> bool: ...
-    def forward_use_begin(self, unit: Unit) -> None: ...
-    def forward_use_end(self, unit: Unit, *, needs_backward: bool) -> bool: ...
-    def end_forward_pass(self, *, record: bool) -> list[Unit]: ...
-    def backward_use_end(self, unit: Unit) -> bool: ...
-    def end_backward_pass(self) -> None: ...
-    def reset(self) -> None: ...
-    def borrow_forward(self, units: list[Unit]) -> None: ...
-    def return_forward(self, units: list[Unit]) -> None: ...
-    def borrow_backward(self, units: list[Unit]) -> None: ...
-    def return_backward(self, units: list[Unit]) -> None: ...
-
-
-#: Told what every scheduler does; read on the hot path: ``None`` costs one check.
-observer: ScheduleObserver | None = None
+logger = logging.getLogger("fsdp_compose")
 
 
 @dataclass
@@ -76,11 +49,16 @@ class ScheduleSettings:
     # Reduce-scatters whose full-size buffers may be in flight at once (1: one unit's).
     max_inflight_reductions: int = 1
     is_last_backward: bool = True  # whether the next backward completes every reduction
+    # The tree's observers and step count ([Note: runtime events]).
+    events: Events = field(default_factory=Events)
 
     def adopt(self, other: ScheduleSettings) -> None:
         """Takes over what was set on ``other`` (a subtree annotated earlier)."""
         default = ScheduleSettings()
         for f in fields(self):
+            if f.name == "events":
+                self.events.adopt(other.events)
+                continue
             value = getattr(other, f.name)
             if value != getattr(default, f.name):
                 setattr(self, f.name, value)
@@ -109,13 +87,13 @@ class RateLimiter:
             nbytes = unit.unsharded_nbytes
             self._holding[unit] = nbytes
             self.holding_bytes += nbytes
-            if observer is not None:
-                observer.memory_event("alloc", unit.name, nbytes, self.holding_bytes)
+            if self.settings.events.on_memory:
+                self.settings.events.memory("alloc", unit, nbytes, self.holding_bytes)
         elif not holds and counted is not None:
             del self._holding[unit]
             self.holding_bytes -= counted
-            if observer is not None:
-                observer.memory_event("free", unit.name, counted, self.holding_bytes)
+            if self.settings.events.on_memory:
+                self.settings.events.memory("free", unit, counted, self.holding_bytes)
 
     def issue(self, unit: Unit) -> None:
         if not unit.holds_unsharded:
@@ -128,11 +106,9 @@ class RateLimiter:
         if not self._fits(unit):
             if unit not in self.deferred:
                 self.deferred.append(unit)
-                if observer is not None:
-                    observer.instant("prefetch_deferred", unit.name)
+                self.settings.events.unit("prefetch_deferred", unit)
             return
-        if observer is not None:
-            observer.instant("prefetch", unit.name)
+        self.settings.events.unit("prefetch", unit)
         self.issue(unit)
 
     def require(self, unit: Unit) -> None:
@@ -163,9 +139,9 @@ class Scheduler:
     def __init__(self, units: list[Unit], settings: ScheduleSettings | None = None) -> None:
         self.units = units
         self.settings = settings if settings is not None else ScheduleSettings()
-        self.step_context = _collectives.StepContext()  # shared with its units
+        self.events = self.settings.events  # shared with its units
         for unit in units:
-            unit.step_context = self.step_context
+            unit.events = self.events
         self.forward_active = False
         self.backward_active = False
 
@@ -179,15 +155,15 @@ class Scheduler:
         self._backward_cursor = 0
         self._reductions: list[PendingReduction] = []  # not yet handed to .grad
         self._scattering: list[PendingReduction] = []  # reduce-scatter not yet waited
-        # Set when units of this tree share parameters (see SharedUseCounter).
-        self.shared: SharedUseCounter | None = None
+        # Set when units of this tree share parameters ([Note: shared parameters]).
+        self.shared: SharedUses | None = None
         # Every later state change of a unit goes through this scheduler's limiter.
         self.memory = RateLimiter(units, self.settings)
 
     @property
     def step(self) -> int:
         """Forward passes begun so far (the current training step)."""
-        return self.step_context.step
+        return self.events.step
 
     def prefetch(self, units: list[Unit]) -> None:
         """Explicit prefetch from a module that manages no parameters itself."""
@@ -206,9 +182,7 @@ class Scheduler:
             )
         self._complete_reductions()
         self.forward_active = True
-        self.step_context.step += 1
-        if observer is not None:
-            observer.set_step(self.step)
+        self.events.begin_step()
         if self._forward_order:
             self._prev_forward_order = self._forward_order
         self._forward_order = []
@@ -230,8 +204,6 @@ class Scheduler:
             # Adopt parameters replaced since the last step (load_state_dict(assign=True))
             # before the checks see them.
             unit.lazy_init()
-            if _unit.unit_checks is not None:
-                _unit.unit_checks.forward(unit)
             if self.shared is not None:
                 self.shared.forward_use_begin(unit)
             self.memory.issue(unit)
@@ -241,8 +213,7 @@ class Scheduler:
                     self.memory.prefetch(target)
         for unit in units:
             self.memory.require(unit)
-            if observer is not None:
-                observer.begin_span("forward", unit.name)
+            self.events.unit("forward_begin", unit)
 
     def _forward_prefetch_targets(self, unit: Unit) -> list[Unit]:
         if unit.forward_prefetch is not None:  # explicit, [] included
@@ -259,13 +230,29 @@ class Scheduler:
         return []
 
     def post_forward(self, unit: Unit) -> None:
-        if observer is not None:
-            observer.end_span("forward", unit.name)
+        self.events.unit("forward_end", unit)
         self._post_forward_order.append(unit)
         shared = self.shared
         if shared is None or shared.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
             self._reshard_after_forward(unit)
         unit.phase = Phase.IDLE
+
+    def borrow_forward(self, units: list[Unit]) -> None:
+        """A module sharing the parameters of ``units`` (their owner units) starts
+        its forward: they must be unsharded."""
+        assert self.shared is not None
+        for unit in units:
+            self._forward_order.append(unit)
+            self.shared.forward_use_begin(unit)
+            self.memory.require(unit)
+
+    def return_forward(self, units: list[Unit]) -> None:
+        """The forward that :meth:`borrow_forward` began is done."""
+        assert self.shared is not None
+        for unit in units:
+            self._post_forward_order.append(unit)
+            if self.shared.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
+                self._reshard_after_forward(unit)
 
     def _reshard_after_forward(self, unit: Unit) -> None:
         if unit.reshard_after_forward is not False:
@@ -303,8 +290,6 @@ class Scheduler:
         self._note_backward()
         for unit in units:
             unit.phase = Phase.PRE_BACKWARD
-            if _unit.unit_checks is not None:
-                _unit.unit_checks.backward(unit)
         gather = [u for u in units if u.unshard_in_backward]
         for unit in gather:
             self.memory.issue(unit)
@@ -316,9 +301,23 @@ class Scheduler:
                     self.memory.prefetch(target)
         for unit in gather:
             self.memory.require(unit)
-        if observer is not None:
-            for unit in units:
-                observer.begin_span("backward", unit.name)
+        for unit in units:
+            self.events.unit("backward_begin", unit)
+
+    def borrow_backward(self, units: list[Unit]) -> None:
+        """The backward of a module sharing the parameters of ``units`` is about to
+        run: they must be unsharded, whatever their ``unshard_in_backward``."""
+        self._note_backward()
+        for unit in units:
+            self.memory.require(unit)
+
+    def return_backward(self, units: list[Unit]) -> None:
+        """The backward that :meth:`borrow_backward` began is done: reduce the owner
+        units whose last use this was."""
+        assert self.shared is not None
+        for unit in units:
+            if self.shared.backward_use_end(unit):
+                self._post_backward(unit, at_end=False)
 
     def _note_backward(self) -> None:
         if not self.backward_active:
@@ -363,8 +362,8 @@ class Scheduler:
         # its parameters and gradients (see [Note: shared parameters]).
 
     def _post_backward(self, unit: Unit, *, at_end: bool, drain: bool = True) -> None:
-        if unit.phase is Phase.PRE_BACKWARD and observer is not None:
-            observer.end_span("backward", unit.name)
+        if unit.phase is Phase.PRE_BACKWARD:
+            self.events.unit("backward_end", unit)
         unit.phase = Phase.POST_BACKWARD
         if not unit.requires_gradient_sync:
             unit.accumulate_unsharded_grads()
@@ -423,3 +422,36 @@ class Scheduler:
         self._scattering = []
         for reduction in reductions:
             reduction.finish()
+
+    def reset(self) -> None:
+        """After an exception inside forward or backward: waits for in-flight
+        collectives (their buffers must outlive them) and drops their results,
+        reshards every unit, discards the failed step's unsharded and partially
+        reduced gradients, and clears the per-iteration state."""
+        failures: list[str] = []
+        for reduction in self._reductions:
+            try:
+                reduction.discard()
+            except RuntimeError as exc:  # a collective of the failed step failed too
+                failures.append(str(exc))
+        self._reductions, self._scattering = [], []
+        for unit in self.units:
+            unit.discard_unsharded_grads()
+            try:
+                self.memory.reshard(unit)
+            except RuntimeError as exc:
+                failures.append(str(exc))
+                unit.abandon_gather()
+                self.memory.reshard(unit)
+            unit.phase = Phase.IDLE
+        if self.shared is not None:
+            self.shared.reset()
+        if failures:
+            logger.warning(
+                "fsdp_compose: reset_iter_state discarded %d collectives that had failed: %s",
+                len(failures),
+                failures[0],
+            )
+        self.memory.deferred.clear()
+        self.forward_active = self.backward_active = False
+        self._forward_order, self._post_forward_order = [], []

@@ -41,6 +41,8 @@ from ._mesh import MeshInfo
 
 SHARDED_BY = "_fsdp_compose_sharded_by"  # marks the sharded DTensor parameters we own
 IGNORED_BY = "_fsdp_compose_ignored_by"  # on ignored_params: plain, reduced by the user
+# On an original parameter that fully_shard replaced, so misuse is caught where it happens.
+REPLACED_BY = "_fsdp_compose_replaced_by"
 
 
 class ShardedParam:

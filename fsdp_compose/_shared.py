@@ -19,10 +19,8 @@ both modules), and its ``reshard_after_forward``, ``reshard_after_backward`` and
 parameter gathers the owner's whole unit, so give a shared parameter its own
 small unit (e.g. annotate the embedding) when the owner holds much else.
 
-This module is an extension: it fills in the core's registration point for
-parameter sharing (``fsdp_compose._hooks.param_sharing``), and
-:class:`SharedUses` counts every use, the owner's own and the
-borrowers':
+:class:`SharedUses` counts every use, the owner's own and the borrowers' (the
+scheduler asks it; the borrowers' hooks report through the scheduler):
 
 * forward: the owner unit stays unsharded from its first use until its last use
   of the pass (known from the number of uses in the previous forward with
@@ -46,19 +44,18 @@ never a lost or double-counted gradient.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
 from torch import nn
 
-from . import _hooks
-from ._fully_shard import register_state_dict_hooks
-from ._hooks import UnitState
 from ._mesh import MeshInfo
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._scheduler import Scheduler
 from ._sharded_param import ShardedParam
+from ._state_dict import register_state_dict_hooks
 from ._unit import Unit
+
+if TYPE_CHECKING:
+    from ._hooks import UnitState
 
 __all__ = ["SharedLink", "SharedUses", "collect_borrowed", "link_shared", "shared_link"]
 
@@ -185,13 +182,9 @@ class SharedUses:
     last use; the core's :class:`~fsdp_compose._scheduler.SharedUseCounter`.
 
     Units nobody borrows are not counted: every method answers "now" for them.
-
-    Args:
-        scheduler: the scheduler of the root whose tree borrows.
     """
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self) -> None:
         self.borrowers: dict[Unit, list[str]] = {}  # owner unit -> borrowing modules
         self._open: dict[Unit, int] = {}  # forward uses begun and not ended
         self._done: dict[Unit, int] = {}  # forward uses ended in this pass
@@ -250,83 +243,44 @@ class SharedUses:
         self._done.clear()
         self._backward_pending.clear()
 
-    # -- what a borrowing state's hooks report -----------------------------
 
-    def borrow_forward(self, units: list[Unit]) -> None:
-        """A module sharing the parameters of ``units`` (their owner units) starts
-        its forward: they must be unsharded."""
-        scheduler = self.scheduler
-        for unit in units:
-            scheduler._forward_order.append(unit)
-            self.forward_use_begin(unit)
-            scheduler.memory.require(unit)
-
-    def return_forward(self, units: list[Unit]) -> None:
-        """The forward that :meth:`borrow_forward` began is done."""
-        scheduler = self.scheduler
-        for unit in units:
-            scheduler._post_forward_order.append(unit)
-            if self.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
-                scheduler._reshard_after_forward(unit)
-
-    def borrow_backward(self, units: list[Unit]) -> None:
-        """The backward of a module sharing the parameters of ``units`` is about to
-        run: they must be unsharded, whatever their ``unshard_in_backward``."""
-        self.scheduler._note_backward()
-        for unit in units:
-            self.scheduler.memory.require(unit)
-
-    def return_backward(self, units: list[Unit]) -> None:
-        """The backward that :meth:`borrow_backward` began is done: reduce the owner
-        units whose last use this was."""
-        for unit in units:
-            if self.backward_use_end(unit):
-                self.scheduler._post_backward(unit, at_end=False)
+def is_borrowed(param: nn.Parameter, module: nn.Module, name: str) -> bool:
+    """Whether ``module.name`` is a parameter an earlier unit already sharded."""
+    return shared_link(param, module, name) is not None
 
 
-class _ParamSharing:
-    """Fills in the core's registration point for parameter sharing
-    (:class:`fsdp_compose._hooks.ParamSharing`)."""
-
-    def is_borrowed(self, param: nn.Parameter, module: nn.Module, name: str) -> bool:
-        return shared_link(param, module, name) is not None
-
-    collect = staticmethod(collect_borrowed)
-
-    def install(
-        self,
-        state: UnitState,
-        replaced: Iterable[tuple[nn.Parameter, ShardedParam, Unit]],
-        borrowed: dict[SharedLink, list[tuple[nn.Module, str]]],
-    ) -> None:
-        for original, param, unit in replaced:
-            link_shared(original, param, unit, state)
-        borrow(state, borrowed)
-        for link, pairs in borrowed.items():
-            register_state_dict_hooks(link.unit, link.state, [(m, n, link.param) for m, n in pairs])
-
-    def attach(self, scheduler: Scheduler, states: list[UnitState], root: nn.Module) -> None:
-        """Tells ``scheduler`` which units other states borrow; an owner outside
-        this root's tree could never be coordinated: raise."""
-        borrowing = [state for state in states if state.borrowed]
-        if not borrowing:
-            return
-        uses = SharedUses(scheduler)
-        names = {id(m): name for name, m in root.named_modules()}
-        for state in borrowing:
-            for unit in state.borrowed:
-                borrower = ", ".join(names.get(id(m)) or type(m).__name__ for m in state.modules)
-                if unit not in scheduler.units:
-                    raise RuntimeError(
-                        f"fully_shard module {borrower!r} shares a parameter with unit "
-                        f"{unit.name!r}, which is not under the root {type(root).__name__} that "
-                        "ran forward. Modules that share a parameter must belong to one "
-                        "fully_shard tree: call fully_shard on their common parent and run "
-                        "forward through it."
-                    )
-                uses.borrowers.setdefault(unit, []).append(borrower)
-            state.shared = uses
-        scheduler.shared = uses
+def install(
+    state: UnitState,
+    replaced: Iterable[tuple[nn.Parameter, ShardedParam, Unit]],
+    borrowed: dict[SharedLink, list[tuple[nn.Module, str]]],
+) -> None:
+    """Links ``state``'s newly sharded parameters for later borrowers, and
+    registers the parameters it borrows under its modules."""
+    for original, param, unit in replaced:
+        link_shared(original, param, unit, state)
+    borrow(state, borrowed)
+    for link, pairs in borrowed.items():
+        register_state_dict_hooks(link.unit, link.state, [(m, n, link.param) for m, n in pairs])
 
 
-_hooks.param_sharing = _ParamSharing()
+def count_uses(units: list[Unit], states: list[UnitState], root: nn.Module) -> SharedUses | None:
+    """The use counter of the units that ``states`` borrow (None if none does); an
+    owner outside this root's tree (``units``) could never be coordinated: raise."""
+    borrowing = [state for state in states if state.borrowed]
+    if not borrowing:
+        return None
+    uses = SharedUses()
+    names = {id(m): name for name, m in root.named_modules()}
+    for state in borrowing:
+        for unit in state.borrowed:
+            borrower = ", ".join(names.get(id(m)) or type(m).__name__ for m in state.modules)
+            if unit not in units:
+                raise RuntimeError(
+                    f"fully_shard module {borrower!r} shares a parameter with unit "
+                    f"{unit.name!r}, which is not under the root {type(root).__name__} that "
+                    "ran forward. Modules that share a parameter must belong to one "
+                    "fully_shard tree: call fully_shard on their common parent and run "
+                    "forward through it."
+                )
+            uses.borrowers.setdefault(unit, []).append(borrower)
+    return uses

@@ -11,14 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import Enum
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives, _flat_buffer
-from ._collectives import AllGatherComm, DefaultComm, PendingCollective, ReduceScatterComm
+from . import _collectives
+from ._collectives import (
+    AllGather,
+    DefaultAllGather,
+    DefaultReduceScatter,
+    PendingCollective,
+    ReduceScatter,
+)
+from ._events import Events
 from ._flat_buffer import FlatBuffer
 from ._mesh import MeshInfo, post_forward_subgroup
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -43,21 +49,6 @@ class Phase(Enum):
     FORWARD = "forward"
     PRE_BACKWARD = "pre_backward"
     POST_BACKWARD = "post_backward"
-
-
-class UnitChecks(Protocol):
-    """Checks of a unit's use beyond FSDP2's (``_validation``, as :data:`unit_checks`):
-    at lazy init, after a gather, before a reshard, at its forward and backward."""
-
-    def initializing(self, unit: Unit) -> None: ...
-    def gathered(self, unit: Unit) -> None: ...
-    def resharding(self, unit: Unit) -> None: ...
-    def forward(self, unit: Unit) -> None: ...
-    def backward(self, unit: Unit) -> None: ...
-
-
-#: Attached to every unit; read on the hot path: ``None`` costs one check.
-unit_checks: UnitChecks | None = None
 
 
 class Unit(FlatBuffer, GradientReduction):
@@ -93,21 +84,18 @@ class Unit(FlatBuffer, GradientReduction):
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.force_sum_reduction = False  # set_force_sum_reduction_for_comms
         self.unshard_in_backward = True
-        self._reduce_scatter_group: dist.ProcessGroup | None = None
-        # The default collectives on each group, decided at lazy init.
-        self._all_gather = self._post_forward_all_gather = self._reduce_scatter = DefaultComm(
-            _collectives.PUBLIC_ROUTE
-        )
-        # set_custom_all_gather / set_custom_reduce_scatter: replace the defaults.
-        self.custom_all_gather: AllGatherComm | None = None
-        self.custom_reduce_scatter: ReduceScatterComm | None = None
+        self.reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
+        # This unit's Comm objects ([Note: Comm objects]); set_custom_all_gather /
+        # set_custom_reduce_scatter replace them.
+        self.all_gather_comm: AllGather = DefaultAllGather()
+        self.reduce_scatter_comm: ReduceScatter = DefaultReduceScatter()
         # Explicit prefetch targets (set_modules_to_*_prefetch); None: implicit order.
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
         self.state = ShardState.SHARDED
         self.phase = Phase.IDLE
-        # The step of the root driving this unit, named by its collectives.
-        self.step_context = _collectives.StepContext()
+        # The root's event list (and step count), shared by its tree's units.
+        self.events = Events()
         self._post_forward_group: dist.ProcessGroup | None = None
         self._post_forward_rank = 0
         self._post_forward_size = 1
@@ -143,8 +131,6 @@ class Unit(FlatBuffer, GradientReduction):
             subgroup = post_forward_subgroup(self.mesh_info, value)
             self._post_forward_group, self._post_forward_rank = subgroup
             self._post_forward_size = value
-            if self._initialized:
-                self._decide_comms()
             if any(p.shard_dim != 0 for p in self.params):
                 raise ValueError(
                     "reshard_after_forward as an int needs every parameter sharded on dim 0; "
@@ -158,21 +144,6 @@ class Unit(FlatBuffer, GradientReduction):
         known once the unit is initialized (:meth:`lazy_init`)."""
         assert self._initialized, f"unit {self.name!r}: unsharded_nbytes before lazy_init"
         return 0 if self._alias else self._world * self._row * self._buffer_dtype.itemsize
-
-    def set_reduce_scatter_group(self, group: dist.ProcessGroup | None) -> None:
-        """Reduce-scatters gradients on ``group`` (``None``: the shard group)."""
-        self._reduce_scatter_group = group
-        if self._initialized:
-            self._decide_comms()
-
-    def _decide_comms(self) -> None:
-        """The default collectives of each group this unit communicates on; a
-        custom comm, where set, replaces them."""
-        route_of = _collectives.route_of
-        self._all_gather = DefaultComm(route_of(self.shard_group), self._gather_in_place)
-        if self._post_forward_group is not None:
-            self._post_forward_all_gather = DefaultComm(route_of(self._post_forward_group))
-        self._reduce_scatter = DefaultComm(route_of(self._reduce_scatter_group or self.shard_group))
 
     # -- lazy initialisation: dtypes and buffer layout -------------------
 
@@ -196,11 +167,9 @@ class Unit(FlatBuffer, GradientReduction):
         with torch.inference_mode(False):
             for p in self.params:
                 p.resync_sharded_param()
-            if unit_checks is not None:
-                unit_checks.initializing(self)
+            self.events.unit("lazy_init", self)
             self._init_dtypes()
             self._init_layout()
-            self._decide_comms()
         self._initialized = True
 
     def _init_dtypes(self) -> None:
@@ -241,44 +210,30 @@ class Unit(FlatBuffer, GradientReduction):
             return
         self.lazy_init()
         if self._alias:
-            self._pending_gather = _DONE
+            self._pending_gather = _collectives.DONE
             return
         # Partially sharded: gather this rank's post-forward share in its group.
         shard = self._post_forward_shard if self.state is ShardState.PARTIALLY_SHARDED else None
-        comm: AllGatherComm | DefaultComm
         if shard is not None:
-            world, rank, comm = (
-                self._post_forward_size,
-                self._post_forward_rank,
-                self._post_forward_all_gather,
-            )
+            world, rank = self._post_forward_size, self._post_forward_rank
             group, row, dtype = self._post_forward_group, shard.numel(), shard.dtype
         else:
-            world, rank, comm = self._world, self.mesh_info.shard_rank, self._all_gather
+            world, rank = self._world, self.mesh_info.shard_rank
             group, row, dtype = self.shard_group, self._row, self._buffer_dtype
         assert group is not None
-        if self.custom_all_gather is not None and self._world > 1:
-            comm = self.custom_all_gather
-        device = self.mesh_info.device
-        out = _flat_buffer.comm_buffer(comm, world * row, dtype, device, self.name, "all_gather")
-        # Like FSDP2, a custom all-gather takes this rank's row of its output as
-        # input; so do the default one on NCCL and gloo's exchanges. gloo's own
-        # all-gather is slower in place (6.3 ms vs 4.5 ms for 7 MiB at W=2): a copy.
-        if getattr(comm, "in_place", True):
-            send = out.view(world, row)[rank]
-        else:
-            send = shard if shard is not None else _flat_buffer.empty(row, dtype, device)
+        comm, device = self.all_gather_comm, self.mesh_info.device
+        out = _collectives.allocate(comm, world * row, dtype, device, self.name, "all_gather")
+        # As in FSDP2, the input is this rank's row of the output.
+        send = out.view(world, row)[rank]
         if shard is None:
             self._copy_in(send)
-        elif send is not shard:
+        else:
             send.copy_(shard)
         self._gather_output, self._gather_world = out, world
         self._pending_gather = (
-            _DONE
+            _collectives.DONE
             if world == 1
-            else _collectives.all_gather(
-                out, send, group, self.name, comm=comm, step=self.step_context.step
-            )
+            else _collectives.all_gather(comm, out, send, group, self.name, self.events)
         )
 
     def wait_unshard(self) -> None:
@@ -293,8 +248,7 @@ class Unit(FlatBuffer, GradientReduction):
         self._pending_gather = None
         if not self._alias:
             self._copy_out()
-            if unit_checks is not None:
-                unit_checks.gathered(self)
+            self.events.unit("gathered", self)
         self._post_forward_shard = None
         self._register_unsharded()
         self.state = ShardState.UNSHARDED
@@ -338,8 +292,7 @@ class Unit(FlatBuffer, GradientReduction):
                 self._post_forward_shard = None
                 self.state = ShardState.SHARDED
             return
-        if unit_checks is not None:
-            unit_checks.resharding(self)
+        self.events.unit("resharding", self)
         keep_share = to_post_forward_group and self._post_forward_group is not None
         if keep_share:
             self._post_forward_shard = self._pack_post_forward_shard()
@@ -354,7 +307,3 @@ class Unit(FlatBuffer, GradientReduction):
         nothing to wait for any more, only state to clear."""
         self._pending_gather = None
         self._gather_output = None
-
-
-# Complete when issued (one-rank groups): waiting on it does nothing.
-_DONE = PendingCollective(None)

@@ -1,4 +1,4 @@
-"""Checks of ``fully_shard``'s arguments beyond FSDP2's, each naming the fix.
+"""Checks of ``fully_shard``'s arguments and of a unit's use, beyond FSDP2's.
 
 torch's FSDP2 accepts these calls and fails later (or trains silently wrong);
 fsdp_compose refuses them before anything is modified (see [Note: atomic
@@ -10,35 +10,39 @@ fully_shard] in ``_fully_shard.py``):
   or a module already sharded by torch's own ``fully_shard``;
 * a mesh on the meta device, or a named 2-D mesh that is not laid out
   ``(replicate, shard)`` (e.g. a whole ``dp x tp`` mesh passed as an HSDP mesh);
-* ``ignored_params`` that are not parameters of the module;
 * a submodule under two sibling units (a module shared by two units);
 * parameters on different devices (e.g. a module partly on the meta device).
 
-and, at run time, a custom comm's ``allocate`` returning a buffer other than the
-one asked for, a unit whose parameters are on the meta or another device at
-its first use, parameters modified in place while unsharded (the change would be
-lost), and a backward through parameters modified after its forward.
-
-This module is an extension: it registers with
-``fsdp_compose._fully_shard.shard_checks``, ``fsdp_compose._unit.unit_checks`` and
-``fsdp_compose._collectives.check_custom_buffer``.
+At the root's lazy init, ranks that built different models are refused on every
+rank (:func:`check_same_structure`, through the job's store: no collective). At
+run time, :class:`UseChecks` (an observer every root subscribes) refuses a unit
+whose parameters are on the meta or another device at its first use, warns about
+parameters modified in place while unsharded (the change would be lost), and
+refuses a backward through parameters modified after its forward.
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import warnings
 import weakref
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives, _fully_shard, _hooks, _unit
+from . import _compat
+from ._events import Observer, UnitEvent
 from ._mesh import MeshInfo
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._sharded_param import SHARDED_BY
 from ._unit import Unit
 
-__all__: list[str] = []
+__all__ = ["USE_CHECKS", "UseChecks", "check_call", "check_same_structure"]
 
 # The targets of the fully_shard call that sharded each module's parameters
 # (recorded while they were not sharded yet), weakly: names the sibling unit.
@@ -104,31 +108,26 @@ def _check_mesh(mesh_info: MeshInfo) -> None:
         )
 
 
-def _check_ignored(ignored: set[nn.Parameter], modules: tuple[nn.Module, ...]) -> None:
+def _check_ignored(ignored: set[nn.Parameter]) -> None:
+    # As in FSDP2, parameters outside the module are simply not this call's: one
+    # set for the whole model may be passed to every call.
     for p in ignored:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"ignored_params must contain parameters, got {type(p).__name__}")
-    if not ignored:
-        return
-    # Originals of parameters that a nested unit already replaced count as the module's.
-    known = {p for m in modules for p in m.parameters()}
-    for p in ignored:
-        if p not in known and getattr(p, _fully_shard.REPLACED_BY, None) is None:
-            raise ValueError(
-                f"ignored_params contains a parameter of shape {tuple(p.shape)} ({p.dtype}) that "
-                f"is not a parameter of {_describe(modules)} or its submodules, so ignoring it "
-                "would have no effect. Pass only the parameters of the module being sharded, "
-                "e.g. ignored_params={module.some_layer.weight}."
-            )
+
+
+IsBorrowed = Callable[[nn.Parameter, nn.Module, str], bool]
 
 
 def _check_siblings(
-    targets: tuple[nn.Module, ...], managed: list[nn.Module], ignored: set[nn.Parameter]
+    targets: tuple[nn.Module, ...],
+    managed: list[nn.Module],
+    ignored: set[nn.Parameter],
+    is_borrowed: IsBorrowed,
 ) -> None:
     """Raises if a managed module belongs to an earlier unit that is not an
     ancestor of ``targets``: the calls were bottom-up, but the same submodule
     hangs under two sibling units. Records the modules this call will shard."""
-    sharing = _hooks.param_sharing
     for module in managed:
         sharded = [
             (name, p)
@@ -136,7 +135,7 @@ def _check_siblings(
             if p is not None
             and p not in ignored
             and getattr(p, SHARDED_BY, None) is not None
-            and not (sharing and sharing.is_borrowed(p, module, name))
+            and not is_borrowed(p, module, name)
         ]
         if not sharded:
             _claimed[module] = tuple(weakref.ref(t) for t in targets)
@@ -155,8 +154,8 @@ def _check_siblings(
         )
 
 
-def _check_devices(managed: list[nn.Module], ignored: set[nn.Parameter]) -> None:
-    owners = _fully_shard._managed_params(managed, ignored)
+def check_devices(owners: dict[nn.Parameter, list[tuple[nn.Module, str]]]) -> None:
+    """Refuses parameters on different devices (e.g. a module partly on meta)."""
     devices = {p.device for p in owners}
     if len(devices) > 1:
         where = {
@@ -187,19 +186,21 @@ def _check_policies(mp_policy: object, offload_policy: object, shard_placement_f
         raise TypeError("shard_placement_fn must be callable (param -> Shard | None)")
 
 
-def _check_call(
+def check_call(
     modules: tuple[nn.Module, ...],
     managed: list[nn.Module],
     ignored: set[nn.Parameter],
     mesh_info: MeshInfo,
     policies: tuple[object, ...],
+    is_borrowed: IsBorrowed,
 ) -> None:
+    """Refuses a ``fully_shard`` call beyond FSDP2's checks, before anything changes
+    (the devices of the parameters are checked with :func:`check_devices`)."""
     _check_policies(*policies)
     _check_modules(modules)
     _check_mesh(mesh_info)
-    _check_ignored(ignored, modules)
-    _check_siblings(modules, managed, ignored)
-    _check_devices(managed, ignored)
+    _check_ignored(ignored)
+    _check_siblings(modules, managed, ignored, is_borrowed)
 
 
 # On a unit (hot path: an attribute, not a weak mapping): the version of its flat
@@ -209,87 +210,162 @@ _GATHERED = "_fsdp_compose_gathered_version"
 _FORWARD = "_fsdp_compose_forward_versions"
 
 
-def _check_custom_buffer(
-    buffer: object, numel: int, dtype: torch.dtype, device: torch.device, what: str
-) -> None:
-    if (
-        isinstance(buffer, torch.Tensor)
-        and buffer.numel() == numel
-        and buffer.dtype == dtype
-        and buffer.device == device
-        and buffer.is_contiguous()
-    ):
+class UseChecks(Observer):
+    """The run-time checks of a unit's use; every tree's event list starts with
+    :data:`USE_CHECKS` (it keeps no state of its own: what it records is on the unit)."""
+
+    def on_unit(self, event: UnitEvent, unit: Unit) -> None:
+        if event == "lazy_init":
+            _check_placement(unit)
+        elif event == "gathered":
+            assert unit._unsharded is not None
+            setattr(unit, _GATHERED, unit._unsharded._version)
+        elif event == "resharding":
+            _check_unchanged_while_unsharded(unit)
+        elif event == "forward_begin":
+            setattr(unit, _FORWARD, [p.data_version() for p in unit.params])
+        elif event == "backward_begin":
+            _check_unchanged_since_forward(unit)
+
+
+USE_CHECKS = UseChecks()
+
+
+def _check_placement(unit: Unit) -> None:
+    on_meta = [p.fqn for p in unit.params if p.sharded_param.is_meta]
+    if on_meta:
+        raise RuntimeError(
+            f"fully_shard unit {unit.name!r} has parameters on the meta device: {on_meta} "
+            "(built there and never materialized, or moved there after fully_shard). "
+            "Materialize them before the first forward, e.g. "
+            "model.to_empty(device=...) and then re-initialize the parameters "
+            "(reset_parameters() / your init function) or load a state dict."
+        )
+    wrong = [
+        (p.fqn, str(p.local_shard.device))
+        for p in unit.params
+        if p.local_shard.device.type != (p.offload_device or unit.mesh_info.device).type
+    ]
+    if wrong:
+        raise RuntimeError(
+            f"fully_shard unit {unit.name!r} expects its sharded parameters on "
+            f"{unit.mesh_info.device} (the mesh's device"
+            f"{', or the CPU when offloaded' if unit.offload else ''}) but found {wrong}. "
+            "Do not move a sharded module to another device after fully_shard; build the "
+            "mesh on the intended device instead."
+        )
+
+
+def _check_unchanged_while_unsharded(unit: Unit) -> None:
+    flat = unit._unsharded
+    if flat is not None and flat._version != getattr(unit, _GATHERED, 0):
+        warnings.warn(
+            f"fsdp_compose: parameters of unit {unit.name!r} were modified in place while "
+            "unsharded (e.g. under torch.no_grad() during forward); resharding discards the "
+            "change. Modify parameters outside forward/backward, where they are the sharded "
+            "DTensors that the optimizer updates.",
+            stacklevel=6,
+        )
+
+
+def _check_unchanged_since_forward(unit: Unit) -> None:
+    versions = getattr(unit, _FORWARD, None)
+    if versions is not None and any(p.data_version() != v for p, v in zip(unit.params, versions)):
+        raise RuntimeError(
+            f"fsdp_compose: backward reached unit {unit.name!r}, but its parameters were "
+            "modified (e.g. by optimizer.step()) after the forward that built this autograd "
+            "graph, so backward would combine new parameters with old activations. Run a new "
+            "forward before each backward, and step the optimizer after all backwards."
+        )
+
+
+# ---------------------------------------------------------------------------
+# the same model on every rank
+# ---------------------------------------------------------------------------
+
+# Per (rank, group): the checks done so far, the same count on every rank that
+# builds the same roots in the same order (the store keys must match). Keyed by
+# rank too: in a threaded process group, every rank is a thread of this process.
+_checks_done: dict[tuple[int, tuple[int, ...]], int] = {}
+_DEFAULT_TIMEOUT_S = 600.0
+
+
+def _unit_description(u: Unit) -> tuple[Any, ...]:
+    """What must be equal across the ranks of a unit's groups (sizes, dtypes and
+    the settings that change its collectives)."""
+    mp = u.mp_policy
+    params = [
+        (p.fqn, tuple(p.orig_size), str(p.orig_dtype), bool(p.sharded_param.requires_grad))
+        for p in u.params
+    ]
+    settings = (str(mp.param_dtype), str(mp.reduce_dtype), str(u.reshard_after_forward), u.offload)
+    return (u.name, params, settings)
+
+
+def check_same_structure(units: list[Unit]) -> None:
+    """Raises on every rank if the ranks of a data-parallel group built different
+    models (which would otherwise hang or exchange mismatched data at the first
+    all-gather). Exchanged through the job's store at the root's lazy init: no
+    collective is issued, so torch's tools count exactly FSDP2's."""
+    if not units or not dist.is_initialized():
         return
-    got = (
-        f"a {'contiguous' if buffer.is_contiguous() else 'non-contiguous'} tensor of "
-        f"{buffer.numel()} {buffer.dtype} elements on {buffer.device}"
-        if isinstance(buffer, torch.Tensor)
-        else type(buffer).__name__
+    groups: dict[tuple[int, ...], list[Unit]] = {}
+    for u in units:
+        for group in (u.mesh_info.shard_group, u.mesh_info.replicate_group):
+            if group is None or group.size() == 1 or _compat.backend_name(group) == "fake":
+                continue
+            ranks = tuple(dist.get_process_group_ranks(group))
+            groups.setdefault(ranks, []).append(u)
+    me = dist.get_rank()
+    for ranks, members in groups.items():
+        description = repr([_unit_description(u) for u in members])
+        done = _checks_done.get((me, ranks), 0)
+        _checks_done[(me, ranks)] = done + 1
+        _compare_through_store(done, ranks, description, members[0].mesh_info.shard_group)
+
+
+def _compare_through_store(
+    root: int, ranks: tuple[int, ...], description: str, group: dist.ProcessGroup
+) -> None:
+    store, me = _compat.default_store(), dist.get_rank()
+    key = f"fsdp_compose/structure/{root}/{hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]}/"
+    timeout = timedelta(seconds=_compat.process_group_timeout(group) or _DEFAULT_TIMEOUT_S)
+    store.set(f"{key}{me}", description)
+    store.wait([f"{key}{ranks[0]}"], timeout)
+    reference = store.get(f"{key}{ranks[0]}").decode()
+    store.add(f"{key}differ", int(reference != description))
+    if store.add(f"{key}arrived", 1) == len(ranks):
+        store.set(f"{key}done", "1")
+    store.wait([f"{key}done"], timeout)
+    if store.add(f"{key}differ", 0) == 0:
+        return
+    # Slow path, on every rank: find the ranks that differ from the first one.
+    others = {r: store.get(f"{key}{r}").decode() for r in ranks}
+    differ = [r for r in ranks if others[r] != reference]
+    detail = _first_difference(eval_description(reference), eval_description(others[differ[0]]))
+    raise RuntimeError(
+        f"fsdp_compose: the ranks of a data-parallel group built different models: ranks "
+        f"{differ} differ from rank {ranks[0]} ({detail}; rank {me} is this one). Every rank "
+        "must build the same model and call fully_shard with the same arguments."
     )
-    raise ValueError(
-        f"{what}: allocate() returned {got}, but {numel} contiguous {dtype} elements "
-        f"on {device} were asked for"
-    )
 
 
-class _UnitChecks:
-    """The run-time checks (:class:`fsdp_compose._unit.UnitChecks`)."""
-
-    def initializing(self, unit: Unit) -> None:
-        on_meta = [p.fqn for p in unit.params if p.sharded_param.is_meta]
-        if on_meta:
-            raise RuntimeError(
-                f"fully_shard unit {unit.name!r} has parameters on the meta device: {on_meta} "
-                "(built there and never materialized, or moved there after fully_shard). "
-                "Materialize them before the first forward, e.g. "
-                "model.to_empty(device=...) and then re-initialize the parameters "
-                "(reset_parameters() / your init function) or load a state dict."
-            )
-        wrong = [
-            (p.fqn, str(p.local_shard.device))
-            for p in unit.params
-            if p.local_shard.device.type != (p.offload_device or unit.mesh_info.device).type
-        ]
-        if wrong:
-            raise RuntimeError(
-                f"fully_shard unit {unit.name!r} expects its sharded parameters on "
-                f"{unit.mesh_info.device} (the mesh's device"
-                f"{', or the CPU when offloaded' if unit.offload else ''}) but found {wrong}. "
-                "Do not move a sharded module to another device after fully_shard; build the "
-                "mesh on the intended device instead."
-            )
-
-    def gathered(self, unit: Unit) -> None:
-        assert unit._unsharded is not None
-        setattr(unit, _GATHERED, unit._unsharded._version)
-
-    def resharding(self, unit: Unit) -> None:
-        flat = unit._unsharded
-        if flat is not None and flat._version != getattr(unit, _GATHERED, 0):
-            warnings.warn(
-                f"fsdp_compose: parameters of unit {unit.name!r} were modified in place while "
-                "unsharded (e.g. under torch.no_grad() during forward); resharding discards the "
-                "change. Modify parameters outside forward/backward, where they are the sharded "
-                "DTensors that the optimizer updates.",
-                stacklevel=4,
-            )
-
-    def forward(self, unit: Unit) -> None:
-        setattr(unit, _FORWARD, [p.data_version() for p in unit.params])
-
-    def backward(self, unit: Unit) -> None:
-        versions = getattr(unit, _FORWARD, None)
-        if versions is not None and any(
-            p.data_version() != v for p, v in zip(unit.params, versions)
-        ):
-            raise RuntimeError(
-                f"fsdp_compose: backward reached unit {unit.name!r}, but its parameters were "
-                "modified (e.g. by optimizer.step()) after the forward that built this autograd "
-                "graph, so backward would combine new parameters with old activations. Run a new "
-                "forward before each backward, and step the optimizer after all backwards."
-            )
+def eval_description(text: str) -> list[Any]:
+    """A description written by :func:`_unit_description` (reprs of literals)."""
+    return list(ast.literal_eval(text))
 
 
-_fully_shard.shard_checks.append(_check_call)
-_unit.unit_checks = _UnitChecks()
-_collectives.check_custom_buffer = _check_custom_buffer
+def _first_difference(mine: list[Any], theirs: list[Any]) -> str:
+    if len(mine) != len(theirs):
+        return f"{len(mine)} units vs {len(theirs)}"
+    for (name_a, params_a, settings_a), (name_b, params_b, settings_b) in zip(mine, theirs):
+        if name_a != name_b:
+            return f"unit {name_a!r} vs {name_b!r}"
+        if settings_a != settings_b:
+            return f"unit {name_a!r}: settings (param_dtype, reduce_dtype, reshard_after_forward, offload) {settings_a} vs {settings_b}"
+        if len(params_a) != len(params_b):
+            return f"unit {name_a!r} has {len(params_a)} parameters vs {len(params_b)}"
+        for a, b in zip(params_a, params_b):
+            if a != b:
+                return f"parameter {a[0]!r}: shape {a[1]} {a[2]} vs {b[0]!r} shape {b[1]} {b[2]}"
+    return "no difference found in the descriptions"

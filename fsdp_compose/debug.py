@@ -18,21 +18,18 @@ and a rank still reading it then fails with ``DistNetworkError`` instead)::
 and a rank that stops issuing collectives makes the others raise after
 ``timeout`` seconds, naming the ranks they waited for.
 
-The collective guard (:func:`enable_collective_guard`, off by default for now)
-compares a fixed-size fingerprint of every collective on a CPU gloo group across
-the group before issuing it, asynchronously (see [Note: collective guard] in
-``_guard.py``), which catches mismatched collectives; debug mode goes through the
-key-value store instead, so it also names a rank that stopped issuing
-collectives altogether, and it covers accelerator collectives and every backend.
-It replaces the guard while on.
+It works the same on every backend (gloo, NCCL, ...): the fingerprints go
+through the store, never through the collectives, so the collectives issued are
+exactly those of a run without it.
 
-Turn it on with the environment variable ``FSDP_COMPOSE_DEBUG_COLLECTIVES=1``
-(``FSDP_COMPOSE_DEBUG_TIMEOUT`` sets the timeout; by default it is the process
-group's own timeout, so debug mode never waits longer than the collective itself
-would), or in code::
+Turn it on for every model with the environment variable
+``FSDP_COMPOSE_DEBUG_COLLECTIVES=1`` (``FSDP_COMPOSE_DEBUG_TIMEOUT`` sets the
+timeout; by default it is the process group's own timeout, so debug mode never
+waits longer than the collective itself would), or for one model in code::
 
     from fsdp_compose import debug
-    debug.enable_collective_checks(timeout=30.0)
+    with debug.collective_checks(model, timeout=30.0):
+        train_step()
 
 Cost: each collective waits for a store round trip with every rank of its group
 (about 0.1-1 ms on one host), and the wait makes communication synchronous with
@@ -44,48 +41,49 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
-from . import _collective_hooks, _collectives, _compat, _env
+from . import _compat, _env
 from ._errors import CollectiveMismatchError
+from ._events import CollectiveEvent, CollectiveInfo, Observer
+from ._fsdp_module import FSDPModule
 
 __all__ = [
+    "CollectiveChecks",
     "CollectiveMismatchError",
     "collective_checks",
-    "collective_checks_enabled",
-    "disable_collective_checks",
-    "enable_collective_checks",
-    "enable_collective_guard",
 ]
 
-
-def default_store() -> dist.Store:
-    """The key-value store of the default process group (for the debug checks
-    and the collective guard)."""
-    return dist.distributed_c10d._get_default_store()
-
-
-def process_group_timeout(group: dist.ProcessGroup) -> float | None:
-    """The timeout (seconds) ``group`` was created with, or None if this torch
-    version does not expose it (read through the backend's private options)."""
-    try:
-        device = (
-            torch.device("cpu") if _compat.backend_name(group) == "gloo" else torch.device("cuda")
-        )
-        return float(group._get_backend(device).options._timeout.total_seconds())
-    except (AttributeError, RuntimeError, TypeError, ValueError):
-        return None
+_FALLBACK_TIMEOUT_S = 60.0  # where torch does not expose a group's timeout
+# The next fingerprint's number per (rank, group), shared by every root of the
+# rank (keyed by rank too: in a threaded process group every rank is a thread).
+_seq: dict[tuple[int, tuple[int, ...]], int] = {}
 
 
-class _FingerprintChecker:
-    def __init__(self, timeout: float | None) -> None:
-        self.timeout = timeout  # None: each group's own process-group timeout
-        self._seq: dict[tuple[int, ...], int] = {}
+class CollectiveChecks(Observer):
+    """Cross-checks every collective of the roots it observes across the ranks of
+    its group before it is issued (see the module's docstring).
+
+    Args:
+        timeout (Optional[float]): seconds to wait for the other ranks' fingerprints
+            before raising :class:`CollectiveMismatchError`. Defaults to
+            ``FSDP_COMPOSE_DEBUG_TIMEOUT`` if set, else the timeout of the process
+            group the collective runs on.
+    """
+
+    def __init__(self, timeout: float | None = None) -> None:
+        self.timeout = _env.debug_timeout() if timeout is None else timeout
         self._delete_supported = True
 
-    def check(
+    def on_collective(self, event: CollectiveEvent, info: CollectiveInfo) -> None:
+        if event == "issue":
+            self._check(info.kind, info.label, info.group, info.input_numel, info.dtype, info.step)
+
+    def _check(
         self,
         kind: str,
         label: str,
@@ -95,10 +93,12 @@ class _FingerprintChecker:
         step: int,
     ) -> None:
         ranks = tuple(dist.get_process_group_ranks(group))
-        seq = self._seq.get(ranks, 0)
-        self._seq[ranks] = seq + 1
+        # Numbered per group across every root of this process: the store keys of
+        # two roots on one group must not collide.
         me = dist.get_rank()
-        store = default_store()
+        seq = _seq.get((me, ranks), 0)
+        _seq[(me, ranks)] = seq + 1
+        store = _compat.default_store()
         group_key = "-".join(map(str, ranks))
         prefix = f"fsdp_compose/fingerprint/{group_key}/{seq}/"
         mine = f"{kind} for {label} ({numel} x {str(dtype).replace('torch.', '')}, step {step})"
@@ -106,7 +106,7 @@ class _FingerprintChecker:
         others = [r for r in ranks if r != me]
         timeout = self.timeout
         if timeout is None:
-            timeout = process_group_timeout(group) or _FALLBACK_TIMEOUT_S
+            timeout = _compat.process_group_timeout(group) or _FALLBACK_TIMEOUT_S
         try:
             store.wait([prefix + str(r) for r in others], timedelta(seconds=timeout))
         except RuntimeError as exc:
@@ -135,85 +135,24 @@ class _FingerprintChecker:
             )
 
 
-_checker: _FingerprintChecker | None = None
-_FALLBACK_TIMEOUT_S = 60.0  # where torch does not expose a group's timeout
-
-
-def _env_enabled() -> bool:
-    return _env.flag("FSDP_COMPOSE_DEBUG_COLLECTIVES", False)
-
-
-def _set_checker(checker: _FingerprintChecker | None) -> None:
-    """Installs ``checker`` (None: none) on the collectives' launch (see [Note:
-    collective extensions] in ``_collectives.py``)."""
-    global _checker
-    _checker = checker
-    if checker is None:
-        _collective_hooks.remove_launch_wrapper(_check_before_launch)
-    else:
-        _collective_hooks.add_launch_wrapper(_check_before_launch)
-
-
-def _check_before_launch(
-    call: _collective_hooks.CollectiveCall, issue: _collectives.Issue
-) -> dist.Work | None:
-    checker = _checker
-    if checker is not None:
-        checker.check(call.kind, call.label, call.group, call.numel, call.dtype, call.step)
-    return issue(call.group)
-
-
-def enable_collective_checks(timeout: float | None = None) -> None:
-    """Cross-checks every collective's fingerprint across ranks before it is issued.
-
-    Args:
-        timeout (Optional[float]): seconds to wait for the other ranks' fingerprints
-            before raising :class:`CollectiveMismatchError`. Defaults to
-            ``FSDP_COMPOSE_DEBUG_TIMEOUT`` if set, else the timeout of the process
-            group the collective runs on.
-    """
-    if timeout is None:
-        timeout = _env.seconds("FSDP_COMPOSE_DEBUG_TIMEOUT")
-    _set_checker(_FingerprintChecker(timeout))
-
-
-def disable_collective_checks() -> None:
-    """Turns the cross-rank collective checks off (the default)."""
-    _set_checker(None)
-
-
-def collective_checks_enabled() -> bool:
-    return _checker is not None
-
-
 @contextlib.contextmanager
-def collective_checks(timeout: float | None = None) -> Iterator[None]:
-    """Enables the checks inside a ``with`` block."""
-    previous = _checker
-    enable_collective_checks(timeout)
+def collective_checks(
+    *modules: nn.Module, timeout: float | None = None
+) -> Iterator[CollectiveChecks]:
+    """Cross-checks every collective of ``modules`` (root ``FSDPModule``s) across
+    ranks inside a ``with`` block; yields the :class:`CollectiveChecks` observer."""
+    if not modules:
+        raise TypeError("debug.collective_checks() needs the model: collective_checks(model)")
+    checks = CollectiveChecks(timeout)
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise TypeError(
+                f"collective_checks() takes modules annotated with fully_shard, got "
+                f"{type(module).__name__}"
+            )
+        cast(FSDPModule, module).register_observer(checks)
     try:
-        yield
+        yield checks
     finally:
-        _set_checker(previous)
-
-
-def enable_collective_guard(enabled: bool = True) -> None:
-    """Turns the collective guard on (or off): before each collective on a CPU
-    gloo group, its ranks exchange a fixed-size fingerprint of it, so that ranks
-    about to issue different collectives all raise :class:`CollectiveMismatchError`
-    instead of exchanging the wrong data or aborting inside gloo (see [Note:
-    collective guard] in ``_guard.py``). The exchange runs off the training thread
-    and the collective is launched once it matched, so overlap is kept. Off by
-    default until its step cost is shown within 2% (README, "Debugging hangs and
-    errors"); ``FSDP_COMPOSE_COLLECTIVE_GUARD=1`` turns it on for the whole process.
-
-    Args:
-        enabled (bool): ``True`` to guard every later collective, ``False`` to stop.
-    """
-    from . import _guard  # _guard imports this module
-
-    _guard.set_enabled(bool(enabled))
-
-
-if _env_enabled():
-    enable_collective_checks()
+        for module in modules:
+            cast(FSDPModule, module).unregister_observer(checks)

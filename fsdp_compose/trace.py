@@ -1,7 +1,7 @@
 """A per-rank timeline of fsdp_compose's communication and compute.
 
-Off by default; while off, nothing is recorded and the hot path pays one module
-attribute check. While on, this process records:
+A :class:`Timeline` is an observer of one root's runtime events ([Note: runtime
+events]); while subscribed it records:
 
 * on the **compute** track: each unit's forward and backward span, and every
   time the training thread *waited* for a collective (``wait: all_gather layers.3``);
@@ -13,14 +13,17 @@ attribute check. While on, this process records:
 Usage::
 
     from fsdp_compose import trace
-    with trace.recording():
+    with trace.recording(model) as timeline:   # model: the root FSDPModule
         for step in range(3):
             train_step()
-    trace.export_chrome_trace(f"trace_rank{rank}.json")   # open in ui.perfetto.dev
-    print(trace.exposed_communication())                   # {step: seconds waited}
+    timeline.export_chrome_trace(f"trace_rank{rank}.json")   # open in ui.perfetto.dev
+    print(timeline.exposed_communication())                   # {step: seconds waited}
 
 Per-rank files can be combined into one timeline with one track group per rank
-with :func:`merge_chrome_traces`.
+with :func:`merge_chrome_traces`. Nothing is recorded, and nothing costs, for a
+model no timeline observes. torch's profiler sees the same units without this
+tool: every hook and collective carries a ``record_function`` label
+(``fsdp_compose::all_gather (layers.3)``).
 """
 
 from __future__ import annotations
@@ -28,225 +31,173 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch.distributed as dist
+import torch.nn as nn
 
-from . import _collective_hooks, _scheduler
+from ._events import CollectiveEvent, CollectiveInfo, Observer, UnitEvent
+from ._fsdp_module import FSDPModule
+from ._unit import Unit
 
-__all__ = [
-    "clear",
-    "disable",
-    "enable",
-    "events",
-    "export_chrome_trace",
-    "exposed_communication",
-    "is_enabled",
-    "merge_chrome_traces",
-    "recording",
-    "to_chrome_trace",
-]
-
-ENABLED = False
+__all__ = ["Timeline", "merge_chrome_traces", "recording"]
 
 _COMPUTE_TID = 0
 _COMM_TIDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
-
-_lock = threading.Lock()
-_events: list[dict[str, Any]] = []
-_open_spans: dict[tuple[str, str], list[float]] = defaultdict(list)
-_issued: dict[int, float] = {}
-_wait_started: dict[int, float] = {}
-_exposed: dict[int, float] = defaultdict(float)
-_step = 0
-_origin_ns = time.perf_counter_ns()
+_SPANS = {
+    "forward_begin": ("forward", True),
+    "forward_end": ("forward", False),
+    "backward_begin": ("backward", True),
+    "backward_end": ("backward", False),
+}
 
 
-def _now_us() -> float:
-    return (time.perf_counter_ns() - _origin_ns) / 1000.0
+class Timeline(Observer):
+    """Records the events of the roots it observes, as Chrome-trace events."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # "complete" events arrive from backend threads
+        self._events: list[dict[str, Any]] = []
+        self._open_spans: dict[tuple[str, str], list[float]] = defaultdict(list)
+        self._issued: dict[int, float] = {}
+        self._wait_started: dict[int, float] = {}
+        self._exposed: dict[int, float] = defaultdict(float)
+        self._step = 0
+        self._origin_ns = time.perf_counter_ns()
 
-def _append(event: dict[str, Any]) -> None:
-    with _lock:  # "complete" events arrive from communication threads
-        _events.append(event)
+    # -- results ----------------------------------------------------------
 
+    def events(self) -> list[dict[str, Any]]:
+        """A copy of the recorded Chrome-trace events."""
+        with self._lock:
+            return [dict(e) for e in self._events]
 
-def enable() -> None:
-    """Starts recording (events already recorded are kept; see :func:`clear`)."""
-    global ENABLED
-    if not ENABLED:
-        _collective_hooks.add_listener(_on_collective)
-        _scheduler.observer = sys.modules[__name__]  # type: ignore[assignment]
-        ENABLED = True
+    def clear(self) -> None:
+        """Drops every recorded event."""
+        with self._lock:
+            self._events.clear()
+            self._open_spans.clear()
+            self._issued.clear()
+            self._wait_started.clear()
+            self._exposed.clear()
 
+    def exposed_communication(self) -> dict[int, float]:
+        """Seconds the training thread spent waiting on collectives, per step.
 
-def disable() -> None:
-    """Stops recording; recorded events stay available for export."""
-    global ENABLED
-    ENABLED = False
-    _collective_hooks.remove_listener(_on_collective)
-    _scheduler.observer = None
+        A step starts when the root's forward begins. Time waited is communication
+        that computation did not hide.
+        """
+        with self._lock:
+            return {step: us / 1e6 for step, us in sorted(self._exposed.items())}
 
+    def to_chrome_trace(self, rank: int | None = None) -> dict[str, Any]:
+        """The events as a Chrome-trace object (``{"traceEvents": [...]}``)."""
+        return _to_chrome_trace(self.events(), rank)
 
-def is_enabled() -> bool:
-    return ENABLED
+    def export_chrome_trace(self, path: str | os.PathLike[str], rank: int | None = None) -> None:
+        """Writes the timeline as Chrome-trace JSON (opens in Perfetto)."""
+        with open(path, "w") as f:
+            json.dump(self.to_chrome_trace(rank), f)
 
+    # -- recording (the runtime's events) ---------------------------------
 
-def clear() -> None:
-    """Drops every recorded event."""
-    with _lock:
-        _events.clear()
-        _open_spans.clear()
-        _issued.clear()
-        _wait_started.clear()
-        _exposed.clear()
+    def _now_us(self) -> float:
+        return (time.perf_counter_ns() - self._origin_ns) / 1000.0
+
+    def _append(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            self._events.append(event)
+
+    def _instant(self, name: str, cat: str, args: dict[str, Any], ts: float | None = None) -> None:
+        ts = self._now_us() if ts is None else ts
+        event = {"name": name, "cat": cat, "ph": "i", "s": "t", "ts": ts, "tid": _COMPUTE_TID}
+        self._append({**event, "args": {**args, "step": self._step}})
+
+    def on_step(self, step: int) -> None:
+        self._step = step
+        now = self._now_us()
+        self._append(
+            {"name": f"step {step}", "ph": "i", "s": "p", "ts": now, "tid": _COMPUTE_TID}
+            | {"args": {"step": step}}
+        )
+
+    def on_unit(self, event: UnitEvent, unit: Unit) -> None:
+        span = _SPANS.get(event)
+        if span is None:
+            if event in ("prefetch", "prefetch_deferred"):
+                self._instant(f"{event} {unit.name}", event, {"unit": unit.name})
+            return
+        kind, begins = span
+        if begins:
+            self._open_spans[(kind, unit.name)].append(self._now_us())
+            return
+        starts = self._open_spans.get((kind, unit.name))
+        if starts:
+            start = starts.pop()
+            self._append(
+                {"name": f"{kind} {unit.name}", "cat": kind, "ph": "X", "ts": start}
+                | {"dur": self._now_us() - start, "tid": _COMPUTE_TID}
+                | {"args": {"unit": unit.name, "step": self._step}}
+            )
+
+    def on_memory(
+        self, event: Literal["alloc", "free"], unit: Unit, nbytes: int, total: int
+    ) -> None:
+        ts = self._now_us()
+        args = {"unit": unit.name, "bytes": nbytes, "total_bytes": total}
+        self._instant(f"unsharded_{event} {unit.name}", f"memory_{event}", args, ts)
+        self._append({"name": "unsharded_bytes", "ph": "C", "ts": ts, "args": {"bytes": total}})
+
+    def on_collective(self, event: CollectiveEvent, info: CollectiveInfo) -> None:
+        now = self._now_us()
+        if event == "issue":
+            self._issued[info.seq] = now
+        elif event == "complete":
+            start = self._issued.pop(info.seq, now)
+            args = {"unit": info.label, "bytes": info.input_bytes, "group_size": info.group_size}
+            self._append(
+                {"name": f"{info.kind} {info.label}", "cat": info.kind, "ph": "X", "ts": start}
+                | {"dur": now - start, "tid": _COMM_TIDS[info.kind]}
+                | {"args": args | {"dtype": str(info.dtype), "step": self._step}}
+            )
+        elif event == "wait_begin":
+            self._wait_started[info.seq] = now
+        elif event == "wait_end":
+            start = self._wait_started.pop(info.seq, now)
+            with self._lock:
+                self._exposed[self._step] += now - start
+            self._append(
+                {"name": f"wait {info.kind} {info.label}", "cat": "wait", "ph": "X", "ts": start}
+                | {"dur": now - start, "tid": _COMPUTE_TID}
+                | {"args": {"unit": info.label, "kind": info.kind, "step": self._step}}
+            )
 
 
 @contextlib.contextmanager
-def recording(*, clear_first: bool = True) -> Iterator[None]:
-    """Records everything inside the ``with`` block."""
-    if clear_first:
-        clear()
-    enable()
+def recording(*modules: nn.Module, timeline: Timeline | None = None) -> Iterator[Timeline]:
+    """Records the runtime events of ``modules`` (root ``FSDPModule``s, e.g. the
+    model, or every pipeline stage's root) inside the ``with`` block, into
+    ``timeline`` (a new one by default), which it yields."""
+    if not modules:
+        raise TypeError("trace.recording() needs the model: trace.recording(model)")
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise TypeError(
+                f"trace.recording() takes modules annotated with fully_shard, got "
+                f"{type(module).__name__}"
+            )
+    timeline = Timeline() if timeline is None else timeline
+    for module in modules:
+        cast(FSDPModule, module).register_observer(timeline)
     try:
-        yield
+        yield timeline
     finally:
-        disable()
-
-
-def events() -> list[dict[str, Any]]:
-    """A copy of the recorded Chrome-trace events of this process."""
-    with _lock:
-        return [dict(e) for e in _events]
-
-
-def exposed_communication() -> dict[int, float]:
-    """Seconds the training thread spent waiting on collectives, per step.
-
-    A step starts when the root's forward begins. Time waited is communication that
-    computation did not hide.
-    """
-    with _lock:
-        return {step: us / 1e6 for step, us in sorted(_exposed.items())}
-
-
-# ---------------------------------------------------------------------------
-# recording (called by the scheduler and the collectives listener)
-# ---------------------------------------------------------------------------
-
-
-def set_step(step: int) -> None:
-    global _step
-    _step = step
-    _append(
-        {
-            "name": f"step {step}",
-            "ph": "i",
-            "s": "p",
-            "ts": _now_us(),
-            "tid": _COMPUTE_TID,
-            "args": {"step": step},
-        }
-    )
-
-
-def begin_span(kind: str, unit: str) -> None:
-    _open_spans[(kind, unit)].append(_now_us())
-
-
-def end_span(kind: str, unit: str) -> None:
-    starts = _open_spans.get((kind, unit))
-    if not starts:
-        return
-    start = starts.pop()
-    _append(
-        {
-            "name": f"{kind} {unit}",
-            "cat": kind,
-            "ph": "X",
-            "ts": start,
-            "dur": _now_us() - start,
-            "tid": _COMPUTE_TID,
-            "args": {"unit": unit, "step": _step},
-        }
-    )
-
-
-def instant(name: str, unit: str) -> None:
-    _append(
-        {
-            "name": f"{name} {unit}",
-            "cat": name,
-            "ph": "i",
-            "s": "t",
-            "ts": _now_us(),
-            "tid": _COMPUTE_TID,
-            "args": {"unit": unit, "step": _step},
-        }
-    )
-
-
-def memory_event(kind: str, unit: str, nbytes: int, total: int) -> None:
-    ts = _now_us()
-    _append(
-        {
-            "name": f"unsharded_{kind} {unit}",
-            "cat": f"memory_{kind}",
-            "ph": "i",
-            "s": "t",
-            "ts": ts,
-            "tid": _COMPUTE_TID,
-            "args": {"unit": unit, "bytes": nbytes, "total_bytes": total, "step": _step},
-        }
-    )
-    _append({"name": "unsharded_bytes", "ph": "C", "ts": ts, "args": {"bytes": total}})
-
-
-def _on_collective(event: str, info: _collective_hooks.CollectiveInfo) -> None:
-    now = _now_us()
-    if event == "issue":
-        _issued[info.seq] = now
-    elif event == "complete":
-        start = _issued.pop(info.seq, now)
-        _append(
-            {
-                "name": f"{info.kind} {info.label}",
-                "cat": info.kind,
-                "ph": "X",
-                "ts": start,
-                "dur": now - start,
-                "tid": _COMM_TIDS[info.kind],
-                "args": {
-                    "unit": info.label,
-                    "bytes": info.input_bytes,
-                    "group_size": info.group_size,
-                    "dtype": str(info.dtype),
-                    "step": _step,
-                },
-            }
-        )
-    elif event == "wait_begin":
-        _wait_started[info.seq] = now
-    elif event == "wait_end":
-        start = _wait_started.pop(info.seq, now)
-        with _lock:
-            _exposed[_step] += now - start
-        _append(
-            {
-                "name": f"wait {info.kind} {info.label}",
-                "cat": "wait",
-                "ph": "X",
-                "ts": start,
-                "dur": now - start,
-                "tid": _COMPUTE_TID,
-                "args": {"unit": info.label, "kind": info.kind, "step": _step},
-            }
-        )
+        for module in modules:
+            cast(FSDPModule, module).unregister_observer(timeline)
 
 
 # ---------------------------------------------------------------------------
@@ -258,8 +209,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def to_chrome_trace(rank: int | None = None) -> dict[str, Any]:
-    """This process's events as a Chrome-trace object (``{"traceEvents": [...]}``)."""
+def _to_chrome_trace(recorded: list[dict[str, Any]], rank: int | None) -> dict[str, Any]:
     rank = _rank() if rank is None else rank
     trace_events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
@@ -282,17 +232,11 @@ def to_chrome_trace(rank: int | None = None) -> dict[str, Any]:
                 "args": {"name": f"comm: {kind}"},
             }
         )
-    for event in events():
+    for event in recorded:
         event["pid"] = rank
         event.setdefault("tid", _COMPUTE_TID)
         trace_events.append(event)
     return {"traceEvents": trace_events, "displayTimeUnit": "ms"}
-
-
-def export_chrome_trace(path: str | os.PathLike[str], rank: int | None = None) -> None:
-    """Writes this process's timeline as Chrome-trace JSON (opens in Perfetto)."""
-    with open(path, "w") as f:
-        json.dump(to_chrome_trace(rank), f)
 
 
 def merge_chrome_traces(

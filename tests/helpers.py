@@ -13,20 +13,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_compose import _collective_hooks, _collectives, _guard
-
-#: The collective guard is on for the whole run (FSDP_COMPOSE_COLLECTIVE_GUARD=1):
-#: collectives then go by its lanes, not by the default gloo exchanges.
-GUARDED = _guard.enabled
+import fsdp_compose
+from fsdp_compose import CollectiveInfo, Observer
 
 
-class CollectiveLog:
-    """Records every collective fsdp_compose issues while active."""
+class CollectiveLog(Observer):
+    """Records every collective fsdp_compose issues for the models it observes."""
 
     def __init__(self) -> None:
-        self.issued: list[_collective_hooks.CollectiveInfo] = []
+        self.issued: list[CollectiveInfo] = []
 
-    def __call__(self, event: str, info: _collective_hooks.CollectiveInfo) -> None:
+    def on_collective(self, event: str, info: CollectiveInfo) -> None:  # type: ignore[override]
         if event == "issue":
             self.issued.append(info)
 
@@ -41,44 +38,18 @@ class CollectiveLog:
 
 
 @contextlib.contextmanager
-def collective_log() -> Iterator[CollectiveLog]:
+def collective_log(*modules: nn.Module) -> Iterator[CollectiveLog]:
+    """Logs the collectives of ``modules`` (root ``FSDPModule``s) inside the block."""
+    assert modules, "collective_log(model): pass the root module(s)"
     log = CollectiveLog()
-    _collective_hooks.add_listener(log)
+    for m in modules:
+        assert isinstance(m, fsdp_compose.FSDPModule), type(m)
+        m.register_observer(log)
     try:
         yield log
     finally:
-        _collective_hooks.remove_listener(log)
-
-
-@contextlib.contextmanager
-def gloo_all_gathers(native: bool = False) -> Iterator[Counter[str]]:
-    """Counts fsdp_compose's gloo all-gathers by path: ``"exchange"`` (tagged
-    point-to-point, [Note: collectives matched by what they are]) or ``"native"``
-    (gloo's own). ``native``: groups first used inside take gloo's own all-gather
-    (``FSDP_COMPOSE_GLOO_ALL_GATHER=native``)."""
-    from fsdp_compose import _gloo
-
-    calls: Counter[str] = Counter()
-    real = _gloo.GlooRoute.all_gather
-
-    def counting(self: Any, output: Any, input: Any, group: Any, label: str, step: int) -> Any:
-        exchange = self.exchange_all_gather and group is self.peers.group
-        calls["exchange" if exchange else "native"] += 1
-        return real(self, output, input, group, label, step)
-
-    saved_routes = dict(_collectives._routes)
-    if native:
-        _gloo._exchange_all_gather = False
-        _collectives._routes.clear()
-    _gloo.GlooRoute.all_gather = counting  # type: ignore[method-assign]
-    try:
-        yield calls
-    finally:
-        _gloo.GlooRoute.all_gather = real  # type: ignore[method-assign]
-        if native:
-            _gloo._exchange_all_gather = True
-            _collectives._routes.clear()
-            _collectives._routes.update(saved_routes)
+        for m in modules:
+            m.unregister_observer(log)
 
 
 @contextlib.contextmanager

@@ -131,7 +131,7 @@ def _parity_job(mode: str, steps: int = 3) -> dict:
         counts.append(dict(log.counts()))
         calls.append(mlp_calls[0])
 
-    with collective_log() as log:
+    with collective_log(model) as log:
         parity = train_side_by_side(
             model, ref, steps, batch, _loss, log=log, after_backward=record,
             before_model=lambda step: mlp_calls.__setitem__(0, 0),

@@ -93,7 +93,7 @@ def _save_job(path: str) -> dict:
     out: dict = {}
     # model.state_dict() holds the shards themselves: no collective, no copy.
     params = dict(model.named_parameters())
-    with collective_log() as log:
+    with collective_log(model) as log:
         sd = model.state_dict()
     out["sd_no_collectives"] = not log.issued
     out["sd_shards"] = all(

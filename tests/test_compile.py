@@ -53,7 +53,7 @@ def _compile_job(how: str, backend: str, steps: int = 3) -> dict:
         counts.append(dict(log.counts()))
         graphs.append(counters["stats"]["unique_graphs"])
 
-    with collective_log() as log:
+    with collective_log(model) as log:
         parity = train_side_by_side(
             model, ref, steps, gpt_batches(TINY), loss_fn, log=log, after_backward=record,
             rename=lambda n: n.replace("._orig_mod", ""),  # torch.compile's wrapper

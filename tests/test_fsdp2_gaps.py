@@ -458,7 +458,7 @@ def _per_param_mesh_job(mode: str) -> dict:
     )
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from fsdp_compose import _collective_hooks
+    from fsdp_compose import Observer
 
     rank = torch.distributed.get_rank()
     dp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
@@ -498,15 +498,18 @@ def _per_param_mesh_job(mode: str) -> dict:
 
     events: list[tuple[str, str, str]] = []
 
-    def listen(event: str, info) -> None:
-        if event in ("issue", "wait_begin") and info.label.startswith("block"):
-            events.append((event, str(info.kind), info.label))
+    class Listen(Observer):
+        def on_collective(self, event, info) -> None:  # type: ignore[no-untyped-def]
+            if event in ("issue", "wait_begin") and info.label.startswith("block"):
+                events.append((event, str(info.kind), info.label))
+
+    listen = Listen()
 
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
     torch.manual_seed(1)
     loss_diffs = []
-    _collective_hooks.add_listener(listen)
+    model.register_observer(listen)
     try:
         for step in range(3):
             x = torch.randn(4 * _TOKENS, _D)
@@ -526,7 +529,7 @@ def _per_param_mesh_job(mode: str) -> dict:
                 out["grad_diff"] = _max_diff(model, ref, grads=True)
             _step(opt, ref_opt)
     finally:
-        _collective_hooks.remove_listener(listen)
+        model.unregister_observer(listen)
     out["param_diff"] = _max_diff(model, ref)
     out["loss_diff"] = max(loss_diffs)
     # a full (plain) state dict loads into both meshes' shards

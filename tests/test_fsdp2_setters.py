@@ -148,7 +148,7 @@ def _setter_job(setter: str, hsdp: bool = False, torch_default_reduction: bool =
                 model.trunk.set_modules_to_backward_prefetch([])
 
     counts: dict[str, dict] = {}
-    with collective_log() as log:
+    with collective_log(ours) as log:
         _loss(ours, rank, rank in branch_ranks).backward()
         rs_sizes = [(i.label, i.input_numel) for i in log.issued if i.kind == "reduce_scatter"]
         counts = dict(log.kinds())

@@ -51,7 +51,7 @@ def _hf_parity_job(arch: str, gradient_checkpointing: bool, steps: int = 3) -> d
         ref_loss.backward()
         mine = {k: v[rank * local : (rank + 1) * local] for k, v in batch.items()}
         mlp_calls[0] = 0
-        with collective_log() as log:
+        with collective_log(model) as log:
             loss = model(**mine, use_cache=False).loss
             loss.backward()
         counts.append(dict(log.counts()))
@@ -152,7 +152,7 @@ def _generate_job(register: bool) -> dict:
     kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
     expected = ref.generate(prompt, **kwargs)
     try:
-        with collective_log() as log:
+        with collective_log(model) as log:
             out = model.generate(prompt, **kwargs)  # a DynamicCache goes through the hooks
     except RuntimeError as exc:  # reported to the test (keeps the rank pool healthy)
         return {"error": str(exc)}

@@ -132,7 +132,7 @@ def _layout_at(model_name: str, world: int, rank: int, replicas: int) -> dict:
                 )
                 row += sp.chunk_numel
             rows_per_unit.append(row)
-        with collective_log() as log:
+        with collective_log(model) as log:
             run(model).backward()
         issued = [(i.kind, i.group_size, i.input_numel, i.output_numel) for i in log.issued]
     expected_ag = sorted(("all_gather", shards, r, shards * r) for r in rows_per_unit)

@@ -70,7 +70,7 @@ def _bf16_job() -> dict:
     xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
     bytes_moved, rs_dtypes = {}, {}
     for name, model in (("fp32", fp32_model), ("bf16", bf16_model)):
-        with collective_log() as log:
+        with collective_log(model) as log:
             loss_fn(model(xs), ys).backward()
         bytes_moved[name] = sum(i.input_bytes for i in log.issued if i.kind == "all_gather")
         out[f"ag_dtypes_{name}"] = sorted({str(i.dtype) for i in log.issued if i.kind == "all_gather"})
@@ -166,7 +166,7 @@ def _policies_job() -> dict:
     seen = _record_dtypes({f"block{i}": b.mlp.fc for i, b in enumerate(model.blocks)})
     seen_out = _record_dtypes({f"out{i}": b for i, b in enumerate(model.blocks)})
     x, y = make_batch(cfg, 2 * world, 0)
-    with collective_log() as log:
+    with collective_log(model) as log:
         loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
         loss.backward()
     by_unit: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))

@@ -15,7 +15,7 @@ from helpers import local_slice, rank_world
 from models import TINY_GPT
 from torch.distributed.tensor import DTensor
 
-from fsdp_compose import _optim, fully_shard
+from fsdp_compose import _optim, enable_sharded_step, fully_shard
 
 TINY = {**TINY_GPT, "n_layer": 2}
 OPTIMIZERS = {
@@ -39,8 +39,8 @@ def _train(name: str, local_steps: bool, steps: int = 3) -> tuple[GPT, torch.opt
     opt = OPTIMIZERS[name](model.parameters())
     sched = None
     losses = []
-    previous = _optim.enabled
-    _optim.enabled = lambda: local_steps  # type: ignore[assignment]
+    if local_steps:
+        enable_sharded_step(opt)
     try:
         for step in range(steps):
             x, y = make_batch(cfg, 2 * world, step)
@@ -55,7 +55,7 @@ def _train(name: str, local_steps: bool, steps: int = 3) -> tuple[GPT, torch.opt
                 sched.step()
             losses.append(loss.item())
     finally:
-        _optim.enabled = previous  # type: ignore[assignment]
+        pass
     return model, opt, losses
 
 
@@ -63,7 +63,7 @@ def _identical_job(name: str) -> dict:
     fast, fast_opt, fast_losses = _train(name, True)
     slow, slow_opt, slow_losses = _train(name, False)
     out = {
-        "accelerated": fast_opt in _optim._accelerated and slow_opt not in _optim._accelerated,
+        "accelerated": fast_opt in _optim._records and slow_opt not in _optim._records,
         "losses_equal": fast_losses == slow_losses,
         "params_equal": all(
             torch.equal(a.to_local(), b.to_local()) for a, b in zip(fast.parameters(), slow.parameters())
@@ -103,6 +103,10 @@ def _not_accelerated_job() -> dict:
         pass
 
     opt = MyAdamW(model.parameters(), lr=1e-3)
+    try:
+        enable_sharded_step(opt)
+    except ValueError:
+        pass
     x, y = make_batch(cfg, 2, 0)
     for _ in range(2):
         loss_fn(model(x), y).backward()
@@ -110,7 +114,7 @@ def _not_accelerated_job() -> dict:
         opt.zero_grad()
 
     # An exception inside a local step leaves the optimizer holding its DTensors.
-    opt2 = torch.optim.AdamW(copy.copy(list(model.parameters())), lr=1e-3)
+    opt2 = enable_sharded_step(torch.optim.AdamW(copy.copy(list(model.parameters())), lr=1e-3))
     loss_fn(model(x), y).backward()
     opt2.step()
     handle = opt2.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
@@ -122,8 +126,8 @@ def _not_accelerated_job() -> dict:
     restored = all(isinstance(p, DTensor) for g in opt2.param_groups for p in g["params"]) and all(
         isinstance(v, DTensor) for p in model.parameters() for k, v in opt2.state[p].items() if k != "step"
     )
-    return {"subclass_not_accelerated": opt not in _optim._accelerated,
-            "restored_after_exception": restored and opt2 in _optim._accelerated}
+    return {"subclass_not_accelerated": opt not in _optim._records,
+            "restored_after_exception": restored and opt2 in _optim._records}
 
 
 def test_subclasses_and_exceptions() -> None:
@@ -143,13 +147,13 @@ def _meta_init_job() -> dict:
     torch.manual_seed(0)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = enable_sharded_step(torch.optim.AdamW(model.parameters(), lr=1e-3))
     x, y = make_batch(cfg, 2, 0)
     for _ in range(2):
         loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    return {"accelerated": opt in _optim._accelerated, "eligible": _optim._eligible(opt)}
+    return {"accelerated": opt in _optim._records, "eligible": _optim._eligible(opt)}
 
 
 def test_meta_init_parameters_take_the_local_path() -> None:
@@ -198,8 +202,8 @@ def _scheduler_job(sched_name: str, optim_name: str) -> dict:
 
         opt.register_step_pre_hook(pre)
         opt.register_step_post_hook(post)
-        previous = _optim.enabled
-        _optim.enabled = lambda: local_steps  # type: ignore[assignment]
+        if local_steps:
+            enable_sharded_step(opt)
         losses = []
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -221,10 +225,10 @@ def _scheduler_job(sched_name: str, optim_name: str) -> dict:
                     losses.append(loss.item())
                     sched.step()
         finally:
-            _optim.enabled = previous  # type: ignore[assignment]
+            pass
         seen["warnings"] = [str(w.message) for w in caught]
         seen["marker"] = hasattr(opt.step, "_wrapped_by_lr_sched")
-        seen["accelerated"] = opt in _optim._accelerated
+        seen["accelerated"] = opt in _optim._records
         seen["no_step_attr"] = no_step_attr
         return losses, [p.full_tensor() for p in params], seen
 
@@ -246,14 +250,14 @@ def test_lr_schedulers_hooks_and_closures(sched_name: str, optim_name: str) -> N
 
 
 def test_optimizers_without_sharded_parameters_are_left_alone() -> None:
-    """The local step is switched on only for optimizers that hold parameters
-    sharded by fsdp_compose: an unrelated optimizer in the same process gets no
-    step hook and keeps torch's own step."""
+    """The sharded step is refused for an optimizer holding no parameter sharded
+    by fsdp_compose: it gets no step hook and keeps torch's own step."""
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     pre_hooks = len(opt._optimizer_step_pre_hooks)
-    _optim.accelerate(opt)
+    with pytest.raises(ValueError, match="holds no parameter sharded by fsdp_compose"):
+        enable_sharded_step(opt)
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
-    assert opt not in _optim._accelerated, "a plain optimizer was given the local step"
+    assert opt not in _optim._records, "a plain optimizer was given the local step"
     assert len(opt._optimizer_step_pre_hooks) == pre_hooks, opt._optimizer_step_pre_hooks

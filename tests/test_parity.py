@@ -14,8 +14,6 @@ import torch
 import torch.nn.functional as F
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import (
-    GUARDED,
-    gloo_all_gathers,
     collective_log,
     gpt_batches,
     local_slice,
@@ -42,10 +40,6 @@ PARAM_TOL = 1e-4
 
 
 def _gpt_job(options: dict) -> dict:
-    if "native" in options:
-        with gloo_all_gathers(native=options["native"]) as calls:
-            out = _gpt_job({k: v for k, v in options.items() if k != "native"})
-        return {**out, "gathers": dict(calls)}
     torch.manual_seed(0)
     cfg = GPTConfig(**{**TINY, **options.get("cfg", {})})
     ref = GPT(cfg)
@@ -55,7 +49,7 @@ def _gpt_job(options: dict) -> dict:
         fully_shard(block, reshard_after_forward=raf)
     fully_shard(model, reshard_after_forward=options.get("root_reshard_after_forward"))
     per_step_counts: list[dict] = []
-    with collective_log() as log:
+    with collective_log(model) as log:
         out = train_side_by_side(
             model,
             ref,
@@ -93,26 +87,6 @@ def test_gpt_parity_reshard_true(world_size: int) -> None:
         assert counts[("all_gather", "root")] == 1, counts
         assert counts[("reduce_scatter", "root")] == 1, counts
         assert sum(counts.values()) == 3 * len(results[0]["units"]) + 2, counts
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("native", [False, True], ids=["exchange", "native"])
-def test_gpt_parity_gloo_all_gather_paths(world_size: int, native: bool) -> None:
-    """Both gloo all-gathers: the tagged exchange ([Note: collectives matched by
-    what they are]; the default) and gloo's own (FSDP_COMPOSE_GLOO_ALL_GATHER=native)."""
-    from dist_utils import run_distributed
-
-    results = run_distributed(
-        _gpt_job, world_size, {"reshard_after_forward": True, "native": native}
-    )
-    n_units = len(results[0]["units"])
-    for r in results:
-        assert max(r["loss_diffs"]) <= LOSS_TOL, r["loss_diffs"]
-        assert r["grad_diff"] <= GRAD_TOL, r["grad_diff"]
-        assert r["param_diff"] <= PARAM_TOL, (r["param_diff"], r["where"])
-        # every gather took the path: 5 steps x (2 per block + 1 root)
-        path = "native" if native or GUARDED else "exchange"
-        assert r["gathers"] == {path: 5 * (2 * n_units + 1)}, r["gathers"]
 
 
 def test_gpt_parity_no_reshard() -> None:
@@ -235,7 +209,7 @@ def _grad_accum_job(micro_steps: int) -> dict:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     counts = []
     loss_diffs = []
-    with collective_log() as log:
+    with collective_log(model) as log:
         for step in range(2):
             micro = [make_batch(cfg, 2 * world, step * 10 + i) for i in range(micro_steps)]
             ref_total = 0.0
@@ -281,13 +255,8 @@ def test_gradient_accumulation_without_sync() -> None:
         assert r["param_diff"] <= PARAM_TOL, (r["param_diff"], r["where"])
 
 
-def _torch_oracle_job(native: bool) -> dict:
+def _torch_oracle_job() -> dict:
     """fsdp_compose and torch's own FSDP2 on the same model and data."""
-    with gloo_all_gathers(native=native) as calls:
-        return {**_torch_oracle(), "gathers": dict(calls)}
-
-
-def _torch_oracle() -> dict:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     rank, world = rank_world()
@@ -320,10 +289,6 @@ def _torch_oracle() -> dict:
 def test_matches_torch_fsdp2() -> None:
     from dist_utils import run_distributed
 
-    for native in (False, True):
-        for r in run_distributed(_torch_oracle_job, 2, native):
-            assert r["ours"] == pytest.approx(r["theirs"], abs=1e-6)
-            assert r["param_diff"] <= 1e-6, r["param_diff"]
-            # 4 steps x (3 blocks x 2 + the root once)
-            path = "native" if native or GUARDED else "exchange"
-            assert r["gathers"] == {path: 28}, r["gathers"]
+    for r in run_distributed(_torch_oracle_job, 2):
+        assert r["ours"] == pytest.approx(r["theirs"], abs=1e-6)
+        assert r["param_diff"] <= 1e-6, r["param_diff"]

@@ -51,7 +51,7 @@ def _train(stages: list, schedule, modules: list, gpt: GPT, ref: GPT, mesh, step
         ref_loss.backward()
         local = slice(dp_rank * N_MICRO * MICRO_SIZE, (dp_rank + 1) * N_MICRO * MICRO_SIZE)
         losses: list[torch.Tensor] = []
-        with collective_log() as log:
+        with collective_log(*modules) as log:
             args = (x[local],) if is_first else ()
             kwargs = {"target": y[local], "losses": losses} if is_last else {}
             schedule.step(*args, **kwargs)
@@ -203,10 +203,10 @@ def _microbatch_backward_prefetch_job() -> list[int]:
             losses.append(loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world)))
         for micro, loss in enumerate(losses):
             model.set_requires_gradient_sync(micro == len(losses) - 1)
-            with trace.recording():
+            with trace.recording(model) as timeline:
                 loss.backward()
             if step == 1:
-                prefetches.append(sum(e.get("cat") == "prefetch" for e in trace.events()))
+                prefetches.append(sum(e.get("cat") == "prefetch" for e in timeline.events()))
     return prefetches
 
 

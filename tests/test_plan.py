@@ -7,11 +7,8 @@
 * ``auto_wrap`` on the example GPT (a plan with mixed reshard settings,
   activation checkpointing and prefetch depth 2) and on a transformers Llama:
   the same losses and parameters as one process on the global batch (2 ranks);
-* the estimator against peaks measured the benchmark's way (``VmHWM``), at
-  W = 1, 2 and 4, within 10%, with glibc's mmap threshold fixed, and at W = 1, 2
-  and 4 with glibc's default allocator (fresh processes); its glibc model
-  against glibc itself on the estimator's allocation sequence; Muon's
-  owner-step term;
+* the estimator against allocated tensor bytes measured with torch's
+  ``MemTracker`` at W = 1, 2 and 4; Muon's owner-step term;
 * the planner's plan, applied with ``auto_wrap``, runs within its budget (2 ranks);
 * the CLI on a Llama-3-70B-shaped config at W = 1,024 (meta device): sharded
   state = 16 P / W within 1%, and clear errors for bad input.
@@ -30,7 +27,6 @@ import pytest
 import torch
 from gpt import GPT, Block, GPTConfig, loss_fn
 from helpers import (
-    GUARDED,
     gpt_batches,
     local_slice,
     mean_across_ranks,
@@ -254,7 +250,6 @@ def _measure_job(case: dict, plan: ShardingPlan | None = None) -> dict:
         sys.path.insert(0, _BENCH)
     import estimator_accuracy
 
-    estimator_accuracy.mmap_large_allocations()
     return estimator_accuracy.measure_rank(case, "test", plan=plan)
 
 
@@ -263,7 +258,7 @@ def _predict(case: dict) -> MemoryEstimate:
         sys.path.insert(0, _BENCH)
     import estimator_accuracy
 
-    return estimator_accuracy.predict(estimator_accuracy.Case(**case), "test", "mmap")
+    return estimator_accuracy.predict(estimator_accuracy.Case(**case), "test")
 
 
 @pytest.mark.parametrize(
@@ -402,9 +397,7 @@ def test_cpu_headroom_is_larger_for_checkpointed_plans() -> None:
     import estimator_accuracy
 
     model = estimator_accuracy.build_meta("gpt", "test")
-    # the default host buffers' estimate, whatever this process's mode
     kwargs = {"batch": 4, "seq": 128, "world_size": 2, "policy": ["Block"], "device": "cpu"}
-    kwargs["host_allocator"] = "glibc+pooled"
     smallest = {
         ck: estimate(
             model, plan=resolve_plan(model, ["Block"], checkpoint=ck, prefetch_depth=0), **kwargs
@@ -432,7 +425,7 @@ def test_cpu_headroom_is_larger_for_checkpointed_plans() -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(  # noqa: PLW1510 - the tests read returncode
+    return subprocess.run(
         [sys.executable, "-m", "fsdp_compose.plan", *args],
         capture_output=True,
         text=True,
@@ -448,10 +441,8 @@ def test_cli_llama3_70b_at_1024_ranks() -> None:
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    # the issue's keys, at least; "allocator" is the host heap model (0 on cuda)
-    required = "params grads optimizer_state unsharded activations comm_buffers".split()
-    assert set(required) <= set(out["breakdown"]), out["breakdown"]
-    assert out["breakdown"]["allocator"] == 0  # device cuda: no host allocator model
+    required = ["params", "grads", "optimizer_state", "unsharded", "activations", "comm_buffers"]
+    assert set(required) == set(out["breakdown"]), out["breakdown"]
     p = out["model"]["parameters"]
     assert 70e9 < p < 71e9
     sharded = sum(out["breakdown"][k] for k in ("params", "grads", "optimizer_state"))
@@ -537,208 +528,6 @@ def test_cli_bad_input(tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture
     assert code == 1 and "DOES NOT FIT" in out and "more than the budget" in out, out
 
 
-# ---------------------------------------------------------------------------
-# glibc's default allocator ([Note: resident memory under glibc's default allocator])
-# ---------------------------------------------------------------------------
-
-_GLIBC_REPLAY = r"""
-import ctypes, json, mmap, sys
-libc = ctypes.CDLL("libc.so.6")
-libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
-libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-def kib(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1]) * 1024
-events = json.load(open(sys.argv[1]))
-passes = int(sys.argv[2])
-for n in range(passes):
-    if n == passes - 1:
-        libc.malloc_trim(0)
-        open("/proc/self/clear_refs", "w").write("5")
-        base = kib("VmRSS")
-    live = {}
-    for ev in events:
-        if ev[0] == "a":
-            p = ctypes.c_void_p()
-            assert libc.posix_memalign(ctypes.byref(p), 64, ev[2]) == 0
-            libc.memset(p, 1, ev[2])
-            live[json.dumps(ev[1])] = p.value
-        elif ev[0] == "map":  # a mapping of fsdp_compose's own, all written
-            m = mmap.mmap(-1, ev[2], flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            m.write(b"\1" * ev[2])
-            live[json.dumps(ev[1])] = m
-        elif ev[0] == "f":
-            q = live.pop(json.dumps(ev[1]), None)
-            if isinstance(q, mmap.mmap):
-                q.close()
-            elif q:
-                libc.free(q)
-    for q in live.values():
-        q.close() if isinstance(q, mmap.mmap) else libc.free(q)
-print(kib("VmHWM") - base)
-"""
-
-
-def _step_events(case: dict) -> list:
-    """The estimator's allocation sequence for ``case`` (test scale)."""
-    from fsdp_compose.plan import _estimate
-
-    captured: list = []
-    original = _estimate.replay
-
-    def capture(events, passes=2, **kwargs):  # type: ignore[no-untyped-def]
-        captured.extend(events)
-        return original(events, passes, **kwargs)
-
-    _estimate.replay = capture
-    try:
-        est = _predict_glibc(case)
-    finally:
-        _estimate.replay = original
-    assert est.config["host_allocator"] == "glibc"
-    return [ev for ev in captured if ev[0] in ("a", "map", "f") and (ev[0] == "f" or ev[2] > 0)]
-
-
-def _predict_glibc(case: dict) -> MemoryEstimate:
-    if _BENCH not in sys.path:
-        sys.path.insert(0, _BENCH)
-    import estimator_accuracy
-
-    return estimator_accuracy.predict(estimator_accuracy.Case(**case), "test", "glibc")
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc, /proc")
-@pytest.mark.parametrize(
-    "case",
-    [
-        {"model": "gpt", "world_size": 1, "batch": 4, "seq": 128},
-        {"model": "tied", "world_size": 2, "reshard": False, "batch": 4, "seq": 128},
-        {"model": "gpt", "world_size": 4, "batch": 4, "seq": 128},
-    ],
-    ids=["gpt-W1", "tied-W2-noreshard", "gpt-W4"],
-)
-def test_glibc_model_matches_glibc(case: dict, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The heap model against glibc itself, on the estimator's own allocation
-    sequence (posix_memalign(64) + touch + free in a fresh process, warm-up
-    replay, malloc_trim, VmHWM over the second replay)."""
-    from fsdp_compose.plan._heap import replay
-
-    events = _step_events(case)
-    path = tmp_path / "events.json"
-    path.write_text(json.dumps(events))
-    proc = subprocess.run(
-        [sys.executable, "-c", _GLIBC_REPLAY, str(path), "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
-    )
-    assert proc.returncode == 0, proc.stderr
-    measured = int(proc.stdout.split()[-1])
-    modelled, _ = replay(events, trim_top=True)  # glibc trims: no small objects here
-    assert abs(measured / modelled - 1) <= 0.10, (measured / 2**20, modelled / 2**20)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc, /proc")
-@pytest.mark.parametrize(
-    "case",
-    [
-        {"model": "gpt", "world_size": 1},
-        {"model": "tied", "world_size": 2, "reshard": False},
-        {"model": "gpt", "world_size": 4},
-    ],
-    ids=["gpt-W1", "tied-W2-noreshard", "gpt-W4"],
-)
-@pytest.mark.skipif(GUARDED, reason="the estimate does not model the guard's lanes")
-def test_estimate_within_10_percent_with_glibc_default_allocator(case: dict) -> None:
-    """Fresh rank processes with glibc's default settings (a pooled rank's heap
-    carries earlier tests' history): the estimate includes what the heap keeps,
-    with fsdp_compose's own buffers outside it at W > 1, reused through the pool
-    (``set_host_buffers("pooled")``) and counted with what it keeps between steps."""
-    if _BENCH not in sys.path:
-        sys.path.insert(0, _BENCH)
-    import estimator_accuracy
-
-    c = estimator_accuracy.Case(**case, batch=4, seq=128)
-    est = estimator_accuracy.predict(c, "test", "glibc+pooled")
-    mmap = estimator_accuracy.predict(c, "test", "mmap")
-    assert est.breakdown["allocator"] > 0 and mmap.breakdown["allocator"] == 0
-    assert est.peak_bytes_per_rank == sum(est.breakdown.values())
-    r = estimator_accuracy.run_case(c, "test", host_buffers="pooled")
-    assert 0.9 <= r["ratio"] <= 1.1, r
-
-
-def test_host_allocator_is_checked_and_ignored_on_cuda() -> None:
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=64))
-    kw = {"batch": 2, "seq": 32, "world_size": 2, "policy": [Block]}
-    with pytest.raises(ValueError, match="host_allocator"):
-        estimate(model, device="cpu", host_allocator="jemalloc", **kw)
-    cuda = estimate(model, device="cuda", **kw)
-    assert cuda.breakdown["allocator"] == 0 and cuda.config["host_allocator"] is None
-    cpu = estimate(model, device="cpu", **kw)
-    assert (
-        cpu.peak_bytes_per_rank
-        >= estimate(model, device="cpu", host_allocator="mmap", **kw).peak_bytes_per_rank
-    )
-
-
-def test_set_to_none_makes_the_reduce_scatter_outputs_the_gradients() -> None:
-    """With ``zero_grad(set_to_none=True)`` each reduce-scatter output becomes the
-    sharded gradients (from ``torch.empty``, counted as ``grads``), so the replay
-    has no per-step output buffer for it, unless it is cast; the states are the
-    same."""
-    from fsdp_compose.plan import _estimate, _events
-
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=256))
-    kw = {"batch": 2, "seq": 32, "world_size": 2, "policy": [Block], "device": "cpu"}
-    seen: list[bool] = []
-    real = _events.step_events
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        events = real(*args, **kwargs)
-        keys = [ev[1] for ev in events if ev[0] != "f" and isinstance(ev[1], tuple)]
-        seen.append(any(key[0] == "reduced" for key in keys))
-        return events
-
-    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    _estimate.step_events = spy  # type: ignore[assignment]
-    try:
-        kept = estimate(model, host_allocator="glibc+pooled", **kw)
-        dropped = estimate(model, host_allocator="glibc+pooled", set_to_none=True, **kw)
-        # reduced in bfloat16, cast to the float32 gradients: still a per-step buffer
-        estimate(model, host_allocator="glibc+pooled", set_to_none=True, mp_policy=bf16, **kw)
-    finally:
-        _estimate.step_events = real  # type: ignore[assignment]
-    assert seen == [True, False, True]
-    for key in ("params", "grads", "optimizer_state"):
-        assert kept.breakdown[key] == dropped.breakdown[key]
-    assert dropped.peak_bytes_per_rank < kept.peak_bytes_per_rank
-
-
-def test_heap_estimate_says_it_is_a_lower_bound(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from fsdp_compose.plan import _estimate
-
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=64))
-    kw = {"batch": 2, "seq": 32, "policy": [Block], "device": "cpu"}
-    monkeypatch.setattr(_estimate, "_warned_heap_bound", False)
-    with caplog.at_level("WARNING", logger="fsdp_compose"):
-        estimate(model, world_size=1, host_allocator="glibc", **kw)  # W=1: exact enough
-        estimate(model, world_size=2, host_allocator="glibc+pooled", **kw)
-        assert not caplog.records, caplog.text
-        estimate(model, world_size=2, host_allocator="glibc", **kw)
-        estimate(model, world_size=4, host_allocator="glibc", **kw)  # once per process
-    assert len(caplog.records) == 1, caplog.text
-    assert "set_host_buffers('pooled')" in caplog.text, caplog.text
-    assert "10% of" in caplog.text and "%%" not in caplog.text, caplog.text
-
-
 def test_muon_owner_step_can_be_the_peak() -> None:
     from fsdp_compose.whole_matrix._exchange import ROUND_NUMEL
 
@@ -758,66 +547,3 @@ def test_muon_owner_step_can_be_the_peak() -> None:
     assert est.breakdown["unsharded"] == owner
     assert est.peak_bytes_per_rank == sum(est.breakdown.values())
     assert estimate(model, **kw).peak_at != "optimizer step (Muon owner)"  # AdamW
-
-
-def test_recompute_in_the_allocation_trace() -> None:
-    """Activation checkpointing in the glibc replay: a checkpointed module frees
-    what it saved at the end of its forward and allocates it again (recomputed)
-    when its backward starts; its recomputed output and what it did not save
-    are dropped at once."""
-    from fsdp_compose.plan._events import with_recompute
-
-    events = [
-        ("fp", "b"),
-        ("a", 1, 100),  # saved for backward
-        ("a", 2, 10),  # a temporary
-        ("f", 2),
-        ("a", 3, 50),  # the output
-        ("fo", "b"),
-        ("loss", ""),
-        ("bs", "b"),
-        ("f", 1),
-        ("f", 3),
-    ]
-    assert with_recompute(events, set()) == events
-    assert with_recompute(events, {"b"}) == [
-        ("fp", "b"),
-        ("a", 1, 100),
-        ("a", 2, 10),
-        ("f", 2),
-        ("a", 3, 50),
-        ("fo", "b"),
-        ("f", 1),
-        ("loss", ""),
-        ("bs", "b"),
-        ("a", ("recompute", 1), 100),
-        ("a", ("recompute", 2), 10),
-        ("f", ("recompute", 2)),
-        ("a", ("recompute", 3), 50),
-        ("f", ("recompute", 3)),
-        ("f", ("recompute", 1)),
-        ("f", 3),
-    ]
-
-
-def test_replay_of_the_host_buffer_pool() -> None:
-    """The replay follows the pool (``_host_memory.BufferPool``): a freed buffer stays
-    resident for the next request of its page-rounded size, also in the next step;
-    a resharded unit's pages are parked for the next refill of its size, one slot
-    per size, the rest given back."""
-    from fsdp_compose.plan._heap import replay
-
-    mib = 2**20
-    buffers = [("pool", "g0", mib), ("f", "g0"), ("pool", "g1", mib - 5), ("f", "g1")]
-    buffers += [("pool", "big", 2 * mib), ("pool", "g2", mib), ("f", "g2"), ("f", "big")]
-    # one buffer of each size at a time: 3 MiB cached from the first step on
-    assert replay(buffers)[0] == 3 * mib
-    assert replay([ev if ev[0] != "pool" else ("map", *ev[1:]) for ev in buffers])[0] == 3 * mib
-    two = [("pool", "a", mib), ("pool", "b", mib), ("f", "a"), ("f", "b")]
-    assert replay(two + [("pool", "c", 2 * mib), ("f", "c")])[0] == 4 * mib
-    units = [("pages", ("unsharded", u), 4 * mib) for u in "abc"]
-    chain = [units[0], ("f", units[0][1]), units[1], ("f", units[1][1])]
-    assert replay(chain)[0] == 4 * mib  # the parked pages serve the next unit
-    both = [units[0], units[1], ("f", units[0][1]), ("f", units[1][1]), units[2]]
-    # two unsharded at once: one slot keeps pages, the other's are given back
-    assert replay([*both, ("f", units[2][1])])[0] == 8 * mib

@@ -16,7 +16,7 @@ from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import local_slice, rank_world, tensor_diff
 from models import TINY_GPT
 
-from fsdp_compose import _gloo, _guard, debug, fully_shard
+from fsdp_compose import debug, fully_shard
 from fsdp_compose._unit import ShardState
 
 TINY = TINY_GPT
@@ -49,18 +49,7 @@ class _SkipOnRank(nn.Module):
         return g.lm_head(g.ln_f(x))
 
 
-def _desync_job(
-    debug_on: bool, uneven_batches: bool, debug_timeout: float | None = 5.0, guard: bool = True
-) -> None:
-    previous = _guard.enabled
-    debug.enable_collective_guard(guard)
-    try:
-        _desync_steps(debug_on, uneven_batches, debug_timeout)
-    finally:
-        debug.enable_collective_guard(previous)
-
-
-def _desync_steps(debug_on: bool, uneven_batches: bool, debug_timeout: float | None) -> None:
+def _desync_job(debug_on: bool, uneven_batches: bool, debug_timeout: float | None = 5.0) -> None:
     rank, world = rank_world()
     torch.manual_seed(0)
     cfg = GPTConfig(**TINY)
@@ -70,7 +59,7 @@ def _desync_steps(debug_on: bool, uneven_batches: bool, debug_timeout: float | N
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     steps = 3 if rank == 0 or not uneven_batches else 4  # rank 1 has one batch more
-    context = debug.collective_checks(timeout=debug_timeout) if debug_on else _nullcontext()
+    context = debug.collective_checks(model, timeout=debug_timeout) if debug_on else _nullcontext()
     with context:
         for step in range(steps):
             x, y = make_batch(cfg, 2, step)
@@ -120,25 +109,10 @@ def test_debug_mode_waits_the_process_group_timeout_by_default() -> None:
     assert elapsed < 4.0 + 20, elapsed
 
 
-def test_desync_without_debug_is_caught_by_the_guard() -> None:
-    """Without debug mode the collective guard compares the ranks' fingerprints
-    before the first mismatched collective: no two units' data is exchanged, and
-    every rank raises naming both sides (see [Note: collective guard])."""
-    message, elapsed = _run_expecting_failure(_desync_job, False, False, 5.0, True, pg_timeout=5.0)
-    assert "failed on ranks [0, 1]" in message, message
-    for rank in (0, 1):
-        section = message.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
-        assert "CollectiveMismatchError: fsdp_compose collective mismatch" in section, message
-    assert "rank 0 issued all_gather for gpt.blocks.0" in message, message
-    assert "rank 1 issued all_gather for gpt.blocks.1" in message, message
-    assert elapsed < 5.0 + 20, elapsed
-
-
-@pytest.mark.parametrize("guard", [True, False], ids=["guard", "no_guard"])
-def test_uneven_batches_without_debug_fails_within_pg_timeout(guard: bool) -> None:
-    """A rank that stops issuing collectives: the others' next collective (with
-    the guard: its fingerprint exchange) fails within the process-group timeout."""
-    message, elapsed = _run_expecting_failure(_desync_job, False, True, 5.0, guard, pg_timeout=5.0)
+def test_uneven_batches_without_debug_fails_within_pg_timeout() -> None:
+    """A rank that stops issuing collectives: the others' next collective fails
+    within the process-group timeout, with a note naming the unit and step."""
+    message, elapsed = _run_expecting_failure(_desync_job, False, True, 5.0, pg_timeout=5.0)
     assert "failed on ranks [1]" in message, message
     assert "fsdp_compose: all_gather for root (step 4) failed on rank 1" in message, message
     assert elapsed < 5.0 + 20, elapsed  # the process-group timeout, plus start-up slack
@@ -175,31 +149,6 @@ def _misuse_job() -> dict[str, str]:
     cfg = GPTConfig(**TINY)
     x, y = make_batch(cfg, 2, 0)
     out: dict[str, str] = {}
-
-    def optimizer_before_shard() -> None:
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        loss_fn(model(x), y).backward()
-        opt.step()
-
-    out["optimizer_before_shard"] = _expect_message(
-        optimizer_before_shard, "Create the optimizer after fully_shard, from model.parameters()"
-    )
-
-    def optimizer_after_forward() -> None:
-        model = _sharded_gpt()
-        loss = loss_fn(model(x), y)  # the root keeps its unsharded parameters
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        loss.backward()
-        opt.step()
-
-    out["optimizer_after_forward"] = _expect_message(
-        optimizer_after_forward, "holds the unsharded parameter 'tok_emb.weight' of unit 'root'"
-    )
 
     def backward_after_step() -> None:
         model = _sharded_gpt()
@@ -300,6 +249,27 @@ def _structure_mismatch_job() -> None:
     model(x)
 
 
+def _reshard_setting_job() -> str:
+    rank, _ = rank_world()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=rank == 0)
+    fully_shard(model)
+    x, _ = make_batch(GPTConfig(**TINY), 2, 0)
+    try:
+        model(x)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_reshard_setting_differing_between_ranks_is_caught_at_first_forward() -> None:
+    """Checked through the store at the root's lazy init: no collective is issued."""
+    for message in run_distributed(_reshard_setting_job, 2):
+        assert "built different models" in message and "reshard_after_forward" in message, message
+
+
 def test_different_models_on_ranks() -> None:
     with pytest.raises(JobFailed) as info:
         run_distributed(_structure_mismatch_job, 2, timeout=60)
@@ -307,7 +277,7 @@ def test_different_models_on_ranks() -> None:
     for rank in (0, 1):
         section = message.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
         assert "built different models" in section, message
-    assert "parameter 'tok_emb.weight': shape (97, 32) torch.float32 here vs 'tok_emb.weight' shape (97, 48)" in message
+    assert "parameter 'tok_emb.weight': shape (97, 32) torch.float32 vs 'tok_emb.weight' shape (97, 48)" in message
 
 
 def _reset_job(fail_in: str | None) -> dict:
@@ -394,7 +364,6 @@ def _determinism_job() -> dict:
     return {
         "losses": losses,
         "params": [p.detach().full_tensor() for p in model.parameters()],
-        "exit_guard": _gloo._exit_grace_registered,
     }
 
 
@@ -406,5 +375,3 @@ def test_bit_identical_repeat_runs() -> None:
         assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"])), [
             tensor_diff(p, q) for p, q in zip(a["params"], b["params"]) if not torch.equal(p, q)
         ]
-        # [Note: gloo work at interpreter exit]: training on gloo arms the exit handler
-        assert a["exit_guard"] and b["exit_guard"]

@@ -20,6 +20,7 @@ from models import TINY_GPT, Wrapper
 
 from fsdp_compose import FSDPModule, fully_shard, trace
 
+_TIMELINE = trace.Timeline()  # one per rank process, cleared by each recording
 TINY = TINY_GPT
 
 
@@ -58,7 +59,7 @@ def _eval_job() -> dict:
     out: dict = {"diffs": [_train_step(model, ref, opts, cfg, 0)]}
 
     def evaluate() -> tuple[int, float]:
-        with torch.no_grad(), collective_log() as log:
+        with torch.no_grad(), collective_log(model) as log:
             outs = [model(local_slice(x, rank, world)) for _ in range(3)]
         expected = ref(x)[rank * 2 : rank * 2 + 2]
         # After a no-grad forward, parameters are the shards again (an optimizer
@@ -97,20 +98,20 @@ def _no_recurse_job() -> dict:
     opts = (torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3))
     out: dict = {}
     model.set_reshard_after_backward(False, recurse=False)
-    with collective_log() as log:
+    with collective_log(model) as log:
         out["diffs"] = [_train_step(model, ref, opts, cfg, 0)]
     out["first_root_gathers"] = log.counts()[("all_gather", "root")]
     # The root kept its parameters through backward, so they are plain tensors...
     out["root_plain_after_backward"] = not hasattr(model.lm_head.weight, "placements")
     out["block_sharded_after_backward"] = hasattr(model.blocks[0].attn.q.weight, "placements")
-    with collective_log() as log:
+    with collective_log(model) as log:
         out["diffs"].append(_train_step(model, ref, opts, cfg, 1))
     # ...but the optimizer changed the shards, so the root gathers fresh data.
     out["second_root_gathers"] = log.counts()[("all_gather", "root")]
 
     model.set_requires_gradient_sync(False, recurse=False)
     x, y = make_batch(cfg, 2 * world, 2)
-    with collective_log() as log:
+    with collective_log(model) as log:
         loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
     counts = log.counts()
     out["no_sync_root_rs"] = counts[("reduce_scatter", "root")]
@@ -127,7 +128,7 @@ def test_setters_with_recurse_false() -> None:
 
 
 def _prefetch_events(step: int) -> list[str]:
-    return [e["args"]["unit"] for e in trace.events()
+    return [e["args"]["unit"] for e in _TIMELINE.events()
             if e.get("cat") == "prefetch" and e["args"].get("step") == step]
 
 
@@ -151,7 +152,8 @@ def _explicit_prefetch_job() -> dict:
     opts = (torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3))
     wrapped_ref = Wrapper(ref)
     diffs = []
-    with trace.recording():
+    _TIMELINE.clear()
+    with trace.recording(model, timeline=_TIMELINE):
         for step in range(3):
             diffs.append(_train_step(model, wrapped_ref, opts, cfg, step))
         events = _prefetch_events(3)
@@ -171,30 +173,18 @@ def test_explicit_prefetch_from_module_without_params() -> None:
 def _settings_and_groups_job() -> dict:
     """Settings made on a block before the first forward reach the scheduler, and
     reduce-scatters use a group of their own when asked."""
-    import fsdp_compose._unit as unit_module
-
     cfg = GPTConfig(**TINY)
     torch.manual_seed(0)
     ref = GPT(cfg)
     model = _sharded_gpt(ref)
     model.blocks[0].set_reduce_scatter_max_input_buffers(2)
     model.set_separate_reduce_scatter_group()
-    groups = {"all_gather": set(), "reduce_scatter": set()}
-    real_ag, real_rs = unit_module._collectives.all_gather, unit_module._collectives.reduce_scatter
-
-    def spy(kind: str, real):  # noqa: ANN001, ANN202
-        def wrapped(output, inp, group, label, **kw):  # noqa: ANN001, ANN202
-            groups[kind].add(id(group))
-            return real(output, inp, group, label, **kw)
-        return wrapped
-
-    unit_module._collectives.all_gather = spy("all_gather", real_ag)
-    unit_module._collectives.reduce_scatter = spy("reduce_scatter", real_rs)
-    try:
+    groups: dict[str, set[int]] = {"all_gather": set(), "reduce_scatter": set()}
+    with collective_log(model) as log:
         opts = (torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3))
         diffs = [_train_step(model, ref, opts, cfg, step) for step in range(2)]
-    finally:
-        unit_module._collectives.all_gather, unit_module._collectives.reduce_scatter = real_ag, real_rs
+    for info in log.issued:
+        groups.setdefault(info.kind, set()).add(id(info.group))
     return {
         "diffs": diffs, "param_diff": max_param_diff(model, ref)[0],
         "max_inflight": model._fsdp_state().scheduler.settings.max_inflight_reductions,
@@ -274,7 +264,7 @@ def _custom_comm_job() -> dict:
         block.set_custom_reduce_scatter(rs)
     opts = (torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3))
     steps = 3
-    with collective_log() as log:
+    with collective_log(model) as log:
         diffs = [_train_step(model, ref, opts, cfg, s) for s in range(steps)]
     out = {
         "diffs": diffs,

@@ -16,11 +16,12 @@ from models import TINY_GPT, Wrapper
 
 from fsdp_compose import FSDPModule, fully_shard, trace
 
+_TIMELINE = trace.Timeline()  # one per rank process, cleared by each recording
 TINY = TINY_GPT
 
 
 def _step_events(step: int) -> list[dict]:
-    return [e for e in trace.events() if e.get("args", {}).get("step") == step and "ts" in e]
+    return [e for e in _TIMELINE.events() if e.get("args", {}).get("step") == step and "ts" in e]
 
 
 def _first(events: list[dict], name: str, after: float = -1.0) -> dict:
@@ -35,7 +36,8 @@ def _end(e: dict) -> float:
 
 
 def _train_traced(model: nn.Module, ref: nn.Module, cfg: GPTConfig, steps: int) -> list[float]:
-    with trace.recording():
+    _TIMELINE.clear()
+    with trace.recording(model, timeline=_TIMELINE):
         return train_side_by_side(model, ref, steps, gpt_batches(cfg), loss_fn)["loss_diffs"]
 
 
@@ -151,7 +153,7 @@ def _limit_job(limit_units: int | None) -> dict:
     diffs = _train_traced(model, Wrapper(ref), cfg, steps=3)
     alive: set[str] = set()
     max_alive, max_total, prefetches = 0, 0, 0
-    for e in sorted(trace.events(), key=lambda e: e.get("ts", 0)):
+    for e in sorted(_TIMELINE.events(), key=lambda e: e.get("ts", 0)):
         cat = e.get("cat", "")
         if cat == "memory_alloc":
             alive.add(e["args"]["unit"])
@@ -246,20 +248,21 @@ def _trace_export_job(out_dir: str) -> dict:
             opt.step()
             opt.zero_grad()
 
-    trace.clear()
+    _TIMELINE.clear()
     train(1)  # off: records nothing, subscribes nothing
-    off = {"events": len(trace.events()), "listeners": len(__import__("fsdp_compose")._collective_hooks._listeners)}
-    with trace.recording():
+    off = {"events": len(_TIMELINE.events()), "listeners": len(model._fsdp_state().settings.events.on_collective)}
+    _TIMELINE.clear()
+    with trace.recording(model, timeline=_TIMELINE):
         train(3)
     path = os.path.join(out_dir, f"trace.rank{rank}.json")
-    trace.export_chrome_trace(path)
+    _TIMELINE.export_chrome_trace(path)
     torch.distributed.barrier()
     if rank == 0:
         trace.merge_chrome_traces(
             [os.path.join(out_dir, f"trace.rank{r}.json") for r in range(world)],
             os.path.join(out_dir, "trace.merged.json"),
         )
-    return {"off": off, "exposed": trace.exposed_communication()}
+    return {"off": off, "exposed": _TIMELINE.exposed_communication()}
 
 
 def test_trace_chrome_json(tmp_path) -> None:

@@ -99,7 +99,7 @@ def _parity_case(kind: str, raf: bool | int, steps: int = 2) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     loss_diffs, after_forward = [], []
-    with collective_log() as log:
+    with collective_log(model) as log:
         for step in range(steps):
             x, y = batch(kind, step, 2 * world)
             ref_loss = loss_of(kind, ref(x), y)
@@ -198,7 +198,7 @@ def _train_and_compare(
             ref_loss = loss_of(kind, ref(x), y) / micro
             ref_loss.backward()
             model.set_requires_gradient_sync(i == micro - 1)
-            with collective_log() as log:
+            with collective_log(model) as log:
                 loss = (
                     loss_of(kind, model(local_slice(x, rank, world)), local_slice(y, rank, world))
                     / micro
@@ -271,7 +271,7 @@ def _composition_job() -> dict:
     out["generate"] = _greedy(model, prompt, 5).tolist() == expected.tolist()
     model.generate = types.MethodType(_greedy, model)  # type: ignore[assignment]
     register_fsdp_forward_method(model, "generate")
-    with collective_log() as log:
+    with collective_log(model) as log:
         out["generate_registered"] = model.generate(prompt, 5).tolist() == expected.tolist()
     out["generate_gathers"] = log.counts()[("all_gather", "tok_emb")]
     # Two forwards, then one backward each (graphs kept alive): the second backward
@@ -554,7 +554,7 @@ def _llama_tied_job(steps: int = 2) -> dict:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     ref_params = dict(ref.named_parameters())
     loss_diffs, local = [], 2
-    with collective_log() as log:
+    with collective_log(model) as log:
         for step in range(steps):
             data = hf_batch(local * world, step)
             ref_loss = ref(**data, use_cache=False).loss

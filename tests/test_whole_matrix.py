@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, enable_sharded_step, fully_shard
 
 # (in, out) of bias-free Linear layers: tall, wide, rows not divisible by 2/3/4,
 # rows fewer than the world size (empty trailing shards), one square.
@@ -72,40 +72,6 @@ def _muon_exact_job(
             _exchange.ROUND_NUMEL = previous
 
 
-def _muon_transport_job(shared: bool, refuse_on: int | None = None) -> dict:
-    """Muon through the shared-memory exchange or gloo's, with a longer chain of
-    matrices (11) and one matrix per owner and round: up to 6 rounds, so every
-    shared-memory slot is written again within a step."""
-    import os
-
-    global SHAPES
-    from fsdp_compose.whole_matrix import _exchange
-
-    env = "FSDP_COMPOSE_SHARED_MEMORY_EXCHANGE"
-    saved = (SHAPES, _exchange.ROUND_NUMEL, os.environ.get(env))
-    SHAPES = [*SHAPES, (2, 13), *SHAPES]
-    _exchange.ROUND_NUMEL = 1
-    os.environ[env] = "1" if shared or refuse_on is not None else "0"
-    from fsdp_compose.whole_matrix import _shared
-
-    fallocate = _shared.os.posix_fallocate
-    if refuse_on == rank_world()[0]:  # as on a full /dev/shm, on this rank only
-
-        def refuse(*args: object) -> None:
-            raise OSError(28, "No space left on device")
-
-        _shared.os.posix_fallocate = refuse  # type: ignore[assignment]
-    try:
-        return _muon_exact({"lr": 0.05, "weight_decay": 0.1, "momentum": 0.9}, False, torch.float32)
-    finally:
-        _shared.os.posix_fallocate = fallocate  # type: ignore[assignment]
-        SHAPES, _exchange.ROUND_NUMEL = saved[0], saved[1]
-        if saved[2] is None:
-            os.environ.pop(env, None)
-        else:
-            os.environ[env] = saved[2]
-
-
 def _muon_exact(kwargs: dict, hsdp: bool, dtype: torch.dtype) -> dict:
     ref = _model().to(dtype)
     shard_kw = {}
@@ -114,7 +80,7 @@ def _muon_exact(kwargs: dict, hsdp: bool, dtype: torch.dtype) -> dict:
     model = _shard(copy.deepcopy(ref), **shard_kw)
     muon, rest = _split(list(model.parameters()))
     ref_muon, ref_rest = _split(list(ref.parameters()))
-    opts = [torch.optim.Muon(muon, **kwargs), torch.optim.AdamW(rest, lr=1e-2)]
+    opts = [enable_sharded_step(torch.optim.Muon(muon, **kwargs)), torch.optim.AdamW(rest, lr=1e-2)]
     ref_opts = [torch.optim.Muon(ref_muon, **kwargs), torch.optim.AdamW(ref_rest, lr=1e-2)]
     for step in range(3):
         _set_grads(model, ref, step)
@@ -136,8 +102,6 @@ def _muon_exact(kwargs: dict, hsdp: bool, dtype: torch.dtype) -> dict:
     plans = list(_muon._plans[opts[0]].values())
     return {
         "rounds": max(len(p.rounds) for p in plans),
-        # Whether every plan's exchange went through shared memory.
-        "shared": all(p._shared_cache and None not in p._shared_cache.values() for p in plans),
         "params_equal": params_equal,
         "worst": worst,
         "bufs_equal": bufs_equal,
@@ -157,31 +121,6 @@ def test_muon_bit_identical_to_one_device(world: int, round_numel: int | None) -
     kwargs = {"lr": 0.05, "weight_decay": 0.1, "momentum": 0.9}
     for r in run_distributed(_muon_exact_job, world, kwargs, False, torch.float32, round_numel):
         assert r["params_equal"] and r["bufs_equal"] and r["layouts"] and r["grads_back"], r
-
-
-@pytest.mark.parametrize("world,shared", [(2, True), (2, False), (3, True)])
-def test_muon_bit_identical_through_both_transports(world: int, shared: bool) -> None:
-    """The shared-memory exchange (ranks on one host) and gloo's give the same
-    bits as one device, with more rounds than shared-memory slots; the
-    shared-memory files are unlinked once mapped."""
-    import glob
-
-    before = set(glob.glob("/dev/shm/fsdp_compose_exchange_*"))
-    for r in run_distributed(_muon_transport_job, world, shared):
-        assert r["params_equal"] and r["bufs_equal"] and r["layouts"] and r["grads_back"], r
-        assert r["rounds"] > 3 and r["shared"] == shared, r
-    assert set(glob.glob("/dev/shm/fsdp_compose_exchange_*")) <= before
-
-
-def test_shared_memory_refused_on_one_rank_falls_back_to_gloo() -> None:
-    """One rank cannot reserve its region (a full /dev/shm): every rank agrees
-    to use gloo, and the result is still single-device Muon's."""
-    import glob
-
-    before = set(glob.glob("/dev/shm/fsdp_compose_exchange_*"))
-    for r in run_distributed(_muon_transport_job, 2, True, 1):
-        assert r["params_equal"] and r["bufs_equal"] and not r["shared"], r
-    assert set(glob.glob("/dev/shm/fsdp_compose_exchange_*")) <= before
 
 
 @pytest.mark.parametrize(
@@ -225,7 +164,7 @@ def _adafactor_job(world_check: int) -> dict:
     ref = _model()
     model = _shard(copy.deepcopy(ref))
     kwargs = {"lr": 1e-2, "weight_decay": 0.01}
-    opt = torch.optim.Adafactor(model.parameters(), **kwargs)
+    opt = enable_sharded_step(torch.optim.Adafactor(model.parameters(), **kwargs))
     ref_opt = torch.optim.Adafactor(ref.parameters(), **kwargs)
     for step in range(3):
         _set_grads(model, ref, step)
@@ -286,7 +225,7 @@ def _coverage_job(config: str) -> dict:
     model = _shard(_matrices_model(), **kw)
     params = list(model.parameters())
     ref = [nn.Parameter(p.full_tensor()) for p in params]
-    opt = torch.optim.Muon(params, lr=0.02, weight_decay=0.1)
+    opt = enable_sharded_step(torch.optim.Muon(params, lr=0.02, weight_decay=0.1))
     ref_opt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1)
     equal = True
     for step in range(2):
@@ -316,7 +255,7 @@ def _ckpt_job(path: str, phase: str) -> dict:
 
     ref = _matrices_model()  # unused by the sharded run except for shapes of the grads
     model = _shard(_matrices_model())
-    opt = torch.optim.Muon(model.parameters(), lr=0.05)
+    opt = enable_sharded_step(torch.optim.Muon(model.parameters(), lr=0.05))
     first = 0
     if phase == "save":
         for step in range(2):
@@ -375,7 +314,7 @@ def _bad_input_job() -> dict:
     tp = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(1)]))
     setattr(tp, SHARDED_BY, "tp")
     muon_params = [p for p in model.parameters() if p.ndim == 2]
-    opt = torch.optim.Muon([*muon_params, tp], lr=0.1)
+    opt = enable_sharded_step(torch.optim.Muon([*muon_params, tp], lr=0.1))
     _set_grads(model, _model(), 0)
     tp.grad = distribute_tensor(torch.randn(6, 4), mesh, [Shard(1)])
     before = [p.detach().to_local().clone() for p in muon_params]

@@ -21,7 +21,6 @@ from torch import nn
 
 from .._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._estimate import OPTIMIZERS, _check_mesh, estimate, format_bytes, parse_bytes
-from ._heap import HOST_ALLOCATORS
 from ._planner import CostModel, plan_to_budget
 
 _DTYPES = {
@@ -167,15 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where training runs")
     p.add_argument(
-        "--host-allocator",
-        choices=HOST_ALLOCATORS,
-        default=None,
-        help="with --device cpu: glibc's default malloc (freed tensors may stay resident) "
-        "with fsdp_compose's buffers pooled (the library's default), in the heap or mapped; "
-        "or one that returns freed tensors to the system (MALLOC_MMAP_THRESHOLD_ set); "
-        "default: the host buffers this process has (FSDP_COMPOSE_HOST_BUFFERS)",
-    )
-    p.add_argument(
         "--set-to-none",
         action="store_true",
         help="with --device cpu: the loop calls zero_grad(set_to_none=True) (torch's default) "
@@ -251,7 +241,6 @@ def _run(args: argparse.Namespace) -> int:
         "offload_policy": offload,
         "optimizer": args.optimizer,
         "device": args.device,
-        "host_allocator": args.host_allocator,
         "set_to_none": args.set_to_none,
     }
     est = estimate(

@@ -37,17 +37,11 @@ parameter), with ``W`` the shard group size:
   candidate peak of its own: the full matrices an owner rank holds at once and
   the Newton–Schulz temporaries (:func:`_muon_owner_bytes`), counted under
   ``unsharded`` when it is the peak.
-* **allocator** (``device="cpu"``, ``host_allocator="glibc"``): what glibc's
-  default ``malloc`` keeps resident above the live bytes, from a replay of the
-  step's allocation sequence (``_heap.py``, ``[Note: resident memory under
-  glibc's default allocator]``; checkpointed modules are recomputed in it,
-  :func:`~._events.with_recompute`; fsdp_compose's own buffers from 128 KiB on
-  are outside the heap when pooled or mapped, ``_host_memory.py``). 0 with
-  ``host_allocator="mmap"`` and on CUDA.
 
-Not modelled: CUDA caching-allocator fragmentation, kernel workspaces, CUDA
-context, optimizer temporaries outside the glibc replay (torch's ``foreach``
-AdamW holds one extra copy of the states it updates at once).
+The estimate is of allocated tensor bytes (``torch.cuda.max_memory_allocated``
+on a GPU, torch's ``MemTracker`` on any device). Not modelled: allocator excess
+(CUDA caching fragmentation, glibc's resident heap: the planner's headroom),
+kernel workspaces, CUDA context, optimizer temporaries.
 
 Communication is the ideal per-rank byte count (see ``benchmarks/probes.py``):
 an all-gather sends ``(W-1)/W`` of its output, a reduce-scatter ``(W-1)/W`` of its
@@ -64,16 +58,12 @@ from typing import Any
 
 from torch import nn
 
-from .. import _host_memory
 from .._mesh import validate_reshard_after_forward
 from .._policies import MixedPrecisionPolicy, OffloadPolicy
-from ._events import step_events
-from ._heap import HOST_ALLOCATORS, replay
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 from ._profile import ROOT, ModelProfile, ModuleProfile, StepFn, default_step, profile_model
 
 logger = logging.getLogger("fsdp_compose")
-_warned_heap_bound = False
 
 __all__ = ["MemoryEstimate", "estimate", "format_bytes", "parse_bytes"]
 
@@ -84,7 +74,6 @@ BREAKDOWN_KEYS = (
     "unsharded",
     "activations",
     "comm_buffers",
-    "allocator",
 )
 OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "muon": 1}
 
@@ -273,7 +262,6 @@ def estimate(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     optimizer: str = "adamw",
     device: str = "cuda",
-    host_allocator: str | None = None,
     set_to_none: bool = False,
     step_fn: StepFn = default_step,
     profile: ModelProfile | None = None,
@@ -303,32 +291,9 @@ def estimate(
             ``"muon"``.
         device: ``"cuda"`` (default) or ``"cpu"``: where the training runs; it only
             matters with offload (on ``"cpu"`` the offloaded state stays in the peak).
-        host_allocator: how host memory is allocated when ``device="cpu"``:
-            ``"glibc"``: glibc's ``malloc`` with its default settings, where freed
-            tensors can stay resident (the step's allocation sequence is replayed
-            through a model of it, and the excess over the live bytes is reported
-            as ``breakdown["allocator"]``; see ``[Note: resident memory under
-            glibc's default allocator]``), fsdp_compose's per-step buffers
-            included (``set_host_buffers("heap")``); ``"glibc+pooled"``: the same
-            with those buffers outside the heap, reused through fsdp_compose's
-            pool, which keeps them between steps (``set_host_buffers("pooled")``,
-            the default);
-            ``"glibc+mapped"``: on a mapping each (``set_host_buffers("mapped")``);
-            ``None`` (default): whichever of these three this process uses;
-            ``"mmap"``: an allocator that returns every freed tensor to the
-            system, e.g. glibc with ``MALLOC_MMAP_THRESHOLD_=65536`` (or
-            ``mallopt(M_MMAP_THRESHOLD, ...)``), which turns the dynamic
-            threshold off, with fsdp_compose's buffers not pooled (``"heap"``
-            or ``"mapped"``). The process's settings cannot be queried, so this is
-            an explicit choice. Ignored for ``device="cuda"``.
         set_to_none: whether the training loop drops the gradients
             (``optimizer.zero_grad(set_to_none=True)``, torch's default) instead of
-            keeping them between steps. Gradients are counted all step either way;
-            with ``set_to_none`` the CPU replay (``device="cpu"``) has each
-            reduce-scatter output become them instead of a per-step buffer that
-            is added to them and freed (fsdp_compose takes the former from
-            ``torch.empty``, the latter from its pool); with a reduce dtype other
-            than the parameters' the output is cast, a per-step buffer either way.
+            keeping them between steps. Gradients are counted all step either way.
         step_fn: ``fn(model, batch, seq) -> loss`` for one step (default: token
             ids in, cross-entropy on the logits).
         profile: a profile from an earlier call with the same model, units,
@@ -349,15 +314,6 @@ def estimate(
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZERS)}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if host_allocator is None:
-        host_allocator = {"heap": "glibc"}.get(_host_memory.mode(), "glibc+" + _host_memory.mode())
-    if host_allocator not in HOST_ALLOCATORS:
-        raise ValueError(
-            f"host_allocator must be one of {HOST_ALLOCATORS} (glibc's default malloc, or "
-            f"one that returns freed tensors to the system), got {host_allocator!r}"
-        )
-    if device == "cpu" and host_allocator == "glibc" and replicate * shard > 1:
-        _warn_heap_lower_bound()
     if plan is None:
         plan = resolve_plan(model, policy)
     plan.validate_for(model)
@@ -390,31 +346,6 @@ def estimate(
     if owner > peak:
         peak, at = owner, "optimizer step (Muon owner)"
         terms = {"unsharded": owner, "activations": 0, "comm_buffers": 0}
-    terms["allocator"] = 0
-    if device == "cpu" and host_allocator != "mmap":
-        host_buffers = host_allocator.partition("+")[2] or "heap"
-        # a reduce-scatter output cast to the parameters' dtype stays a per-step buffer
-        reduce_dtype = mp_policy.reduce_dtype or mp_policy.param_dtype
-        cast = reduce_dtype is not None and any(
-            p.dtype != reduce_dtype for u in units for p in u.profile.params if p.trainable
-        )
-        resident, resident_at = replay(
-            step_events(
-                units,
-                plan,
-                profile,
-                shard,
-                muon_owner_bytes=owner,
-                adam_like=OPTIMIZERS[optimizer] == 2,
-                host_buffers=host_buffers,
-                grads_kept=not set_to_none or cast,
-            ),
-            # with the buffers in the heap, glibc trims its free top as it goes
-            trim_top=host_buffers == "heap",
-        )
-        if resident > peak:
-            terms["allocator"] = resident - peak
-            peak, at = resident, f"{resident_at} (glibc heap)"
     breakdown = {**per_unit_states, **terms}
     config = {
         "world_size": replicate * shard,
@@ -426,7 +357,6 @@ def estimate(
         "offload": offload,
         "optimizer": optimizer,
         "device": device,
-        "host_allocator": host_allocator if device == "cpu" else None,
         "prefetch_depth": plan.prefetch_depth,
         "units": len(plan.units),
     }
@@ -667,17 +597,3 @@ def _muon_owner_bytes(units: list[_Unit]) -> int:
     round_numel = max(ROUND_NUMEL, m * n) if m else 0
     bf16 = 2
     return bf16 * (10 * round_numel + 3 * m * m + 2 * m * n)
-
-
-def _warn_heap_lower_bound() -> None:
-    """Says once per process that the CPU estimate with heap host buffers is a lower
-    bound at W > 1 ([Note: per-step host buffers outside the heap])."""
-    global _warned_heap_bound
-    if not _warned_heap_bound:
-        _warned_heap_bound = True
-        logger.warning(
-            "fsdp_compose.plan.estimate: with fsdp_compose's per-step CPU buffers in glibc's "
-            "heap (set_host_buffers('heap')) the estimate is a lower bound at W > 1 (measured "
-            "peaks up to 1.54x it); call fsdp_compose.plan.set_host_buffers('pooled') (the "
-            "default) before training (and estimating) for a peak within 10% of the estimate"
-        )

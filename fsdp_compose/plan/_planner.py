@@ -320,7 +320,6 @@ def plan_to_budget(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     optimizer: str = "adamw",
     device: str = "cuda",
-    host_allocator: str | None = None,
     set_to_none: bool = False,
     activation_checkpointing: bool = True,
     cost: CostModel = CostModel(),
@@ -338,7 +337,7 @@ def plan_to_budget(
         model: the unwrapped model (usually on the meta device).
         budget: bytes per rank (``int``) or a size such as ``"80GiB"``.
         batch, seq, world_size, mesh_shape, policy, mp_policy, offload_policy,
-            optimizer, device, host_allocator, set_to_none, step_fn: as for
+            optimizer, device, set_to_none, step_fn: as for
             :func:`estimate`; ``policy`` gives the finest unit boundaries the
             planner groups.
         activation_checkpointing: whether the planner may turn it on.
@@ -350,12 +349,9 @@ def plan_to_budget(
             not model: a plan fits when its estimate is at most
             ``(1 - headroom) * budget``. Default: ``0`` on CUDA; with
             ``device="cpu"`` ``0.13``, or ``0.18`` for a plan that checkpoints:
-            glibc's heap grows over the first steps of any torch process, which
-            the estimate (one step after a warm-up step) does not model; over
-            five steps the benchmark models measured up to 1.141 times their
-            estimate without checkpointing and 1.207 times with it (recompute
-            interleaves with the gradients; BENCHMARKS.md): the least round
-            values that cover both.
+            the estimate counts allocated tensor bytes, and a CPU process's
+            resident memory exceeds them by what glibc's heap keeps (it grows
+            over the first steps of any torch process; BENCHMARKS.md).
 
     Returns:
         A :class:`PlanResult`; ``result.fits`` is False (with what is missing in
@@ -382,7 +378,6 @@ def plan_to_budget(
         "mp_policy": mp_policy,
         "optimizer": optimizer,
         "device": device,
-        "host_allocator": host_allocator,
         "set_to_none": set_to_none,
         "step_fn": step_fn,
         "profile": profile,

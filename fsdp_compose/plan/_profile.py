@@ -270,7 +270,7 @@ class _AllocTrace(TorchDispatchMode):
     gradient accumulated (``key``: that gradient's storage, which fsdp_compose
     frees at the unit's post-backward, after packing it for the reduction), and
     ``("loss", "")`` between forward and backward. The parameters themselves are
-    not in the trace: fsdp_compose's buffers stand for them (``_heap.py``).
+    not in the trace: fsdp_compose's buffers stand for them.
     """
 
     def __init__(self, existing: set[int]) -> None:

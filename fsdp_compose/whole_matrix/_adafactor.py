@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from .. import _compat, _optim
+from .. import _compat
 from ._exchange import ShardLayout, layout_of
 from ._muon import _ours
 
@@ -207,6 +207,3 @@ def adafactor_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             for job, (update_sq,) in zip(jobs, _all_reduce(seconds, layout)):
                 job.apply(update_sq.item())
     return [p for _, p, _ in found]
-
-
-_optim.register_step_handler(torch.optim.Adafactor, adafactor_step)

@@ -65,43 +65,6 @@ on one *owner* rank of the shard group:
   process CPU (more messages and wake-ups; ``send`` on the calling thread waits
   on gloo's I/O thread). Smaller rounds (``2^18``, ``2^19``) were no faster:
   on two busy cores the overlap saves less than the extra collectives cost.
-* Issue 12, stop 15 (same setup, two cores shared with other jobs; on-CPU
-  numbers, which the sharing disturbs least): inside the step each collective
-  costs 0.4-0.6 ms of process CPU (gloo's threads waking on busy cores, and
-  Newton–Schulz slowed by them), against under 0.1 ms for the same exchange
-  alone. Hence rounds of 2^21 elements: the GPT's 8 rounds become 3, 4-6 ms less CPU
-  per rank (~0.03 of one process's step); 3·2^20 and 2^22 (2 rounds) were no
-  better, at more memory. Tried and not kept: uneven rounds (each owner's
-  smallest matrix alone first and its next smallest alone last, so the first
-  Newton–Schulz starts after a short gather and the last return is short):
-  the square stack's 2 collectives become 6, +2.5 ms CPU, no faster; one
-  matrix per round likewise. Weight decay of every shard moved into the first
-  gather's wait (the tail after the last return is adds only): no change, the
-  parameters are read twice. ``os.sched_yield()`` after each post, to let
-  gloo's thread start sending at once: no change.
-* Issue 12, stop 15b (same setup, shared machine): on two cores, a ``W=2``
-  step is CPU-bound (both ranks' main threads and gloo's threads share them;
-  the step's wall time is about the ranks' CPU over two plus the ranks'
-  imbalance), so a wait is shortened only by using less CPU somewhere, not by
-  moving work into it (the overlap ideas of stop 15 gained nothing for that
-  reason; the fill of this rank's own rows already runs while the gather
-  travels, and its own results' rows are applied while the return does).
-  Kept: buffers reused from step to step and Newton–Schulz with ``out=``
-  (see [Note: exchange buffers are reused]), and each parameter's layout
-  looked up once per spec: Newton–Schulz's main-thread CPU on the square stack
-  went from 16.6-18.5 to 15.5-16.5 ms per rank, minor faults from up to 1,100
-  to 0 per step, process CPU −0.01 to −0.05 of one process's step (the GPT's
-  unchanged). Then, on one host, the rows through shared memory (see [Note:
-  the exchange through shared memory]; Muon only, whose plans are cached):
-  gloo's threads' CPU per rank and step 1.5 → 0.5 ms (square stack) and 6.7
-  → 1.8-5 ms (GPT), wall −0.04 to −0.08 of one process's step for both. Measured
-  and not kept: one ``isend``/``irecv`` pair per round instead of the
-  all-to-all at ``W=2`` (1 MiB each way, alone: 0.31-0.34 against 0.32-0.37 ms
-  of process CPU, the same; ``batch_isend_irecv`` the same and slower in wall
-  time); the last Newton–Schulz iteration of a tall matrix written straight
-  into a row-major result (``out=`` a transposed view, no ``.contiguous()``
-  copy): not bit-identical for some shapes (``(1000, 300)``) and slower for
-  others (``(2048, 512)``: 3.7 against 2.6 ms).
 * HSDP: owners are chosen within each shard group; every replica group repeats
   the same work on its identical data, which costs no communication across
   replicas (the alternative, splitting the owners over all ranks, would need the
@@ -120,7 +83,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import _compat
-from . import _shared
 
 
 @dataclass(frozen=True)
@@ -224,11 +186,6 @@ class ExchangePlan:
     rounds: list[list[list[int]]]
     _rounds_cache: list[_Round] | None = field(default=None, repr=False, compare=False)
     pool: BufferPool = field(default_factory=lambda: BufferPool(), repr=False, compare=False)
-    # Per (comm, result) dtype: the mapped regions (kept with their views) and each
-    # round's views, or None where the exchange stays on gloo.
-    _shared_cache: dict[
-        tuple[torch.dtype, torch.dtype], tuple[_shared.SharedRegions, list[_SharedRound]] | None
-    ] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -326,74 +283,6 @@ class ExchangePlan:
         shapes = [self.shapes[i] for i in mine]
         return _Round(mine, shapes, to_owner, from_rank, my_rows, own, others_rows, block)
 
-    def _shared_rounds(
-        self, comm_dtype: torch.dtype, result_dtype: torch.dtype, device: torch.device
-    ) -> list[_SharedRound] | None:
-        """Each round's views of the shared-memory regions (see [Note: the exchange
-        through shared memory]), or ``None`` where the exchange stays on gloo.
-        A collective the first time for a pair of dtypes."""
-        key = (comm_dtype, result_dtype)
-        if key in self._shared_cache:
-            cached = self._shared_cache[key]
-            return None if cached is None else cached[1]
-        layout, me, world = self.layout, self.layout.rank, self.layout.world
-        assert layout.group is not None
-        # Element offsets, the same on every rank: rank r's rows of matrix i in
-        # r's gather part, and rank x's rows of matrix i in its owner's return part.
-        sent: list[dict[tuple[int, int], int]] = []
-        returned: list[dict[tuple[int, int], int]] = []
-        gather_numel = return_numel = 0
-
-        def lay_out(table: dict[tuple[int, int], int], pieces: list[tuple[int, int]]) -> int:
-            """Offsets of consecutive (rank, matrix) row pieces; their total."""
-            offset = 0
-            for r, i in pieces:
-                table[r, i] = offset
-                offset += self._numel(r, i)
-            return offset
-
-        ranks = range(world)
-        for rnd in self.rounds:
-            sent.append({})
-            returned.append({})
-            for r in ranks:  # r's gather part, and r's return part as an owner
-                outgoing = [(r, i) for o in ranks if o != r for i in rnd[o]]
-                gather_numel = max(gather_numel, lay_out(sent[-1], outgoing))
-                incoming = [(x, i) for x in ranks if x != r for i in rnd[r]]
-                return_numel = max(return_numel, lay_out(returned[-1], incoming))
-        shm = None
-        if device.type == "cpu":
-            shm = _shared.open_regions(
-                layout.group, me, world, gather_numel, return_numel, comm_dtype, result_dtype
-            )
-        if shm is None:
-            self._shared_cache[key] = None
-            return None
-        result: list[_SharedRound] = []
-        for b, rd in enumerate(self._schedule()):
-            slot = b % _shared.SLOTS
-            mine = rd.mine
-            send = shm.gather(me, slot, sum(rd.to_owner))
-            back = shm.result(me, slot, sum(rd.from_rank))
-            peers: list[tuple[int, int, int, torch.Tensor]] = []
-            for r in range(world):
-                if r == me:
-                    continue
-                for k, i in enumerate(mine):
-                    start, end = layout.rows(r, self.shapes[i][0])
-                    numel = (end - start) * self.shapes[i][1]
-                    if numel:
-                        src = shm.gather(r, slot, sent[b][r, i] + numel)[sent[b][r, i] :]
-                        peers.append((k, start, end, src))
-            rows: list[tuple[int, torch.Tensor]] = []
-            for i, _, numel, n in rd.my_rows:
-                owner = self.owners[i]
-                at = returned[b][me, i]
-                rows.append((i, shm.result(owner, slot, at + numel)[at:].view(-1, n)))
-            result.append(_SharedRound(send, back, peers, rows))
-        self._shared_cache[key] = (shm, result)
-        return result
-
     def run(
         self,
         fill: Callable[[int, torch.Tensor], None],
@@ -403,7 +292,6 @@ class ExchangePlan:
         comm_dtype: torch.dtype,
         result_dtype: torch.dtype,
         device: torch.device,
-        shared_memory: bool = False,
         recycle_inputs: bool = False,
     ) -> None:
         """For each matrix ``i``: ``compute(i, full)`` on its owner, where ``full``
@@ -411,11 +299,8 @@ class ExchangePlan:
         (``rows``: a contiguous ``comm_dtype`` tensor to overwrite with its local
         rows); then ``consume(i, rows)`` on every rank with its rows of the result
         (``result_dtype``). ``fill`` is called once per matrix this rank holds rows
-        of, round by round. ``shared_memory``: move the rows through shared memory
-        where every rank of the group is on this host (for a plan that is run
-        many times: the first run maps the regions, a collective). See [Note:
-        owner compute for whole-matrix optimizers] and [Note: the exchange through
-        shared memory]. ``recycle_inputs``: ``compute`` keeps no reference to
+        of, round by round. See [Note: owner compute for whole-matrix optimizers].
+        ``recycle_inputs``: ``compute`` keeps no reference to
         ``full`` (other than through its result), so the buffer is reused
         afterwards (see [Note: exchange buffers are reused])."""
         layout = self.layout
@@ -489,45 +374,7 @@ class ExchangePlan:
             if rnd.block is None:
                 pool.give(send)
 
-        shared = self._shared_rounds(comm_dtype, result_dtype, device) if shared_memory else None
-        if shared is not None:
-            group = layout.group
-
-            def post_gather_shared(rnd: _Round) -> Pending:
-                fulls = [empty(m * n, comm_dtype).view(m, n) for m, n in rnd.shapes]
-                send = by_round[id(rnd)].send
-                for i, offset, numel, n in rnd.my_rows:  # written in place
-                    fill(i, send[offset : offset + numel].view(-1, n))
-                work = _shared.signal(group)
-                for k, i, start, end in rnd.own:
-                    fill(i, fulls[k][start:end])
-                return work, fulls, []
-
-            def assemble_shared(rnd: _Round, pending: Pending) -> list[torch.Tensor]:
-                work, fulls, _ = pending
-                work.wait()
-                for k, start, end, src in by_round[id(rnd)].peers:
-                    fulls[k][start:end].view(-1).copy_(src)
-                return fulls
-
-            def post_return_shared(rnd: _Round, results: list[torch.Tensor]) -> Pending:
-                back = by_round[id(rnd)].back
-                for k, start, end, offset, numel in rnd.others_rows:
-                    rows = results[k][start:end]
-                    back[offset : offset + numel].view(rows.shape).copy_(rows)
-                return _shared.signal(group), [], results
-
-            def finish_return_shared(rnd: _Round, pending: Pending) -> None:
-                pending[0].wait()
-                for i, rows in by_round[id(rnd)].rows:
-                    consume(i, rows)
-
-            post_gather, assemble = post_gather_shared, assemble_shared
-            post_return, finish_return = post_return_shared, finish_return_shared
-
         rounds = self._schedule()
-        if shared is not None:
-            by_round = {id(rnd): views for rnd, views in zip(rounds, shared)}
         gathering = post_gather(rounds[0]) if rounds else None
         returning: tuple[_Round, Pending] | None = None
         for b, rnd in enumerate(rounds):
@@ -571,20 +418,6 @@ class _Round:
     own: list[tuple[int, int, int, int]]  # (index in mine, matrix, first row, end row)
     others_rows: list[tuple[int, int, int, int, int]]  # (index in mine, rows, offset, numel)
     block: tuple[int, int] | None  # a single matrix's other rows: received in place
-
-
-@dataclass(frozen=True)
-class _SharedRound:
-    """One round's views of the shared-memory regions: this rank's gather part
-    (``send``, the layout of the gather's send buffer) and return part (``back``,
-    the return's send layout), the other ranks' rows of this rank's matrices
-    (index in ``mine``, rows, their view), and this rank's rows of the other
-    owners' results (matrix, view)."""
-
-    send: torch.Tensor
-    back: torch.Tensor
-    peers: list[tuple[int, int, int, torch.Tensor]]
-    rows: list[tuple[int, torch.Tensor]]
 
 
 class BufferPool:

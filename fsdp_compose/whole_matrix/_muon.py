@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _compat, _optim
+from .. import _compat
 from .._sharded_param import SHARDED_BY
 from ._exchange import BufferPool, ExchangePlan, ShardLayout, layout_of
 
@@ -244,9 +244,5 @@ def _run(
             comm_dtype=torch.bfloat16,
             result_dtype=torch.bfloat16,
             device=device,
-            shared_memory=True,  # the plan is cached: its regions are mapped once
             recycle_inputs=True,  # Newton-Schulz keeps nothing of its input
         )
-
-
-_optim.register_step_handler(torch.optim.Muon, muon_step)

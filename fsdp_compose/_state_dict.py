@@ -1,27 +1,30 @@
-"""Loading full (unsharded) state dicts into a sharded model: beyond FSDP2.
+"""State-dict hooks of a unit, and loading full (unsharded) state dicts.
 
-torch's FSDP2 loads only state dicts of sharded DTensors (a full one goes through
-``torch.distributed.checkpoint.state_dict.set_model_state_dict``). Here
+``state_dict()`` and ``load_state_dict()`` see the sharded DTensor parameters, as
+in FSDP2. Beyond FSDP2 (which loads only sharded DTensors; a full state dict goes
+through ``torch.distributed.checkpoint.state_dict.set_model_state_dict``),
 ``load_state_dict`` also takes a full plain tensor of a parameter's global shape,
 and with tensor parallel a DTensor laid out by TP alone (a state dict saved before
 ``fully_shard``): each rank cuts its own shard locally, without communication.
-
-This module is an extension: it fills in the core's registration point in the
-load hooks that ``fully_shard`` installs (``fsdp_compose._fully_shard.load_conversion``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import _compat, _fully_shard
+from . import _compat
 from ._sharded_param import ShardedParam, _shard_dim_of
+from ._unit import Unit
 
-__all__ = ["shard_of", "sharded_from_state"]
+if TYPE_CHECKING:
+    from ._hooks import UnitState
+
+__all__ = ["register_state_dict_hooks", "shard_of", "sharded_from_state"]
 
 
 def shard_of(p: ShardedParam, full: torch.Tensor) -> torch.Tensor:
@@ -86,7 +89,7 @@ def sharded_from_state(
     return p.make_sharded_grad(local)
 
 
-def _convert(
+def _convert_loaded(
     state_dict: dict[str, Any], prefix: str, params: list[tuple[str, ShardedParam]], assign: bool
 ) -> None:
     for name, p in params:
@@ -98,4 +101,40 @@ def _convert(
                 state_dict[key] = sharded
 
 
-_fully_shard.load_conversion = _convert
+def register_state_dict_hooks(
+    unit: Unit, state: UnitState, owners: list[tuple[nn.Module, str, ShardedParam]] | None = None
+) -> None:
+    """``state_dict()`` and ``load_state_dict()`` see the sharded parameters (full
+    values loaded are cut into shards); ``owners`` limits the hooks to these
+    registrations of ``unit``'s parameters (a borrower's, ``_shared``)."""
+    if owners is None:
+        owners = [(module, name, p) for p in unit.params for module, name in p.owners]
+    owner_params: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
+    for module, name, p in owners:
+        owner_params.setdefault(module, []).append((name, p))
+
+    def reshard(*_: Any) -> None:
+        state.reshard(unit)
+
+    for module, params in owner_params.items():
+
+        def load_pre_hook(
+            _module: nn.Module,
+            state_dict: dict[str, Any],
+            prefix: str,
+            local_metadata: dict[str, Any] | None = None,
+            *_: Any,
+            _params: list[tuple[str, ShardedParam]] = params,
+        ) -> None:
+            reshard()
+            assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
+            _convert_loaded(state_dict, prefix, _params, assign)
+
+        def load_post_hook(*_: Any) -> None:
+            # Parameters may have been re-assigned (assign=True).
+            state.reshard(unit)
+            unit.invalidate()
+
+        module.register_state_dict_pre_hook(reshard)
+        module.register_load_state_dict_pre_hook(load_pre_hook)
+        module.register_load_state_dict_post_hook(load_post_hook)

@@ -1,0 +1,164 @@
+"""The runtime's one event interface: what one root's units and collectives do.
+
+[Note: runtime events]
+Each root's tree of units shares one :class:`Events` object, held by the tree's
+:class:`~fsdp_compose._scheduler.ScheduleSettings` before the first forward and
+by its scheduler after. Tools and checks subscribe an :class:`Observer` to it
+(``FSDPModule.register_observer``): the timeline (``trace``), the desync checks
+(``debug``), the runtime's own checks of unit use (``_validation``) and the
+tests' collective logs all see the same calls, in program order. Nothing is
+module-global: two roots in one process have two event lists and two step
+counters. With no observer, an event costs one truthiness check of a list.
+
+An observer may raise from ``on_collective("issue", ...)``: the collective is
+then not launched (the debug checks raise a mismatch this way, on every rank,
+before any data moves).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ._unit import Unit
+
+__all__ = ["CollectiveEvent", "CollectiveInfo", "CollectiveKind", "Events", "Observer", "UnitEvent"]
+
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
+#: ``issue``: the training thread is about to launch it; ``complete``: the backend
+#: finished it (from its own thread where the work has a future, else at the wait);
+#: ``wait_begin``/``wait_end``: the training thread waits for it.
+CollectiveEvent = Literal["issue", "complete", "wait_begin", "wait_end"]
+#: What a unit does: its lazy init, its forward and backward spans, a gather
+#: finished (``gathered``) or about to be freed (``resharding``), and the
+#: scheduler's prefetch decisions.
+UnitEvent = Literal[
+    "lazy_init",
+    "forward_begin",
+    "forward_end",
+    "backward_begin",
+    "backward_end",
+    "gathered",
+    "resharding",
+    "prefetch",
+    "prefetch_deferred",
+]
+
+
+@dataclass(frozen=True)
+class CollectiveInfo:
+    """One collective as this rank issues it: enough to count, size and
+    cross-check collectives. ``seq`` numbers the collectives of one root's tree."""
+
+    kind: CollectiveKind
+    label: str  # the unit's name (its module's FQN)
+    group: dist.ProcessGroup
+    input_numel: int
+    output_numel: int
+    dtype: torch.dtype
+    step: int
+    seq: int
+    custom: bool = False  # issued through a user's Comm (set_custom_all_gather, ...)
+
+    @property
+    def group_size(self) -> int:
+        return self.group.size()
+
+    @property
+    def input_bytes(self) -> int:
+        return self.input_numel * self.dtype.itemsize
+
+    @property
+    def output_bytes(self) -> int:
+        return self.output_numel * self.dtype.itemsize
+
+
+class Observer:
+    """Subscribes to one root's runtime events (see [Note: runtime events]).
+    Every method does nothing here: override the ones you need."""
+
+    def on_step(self, step: int) -> None:
+        """A forward pass of the root began: ``step`` counts them from 1."""
+
+    def on_unit(self, event: UnitEvent, unit: Unit) -> None:
+        """``unit`` (``unit.name`` is its module's FQN) did ``event``."""
+
+    def on_memory(
+        self, event: Literal["alloc", "free"], unit: Unit, nbytes: int, total: int
+    ) -> None:
+        """``unit`` began or stopped holding ``nbytes`` of unsharded parameters;
+        ``total``: what the root's units hold now."""
+
+    def on_collective(self, event: CollectiveEvent, info: CollectiveInfo) -> None:
+        """A collective of the root's units was issued, completed or waited for."""
+
+
+class Events:
+    """The observers of one root's tree, in subscription order, and its step count.
+    Each kind of event goes only to the observers that override its method, so an
+    observer of unit events adds nothing to the cost of a collective."""
+
+    __slots__ = ("_seq", "observers", "on_collective", "on_memory", "on_step", "on_unit", "step")
+
+    def __init__(self, observers: Iterable[Observer] = ()) -> None:
+        self.observers: list[Observer] = []
+        self.on_step: tuple[Observer, ...] = ()
+        self.on_unit: tuple[Observer, ...] = ()
+        self.on_memory: tuple[Observer, ...] = ()
+        self.on_collective: tuple[Observer, ...] = ()  # read on the hot path
+        self.step = 0  # forward passes of the root begun so far
+        self._seq = itertools.count()
+        for observer in observers:
+            self.add(observer)
+
+    def add(self, observer: Observer, *, first: bool = False) -> None:
+        if not isinstance(observer, Observer):
+            raise TypeError(
+                f"an fsdp_compose observer must subclass fsdp_compose.Observer, got "
+                f"{type(observer).__name__}"
+            )
+        if observer not in self.observers:
+            self.observers.insert(0 if first else len(self.observers), observer)
+            self._split()
+
+    def remove(self, observer: Observer) -> None:
+        if observer in self.observers:
+            self.observers.remove(observer)
+            self._split()
+
+    def _split(self) -> None:
+        for name in ("on_step", "on_unit", "on_memory", "on_collective"):
+            default = getattr(Observer, name)
+            chosen = tuple(o for o in self.observers if getattr(type(o), name) is not default)
+            setattr(self, name, chosen)
+
+    def adopt(self, other: Events) -> None:
+        """Takes over ``other``'s observers (a subtree annotated earlier)."""
+        for observer in other.observers:
+            self.add(observer)
+
+    def begin_step(self) -> None:
+        self.step += 1
+        for observer in self.on_step:
+            observer.on_step(self.step)
+
+    def unit(self, event: UnitEvent, unit: Unit) -> None:
+        for observer in self.on_unit:
+            observer.on_unit(event, unit)
+
+    def memory(self, event: Literal["alloc", "free"], unit: Unit, nbytes: int, total: int) -> None:
+        for observer in self.on_memory:
+            observer.on_memory(event, unit, nbytes, total)
+
+    def collective(self, event: CollectiveEvent, info: CollectiveInfo) -> None:
+        for observer in self.on_collective:
+            observer.on_collective(event, info)
+
+    def next_seq(self) -> int:
+        return next(self._seq)

@@ -1,0 +1,130 @@
+"""torch's own tools see the same collectives as with torch's FSDP2.
+
+``CommDebugMode`` (the dispatch-level counter FSDP2's own tests use) counts the
+collectives of one training step for fsdp_compose and for torch's FSDP2 on the
+same model, settings and data, in the same job: the kinds and numbers must be
+equal, step by step. The profiler sees every hook and collective under a label
+naming the unit.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from helpers import local_slice, rank_world
+from gpt import GPT, GPTConfig, loss_fn, make_batch
+from models import TINY_GPT
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+
+from fsdp_compose import fully_shard
+
+
+def _shard(model: GPT, shard_fn: Any, options: dict[str, Any], mesh: Any) -> GPT:
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if "reshard_after_forward" in options:
+        kwargs["reshard_after_forward"] = options["reshard_after_forward"]
+    for block in model.blocks:
+        shard_fn(block, **kwargs)
+    shard_fn(model, mesh=mesh)
+    return model
+
+
+def _counts(mode: CommDebugMode) -> dict[str, int]:
+    return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+
+
+def _count_job(options: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    rank, world = rank_world()
+    if options.get("hsdp"):
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    cfg = GPTConfig(**TINY_GPT)
+    base = GPT(cfg)
+    ours = _shard(copy.deepcopy(base), fully_shard, options, mesh)
+    theirs = _shard(copy.deepcopy(base), torch_fully_shard, options, mesh)
+    micro = options.get("micro", 1)
+    out: dict[str, Any] = {"ours": [], "theirs": []}
+    for name, model in (("ours", ours), ("theirs", theirs)):
+        for step in range(2):
+            x, y = make_batch(cfg, 2 * world * micro, step)
+            xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
+            per_micro = xs.shape[0] // micro
+            for i in range(micro):
+                model.set_requires_gradient_sync(i == micro - 1)  # type: ignore[operator]
+                with CommDebugMode() as fwd:
+                    loss = loss_fn(
+                        model(xs[i * per_micro : (i + 1) * per_micro]),
+                        ys[i * per_micro : (i + 1) * per_micro],
+                    )
+                with CommDebugMode() as bwd:
+                    loss.backward()
+                out[name].append({"forward": _counts(fwd), "backward": _counts(bwd)})
+            if step == 0:
+                model.zero_grad()
+    out["grad_diff"] = max(
+        (a.grad.full_tensor() - b.grad.full_tensor()).abs().max().item()
+        for a, b in zip(ours.parameters(), theirs.parameters())
+        if a.grad is not None
+    )
+    dist.barrier()
+    return out
+
+
+CASES = [
+    (2, {"reshard_after_forward": True}),
+    (4, {"reshard_after_forward": True}),
+    (2, {"reshard_after_forward": False}),
+    (4, {"reshard_after_forward": 2}),
+    (4, {"hsdp": True}),
+    (2, {"micro": 2}),
+]
+
+
+@pytest.mark.parametrize(("world", "options"), CASES, ids=[str(c) for c in CASES])
+def test_comm_debug_mode_counts_match_torch_fsdp2(world: int, options: dict[str, Any]) -> None:
+    for r in run_distributed(_count_job, world, options):
+        assert r["ours"] == r["theirs"], r
+        steps = r["ours"]
+        # what the counter sees are the real collectives: all-gathers in forward
+        assert any("allgather" in k for k in steps[0]["forward"]), steps[0]
+        assert r["grad_diff"] == 0.0, r["grad_diff"]
+
+
+def _profile_job() -> list[str]:
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    cfg = GPTConfig(**TINY_GPT)
+    model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    x, y = make_batch(cfg, 2 * world, 0)
+    loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    return sorted({e.name for e in prof.events() if e.name.startswith("fsdp_compose::")})
+
+
+def test_profiler_labels_name_the_unit() -> None:
+    names = run_distributed(_profile_job, 2)[0]
+    for label in (
+        "fsdp_compose::pre_forward (blocks.1)",
+        "fsdp_compose::post_forward (blocks.1)",
+        "fsdp_compose::pre_backward (blocks.1)",
+        "fsdp_compose::post_backward (blocks.1)",
+        "fsdp_compose::all_gather (blocks.1)",
+        "fsdp_compose::reduce_scatter (blocks.1)",
+        "fsdp_compose::all_gather (root)",
+        "fsdp_compose::finalize_backward",
+    ):
+        assert label in names, (label, names)
