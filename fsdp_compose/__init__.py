@@ -14,20 +14,20 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._collectives import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
-from ._events import CollectiveInfo, Observer
-from ._fsdp_module import (
+from ._grad_scaler import ShardedGradScaler
+from ._optim import enable_sharded_step
+from ._pipelining import PipelineStage
+from ._runtime._collectives import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
+from ._runtime._events import CollectiveInfo, Observer
+from ._runtime._fsdp_module import (
     FSDPModule,
     UnshardHandle,
     register_fsdp_forward_method,
     share_comm_ctx,
 )
-from ._fully_shard import fully_shard
-from ._grad_scaler import ShardedGradScaler
-from ._mesh import DataParallelMeshDims
-from ._optim import enable_sharded_step
-from ._pipelining import PipelineStage
-from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._runtime._fully_shard import fully_shard
+from ._runtime._mesh import DataParallelMeshDims
+from ._runtime._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 if TYPE_CHECKING:
     from . import debug, plan, safetensors_io, trace, whole_matrix

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import _compat
+from ._runtime import _compat
 
 __all__ = ["ShardedGradScaler"]
 

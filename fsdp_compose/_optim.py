@@ -53,8 +53,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _compat
-from ._sharded_param import SHARDED_BY
+from ._runtime import _compat
+from ._runtime._sharded_param import SHARDED_BY
 
 #: A sharded update for one optimizer class: it updates the parameters it can
 #: (their states included) and returns them; torch's own ``step`` then skips them.
@@ -139,27 +139,6 @@ def enable_sharded_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
         _move(optimizer, "_optimizer_step_post_hooks", post.id, last=False)
         _records[optimizer] = _Record(pre.id, post.id)
     return optimizer
-
-
-# Per optimizer: (parameter count when looked at, holds a parameter of ours).
-_managed: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _manages(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` holds a parameter sharded by fsdp_compose (looked at
-    again only when its parameter count changes)."""
-    count = sum(len(g["params"]) for g in optimizer.param_groups)
-    seen = _managed.get(optimizer)
-    if seen is None or seen[0] != count:
-        ours = any(
-            getattr(p, SHARDED_BY, None) is not None
-            for g in optimizer.param_groups
-            for p in g["params"]
-        )
-        seen = _managed[optimizer] = (count, ours)
-    return seen[1]
 
 
 def _move(optimizer: torch.optim.Optimizer, attr: str, key: int, *, last: bool) -> None:

@@ -47,10 +47,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _compat, _env
-from ._errors import CollectiveMismatchError
-from ._events import CollectiveEvent, CollectiveInfo, Observer
-from ._fsdp_module import FSDPModule
+from ._runtime import _compat, _env
+from ._runtime._errors import CollectiveMismatchError
+from ._runtime._events import CollectiveEvent, CollectiveInfo, Observer
+from ._runtime._fsdp_module import FSDPModule
 
 __all__ = [
     "CollectiveChecks",

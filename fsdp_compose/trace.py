@@ -40,9 +40,9 @@ from typing import Any, Literal, cast
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._events import CollectiveEvent, CollectiveInfo, Observer, UnitEvent
-from ._fsdp_module import FSDPModule
-from ._unit import Unit
+from ._runtime._events import CollectiveEvent, CollectiveInfo, Observer, UnitEvent
+from ._runtime._fsdp_module import FSDPModule
+from ._runtime._unit import Unit
 
 __all__ = ["Timeline", "merge_chrome_traces", "recording"]
 

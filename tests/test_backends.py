@@ -28,7 +28,9 @@ from models import TINY_GPT
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fsdp_compose import _collectives, _events, fully_shard
+from fsdp_compose import fully_shard
+
+from fsdp_compose._runtime import _collectives, _events
 
 TINY = TINY_GPT
 LOSS_TOL = 1e-5

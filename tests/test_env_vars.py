@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_compose import _env
+from fsdp_compose._runtime import _env
 
 _ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_flag_choice_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flag_and_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     for value, expected in [
         ("1", True),
         ("TRUE", True),
@@ -28,13 +28,6 @@ def test_flag_choice_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FSDP_COMPOSE_X", "ture")
     with pytest.raises(ValueError, match=r"FSDP_COMPOSE_X='ture' is not valid: use 1 or 0"):
         _env.flag("FSDP_COMPOSE_X", False)
-    monkeypatch.setenv("FSDP_COMPOSE_X", "native")
-    assert _env.choice("FSDP_COMPOSE_X", ("a", "native"), "a") == "native"
-    monkeypatch.setenv("FSDP_COMPOSE_X", "Native")
-    with pytest.raises(
-        ValueError, match=r"'Native' is not valid: use one of a, native \(default a\)"
-    ):
-        _env.choice("FSDP_COMPOSE_X", ("a", "native"), "a")
     monkeypatch.delenv("FSDP_COMPOSE_X")
     assert _env.seconds("FSDP_COMPOSE_X") is None
     for bad in ("soon", "-1", "0", "nan", "inf"):
@@ -62,7 +55,8 @@ def test_every_variable_read_is_validated() -> None:
 
 
 def test_invalid_values_read_at_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fsdp_compose import _env, debug
+    from fsdp_compose import debug
+    from fsdp_compose._runtime import _env
 
     monkeypatch.setenv("FSDP_COMPOSE_DEBUG_TIMEOUT", "5s")
     with pytest.raises(ValueError, match="FSDP_COMPOSE_DEBUG_TIMEOUT='5s'"):

@@ -17,7 +17,7 @@ from helpers import local_slice, rank_world, tensor_diff
 from models import TINY_GPT
 
 from fsdp_compose import debug, fully_shard
-from fsdp_compose._unit import ShardState
+from fsdp_compose._runtime._unit import ShardState
 
 TINY = TINY_GPT
 

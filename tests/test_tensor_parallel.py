@@ -40,7 +40,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from train_tp import apply_tensor_parallel, apply_tp_fsdp
 
-from fsdp_compose import MixedPrecisionPolicy, _compat, fully_shard
+from fsdp_compose import MixedPrecisionPolicy, fully_shard
+
+from fsdp_compose._runtime import _compat
 
 CFG = dict(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=34)
 DP, TP = 2, 2

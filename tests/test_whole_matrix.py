@@ -301,7 +301,7 @@ def test_muon_checkpoint_resumes_at_another_world_size(tmp_path) -> None:
 def _bad_input_job() -> dict:
     from torch.distributed.tensor import Shard
 
-    from fsdp_compose._sharded_param import SHARDED_BY
+    from fsdp_compose._runtime._sharded_param import SHARDED_BY
 
     model = _shard(_model())
     out: dict = {}

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .._runtime._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._estimate import OPTIMIZERS, _check_mesh, estimate, format_bytes, parse_bytes
 from ._planner import CostModel, plan_to_budget
 

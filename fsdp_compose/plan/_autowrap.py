@@ -9,9 +9,9 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, Shard
 
-from .._fsdp_module import FSDPModule
-from .._fully_shard import fully_shard
-from .._policies import MixedPrecisionPolicy, OffloadPolicy
+from .._runtime._fsdp_module import FSDPModule
+from .._runtime._fully_shard import fully_shard
+from .._runtime._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._policy import ShardingPlan, WrapPolicy, resolve_plan
 
 __all__ = ["auto_wrap"]

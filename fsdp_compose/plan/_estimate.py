@@ -58,8 +58,8 @@ from typing import Any
 
 from torch import nn
 
-from .._mesh import validate_reshard_after_forward
-from .._policies import MixedPrecisionPolicy, OffloadPolicy
+from .._runtime._mesh import validate_reshard_after_forward
+from .._runtime._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 from ._profile import ROOT, ModelProfile, ModuleProfile, StepFn, default_step, profile_model
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from torch import nn
 
-from .._policies import MixedPrecisionPolicy, OffloadPolicy
+from .._runtime._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._estimate import MemoryEstimate, _check_mesh, estimate, format_bytes, parse_bytes
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 from ._profile import ROOT, StepFn, default_step, profile_model
@@ -500,7 +500,7 @@ def _suggest(
             "reduce the micro-batch or sequence length"
         )
     if device == "cuda" and type(offload).__name__ != "CPUOffloadPolicy":
-        from .._policies import CPUOffloadPolicy
+        from .._runtime._policies import CPUOffloadPolicy
 
         shape = (replicate, shard) if replicate > 1 else (shard,)
         peak, cap = _min_peak(model, base, shape, CPUOffloadPolicy(), common, caps)

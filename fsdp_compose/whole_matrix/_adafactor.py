@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from .. import _compat
+from .._runtime import _compat
 from ._exchange import ShardLayout, layout_of
 from ._muon import _ours
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _compat
+from .._runtime import _compat
 from ._exchange import ExchangePlan, ShardLayout, layout_of
 
 

@@ -82,7 +82,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .. import _compat
+from .._runtime import _compat
 
 
 @dataclass(frozen=True)

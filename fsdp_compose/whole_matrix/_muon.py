@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _compat
-from .._sharded_param import SHARDED_BY
+from .._runtime import _compat
+from .._runtime._sharded_param import SHARDED_BY
 from ._exchange import BufferPool, ExchangePlan, ShardLayout, layout_of
 
 _plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[Any, ExchangePlan]] = (

@@ -39,16 +39,6 @@ def flag(name: str, default: bool) -> bool:
     raise _invalid(name, value, "1 or 0 (also true/false, yes/no, on/off)")
 
 
-def choice(name: str, choices: tuple[str, ...], default: str) -> str:
-    """A variable that takes one of ``choices`` (exactly as written)."""
-    value = _raw(name)
-    if value is None:
-        return default
-    if value not in choices:
-        raise _invalid(name, value, f"one of {', '.join(choices)} (default {default})")
-    return value
-
-
 def seconds(name: str) -> float | None:
     """A positive, finite number of seconds, or ``None`` where unset."""
     value = _raw(name)

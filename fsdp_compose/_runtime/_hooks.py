@@ -179,7 +179,7 @@ class UnitState:
             for unit in self.own_units:
                 unit.set_reshard_after_forward(False)
         if _env.debug_collectives():
-            from .debug import CollectiveChecks  # the user turned debug mode on
+            from ..debug import CollectiveChecks  # the user turned debug mode on
 
             self.settings.events.add(CollectiveChecks())
         scheduler = Scheduler(units, self.settings)
