@@ -10,6 +10,7 @@ from typing import Any, NoReturn, overload
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DeviceMesh, Shard
 
 from . import _shared, _validation
@@ -214,7 +215,11 @@ def fully_shard(
     for m in modules:
         cls = type(m)
         if cls not in _fsdp_classes:
-            bases, attrs = (FSDPModule, cls), {"__deepcopy__": _no_deepcopy}
+            # torch's FSDPModule last: isinstance checks written for FSDP2 (accelerate,
+            # torch.distributed.pipelining) accept the unit, and none of its methods
+            # is reached before ours, the original class's or nn.Module's.
+            bases = (FSDPModule, cls, TorchFSDPModule)
+            attrs = {"__deepcopy__": _no_deepcopy}
             _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", bases, attrs)
         m.__class__ = _fsdp_classes[cls]
     return module

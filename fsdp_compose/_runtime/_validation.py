@@ -61,17 +61,16 @@ def _describe(modules: tuple[nn.Module, ...]) -> str:
 
 
 def _check_modules(modules: tuple[nn.Module, ...]) -> None:
-    try:
-        from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-    except ImportError:  # pragma: no cover
-        TorchFSDPModule = ()  # type: ignore[assignment,misc]
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
     for m in modules:
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(
                 f"fully_shard cannot annotate a {type(m).__name__} container: it has no forward, "
                 "so no hook would ever run. Annotate its elements (e.g. each block) instead."
             )
-        if isinstance(m, TorchFSDPModule):
+        # (fsdp_compose's units are instances of torch's FSDPModule too: ask torch's state)
+        if torch_fully_shard.state(m) is not None:  # type: ignore[attr-defined]
             raise ValueError(
                 f"{type(m).__name__} was already sharded by torch.distributed.fsdp.fully_shard; "
                 "use one FSDP implementation per model."
