@@ -357,14 +357,15 @@ def _placement(
     if fn is None:
         return 0, meshes[None]
     result = fn(param)
-    info = meshes[None]
+    info, error = meshes[None], ValueError
     if result is not None and not isinstance(result, Shard) and hasattr(result, "mesh_info"):
         info = _param_mesh(result.mesh_info, repr(owners[0][1]), meshes)  # a ShardPlacementResult
         result = getattr(result, "placement", None)
+        error = FSDPValueError  # FSDP2: AssertionError for a non-Shard placement in it
     if result is None:
         return 0, info
     if not isinstance(result, Shard):
-        raise ValueError(
+        raise error(
             f"shard_placement_fn must return a Shard placement, a ShardPlacementResult or None, "
             f"got {result!r} for parameter {owners[0][1]!r}"
         )

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _compat
+from ._errors import FSDPValueError
 from ._events import Observer, UnitEvent
 from ._mesh import MeshInfo
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
@@ -87,23 +88,33 @@ def _check_mesh(mesh_info: MeshInfo) -> None:
             "initialization, build the *model* under torch.device('meta') instead."
         )
     names = mesh.mesh_dim_names
-    if mesh.ndim != 2 or names is None or mesh_info.spmd is not None:
+    if mesh.ndim != 2 or mesh_info.spmd is not None:
         return
-    first, second = (n.lower() for n in names)
-    if ("shard" in first and "shard" not in second) or ("rep" in second and "rep" not in first):
-        raise ValueError(
-            "fully_shard expects an HSDP mesh ordered (replicate, shard): dim 0 replicates "
-            f"and dim 1 shards, but got mesh_dim_names={names}. Build the mesh as "
+    if names is None:  # FSDP2 refuses it (AssertionError): see [Note: FSDP2's exception types]
+        raise FSDPValueError(
+            f"fully_shard got a 2-D mesh without mesh_dim_names ({mesh}); as in FSDP2, a 2-D "
+            "(HSDP) mesh needs named dims, dim 0 replicating and dim 1 sharding: "
             "init_device_mesh(device, (num_replicas, shard_size), "
             'mesh_dim_names=("replicate", "shard")).'
         )
+    # FSDP2 accepts any names (dim 0 replicates, dim 1 shards): warn where they say
+    # otherwise, since the likely intent was a different mesh.
+    first, second = (n.lower() for n in names)
+    if ("shard" in first and "shard" not in second) or ("rep" in second and "rep" not in first):
+        warnings.warn(
+            "fully_shard treats a 2-D mesh as HSDP ordered (replicate, shard): dim 0 "
+            f"replicates and dim 1 shards, but mesh_dim_names={names} suggests the reverse. "
+            "Build the mesh as init_device_mesh(device, (num_replicas, shard_size), "
+            'mesh_dim_names=("replicate", "shard")) if that was the intent.',
+            stacklevel=4,
+        )
     other = [n for n in names if n.lower() in _NON_DATA_PARALLEL_DIMS]
     if other:
-        raise ValueError(
-            f"fully_shard got a 2-D mesh with mesh_dim_names={names}, but a 2-D mesh means "
-            f"HSDP (replicate, shard) and {other} is not a data-parallel dim. Pass the "
-            f'data-parallel sub-mesh instead (e.g. mesh["dp"]), or name the dims of an HSDP '
-            'mesh ("replicate", "shard").'
+        warnings.warn(
+            f"fully_shard got a 2-D mesh with mesh_dim_names={names}: a 2-D mesh means HSDP "
+            f"(replicate, shard), but {other} does not look like a data-parallel dim. To "
+            'shard over the data-parallel dim only, pass its sub-mesh (e.g. mesh["dp"]).',
+            stacklevel=4,
         )
 
 
