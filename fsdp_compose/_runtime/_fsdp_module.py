@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import _compat
 from ._collectives import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
 from ._events import Observer
-from . import _compat
 from ._hooks import UnitState, state_of
 from ._mesh import separate_reduce_scatter_group
 from ._scheduler import Scheduler
@@ -110,11 +110,15 @@ class FSDPModule:
         iteration is finalized or reset."""
         state = self._fsdp_state()
         if state.is_root is False:
-            raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
+            raise RuntimeError(
+                "set_manual_backward_finalization must be called on the root FSDP module"
+            )
         scheduler = state.scheduler
         active = scheduler.manual_finalization if scheduler is not None else None
         if enabled != state.settings.manual_backward_finalization and _compat.inside_backward():
-            raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode during backward"
+            )
         if active is not None and enabled != active:
             raise RuntimeError(
                 "set_manual_backward_finalization cannot change mode after backward starts"
