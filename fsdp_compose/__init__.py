@@ -21,6 +21,7 @@ from ._runtime._collectives import AllGather, DefaultAllGather, DefaultReduceSca
 from ._runtime._events import CollectiveInfo, Observer
 from ._runtime._fsdp_module import (
     FSDPModule,
+    GradientReductionHandle,
     UnshardHandle,
     register_fsdp_forward_method,
     share_comm_ctx,
@@ -55,6 +56,7 @@ __all__ = [
     "DefaultAllGather",
     "DefaultReduceScatter",
     "FSDPModule",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "Observer",
     "OffloadPolicy",

@@ -61,7 +61,11 @@ class PipelineStage(_TorchPipelineStage):
     microbatch of the step (as the schedule reports it). The earlier microbatches
     therefore accumulate unsharded gradients without communication and keep the
     parameters gathered; the last one reduces each unit once. After a step all
-    three settings are ``True`` again.
+    three settings are ``True`` again. When the stage module is itself an
+    ``FSDPModule``, torch's stage code takes its FSDP2 path: every microbatch
+    accumulates, and the schedule's gradient-reduction action ends backward with
+    :meth:`~fsdp_compose.FSDPModule.finalize_backward` (manual finalization, as
+    torch 2.15's own stage does), which this class also does on older torch.
 
     Works with schedules that run a full backward per microbatch (``ScheduleGPipe``,
     ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``). Schedules
@@ -73,6 +77,23 @@ class PipelineStage(_TorchPipelineStage):
     (``scale_grads=True``) after the reduction, so with a mean loss per microbatch
     the gradients equal those of the mean loss over the data-parallel batch.
     """
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self.submod, FSDPModule) and self.has_backward:
+            # As torch 2.15's stage does: the schedule's reduce-grad action ends backward.
+            self.submod.set_manual_backward_finalization(True)
+        return super().forward_one_chunk(*args, **kwargs)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if isinstance(self.submod, FSDPModule) and self.has_backward:
+            # torch's stage recognises the unit as an FSDPModule; before 2.15 it would
+            # finalize through FSDP2's private state, so this does it publicly.
+            self.submod.set_requires_gradient_sync(True)
+            self.submod.set_reshard_after_backward(True)
+            self.submod.finalize_backward()
+            self.submod.set_manual_backward_finalization(False)
+        if grad_scale_factor != 1:
+            self.scale_grads(grad_scale_factor)
 
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 import torch.distributed.fsdp as torch_fsdp
+import torch.distributed.fsdp._fully_shard as torch_fully_shard
 
 import fsdp_compose
 
@@ -13,12 +14,19 @@ PUBLIC = {
     "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardedGradScaler", "trace", "debug",
     "PipelineStage", "whole_matrix", "safetensors_io", "auto_wrap", "DataParallelMeshDims",
     "plan", "enable_sharded_step", "Observer", "CollectiveInfo",
-    "AllGather", "ReduceScatter", "DefaultAllGather", "DefaultReduceScatter",
+    "AllGather", "ReduceScatter", "DefaultAllGather", "DefaultReduceScatter", "GradientReductionHandle",
 }
 # FSDP2 methods missing from fsdp_compose (none left)
 NOT_IMPLEMENTED: set[str] = set()
 # Newer than the torch releases fsdp_compose targets, or private
 IGNORED: set[str] = set()
+# What releases newer than the oldest supported torch added to FSDP2's public
+# surface (docs/fsdp2_compatibility.md): checked whatever torch is installed, while
+# the comparison with the installed torch catches the next release's additions.
+NEWER_FSDP2_METHODS = {
+    "2.15": {"finalize_backward", "set_manual_backward_finalization", "set_keep_unsharded_storage"},
+}
+NEWER_FSDP2_NAMES = {"2.15": {"GradientReductionHandle"}}
 
 
 def test_public_names() -> None:
@@ -44,13 +52,29 @@ def test_fully_shard_signature_matches_fsdp2() -> None:
             assert ours[name].default == param.default, name
 
 
+def test_public_names_cover_fsdp2() -> None:
+    theirs = set(torch_fully_shard.__all__).union(*NEWER_FSDP2_NAMES.values())
+    missing = theirs - set(fsdp_compose.__all__)
+    assert not missing, f"FSDP2 names missing from fsdp_compose: {sorted(missing)}"
+
+
 def test_fsdp_module_methods_cover_fsdp2() -> None:
     theirs = {n for n in dir(torch_fsdp.FSDPModule) if not n.startswith("_")}
+    theirs |= set().union(*NEWER_FSDP2_METHODS.values())
     ours = {n for n in dir(fsdp_compose.FSDPModule) if not n.startswith("_")}
     missing = theirs - ours - NOT_IMPLEMENTED - IGNORED
     assert not missing, f"FSDP2 methods missing from fsdp_compose.FSDPModule: {sorted(missing)}"
     for name in ours:
         assert getattr(fsdp_compose.FSDPModule, name).__doc__, f"FSDPModule.{name} needs a docstring"
+
+
+def test_fsdp_module_signatures_match_fsdp2() -> None:
+    def params(fn: object) -> list[tuple[str, object, object]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]  # type: ignore[arg-type]
+
+    for name in (n for n in dir(torch_fsdp.FSDPModule) if not n.startswith("_")):
+        theirs = params(getattr(torch_fsdp.FSDPModule, name))
+        assert params(getattr(fsdp_compose.FSDPModule, name)) == theirs, name
 
 
 def test_data_parallel_mesh_dims_is_torchs() -> None:

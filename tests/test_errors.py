@@ -91,9 +91,9 @@ def _errors_job() -> dict[str, str]:
     results["mesh_3d"] = _expect(
         lambda: fully_shard(nn.Linear(4, 4), mesh=mesh3d), ValueError, "1-D mesh .* or a 2-D mesh .* 3-D"
     )
-    swapped = init_device_mesh("cpu", (1, world), mesh_dim_names=("shard", "replicate"))
+    unnamed = init_device_mesh("cpu", (1, world))
     results["hsdp_dims"] = _expect(
-        lambda: fully_shard(nn.Linear(4, 4), mesh=swapped), ValueError, r"ordered \(replicate, shard\)"
+        lambda: fully_shard(nn.Linear(4, 4), mesh=unnamed), ValueError, r"mesh_dim_names=\(\"replicate\", \"shard\"\)"
     )
 
     def mixed_devices() -> None:

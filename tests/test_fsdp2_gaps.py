@@ -81,7 +81,12 @@ def test_comm_allocator_settings_accepted_with_one_note() -> None:
 
 def _refusal_cases(shard) -> dict:
     """name -> a function taking ``fully_shard`` and making it refuse something."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
     from torch.distributed.tensor import Replicate, Shard
+
+    def _mesh(shape: tuple[int, ...]):
+        return init_device_mesh("cpu", shape)
 
     def twice(fs):
         m = nn.Linear(4, 4)
@@ -107,6 +112,13 @@ def _refusal_cases(shard) -> dict:
         "reshard_int": lambda fs: fs(nn.Linear(4, 4), reshard_after_forward=3),
         "reshard_not_bool": reshard_not_bool,
         "mesh_3d": lambda fs: fs(nn.Linear(4, 4), mesh=shard),
+        "mesh_2d_unnamed": lambda fs: fs(nn.Linear(4, 4), mesh=_mesh((1, 2))),
+        "result_not_a_shard": lambda fs: fs(
+            nn.Linear(4, 4),
+            shard_placement_fn=lambda p: ShardPlacementResult(
+                Replicate(), FSDPMeshInfo(_mesh((2,)), shard_mesh_dim=0)
+            ),
+        ),
         **_spmd_refusal_cases(),
     }
 

@@ -190,23 +190,21 @@ def _mesh_errors_job() -> dict[str, str]:
             lambda: fully_shard(lin(4, 4), mesh=init_device_mesh("cpu", (1, 2, 2))),
             r"1-D mesh .* or a 2-D mesh .* 3-D",
         ),
-        "swapped": expect(
-            lambda: fully_shard(
-                lin(4, 4),
-                mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate")),
-            ),
-            r"ordered \(replicate, shard\)",
-        ),
-        "dp_tp": expect(
-            lambda: fully_shard(
-                lin(4, 4), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-            ),
-            r"\['tp'\] is not a data-parallel dim.*mesh\[\"dp\"\]",
+        "unnamed_2d": expect(
+            lambda: fully_shard(lin(4, 4), mesh=init_device_mesh("cpu", (2, 2))),
+            r"2-D mesh without mesh_dim_names",
         ),
         "int_param_dtype": expect(
             lambda: MixedPrecisionPolicy(param_dtype=torch.int8), "floating-point"
         ),
     }
+    # FSDP2 accepts any dim names (dim 0 replicates): a warning, not a refusal.
+    for names, pattern in ((("shard", "replicate"), "suggests the reverse"), (("dp", "tp"), "'tp'")):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+        with pytest.warns(UserWarning, match=pattern):
+            fully_shard(lin(4, 4), mesh=mesh)
+    with pytest.raises(AssertionError):  # FSDP2's type for an unnamed 2-D mesh
+        fully_shard(lin(4, 4), mesh=init_device_mesh("cpu", (2, 2)))
     # torchtitan's naming is accepted
     model = lin(4, 4)
     titan = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))

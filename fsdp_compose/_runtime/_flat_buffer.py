@@ -7,7 +7,8 @@ elements starting at ``W * offset_p``, and its unsharded ``nn.Parameter`` is a v
 of the first ``numel_p``. The buffer is created once; resharding resizes its
 storage to zero bytes, unsharding resizes it back and refills it, so references
 autograd saved for backward stay valid (the refill restores the same values and
-does not bump the version counter).
+does not bump the version counter). With ``set_keep_unsharded_storage(True)`` the
+memory is kept too, so data pointers stay fixed (CUDA graph capture).
 
 The all-gather output is rank-major (``(W, S)``: row r is rank r's slots), so one
 copy (``split_with_sizes_copy``) moves each parameter's ``(W, slot_p)`` block into
@@ -56,6 +57,7 @@ class FlatBuffer:
     _gather_world: int
     _unsharded: torch.Tensor | None
     _alias: bool
+    keep_unsharded_storage: bool  # set_keep_unsharded_storage: resharding frees nothing
 
     @property
     def shard_group(self) -> dist.ProcessGroup:
@@ -127,7 +129,7 @@ class FlatBuffer:
 
     def _free_unsharded(self) -> None:
         """Frees the unsharded storage's memory (the storage itself stays)."""
-        if self._unsharded is not None:
+        if self._unsharded is not None and not self.keep_unsharded_storage:
             _free_storage(self._unsharded)
 
     def _copy_out_views(self, world: int) -> list[torch.Tensor]:

@@ -13,15 +13,23 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import _compat
 from ._collectives import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
 from ._events import Observer
 from ._hooks import UnitState, state_of
 from ._mesh import separate_reduce_scatter_group
+from ._scheduler import Scheduler
 from ._unit import ShardState, Unit
 
 logger = logging.getLogger("fsdp_compose")
 
-__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = [
+    "FSDPModule",
+    "GradientReductionHandle",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]
 
 # The FSDP subclass made for each annotated class (fully_shard fills it in).
 _fsdp_classes: dict[type, type] = {}
@@ -81,6 +89,82 @@ class FSDPModule:
         state = self._fsdp_state()
         for unit in state.own_units:
             state.reshard(unit)
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Sets whether resharding keeps the unsharded parameter storage allocated
+        (default ``False``: it is freed). Keeping it preserves the data pointers
+        across reshard and unshard (CUDA graph capture), at the cost of memory.
+
+        Args:
+            keep (bool): whether to keep the unsharded storage after resharding.
+            recurse (bool): apply to every FSDPModule in the subtree.
+        """
+        for unit in self._units(recurse):
+            unit.keep_unsharded_storage = bool(keep)
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Sets whether the caller ends backward with :meth:`finalize_backward`
+        (then ``backward()`` leaves gradient reductions pending, and
+        :meth:`set_is_last_backward` is superseded). Call on the root module,
+        before backward; the mode cannot change once backward started until the
+        iteration is finalized or reset."""
+        state = self._fsdp_state()
+        if state.is_root is False:
+            raise RuntimeError(
+                "set_manual_backward_finalization must be called on the root FSDP module"
+            )
+        scheduler = state.scheduler
+        active = scheduler.manual_finalization if scheduler is not None else None
+        if enabled != state.settings.manual_backward_finalization and _compat.inside_backward():
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode during backward"
+            )
+        if active is not None and enabled != active:
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode after backward starts"
+            )
+        state.settings.manual_backward_finalization = bool(enabled)
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """Finalizes backward on the calling thread (manual mode, see
+        :meth:`set_manual_backward_finalization`): runs the post-backward work left
+        pending, reduces gradients and reshards per the current settings. Call it
+        on the root after all backward passes of one logical backward; a no-op
+        before the first forward. To accumulate over several backward passes,
+        disable gradient sync for them and re-enable it before finalizing.
+
+        Args:
+            async_op (bool): if ``True``, returns a :class:`GradientReductionHandle`
+                whose ``wait()`` must be called before using the gradients or
+                running forward again; if ``False``, waits before returning.
+        """
+        state = self._fsdp_state()
+        scheduler = state.scheduler
+        if state.is_root is None or scheduler is None:
+            return GradientReductionHandle(None) if async_op else None
+        if scheduler.reduction_pending:
+            raise RuntimeError(
+                "The previous gradient reduction must be waited on before finalizing backward again"
+            )
+        if not state.is_root:
+            raise RuntimeError("finalize_backward must be called on the root FSDP module")
+        manual = scheduler.manual_finalization
+        if not (state.settings.manual_backward_finalization if manual is None else manual):
+            raise RuntimeError(
+                "FSDP finalize_backward requires manual backward finalization. Call "
+                "set_manual_backward_finalization(True) before forward"
+            )
+        if state._finalize_queued or scheduler.backward_active:
+            raise RuntimeError("FSDP finalize_backward must be called after backward completes")
+        partial = next((u for u in scheduler.units if u._partial_reduce), None)
+        if partial is not None:
+            raise RuntimeError(
+                "FSDP manual backward finalization does not support partial gradient "
+                f"reductions for parameter group {partial.name!r} (set_requires_all_reduce"
+                "(False)). Use automatic backward finalization for this configuration"
+            )
+        scheduler.finalize_manually(wait=not async_op)
+        return GradientReductionHandle(scheduler) if async_op else None
 
     def reset_iter_state(self) -> None:
         """Recovers from an exception raised inside forward or backward.
@@ -407,6 +491,28 @@ class UnshardHandle:
         units, self._units = self._units, []
         for unit in units:
             unit.wait_unshard()
+
+
+class GradientReductionHandle:
+    """A pending :meth:`FSDPModule.finalize_backward` (``async_op=True``);
+    :meth:`wait` completes its gradient reductions."""
+
+    def __init__(self, scheduler: Scheduler | None) -> None:
+        self._scheduler = scheduler
+        self._resets = scheduler.resets if scheduler is not None else 0
+
+    def wait(self) -> None:
+        """Waits for the gradient reductions and ends the backward iteration.
+
+        Raises:
+            RuntimeError: if :meth:`FSDPModule.reset_iter_state` invalidated this handle.
+        """
+        scheduler, self._scheduler = self._scheduler, None
+        if scheduler is None:
+            return
+        if scheduler.resets != self._resets or not scheduler.reduction_pending:
+            raise RuntimeError("This gradient reduction handle was invalidated")
+        scheduler.complete_manual_reductions()
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:

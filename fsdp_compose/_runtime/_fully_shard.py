@@ -10,6 +10,7 @@ from typing import Any, NoReturn, overload
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DeviceMesh, Shard
 
 from . import _shared, _validation
@@ -214,7 +215,11 @@ def fully_shard(
     for m in modules:
         cls = type(m)
         if cls not in _fsdp_classes:
-            bases, attrs = (FSDPModule, cls), {"__deepcopy__": _no_deepcopy}
+            # torch's FSDPModule last: isinstance checks written for FSDP2 (accelerate,
+            # torch.distributed.pipelining) accept the unit, and none of its methods
+            # is reached before ours, the original class's or nn.Module's.
+            bases = (FSDPModule, cls, TorchFSDPModule)
+            attrs = {"__deepcopy__": _no_deepcopy}
             _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", bases, attrs)
         m.__class__ = _fsdp_classes[cls]
     return module
@@ -352,14 +357,15 @@ def _placement(
     if fn is None:
         return 0, meshes[None]
     result = fn(param)
-    info = meshes[None]
+    info, error = meshes[None], ValueError
     if result is not None and not isinstance(result, Shard) and hasattr(result, "mesh_info"):
         info = _param_mesh(result.mesh_info, repr(owners[0][1]), meshes)  # a ShardPlacementResult
         result = getattr(result, "placement", None)
+        error = FSDPValueError  # FSDP2: AssertionError for a non-Shard placement in it
     if result is None:
         return 0, info
     if not isinstance(result, Shard):
-        raise ValueError(
+        raise error(
             f"shard_placement_fn must return a Shard placement, a ShardPlacementResult or None, "
             f"got {result!r} for parameter {owners[0][1]!r}"
         )

@@ -241,8 +241,8 @@ class UnitState:
                 "reset_iter_state() on the root module after catching the exception."
             )
         if not scheduler.forward_active:
+            scheduler.begin_forward()  # (may refuse: then no forward began)
             self._began_forward = True
-            scheduler.begin_forward()
             # Inputs follow the parameters to their accelerator.
             units = (s.unit for s in (self, *self.all_states) if s.unit is not None)
             device = next((u.mesh_info.device for u in units), torch.device("cpu"))

@@ -49,6 +49,8 @@ class ScheduleSettings:
     # Reduce-scatters whose full-size buffers may be in flight at once (1: one unit's).
     max_inflight_reductions: int = 1
     is_last_backward: bool = True  # whether the next backward completes every reduction
+    # set_manual_backward_finalization: FSDPModule.finalize_backward ends backward.
+    manual_backward_finalization: bool = False
     # The tree's observers and step count ([Note: runtime events]).
     events: Events = field(default_factory=Events)
 
@@ -144,6 +146,14 @@ class Scheduler:
             unit.events = self.events
         self.forward_active = False
         self.backward_active = False
+        # The finalization mode of the backward iteration in progress (None: none
+        # is), fixed at its first backward until it is finalized or reset.
+        self.manual_finalization: bool | None = None
+        # A finalize_backward(async_op=True) whose handle was not waited on yet.
+        self.reduction_pending = False
+        # Manual mode: units whose post-backward waits for finalize_backward.
+        self._awaiting_finalize: list[Unit] = []
+        self.resets = 0  # reset() calls: a GradientReductionHandle from before is invalid
 
         self._prev_forward_order: list[Unit] = []
         self._forward_order: list[Unit] = []
@@ -174,6 +184,8 @@ class Scheduler:
 
     def begin_forward(self) -> None:
         """Called once per iteration, by the first unit state to run forward."""
+        if self.reduction_pending:
+            raise RuntimeError("The previous gradient reduction must be waited on before forward")
         if self.backward_active:
             raise RuntimeError(
                 "fsdp_compose: a new forward started but the previous backward never finished "
@@ -322,6 +334,8 @@ class Scheduler:
     def _note_backward(self) -> None:
         if not self.backward_active:
             self.backward_active = True
+            if self.manual_finalization is None:
+                self.manual_finalization = self.settings.manual_backward_finalization
             self._backward_cursor = len(self._backward_order)
 
     def _backward_prefetch_targets(self, unit: Unit) -> list[Unit]:
@@ -392,7 +406,9 @@ class Scheduler:
                 self._scattering.append(reduction)
 
     def finalize_backward(self) -> None:
-        """End of ``backward()``: reduce what is left and hand gradients over."""
+        """End of ``backward()``: reduce what is left and hand gradients over (in
+        manual mode, what is left waits for :meth:`finalize_manually`)."""
+        manual = bool(self.manual_finalization)
         try:
             for unit in reversed(self.units):
                 if (
@@ -406,9 +422,14 @@ class Scheduler:
                     self.shared is not None and unit in self.shared and unit.has_unsharded_grads()
                 ):
                     # (a shared unit may get gradients after an early reduction)
-                    self.post_backward(unit, at_end=True)
-            if self.settings.is_last_backward:
+                    if manual and unit.requires_gradient_sync:
+                        if unit not in self._awaiting_finalize:
+                            self._awaiting_finalize.append(unit)
+                    else:
+                        self.post_backward(unit, at_end=True)
+            if self.settings.is_last_backward and not manual:
                 self._complete_reductions()
+                self.manual_finalization = None
         finally:
             for unit in self.units:
                 unit.phase = Phase.IDLE
@@ -416,6 +437,28 @@ class Scheduler:
             if self.shared is not None:
                 self.shared.end_backward_pass()
             self.backward_active = False
+
+    def finalize_manually(self, *, wait: bool) -> None:
+        """``FSDPModule.finalize_backward``: runs the post-backward that manual mode
+        deferred and of units whose gradients wait unsynchronized, reshards per
+        ``reshard_after_backward``, and (``wait``) completes every reduction."""
+        awaiting, self._awaiting_finalize = self._awaiting_finalize, []
+        for unit in reversed(self.units):
+            if unit in awaiting or unit.has_unsharded_grads():
+                self._post_backward(unit, at_end=True)
+            elif unit.reshard_after_backward:
+                self.memory.reshard(unit)
+            unit.phase = Phase.IDLE
+        self.reduction_pending = not wait
+        if wait:
+            self.complete_manual_reductions()
+
+    def complete_manual_reductions(self) -> None:
+        """Completes the reductions :meth:`finalize_manually` issued; the backward
+        iteration ends."""
+        self._complete_reductions()
+        self.reduction_pending = False
+        self.manual_finalization = None
 
     def _complete_reductions(self) -> None:
         reductions, self._reductions = self._reductions, []
@@ -455,3 +498,5 @@ class Scheduler:
         self.memory.deferred.clear()
         self.forward_active = self.backward_active = False
         self._forward_order, self._post_forward_order = [], []
+        self.manual_finalization, self.reduction_pending, self._awaiting_finalize = None, False, []
+        self.resets += 1

@@ -108,6 +108,7 @@ class Unit(FlatBuffer, GradientReduction):
         self._post_forward_shard: torch.Tensor | None = None
         self._unsharded: torch.Tensor | None = None  # flat buffer, see [Note: unsharded storage]
         self._alias = False
+        self.keep_unsharded_storage = False
         # Parked: gathered data kept after a no-grad forward with the shards
         # registered (for the optimizer); the next use re-registers, no gather.
         self._parked = False

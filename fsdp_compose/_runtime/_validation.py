@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _compat
+from ._errors import FSDPValueError
 from ._events import Observer, UnitEvent
 from ._mesh import MeshInfo
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
@@ -61,17 +62,16 @@ def _describe(modules: tuple[nn.Module, ...]) -> str:
 
 
 def _check_modules(modules: tuple[nn.Module, ...]) -> None:
-    try:
-        from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-    except ImportError:  # pragma: no cover
-        TorchFSDPModule = ()  # type: ignore[assignment,misc]
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
     for m in modules:
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(
                 f"fully_shard cannot annotate a {type(m).__name__} container: it has no forward, "
                 "so no hook would ever run. Annotate its elements (e.g. each block) instead."
             )
-        if isinstance(m, TorchFSDPModule):
+        # (fsdp_compose's units are instances of torch's FSDPModule too: ask torch's state)
+        if torch_fully_shard.state(m) is not None:  # type: ignore[attr-defined]
             raise ValueError(
                 f"{type(m).__name__} was already sharded by torch.distributed.fsdp.fully_shard; "
                 "use one FSDP implementation per model."
@@ -88,23 +88,33 @@ def _check_mesh(mesh_info: MeshInfo) -> None:
             "initialization, build the *model* under torch.device('meta') instead."
         )
     names = mesh.mesh_dim_names
-    if mesh.ndim != 2 or names is None or mesh_info.spmd is not None:
+    if mesh.ndim != 2 or mesh_info.spmd is not None:
         return
-    first, second = (n.lower() for n in names)
-    if ("shard" in first and "shard" not in second) or ("rep" in second and "rep" not in first):
-        raise ValueError(
-            "fully_shard expects an HSDP mesh ordered (replicate, shard): dim 0 replicates "
-            f"and dim 1 shards, but got mesh_dim_names={names}. Build the mesh as "
+    if names is None:  # FSDP2 refuses it (AssertionError): see [Note: FSDP2's exception types]
+        raise FSDPValueError(
+            f"fully_shard got a 2-D mesh without mesh_dim_names ({mesh}); as in FSDP2, a 2-D "
+            "(HSDP) mesh needs named dims, dim 0 replicating and dim 1 sharding: "
             "init_device_mesh(device, (num_replicas, shard_size), "
             'mesh_dim_names=("replicate", "shard")).'
         )
+    # FSDP2 accepts any names (dim 0 replicates, dim 1 shards): warn where they say
+    # otherwise, since the likely intent was a different mesh.
+    first, second = (n.lower() for n in names)
+    if ("shard" in first and "shard" not in second) or ("rep" in second and "rep" not in first):
+        warnings.warn(
+            "fully_shard treats a 2-D mesh as HSDP ordered (replicate, shard): dim 0 "
+            f"replicates and dim 1 shards, but mesh_dim_names={names} suggests the reverse. "
+            "Build the mesh as init_device_mesh(device, (num_replicas, shard_size), "
+            'mesh_dim_names=("replicate", "shard")) if that was the intent.',
+            stacklevel=4,
+        )
     other = [n for n in names if n.lower() in _NON_DATA_PARALLEL_DIMS]
     if other:
-        raise ValueError(
-            f"fully_shard got a 2-D mesh with mesh_dim_names={names}, but a 2-D mesh means "
-            f"HSDP (replicate, shard) and {other} is not a data-parallel dim. Pass the "
-            f'data-parallel sub-mesh instead (e.g. mesh["dp"]), or name the dims of an HSDP '
-            'mesh ("replicate", "shard").'
+        warnings.warn(
+            f"fully_shard got a 2-D mesh with mesh_dim_names={names}: a 2-D mesh means HSDP "
+            f"(replicate, shard), but {other} does not look like a data-parallel dim. To "
+            'shard over the data-parallel dim only, pass its sub-mesh (e.g. mesh["dp"]).',
+            stacklevel=4,
         )
 
 
