@@ -120,7 +120,9 @@ def _snippets() -> list[tuple[str, dict[str, str], str]]:
             assert not unknown, f"{path.name}: unknown doctest option(s) {unknown}"
             line = text.count("\n", 0, match.start()) + 2  # the opening fence
             for setup in opts.get("setup", "none").split("|"):  # a|b: run once with each
-                name = f"{path.name}:{line}" + (f"[{setup}]" if "|" in opts.get("setup", "") else "")
+                name = f"{path.name}:{line}" + (
+                    f"[{setup}]" if "|" in opts.get("setup", "") else ""
+                )
                 found.append((name, {**opts, "setup": setup}, match["code"]))
     return found
 

@@ -4,7 +4,8 @@
 Step time = compute + exposed communication, per rank:
 
 * compute of a unit = its forward + backward FLOPs (measured on the meta device
-  by ``torch.utils.flop_counter``) / ``flop_rate``; forward is a third of it,
+  by ``torch.utils.flop_counter``, attention's QK^T and AV included) /
+  ``flop_rate``; forward is a third of it,
   backward two thirds, and activation checkpointing adds the forward again to
   backward;
 * a collective takes ``latency + bytes sent / bandwidth`` (the ideal per-rank
