@@ -143,14 +143,19 @@ def _rate(text: str) -> float:
         ) from None
 
 
+_EPILOG = (
+    "Sizes: GiB/MiB/KiB are binary (2**30 ...), GB/MB/KB decimal (10**9 ...); the budget is "
+    "printed in both. Exit status: 0 the plan fits (or no --budget), 1 nothing fits the "
+    "budget, 2 bad input."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fsdp_compose.plan",
         description="Per-rank memory and communication of an fsdp_compose training step, "
         "and a plan that fits a budget, without launching ranks.",
-        epilog="Sizes: GiB/MiB/KiB are binary (2**30 ...), GB/MB/KB decimal (10**9 ...); the "
-        "budget is printed in both. Exit status: 0 the plan fits (or no --budget), 1 nothing "
-        "fits the budget, 2 bad input.",
+        epilog=_EPILOG,
     )
     p.add_argument("config", help="a Hugging Face config.json (or its folder), or module:function")
     p.add_argument("--world-size", type=int, required=True, help="number of ranks")
@@ -158,10 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, required=True, help="micro-batch per rank (sequences)")
     p.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
     p.add_argument(
-        "--budget",
-        type=_size,
-        default=None,
-        help="memory per rank, e.g. 80GiB (or 80GB = 74.5 GiB): plan to fit it",
+        "--budget", type=_size, help="memory per rank, e.g. 80GiB or 80GB: plan to fit it"
     )
     p.add_argument(
         "--dtype", choices=sorted(_DTYPES), default="fp32", help="parameter (master) dtype"

@@ -47,6 +47,7 @@ from .._runtime._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._estimate import MemoryEstimate, _check_mesh, estimate, format_bytes, parse_bytes
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 from ._profile import ROOT, StepFn, default_step, profile_model
+from ._units import describe_choice, elide_rows
 
 __all__ = ["CostModel", "PlanResult", "plan_to_budget"]
 
@@ -192,7 +193,7 @@ class PlanResult:
                     format_bytes(u.all_gather_bytes + u.reduce_bytes),
                 )
             )
-        rows = _elide(rows)
+        rows = elide_rows(rows)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
@@ -237,22 +238,6 @@ class PlanResult:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
-
-
-def describe_choice(choice: dict[str, Any]) -> str:
-    """A candidate in words: ``units of 2 policy units, prefetch depth 1, ...``."""
-    return (
-        f"units of {choice['group']} policy unit(s), prefetch depth {choice['prefetch_depth']}, "
-        f"activation checkpointing {'on' if choice['checkpoint'] else 'off'}, "
-        f"reshard_after_forward=False on the last {choice['keep']} unit(s)"
-    )
-
-
-def _elide(rows: list[tuple[str, ...]], keep: int = 6) -> list[tuple[str, ...]]:
-    if len(rows) <= 2 * keep + 2:
-        return rows
-    gap = tuple(["..."] + [""] * (len(rows[0]) - 1))
-    return rows[: keep + 1] + [gap] + rows[-keep:]
 
 
 def candidate_plans(
@@ -449,17 +434,7 @@ def plan_to_budget(
     if fitting:
         (total, _, _), exposed, choice, plan, est = fitting[0]
         ck = bool(choice["checkpoint"])
-        runner_up = None  # the best other plan with a different prediction
-        for (t2, _, p2), _, c2, _, _ in fitting[1:]:
-            if (t2, p2) != (total, est.peak_bytes_per_rank):
-                runner_up = {"choice": c2, "peak_bytes": p2, "step_time_s": t2}
-                break
-        reason = f"the least predicted step time of the {len(fitting)} of {len(candidates)} candidates that fit"
-        if fastest[2] is not choice:
-            reason += (
-                f"; faster ones need more memory (the fastest: {fastest[0] * 1e3:.1f} ms "
-                f"at a peak of {format_bytes(fastest[1])})"
-            )
+        reason, runner_up = _explain(fitting, fastest, len(candidates))
         return PlanResult(
             True,
             plan,
@@ -529,6 +504,28 @@ def _search(
     assert smallest is not None and fastest is not None
     fitting.sort(key=lambda r: r[0])
     return fitting, fastest, smallest
+
+
+def _explain(
+    fitting: list[_Ranked], fastest: tuple[float, int, dict[str, Any]], candidates: int
+) -> tuple[str, dict[str, Any] | None]:
+    """Why the first of ``fitting`` was chosen, and the runner-up: the best other
+    plan with a different prediction (step or peak)."""
+    (total, _, peak), _, choice, _, _ = fitting[0]
+    runner_up = None
+    for (t2, _, p2), _, c2, _, _ in fitting[1:]:
+        if (t2, p2) != (total, peak):
+            runner_up = {"choice": c2, "peak_bytes": p2, "step_time_s": t2}
+            break
+    reason = (
+        f"the least predicted step time of the {len(fitting)} of {candidates} candidates that fit"
+    )
+    if fastest[2] is not choice:
+        reason += (
+            f"; faster ones need more memory (the fastest: {fastest[0] * 1e3:.1f} ms "
+            f"at a peak of {format_bytes(fastest[1])})"
+        )
+    return reason, runner_up
 
 
 def _min_peak(

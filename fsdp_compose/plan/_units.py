@@ -1,10 +1,18 @@
-"""Sizes and counts as the planner reads and prints them."""
+"""Sizes, counts and plans as the planner reads and prints them."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
-__all__ = ["budget_text", "format_bytes", "format_count", "parse_bytes"]
+__all__ = [
+    "budget_text",
+    "describe_choice",
+    "elide_rows",
+    "format_bytes",
+    "format_count",
+    "parse_bytes",
+]
 
 
 def format_bytes(n: float) -> str:
@@ -77,3 +85,19 @@ def budget_text(text: str | int) -> str:
         dec = next(u for u in ("TB", "GB", "MB", "KB") if n >= _UNITS[u.lower()] or u == "KB")
         return f"{n / _UNITS[dec.lower()]:.2f} {dec} ({format_bytes(n)})"
     return format_bytes(n)
+
+
+def describe_choice(choice: dict[str, Any]) -> str:
+    """A candidate in words: ``units of 2 policy units, prefetch depth 1, ...``."""
+    return (
+        f"units of {choice['group']} policy unit(s), prefetch depth {choice['prefetch_depth']}, "
+        f"activation checkpointing {'on' if choice['checkpoint'] else 'off'}, "
+        f"reshard_after_forward=False on the last {choice['keep']} unit(s)"
+    )
+
+
+def elide_rows(rows: list[tuple[str, ...]], keep: int = 6) -> list[tuple[str, ...]]:
+    if len(rows) <= 2 * keep + 2:
+        return rows
+    gap = tuple(["..."] + [""] * (len(rows[0]) - 1))
+    return rows[: keep + 1] + [gap] + rows[-keep:]
