@@ -8,7 +8,8 @@
 
 Every rank reads the same global batch and trains on its slice of it (the batch
 must divide evenly over the ranks); the printed loss is the average over ranks,
-and at the end each rank reports its memory.
+each step prints its time and the tokens per second of the whole job, and at
+the end each rank reports its memory next to what an unsharded model would hold.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def main() -> None:
         model.register_observer(timeline)  # the per-rank timeline of every unit and collective
     start = time.perf_counter()
     for step in range(args.steps):
+        step_start = time.perf_counter()
         x, y = make_batch(cfg, args.batch_size, step)  # (B, T) global batch
         x = x[rank * local_batch : (rank + 1) * local_batch].to(device)  # this rank's slice
         y = y[rank * local_batch : (rank + 1) * local_batch].to(device)
@@ -114,8 +116,11 @@ def main() -> None:
         dist.all_reduce(mean_loss)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        step_s = time.perf_counter() - step_start  # the all-reduce above waited for every rank
         if rank == 0:
-            line = f"step {step:3d} | loss {mean_loss.item() / world:.4f} | grad norm {grad_norm.item():.3f}"
+            tokens = x.numel() * world
+            line = (f"step {step:3d} | loss {mean_loss.item() / world:.4f} | grad norm {grad_norm.item():.3f} "
+                    f"| {step_s * 1e3:.0f} ms | {tokens / step_s:,.0f} tokens/s")
             if scaler.is_enabled():
                 line += f" | loss scale {scaler.get_scale():g}"
             print(line)
@@ -157,10 +162,11 @@ def main() -> None:
     ]
     if rank == 0:
         full = n_params * 4 / 2**20
-        print(f"done: {args.steps} steps in {elapsed:.1f}s; full fp32 parameters would be {full:.1f} MiB per rank")
+        print(f"done: {args.steps} steps in {elapsed:.1f}s; per rank, sharded vs what one unsharded "
+              f"replica would hold (fp32 params {full:.2f} MiB, AdamW state {2 * full:.2f} MiB):")
         for r in reports:
-            line = (f"  rank {r['rank']}: sharded params {r['params']:.2f} MiB, "
-                    f"optimizer state {r['optim']:.2f} MiB, peak RSS {r['peak_rss']:.0f} MiB")
+            line = (f"  rank {r['rank']}: params {r['params']:.2f} of {full:.2f} MiB, "
+                    f"optimizer state {r['optim']:.2f} of {2 * full:.2f} MiB, peak RSS {r['peak_rss']:.0f} MiB")
             if r["exposed_comm"] is not None:
                 line += f", waited on communication {r['exposed_comm']:.3f}s"
             print(line)

@@ -5,19 +5,30 @@ before its opening fence is an HTML comment (invisible on GitHub) of the form::
 
     <!-- doctest: ranks=2 setup=gpt then=train -->
 
+* ``setup=a|b`` runs the block once with each setup; ``hf_llama`` and ``hf_gpt2``
+  write a tiny randomly initialised Hugging Face model to ``pretrained_dir`` and
+  define its ``config``.
 * ``ranks``: the world size of the gloo job that runs the block on every rank
   (a :class:`dist_utils.DistPool`; default 2).
 * ``setup``: the names the block uses without defining them (see ``_SETUPS``):
   ``gpt`` builds the tiny example GPT as ``model``; ``sharded`` also shards it
-  bottom-up and creates ``optim``, and defines ``rank`` and ``train_step()``.
+  bottom-up and creates ``optim``, and defines ``rank`` and ``train_step()``;
+  ``script`` runs a whole torchrun script (its process-group setup is skipped).
 * ``then``: a check that runs after the block in its namespace (see ``_THENS``):
   ``train`` runs one training step of ``model`` with ``optim`` and asserts
   every parameter is a sharded DTensor and the loss is finite.
 
 Each block runs in a fresh namespace, in a temporary working directory shared
-by the ranks (files it writes go there). Blocks without the comment (shell
-commands, GPU-only snippets, fragments) are not run, so adding a section with
-its own snippets never breaks this test; mark a block once it is runnable.
+by the ranks (files it writes go there).
+
+A ``python`` block that cannot run on its own (a GPU-only snippet, an excerpt of
+a longer script) is marked as a fragment instead, naming the runnable file that
+contains it::
+
+    <!-- fragment: examples/pretrained_safetensors.py -->
+
+Every ``python`` block in README.md and docs/*.md carries one of the two marks
+(``test_every_python_block_is_run_or_points_to_a_runnable_file``).
 """
 
 from __future__ import annotations
@@ -33,6 +44,10 @@ _ROOT = Path(__file__).resolve().parent.parent
 _MARKED = re.compile(
     r"^<!-- doctest:(?P<opts>[^>]*)-->\n```python\n(?P<code>.*?)^```", re.MULTILINE | re.DOTALL
 )
+
+_PYTHON_BLOCK = re.compile(r"^(?P<before>.*)\n```python\n", re.MULTILINE)
+_FRAGMENT = re.compile(r"^<!-- fragment: (?P<path>\S+) -->$")
+_DOCS = [_ROOT / "README.md", *sorted((_ROOT / "docs").glob("*.md"))]
 
 _SETUPS = {
     "none": "",
@@ -64,6 +79,22 @@ def train_step():
 train_step()
 """
 )
+_HF = """
+import os
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+from train_hf import build_model
+torch.manual_seed(0)
+if dist.get_rank() == 0:  # a stand-in for a downloaded checkpoint directory
+    build_model("{name}").save_pretrained("pretrained_dir")
+dist.barrier()
+config = AutoConfig.from_pretrained("pretrained_dir")
+"""
+_SETUPS["hf_llama"] = _HF.replace("{name}", "llama")
+_SETUPS["hf_gpt2"] = _HF.replace("{name}", "gpt2")
+
 _THENS = {
     "none": "",
     "train": """
@@ -81,19 +112,31 @@ assert bool(torch.isfinite(loss)), loss
 
 def _snippets() -> list[tuple[str, dict[str, str], str]]:
     found = []
-    for path in [_ROOT / "README.md", *sorted((_ROOT / "docs").glob("*.md"))]:
+    for path in _DOCS:
         text = path.read_text()
         for match in _MARKED.finditer(text):
             opts = dict(item.split("=", 1) for item in match["opts"].split())
             unknown = set(opts) - {"ranks", "setup", "then"}
             assert not unknown, f"{path.name}: unknown doctest option(s) {unknown}"
             line = text.count("\n", 0, match.start()) + 2  # the opening fence
-            found.append((f"{path.name}:{line}", opts, match["code"]))
+            for setup in opts.get("setup", "none").split("|"):  # a|b: run once with each
+                name = f"{path.name}:{line}" + (
+                    f"[{setup}]" if "|" in opts.get("setup", "") else ""
+                )
+                found.append((name, {**opts, "setup": setup}, match["code"]))
     return found
 
 
-def _run_snippet(setup: str, code: str, then: str, workdir: str) -> None:
+def _run_snippet(setup: str, code: str, then: str, workdir: str, script: bool = False) -> None:
+    """``script``: the block is a whole torchrun script; its own
+    ``init_process_group``/``destroy_process_group`` calls are no-ops here (the
+    rank's process group is already up)."""
+    import torch.distributed as dist
+
     previous = os.getcwd()
+    saved = dist.init_process_group, dist.destroy_process_group
+    if script:
+        dist.init_process_group = dist.destroy_process_group = lambda *a, **k: None  # type: ignore[assignment]
     os.chdir(workdir)
     try:
         namespace: dict = {"__name__": "__doctest__"}
@@ -102,6 +145,7 @@ def _run_snippet(setup: str, code: str, then: str, workdir: str) -> None:
         exec(compile(then, "<then>", "exec"), namespace)  # noqa: S102 - running it is the test
     finally:
         os.chdir(previous)
+        dist.init_process_group, dist.destroy_process_group = saved
 
 
 _FOUND = _snippets()
@@ -114,7 +158,27 @@ def test_readme_first_snippet_is_run() -> None:
     assert before_first[-1].startswith("<!-- doctest:"), before_first[-1]
 
 
+def test_every_python_block_is_run_or_points_to_a_runnable_file() -> None:
+    unmarked, missing = [], []
+    for path in _DOCS:
+        text = path.read_text()
+        for match in _PYTHON_BLOCK.finditer(text):
+            where = f"{path.name}:{text.count(chr(10), 0, match.start()) + 2}"
+            before = match["before"]
+            fragment = _FRAGMENT.match(before)
+            if fragment:
+                if not (_ROOT / fragment["path"]).is_file():
+                    missing.append(f"{where} -> {fragment['path']}")
+            elif not before.startswith("<!-- doctest:"):
+                unmarked.append(where)
+    assert not unmarked, f"python blocks neither run nor marked as fragments: {unmarked}"
+    assert not missing, f"fragments pointing to files that do not exist: {missing}"
+
+
 @pytest.mark.parametrize("where,opts,code", _FOUND, ids=[w for w, _, _ in _FOUND])
 def test_doc_snippet_runs(where: str, opts: dict[str, str], code: str, tmp_path: Path) -> None:
-    setup, then = _SETUPS[opts.get("setup", "none")], _THENS[opts.get("then", "none")]
-    run_distributed(_run_snippet, int(opts.get("ranks", "2")), setup, code, then, str(tmp_path))
+    script = opts.get("setup") == "script"
+    setup = "" if script else _SETUPS[opts.get("setup", "none")]
+    then = _THENS[opts.get("then", "none")]
+    ranks = int(opts.get("ranks", "2"))
+    run_distributed(_run_snippet, ranks, setup, code, then, str(tmp_path), script)

@@ -13,9 +13,10 @@ This subpackage uses the core through its public API; the core never imports it.
 """
 
 from ._autowrap import auto_wrap
-from ._estimate import MemoryEstimate, estimate, format_bytes, parse_bytes
+from ._estimate import MemoryEstimate, estimate
 from ._planner import CostModel, PlanResult, plan_to_budget
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
+from ._units import format_bytes, parse_bytes
 
 __all__ = [
     "CostModel",

@@ -5,11 +5,15 @@
 CONFIG is a Hugging Face ``config.json`` (or a folder holding one), or a Python
 factory ``package.module:function`` returning an ``nn.Module``. The model is
 built on the meta device: no weights are materialized and no ranks launched.
+
+Exit status: 0 when the plan fits (or no --budget was given), 1 when nothing
+fits the budget, 2 for bad input (options, config, factory).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -20,8 +24,9 @@ import torch
 from torch import nn
 
 from .._runtime._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._estimate import OPTIMIZERS, _check_mesh, estimate, format_bytes, parse_bytes
+from ._estimate import OPTIMIZERS, _check_mesh, estimate
 from ._planner import CostModel, plan_to_budget
+from ._units import budget_text, format_count, parse_bytes
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -45,8 +50,11 @@ def load_model(config: str, dtype: torch.dtype) -> nn.Module:
             factory = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise UsageError(f"cannot import the factory {config!r}: {exc}") from None
-        with torch.device("meta"):
-            model = factory()
+        try:
+            with torch.device("meta"):
+                model = factory()
+        except Exception as exc:
+            raise UsageError(f"the factory {config} raised {type(exc).__name__}: {exc}") from None
         if not isinstance(model, nn.Module):
             raise UsageError(f"{config} returned {type(model).__name__}, not an nn.Module")
         return model.to(dtype) if dtype != torch.float32 else model
@@ -73,7 +81,7 @@ def load_model(config: str, dtype: torch.dtype) -> nn.Module:
         ) from None
     try:
         cfg = AutoConfig.for_model(**data)
-    except (ValueError, KeyError) as exc:
+    except Exception as exc:
         raise UsageError(f"{path}: transformers cannot read this config: {exc}") from None
     with torch.device("meta"):
         try:
@@ -81,6 +89,11 @@ def load_model(config: str, dtype: torch.dtype) -> nn.Module:
         except ValueError as exc:
             raise UsageError(
                 f"{path}: no causal-LM class for model_type {data['model_type']!r}: {exc}"
+            ) from None
+        except Exception as exc:  # a value the model's constructor cannot use
+            raise UsageError(
+                f"{path}: cannot build the model from this config "
+                f"({type(exc).__name__}: {exc}); check its values"
             ) from None
 
 
@@ -113,18 +126,28 @@ def _mesh(text: str) -> tuple[int, ...]:
     return dims
 
 
-def _size(text: str) -> int:
+def _size(text: str) -> str:
     try:
-        return parse_bytes(text)
+        parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _rate(text: str) -> float:
     try:
         return float(parse_bytes(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive rate such as 400e12 or 25G, got {text!r}"
+        ) from None
+
+
+_EPILOG = (
+    "Sizes: GiB/MiB/KiB are binary (2**30 ...), GB/MB/KB decimal (10**9 ...); the budget is "
+    "printed in both. Exit status: 0 the plan fits (or no --budget), 1 nothing fits the "
+    "budget, 2 bad input."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m fsdp_compose.plan",
         description="Per-rank memory and communication of an fsdp_compose training step, "
         "and a plan that fits a budget, without launching ranks.",
+        epilog=_EPILOG,
     )
     p.add_argument("config", help="a Hugging Face config.json (or its folder), or module:function")
     p.add_argument("--world-size", type=int, required=True, help="number of ranks")
@@ -139,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, required=True, help="micro-batch per rank (sequences)")
     p.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
     p.add_argument(
-        "--budget", type=_size, default=None, help="memory per rank, e.g. 80GiB: plan to fit it"
+        "--budget", type=_size, help="memory per rank, e.g. 80GiB or 80GB: plan to fit it"
     )
     p.add_argument(
         "--dtype", choices=sorted(_DTYPES), default="fp32", help="parameter (master) dtype"
@@ -185,15 +209,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="module class names (comma separated) or a parameter count (default: _no_split_modules)",
     )
     p.add_argument(
-        "--flop-rate", type=_rate, default=CostModel.flop_rate, help="FLOP/s per rank (planner)"
+        "--flop-rate",
+        type=_rate,
+        default=None,
+        help="FLOP/s per rank (planner; default per --device)",
     )
     p.add_argument(
-        "--bandwidth", type=_rate, default=CostModel.bandwidth, help="bytes/s per rank (planner)"
+        "--bandwidth",
+        type=_rate,
+        default=None,
+        help="bytes/s per rank (planner; default per --device)",
     )
     p.add_argument(
         "--overlap",
         type=float,
-        default=CostModel.overlap,
+        default=None,
         help="fraction of communication time that can pass during compute, 0-1 (planner; "
         "1: a GPU's own engine, near 0: gloo on a CPU the ranks already fill)",
     )
@@ -212,6 +242,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad combinations, reported by the library in words
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    """The device's defaults, with the rates given on the command line replacing them."""
+    default = CostModel.for_device(args.device)
+    given = {
+        k: v
+        for k, v in (
+            ("flop_rate", args.flop_rate),
+            ("bandwidth", args.bandwidth),
+            ("overlap", args.overlap),
+        )
+        if v is not None
+    }
+    if not given:
+        return default
+    flags = ", ".join("--" + k.replace("_", "-") for k in given)
+    rest = f"; the rest {default.source}" if len(given) < 3 else ""
+    return dataclasses.replace(default, **given, source=f"given: {flags}{rest}")
 
 
 def _policy(text: str | None) -> Any:
@@ -256,31 +305,30 @@ def _run(args: argparse.Namespace) -> int:
             model,
             args.budget,
             activation_checkpointing=not args.no_checkpointing_in_plan,
-            cost=CostModel(
-                flop_rate=args.flop_rate, bandwidth=args.bandwidth, overlap=args.overlap
-            ),
+            cost=_cost_model(args),
             headroom=args.headroom,
             **common,
         )
     params = sum(p.numel() for p in model.parameters())
+    budget = None if args.budget is None else budget_text(args.budget)
     if args.json:
         out = est.to_dict()
         out.pop("units")
         out["model"] = {"config": args.config, "class": type(model).__name__, "parameters": params}
         if result is not None:
-            plan = result.to_dict()
+            plan = {"budget": budget, **result.to_dict()}
             plan["estimate"].pop("units")
             out["plan"] = plan
         print(json.dumps(out))
         return 0 if result is None or result.fits else 1
     print(
-        f"{type(model).__name__}: {params / 1e9:.2f}B parameters ({args.dtype}), "
+        f"{type(model).__name__}: {format_count(params)} parameters ({args.dtype}), "
         f"W={args.world_size}, micro-batch {args.batch} x {args.seq} tokens per rank"
     )
     print(est.table())
     if result is not None:
         print()
-        print(f"plan for a budget of {format_bytes(result.requested_bytes)} per rank:")
+        print(f"plan for a budget of {budget} per rank:")
         print(result.table())
     return 0 if result is None or result.fits else 1
 

@@ -62,6 +62,7 @@ from .._runtime._mesh import validate_reshard_after_forward
 from .._runtime._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 from ._profile import ROOT, ModelProfile, ModuleProfile, StepFn, default_step, profile_model
+from ._units import format_bytes, parse_bytes
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -144,49 +145,6 @@ class MemoryEstimate:
         rows.append(("sent per rank per step", format_bytes(self.comm_bytes_per_rank_per_step)))
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{k:<{width}}  {v:>12}" for k, v in rows)
-
-
-def format_bytes(n: float) -> str:
-    """``1536 -> '1.50 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def parse_bytes(text: str | int) -> int:
-    """``'80GiB'``, ``'1.5 GB'``, ``'4096'`` -> bytes."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text <= 0:
-            raise ValueError(f"a memory size must be positive, got {text}")
-        return text
-    units = {
-        "": 1,
-        "b": 1,
-        "k": 1000,
-        "kb": 1000,
-        "kib": 1024,
-        "m": 1000**2,
-        "mb": 1000**2,
-        "mib": 1024**2,
-        "g": 1000**3,
-        "gb": 1000**3,
-        "gib": 1024**3,
-        "t": 1000**4,
-        "tb": 1000**4,
-        "tib": 1024**4,
-    }
-    s = str(text).strip().lower().replace(" ", "")
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(number) :]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value <= 0:
-        raise ValueError(f"cannot read {text!r} as a memory size; write e.g. 80GiB, 1.5GB or 4096")
-    return int(value * units[unit])
 
 
 @dataclass
@@ -352,8 +310,8 @@ def estimate(
         "mesh_shape": [replicate, shard] if replicate > 1 else [shard],
         "batch": batch,
         "seq": seq,
-        "param_dtype": str(mp_policy.param_dtype),
-        "reduce_dtype": str(mp_policy.reduce_dtype),
+        "param_dtype": None if mp_policy.param_dtype is None else str(mp_policy.param_dtype),
+        "reduce_dtype": None if mp_policy.reduce_dtype is None else str(mp_policy.reduce_dtype),
         "offload": offload,
         "optimizer": optimizer,
         "device": device,

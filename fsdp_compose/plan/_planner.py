@@ -4,7 +4,8 @@
 Step time = compute + exposed communication, per rank:
 
 * compute of a unit = its forward + backward FLOPs (measured on the meta device
-  by ``torch.utils.flop_counter``) / ``flop_rate``; forward is a third of it,
+  by ``torch.utils.flop_counter``, attention's QK^T and AV included) /
+  ``flop_rate``; forward is a third of it,
   backward two thirds, and activation checkpointing adds the forward again to
   backward;
 * a collective takes ``latency + bytes sent / bandwidth`` (the ideal per-rank
@@ -46,6 +47,7 @@ from .._runtime._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._estimate import MemoryEstimate, _check_mesh, estimate, format_bytes, parse_bytes
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 from ._profile import ROOT, StepFn, default_step, profile_model
+from ._units import describe_choice, elide_rows
 
 __all__ = ["CostModel", "PlanResult", "plan_to_budget"]
 
@@ -62,12 +64,34 @@ class CostModel:
             rank computes, from 0 (communication competes with compute for the
             same cores, as gloo on a CPU the ranks already fill) to 1 (a
             separate engine, as NCCL on a GPU).
+        source: where the rates come from, printed with the plan (``"given"``,
+            ``"measured ..."``; :meth:`for_device` names its defaults).
     """
 
     flop_rate: float = 400e12
     bandwidth: float = 25e9
     latency: float = 20e-6
     overlap: float = 1.0
+    source: str = field(default="given", compare=False)
+
+    @classmethod
+    def for_device(cls, device: str) -> CostModel:
+        """The default rates for ``device``: ``"cuda"``, a datacenter GPU with NCCL
+        (400 TFLOP/s of bf16 training compute, 25 GB/s per rank, communication
+        fully overlapped); ``"cpu"``, a CPU rank with gloo (100 GFLOP/s, 2 GB/s,
+        no overlap: gloo's copies take the cores compute uses). Rough orders of
+        magnitude: pass a measured :class:`CostModel` for step times to trust."""
+        if device == "cpu":
+            return cls(100e9, 2e9, 100e-6, 0.0, source="default for device=cpu (gloo)")
+        return cls(source=f"default for device={device} (a datacenter GPU with NCCL)")
+
+    def describe(self) -> str:
+        """One line: the rates and their source."""
+        return (
+            f"cost model ({self.source}): {self.flop_rate / 1e12:g} TFLOP/s, "
+            f"{self.bandwidth / 1e9:g} GB/s, latency {self.latency * 1e6:g} us, "
+            f"overlap {self.overlap:g}"
+        )
 
     def __post_init__(self) -> None:
         for name in ("flop_rate", "bandwidth"):
@@ -99,6 +123,10 @@ class PlanResult:
         suggestions: what would fit when nothing does.
         requested_bytes: the budget as given.
         headroom: the fraction of it left free (``budget_bytes`` is the rest).
+        cost: the cost model the step times come from (``cost.source`` says whose).
+        reason: one line on why this plan was chosen.
+        runner_up: the next best plan that fits (``choice``, ``peak_bytes``,
+            ``step_time_s``), or ``None``.
     """
 
     fits: bool
@@ -113,6 +141,9 @@ class PlanResult:
     choice: dict[str, Any] = field(default_factory=dict)
     requested_bytes: int = 0
     headroom: float = 0.0
+    cost: CostModel = field(default_factory=CostModel)
+    reason: str = ""
+    runner_up: dict[str, Any] | None = None
 
     def _held_to(self) -> str:
         if not self.headroom:
@@ -134,17 +165,20 @@ class PlanResult:
             lines += [f"  - {s}" for s in self.suggestions]
             return "\n".join(lines)
         assert self.plan is not None
-        c = self.choice
-        lines.append(
-            f"plan: {len(self.plan.units)} units (up to {c['group']} policy unit(s) each), prefetch depth "
-            f"{self.plan.prefetch_depth}, activation checkpointing {'on' if c['checkpoint'] else 'off'}, "
-            f"reshard_after_forward=False on {c['keep']} unit(s); {self.candidates} candidates"
-        )
+        lines.append(f"plan: {len(self.plan.units)} units, {describe_choice(self.choice)}")
         lines.append(
             f"predicted peak {format_bytes(self.estimate.peak_bytes_per_rank)} of "
             f"{self._held_to()}; step {self.step_time_s * 1e3:.1f} ms, "
             f"exposed communication {self.exposed_comm_s * 1e3:.1f} ms"
         )
+        lines.append(self.cost.describe())
+        lines.append(f"why: {self.reason}")
+        if self.runner_up is not None:
+            ru = self.runner_up
+            lines.append(
+                f"runner-up: {describe_choice(ru['choice'])}; peak {format_bytes(ru['peak_bytes'])}, "
+                f"step {ru['step_time_s'] * 1e3:.1f} ms"
+            )
         rows: list[tuple[str, ...]] = [
             ("unit", "reshard_after_forward", "checkpoint", "params/rank", "unsharded", "sent/step")
         ]
@@ -159,7 +193,7 @@ class PlanResult:
                     format_bytes(u.all_gather_bytes + u.reduce_bytes),
                 )
             )
-        rows = _elide(rows)
+        rows = elide_rows(rows)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
@@ -171,8 +205,17 @@ class PlanResult:
             "budget_bytes": self.budget_bytes,
             "requested_bytes": self.requested_bytes,
             "headroom": self.headroom,
-            "step_time_s": self.step_time_s,
-            "exposed_comm_s": self.exposed_comm_s,
+            "step_time_s": None if math.isnan(self.step_time_s) else self.step_time_s,
+            "exposed_comm_s": None if math.isnan(self.exposed_comm_s) else self.exposed_comm_s,
+            "cost": {
+                "flop_rate": self.cost.flop_rate,
+                "bandwidth": self.cost.bandwidth,
+                "latency": self.cost.latency,
+                "overlap": self.cost.overlap,
+                "source": self.cost.source,
+            },
+            "reason": self.reason,
+            "runner_up": self.runner_up,
             "candidates": self.candidates,
             "shortfall_bytes": self.shortfall_bytes,
             "suggestions": list(self.suggestions),
@@ -195,13 +238,6 @@ class PlanResult:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
-
-
-def _elide(rows: list[tuple[str, ...]], keep: int = 6) -> list[tuple[str, ...]]:
-    if len(rows) <= 2 * keep + 2:
-        return rows
-    gap = tuple(["..."] + [""] * (len(rows[0]) - 1))
-    return rows[: keep + 1] + [gap] + rows[-keep:]
 
 
 def candidate_plans(
@@ -322,7 +358,7 @@ def plan_to_budget(
     device: str = "cuda",
     set_to_none: bool = False,
     activation_checkpointing: bool = True,
-    cost: CostModel = CostModel(),
+    cost: CostModel | None = None,
     step_fn: StepFn = default_step,
     groups: Sequence[int] = (1, 2, 4),
     depths: Sequence[int] = (0, 1, 2),
@@ -341,7 +377,8 @@ def plan_to_budget(
             :func:`estimate`; ``policy`` gives the finest unit boundaries the
             planner groups.
         activation_checkpointing: whether the planner may turn it on.
-        cost: the rates of the step-time model.
+        cost: the rates of the step-time model (default:
+            ``CostModel.for_device(device)``; the result names its source).
         groups, depths: the unit groupings and prefetch depths searched.
         keeps: the numbers of units (last in forward order) searched with
             ``reshard_after_forward=False`` (default: 0, 1, 2, 4, ... and all).
@@ -358,6 +395,7 @@ def plan_to_budget(
         ``result.suggestions``) when no candidate fits.
     """
     given = parse_bytes(budget)
+    cost = CostModel.for_device(device) if cost is None else cost
     # the headroom and what a plan's estimate may reach, without and with checkpointing
     if headroom is None:
         headrooms = (CPU_HEADROOM, CPU_HEADROOM_CHECKPOINTED) if device == "cpu" else (0.0, 0.0)
@@ -390,27 +428,13 @@ def plan_to_budget(
         keeps=keeps,
         checkpointing=(False, True) if activation_checkpointing else (False,),
     )
-    best: (
-        tuple[tuple[float, int, int], dict[str, Any], ShardingPlan, MemoryEstimate, float, float]
-        | None
-    ) = None
-    smallest: tuple[int, MemoryEstimate, bool] | None = None  # (over its cap, estimate, AC)
-    for choice, plan in candidates:
-        est = estimate(model, plan=plan, mesh_shape=shape, offload_policy=offload_policy, **common)
+    fitting, fastest, smallest = _search(
+        model, candidates, caps, cost, shape, offload_policy, common
+    )
+    if fitting:
+        (total, _, _), exposed, choice, plan, est = fitting[0]
         ck = bool(choice["checkpoint"])
-        cap = caps[ck]
-        if smallest is None or est.peak_bytes_per_rank - cap < smallest[0]:
-            smallest = (est.peak_bytes_per_rank - cap, est, ck)
-        if est.peak_bytes_per_rank > cap:
-            continue
-        total, exposed = step_time(est, cost, plan.prefetch_depth)
-        key = (total, est.comm_bytes_per_rank_per_step, est.peak_bytes_per_rank)
-        if best is None or key < best[0]:
-            best = (key, choice, plan, est, total, exposed)
-    assert smallest is not None
-    if best is not None:
-        _, choice, plan, est, total, exposed = best
-        ck = bool(choice["checkpoint"])
+        reason, runner_up = _explain(fitting, fastest, len(candidates))
         return PlanResult(
             True,
             plan,
@@ -422,19 +446,13 @@ def plan_to_budget(
             choice=choice,
             requested_bytes=given,
             headroom=headrooms[ck],
+            cost=cost,
+            reason=reason,
+            runner_up=runner_up,
         )
     shortfall, closest, ck = smallest
-    suggestions = _suggest(
-        model,
-        base,
-        caps,
-        replicate,
-        shard,
-        offload_policy,
-        device,
-        common,
-        activation_checkpointing,
-    )
+    ac = activation_checkpointing
+    suggestions = _suggest(model, base, caps, replicate, shard, offload_policy, device, common, ac)
     return PlanResult(
         False,
         None,
@@ -447,7 +465,67 @@ def plan_to_budget(
         suggestions=tuple(suggestions),
         requested_bytes=given,
         headroom=headrooms[ck],
+        cost=cost,
+        reason="no candidate fits",
     )
+
+
+_Ranked = tuple[tuple[float, int, int], float, dict[str, Any], ShardingPlan, MemoryEstimate]
+
+
+def _search(
+    model: nn.Module,
+    candidates: list[tuple[dict[str, Any], ShardingPlan]],
+    caps: tuple[int, int],
+    cost: CostModel,
+    shape: tuple[int, ...],
+    offload_policy: OffloadPolicy,
+    common: dict[str, Any],
+) -> tuple[list[_Ranked], tuple[float, int, dict[str, Any]], tuple[int, MemoryEstimate, bool]]:
+    """Estimates every candidate: those that fit, best first (least step time, then
+    fewer bytes sent, then less memory); the fastest of all (step, peak, choice);
+    the one nearest its cap (over its cap, estimate, checkpointed)."""
+    fitting: list[_Ranked] = []
+    fastest: tuple[float, int, dict[str, Any]] | None = None
+    smallest: tuple[int, MemoryEstimate, bool] | None = None
+    for choice, plan in candidates:
+        est = estimate(model, plan=plan, mesh_shape=shape, offload_policy=offload_policy, **common)
+        ck = bool(choice["checkpoint"])
+        peak = est.peak_bytes_per_rank
+        if smallest is None or peak - caps[ck] < smallest[0]:
+            smallest = (peak - caps[ck], est, ck)
+        total, exposed = step_time(est, cost, plan.prefetch_depth)
+        if fastest is None or total < fastest[0]:
+            fastest = (total, peak, choice)
+        if peak <= caps[ck]:
+            fitting.append(
+                ((total, est.comm_bytes_per_rank_per_step, peak), exposed, choice, plan, est)
+            )
+    assert smallest is not None and fastest is not None
+    fitting.sort(key=lambda r: r[0])
+    return fitting, fastest, smallest
+
+
+def _explain(
+    fitting: list[_Ranked], fastest: tuple[float, int, dict[str, Any]], candidates: int
+) -> tuple[str, dict[str, Any] | None]:
+    """Why the first of ``fitting`` was chosen, and the runner-up: the best other
+    plan with a different prediction (step or peak)."""
+    (total, _, peak), _, choice, _, _ = fitting[0]
+    runner_up = None
+    for (t2, _, p2), _, c2, _, _ in fitting[1:]:
+        if (t2, p2) != (total, peak):
+            runner_up = {"choice": c2, "peak_bytes": p2, "step_time_s": t2}
+            break
+    reason = (
+        f"the least predicted step time of the {len(fitting)} of {candidates} candidates that fit"
+    )
+    if fastest[2] is not choice:
+        reason += (
+            f"; faster ones need more memory (the fastest: {fastest[0] * 1e3:.1f} ms "
+            f"at a peak of {format_bytes(fastest[1])})"
+        )
+    return reason, runner_up
 
 
 def _min_peak(

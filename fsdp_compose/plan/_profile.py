@@ -210,7 +210,7 @@ def profile_model(
         handles.append(
             named[fqn].register_forward_hook(post_hook(fqn), with_kwargs=True, always_call=True)
         )
-    flops = FlopCounterMode(display=False)
+    flops = FlopCounterMode(display=False, custom_mapping=_attention_flop_formulas())
     try:
         with flops, torch.device("meta"), _FusedAttention(), trace:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -377,6 +377,26 @@ def _fused_sdpa(
         q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )[0]
     return out
+
+
+def _attention_flop_formulas() -> dict[Any, Any]:
+    """FLOP formulas for the CPU flash kernel that stands in for the fused ones
+    (``_FusedAttention``), torch's counts for the CUDA kernels (QK^T and AV, full
+    matrices whether causal or not): without them attention's products count
+    nothing and compute is just 6 x params x tokens."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    def forward(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
+        return int(sdpa_flop_count(q, k, v))
+
+    def backward(grad_out: Any, q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
+        return int(sdpa_backward_flop_count(grad_out, q, k, v))
+
+    aten = torch.ops.aten
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+    }
 
 
 class _Step(nn.Module):
