@@ -121,6 +121,8 @@ def main() -> None:
         bandwidth=bandwidth,
         latency=1e-3,
         overlap=overlap,
+        source="measured on this machine: FLOP rate, gloo all-gather bandwidth"
+        + (", overlap given" if args.overlap is not None else ", overlap"),
     )
     peaks = sorted(e.peak_bytes_per_rank for e in preds)
     budget = peaks[min(len(peaks) - 1, int(args.budget_quantile * len(peaks)))]
