@@ -157,6 +157,18 @@ def peak_flops(override_tflops: float | None) -> float | None:
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
+def build_model(cfg: LlamaConfig, param_dtype: torch.dtype, device: torch.device | str) -> Llama:
+    """The model with its parameters created in ``param_dtype`` on ``device`` (the
+    RoPE tables stay fp32: they are built with an explicit ``.float()``)."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(param_dtype)
+    try:
+        with torch.device(device):
+            return Llama(cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
 def trace_one_step(step: Any, sync: Any, path: str, cpu_only: bool) -> None:
     """Records one more step with ``torch.profiler`` into a Chrome trace at ``path``
     (after the timed steps, so that profiling costs none of them)."""
@@ -189,15 +201,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     cfg = LlamaConfig(vocab_size=args.vocab, n_layers=args.layers, dim=args.dim,
                       n_heads=args.heads, ffn_dim=args.ffn_dim, seq_len=args.seq_len)
     torch.manual_seed(0)
-    param_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    # Parameters are created in param_dtype; the RoPE tables stay fp32 (explicit .float()).
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(param_dtype)
-    try:
-        with torch.device(device):
-            model = Llama(cfg)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    model = build_model(cfg, torch.bfloat16 if args.dtype == "bf16" else torch.float32, device)
     n_params = sum(p.numel() for p in model.parameters())
     fpt = flops_per_token(model)
 
@@ -240,7 +244,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             times.append(time.perf_counter() - start)
     peak_allocated = 0.0 if smoke else torch.cuda.max_memory_allocated() / 2**30
     if args.trace:
-        trace_one_step(step, sync, os.path.join(args.trace, f"trace_{args.impl}.json"), smoke)
+        trace_one_step(step, sync, os.path.join(args.trace, f"trace_{args.impl}.json.gz"), smoke)
     dist.destroy_process_group()
 
     step_s = statistics.median(times)
@@ -283,7 +287,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None, help="device bf16 peak, TFLOP/s")
     p.add_argument("--json", default=None, help="write the result(s) here")
     p.add_argument("--trace", default=None,
-                   help="folder: a torch.profiler trace of one step per implementation (trace_<impl>.json)")
+                   help="folder: a torch.profiler trace of one step per implementation (trace_<impl>.json.gz)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU/gloo with a tiny model: checks the script where there is no GPU")
     args = p.parse_args()
