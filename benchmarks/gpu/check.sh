@@ -4,10 +4,10 @@
 #   bash benchmarks/gpu/check.sh [OUT_DIR] [--smoke] [--only SECTION ...]
 #
 # Results: OUT_DIR/check.json and OUT_DIR/check.md (OUT_DIR defaults to $OUT, else
-# ./gpu_check_out). See benchmarks/gpu/README.md.
+# ./out/gpu_check, which git ignores). See benchmarks/gpu/README.md.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out="${OUT:-$PWD/gpu_check_out}"
+out="${OUT:-$PWD/out/gpu_check}"
 if [[ $# -gt 0 && "$1" != --* ]]; then
     out="$1"
     shift
