@@ -375,11 +375,13 @@ def spawn_section(name: str, out: str, smoke: bool, budget: float) -> dict[str, 
     with open(os.path.join(out, "logs", f"{name}.log"), "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            code = proc.wait(timeout=budget)
+            code: int | None = proc.wait(timeout=budget)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the section and the ranks it started
-            proc.wait()
             code = None
+        finally:  # also when the driver itself is stopped (check.sh's timeout)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the section and the ranks it started
+                proc.wait()
     seconds = round(time.monotonic() - start, 1)
     path = os.path.join(out, "sections", f"{name}.json")
     if code is None:
@@ -425,6 +427,9 @@ def main() -> None:
     if args.section:
         run_section(args.section, out, args.smoke)
         return
+    deadline = time.monotonic() + TOTAL_S
+    # A SIGTERM (check.sh's timeout) unwinds through spawn_section, which kills the section.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     env = environment()
     if not args.smoke and not env.get("gpus"):
         raise SystemExit(f"check.py needs a CUDA device; use --smoke without one ({env})")
@@ -432,7 +437,6 @@ def main() -> None:
         os.makedirs(os.path.join(out, sub), exist_ok=True)
     from summary import write_reports
 
-    deadline = time.monotonic() + TOTAL_S
     report: dict[str, Any] = {
         "smoke": args.smoke,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -74,7 +74,7 @@ def backend_for(device_type: str, world: int) -> str:
 def rank_main(
     rank: int, world: int, init_file: str, device_type: str, job: str, kw: dict, out: str
 ) -> None:
-    """Entry point of one spawned rank: joins the group, runs ``job``, writes its result."""
+    """Entry point of one rank process: joins the group, runs ``job``, writes its result."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if device_type == "cuda":

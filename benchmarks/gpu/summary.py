@@ -78,7 +78,7 @@ def _checks_table(section: dict[str, Any]) -> list[str]:
             )
             numbers = ", ".join(f"{k} {_fmt(e[k])}" for k in keys if k in e)
             lines.append(f"| {world[1:]} | {name} | {_fmt(e['ok'])} | {numbers} |")
-    return lines
+    return lines if len(lines) > 2 else []
 
 
 def _speed_table(section: dict[str, Any]) -> list[str]:
@@ -130,9 +130,8 @@ def markdown(report: dict[str, Any]) -> str:
     for name, s in report["sections"].items():
         body = _details(name, s)
         if s.get("error") or s["status"] in ("error", "timeout"):
-            body = [
-                f"- {s['status']}: {s.get('error') or 'see ' + s.get('log', 'logs/' + name + '.log')}"
-            ] + body
+            where = s.get("error") or f"see logs/{name}.log"
+            body = [f"{s['status']}: {where}"] + (["", *body] if body else [])
         if body:
             lines += ["", f"## {name}", "", *body]
     return "\n".join(lines) + "\n"
