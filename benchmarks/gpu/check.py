@@ -444,8 +444,8 @@ def main() -> None:
         "sections": {},
     }
     for name in args.only or SECTIONS:
-        budget = SMOKE_BUDGET_S if args.smoke else BUDGET_S[name]
-        budget = min(budget, deadline - time.monotonic() - 5)
+        cap = SMOKE_BUDGET_S if args.smoke else BUDGET_S[name]
+        budget = min(float(cap), deadline - time.monotonic() - 5)
         if budget <= 1:
             report["sections"][name] = {"status": "not run", "reason": "out of time"}
         else:

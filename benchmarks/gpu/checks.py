@@ -12,6 +12,7 @@ The models and the parity loop are the test suite's: the GPT of
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -123,10 +124,10 @@ def _mesh(device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _sharded(base: nn.Module, mesh: DeviceMesh, tied_units: bool = False, **kw: Any) -> Any:
+def _sharded(base: GPT, mesh: DeviceMesh, tied_units: bool = False, **kw: Any) -> Any:
     """A copy of ``base``, one unit per block and the root (and, for a tied
     embedding and LM head, one unit each: the weight is shared between units)."""
-    model = copy.deepcopy(base)
+    model: GPT = copy.deepcopy(base)
     if tied_units:
         fully_shard(model.tok_emb, mesh=mesh, **kw)
     for block in model.blocks:
@@ -245,9 +246,10 @@ def parity_job(device_type: str, size: str, steps: int) -> dict[str, Any]:
     }
     results: dict[str, Any] = {"world": world}
     for name, (tol, kw) in cases.items():
-        guarded(
-            results, name, lambda tol=tol, kw=kw: _side_by_side(device_type, size, steps, tol, **kw)
+        run: Callable[[], dict[str, Any]] = functools.partial(
+            _side_by_side, device_type, size, steps, tol, **kw
         )
+        guarded(results, name, run)
     guarded(results, "no_sync_accumulation", lambda: _no_sync(device_type, size))
     guarded(results, "cpu_offload_pinned", lambda: _offload_pinned(device_type, size, steps))
     return results
@@ -278,7 +280,7 @@ def _muon(device_type: str, size: str, steps: int) -> dict[str, Any]:
         # The reference steps on the sharded model's (reduced) gradients: with the
         # same gradients, the two steps must agree bit for bit.
         for p, q in zip(hidden(model), hidden(ref)):
-            q.grad = full(p.grad).clone()
+            q.grad = full(p.grad).clone()  # type: ignore[arg-type]
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
