@@ -60,7 +60,7 @@ def _fmt(value: Any) -> str:
 
 def _checks_table(section: dict[str, Any]) -> list[str]:
     """One row per sub-check of the rank jobs (``w1``, ``w2``, ... entries)."""
-    lines = ["| W | check | ok | numbers |", "|---|---|---|---|"]
+    lines = ["| W (backend) | check | ok | numbers |", "|---|---|---|---|"]
     for world, entries in section.items():
         if not (world.startswith("w") and isinstance(entries, dict)):
             continue
@@ -77,7 +77,8 @@ def _checks_table(section: dict[str, Any]) -> list[str]:
                 "error",
             )
             numbers = ", ".join(f"{k} {_fmt(e[k])}" for k in keys if k in e)
-            lines.append(f"| {world[1:]} | {name} | {_fmt(e['ok'])} | {numbers} |")
+            w = f"{world[1:]} ({entries.get('backend', '?')})"
+            lines.append(f"| {w} | {name} | {_fmt(e['ok'])} | {numbers} |")
     return lines if len(lines) > 2 else []
 
 
