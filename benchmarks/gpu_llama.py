@@ -157,6 +157,30 @@ def peak_flops(override_tflops: float | None) -> float | None:
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
+def build_model(cfg: LlamaConfig, param_dtype: torch.dtype, device: torch.device | str) -> Llama:
+    """The model with its parameters created in ``param_dtype`` on ``device`` (the
+    RoPE tables stay fp32: they are built with an explicit ``.float()``)."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(param_dtype)
+    try:
+        with torch.device(device):
+            return Llama(cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
+def trace_one_step(step: Any, sync: Any, path: str, cpu_only: bool) -> None:
+    """Records one more step with ``torch.profiler`` into a Chrome trace at ``path``
+    (after the timed steps, so that profiling costs none of them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([] if cpu_only else [ProfilerActivity.CUDA])
+    with profile(activities=activities) as prof:
+        step()
+        sync()
+    prof.export_chrome_trace(path)
+
+
 # ---------------------------------------------------------------------------
 # one implementation, in this process
 # ---------------------------------------------------------------------------
@@ -177,15 +201,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     cfg = LlamaConfig(vocab_size=args.vocab, n_layers=args.layers, dim=args.dim,
                       n_heads=args.heads, ffn_dim=args.ffn_dim, seq_len=args.seq_len)
     torch.manual_seed(0)
-    param_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    # Parameters are created in param_dtype; the RoPE tables stay fp32 (explicit .float()).
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(param_dtype)
-    try:
-        with torch.device(device):
-            model = Llama(cfg)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    model = build_model(cfg, torch.bfloat16 if args.dtype == "bf16" else torch.float32, device)
     n_params = sum(p.numel() for p in model.parameters())
     fpt = flops_per_token(model)
 
@@ -226,6 +242,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+    peak_allocated = 0.0 if smoke else torch.cuda.max_memory_allocated() / 2**30
+    if args.trace:
+        trace_one_step(step, sync, os.path.join(args.trace, f"trace_{args.impl}.json.gz"), smoke)
     dist.destroy_process_group()
 
     step_s = statistics.median(times)
@@ -242,7 +261,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "step_times_s": times,
         "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * fpt / peak if peak else None,
-        "peak_allocated_gib": 0.0 if smoke else torch.cuda.max_memory_allocated() / 2**30,
+        "peak_allocated_gib": peak_allocated,
         "losses": [float(v) for v in losses],
     }
 
@@ -267,6 +286,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--peak-tflops", type=float, default=None, help="device bf16 peak, TFLOP/s")
     p.add_argument("--json", default=None, help="write the result(s) here")
+    p.add_argument("--trace", default=None,
+                   help="folder: a torch.profiler trace of one step per implementation (trace_<impl>.json.gz)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU/gloo with a tiny model: checks the script where there is no GPU")
     args = p.parse_args()
@@ -296,6 +317,8 @@ def main() -> None:
         forwarded.append(f"--peak-tflops={args.peak_tflops}")
     if args.smoke:
         forwarded.append("--smoke")
+    if args.trace:
+        forwarded.append(f"--trace={args.trace}")
     for impl in IMPLS:
         out = f"/tmp/gpu_llama_{impl}_{os.getpid()}.json"
         subprocess.run([sys.executable, __file__, "--impl", impl, "--json", out, *forwarded], check=True)
