@@ -4,6 +4,7 @@ correctly), never in a silently wrong result, a hang or a dead process group."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -123,3 +124,96 @@ def test_muon_plan_cache_is_bounded() -> None:
         bound = r["bound"]
         assert r["max"] == (bound, bound) and r["last"] == (bound, bound), r
         assert r["pools"] == 1, r
+
+
+def _save_into_file_job(tmp: str) -> dict:
+    from fsdp_compose.safetensors_io import save_safetensors
+
+    model = _square_model(n=2)
+    path = os.path.join(tmp, "model.safetensors")  # a file where a directory is expected
+    if dist.get_rank() == 0:
+        with open(path, "wb") as f:
+            f.write(b"previous")
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        save_safetensors(model, path)
+        error = ""
+    except (ValueError, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    elapsed = time.monotonic() - start
+    usable = _pg_usable()
+    with open(path, "rb") as f:
+        intact = f.read() == b"previous"
+    saved = save_safetensors(model, os.path.join(tmp, "out"))  # the next save works
+    return {
+        "error": error,
+        "fast": elapsed < 5,
+        "usable": usable,
+        "intact": intact,
+        "saved": len(saved) == (1 if dist.get_rank() == 0 else 0),
+    }
+
+
+def test_save_safetensors_into_a_file_path_fails_on_every_rank(tmp_path) -> None:
+    """An existing file as out_dir: every rank raises at once (rank 0 a ValueError
+    naming the path and the fix, the others quoting it), the file is left as it
+    was, and the process group serves the next collective and the next save."""
+    pytest.importorskip("safetensors")
+    results = run_distributed(_save_into_file_job, 2, str(tmp_path))
+    assert results[0]["error"].startswith("ValueError") and "not a directory" in results[0]["error"]
+    assert results[1]["error"].startswith("RuntimeError") and "rank 0" in results[1]["error"]
+    for r in results:
+        assert r["fast"] and r["usable"] and r["intact"] and r["saved"], r
+
+
+def _export_bad_read_job(tmp: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_compose.safetensors_io import export_dcp_to_safetensors
+
+    ckpt = os.path.join(tmp, "dcp")
+    dcp.save({"model.w": torch.ones(4, 4)}, checkpoint_id=ckpt)
+    source = ckpt if dist.get_rank() == 0 else os.path.join(tmp, "missing")
+    start = time.monotonic()
+    try:
+        export_dcp_to_safetensors(source, os.path.join(tmp, "out"))
+        error = ""
+    except (ValueError, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {
+        "error": error,
+        "fast": time.monotonic() - start < 5,
+        "usable": _pg_usable(),
+        "published": os.path.exists(os.path.join(tmp, "out", "model.safetensors")),
+    }
+
+
+def test_export_with_a_failing_read_on_one_rank_fails_on_every_rank(tmp_path) -> None:
+    pytest.importorskip("safetensors")
+    results = run_distributed(_export_bad_read_job, 2, str(tmp_path))
+    assert results[1]["error"].startswith("ValueError") and "missing" in results[1]["error"]
+    assert results[0]["error"].startswith("RuntimeError") and "rank 1" in results[0]["error"]
+    for r in results:
+        assert r["fast"] and r["usable"] and not r["published"], r
+
+
+def test_load_safetensors_file_replaced_while_loading(tmp_path, monkeypatch) -> None:
+    """The file is replaced by one with fewer rows after its header was checked:
+    a clear error naming the tensor and both shapes, not a broadcast short slice."""
+    st = pytest.importorskip("safetensors.torch")
+    from fsdp_compose.safetensors_io import _load, load_safetensors
+
+    path = str(tmp_path / "model.safetensors")
+    st.save_file({"weight": torch.randn(4, 3), "bias": torch.randn(4)}, path)
+    checked = _load.read_headers
+
+    def read_then_replace(p: object) -> object:
+        entries = checked(p)
+        st.save_file({"weight": torch.randn(1, 3), "bias": torch.randn(4)}, path)
+        return entries
+
+    monkeypatch.setattr(_load, "read_headers", read_then_replace)
+    model = nn.Linear(3, 4)
+    with pytest.raises(ValueError, match=r"'weight'.*shape \[1, 3\].*shape \[4, 3\].*replaced"):
+        load_safetensors(model, path)
