@@ -217,3 +217,41 @@ def test_load_safetensors_file_replaced_while_loading(tmp_path, monkeypatch) -> 
     model = nn.Linear(3, 4)
     with pytest.raises(ValueError, match=r"'weight'.*shape \[1, 3\].*shape \[4, 3\].*replaced"):
         load_safetensors(model, path)
+
+
+def _auto_wrap_atomic_job() -> dict:
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fsdp_compose import FSDPModule, auto_wrap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3), nn.Linear(3, 4))
+    before = [(n, id(p), p.clone()) for n, p in model.named_parameters()]
+
+    def bad_placement(p: nn.Parameter) -> Shard | None:
+        return Shard(1) if tuple(p.shape) == (4, 3) else None  # 3 columns over 2 ranks
+
+    try:
+        auto_wrap(model, {nn.Linear}, shard_placement_fn=bad_placement)
+        error = ""
+    except (ValueError, NotImplementedError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    untouched = not any(isinstance(m, FSDPModule) for m in model.modules()) and all(
+        id(p) == i and type(p) is nn.Parameter and torch.equal(p, v)
+        for (_, i, v), (_, p) in zip(before, model.named_parameters())
+    )
+    no_hooks = all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    units = auto_wrap(model, {nn.Linear})  # the retry, without the bad placement
+    retried = len(units) == 4 and all(isinstance(p, DTensor) for p in model.parameters())
+    loss = model(torch.randn(2, 4)).sum()
+    loss.backward()
+    return {"error": error, "untouched": untouched, "no_hooks": no_hooks, "retried": retried}
+
+
+def test_auto_wrap_is_atomic() -> None:
+    """A unit that fails in the middle of a plan leaves no module annotated (no
+    class swap, no hooks, the same parameter objects and values), and the retry
+    with the fix succeeds and trains."""
+    for r in run_distributed(_auto_wrap_atomic_job, 2):
+        assert "(4, 3)" in r["error"] or "[4, 3]" in r["error"] or "divisible" in r["error"], r
+        assert r["untouched"] and r["no_hooks"] and r["retried"], r
