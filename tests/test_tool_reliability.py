@@ -255,3 +255,50 @@ def test_auto_wrap_is_atomic() -> None:
     for r in run_distributed(_auto_wrap_atomic_job, 2):
         assert "(4, 3)" in r["error"] or "[4, 3]" in r["error"] or "divisible" in r["error"], r
         assert r["untouched"] and r["no_hooks"] and r["retried"], r
+
+
+def _newton_schulz_fails_job() -> dict:
+    from fsdp_compose.whole_matrix import _muon
+
+    model = _square_model()
+    params = list(model.parameters())
+    opt = enable_sharded_step(torch.optim.Muon(params, lr=0.1))
+    _backward(model)
+    before = [p.full_tensor() for p in params]
+    real = _muon.newton_schulz
+    calls = [0]
+
+    def failing(*args: object, **kwargs: object) -> torch.Tensor:
+        calls[0] += 1
+        if dist.get_rank() == 1 and calls[0] == 1:  # rank 1's first matrix (matrix 1)
+            raise torch.OutOfMemoryError("injected failure")
+        return real(*args, **kwargs)
+
+    _muon.newton_schulz = failing
+    start = time.monotonic()
+    try:
+        opt.step()
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)
+    finally:
+        _muon.newton_schulz = real
+    elapsed = time.monotonic() - start
+    after = [p.full_tensor() for p in params]
+    changed = [not torch.equal(a, b) for a, b in zip(after, before)]
+    opt.zero_grad()
+    _backward(model)
+    opt.step()  # training goes on
+    return {"error": error, "fast": elapsed < 10, "changed": changed, "usable": _pg_usable()}
+
+
+def test_newton_schulz_failing_on_its_owner_raises_on_every_rank() -> None:
+    """Newton-Schulz raises on the owner of one matrix: every rank finishes the
+    exchange, skips that matrix (unchanged everywhere), applies the others and
+    raises the same error quoting the owner's, within seconds; the next step runs."""
+    results = run_distributed(_newton_schulz_fails_job, 2)
+    assert results[0]["error"] == results[1]["error"], results
+    for r in results:
+        assert "rank 1" in r["error"] and "injected failure" in r["error"], r
+        assert r["fast"] and r["usable"], r
+        assert r["changed"] == [True, False, True, True], r

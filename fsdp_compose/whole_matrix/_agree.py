@@ -108,3 +108,81 @@ def check_agreement(
         "rank still needs a gradient, e.g. a zero one; build the optimizer from "
         "model.named_parameters() to have names compared). Nothing was updated."
     )
+
+
+class RoundOutcomes:
+    """Which owners' computations failed, agreed round by round.
+
+    [Note: a failing computation on its owner]
+    The function an owner runs on a full matrix (Newton–Schulz, a user's
+    ``map_full_matrices`` function) may raise on that rank alone. Raising there
+    at once would leave the other ranks in the exchange's next collective until
+    the process group's timeout. Instead the owner records the error, returns
+    zeros for that matrix and keeps taking part; with each round's return, every
+    rank all-reduces (asynchronously, waited for just before the round's results
+    are applied) one integer per rank of the group: ``1 + `` the first matrix
+    that failed on that owner in the round, or 0. Every rank then skips the
+    failed matrices' results (the owner included), applies the others, finishes
+    every round, and at the end all raise the same error naming the matrix, its
+    owner and the owner's message. The process group stays usable.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, world: int, device: torch.device):
+        self.group, self.rank, self.world, self.device = group, rank, world, device
+        self.errors: dict[int, BaseException] = {}  # matrix -> its error, on its owner
+        self.failed: dict[int, int] = {}  # matrix -> owner, on every rank
+
+    def compute(
+        self,
+        fn: Callable[[int, torch.Tensor], torch.Tensor],
+        i: int,
+        full: torch.Tensor,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """``fn(i, full)`` in ``dtype``, contiguous (a tall matrix's result is a
+        transposed view; rows need it contiguous), or zeros of ``shape`` after
+        recording the error it raised."""
+        try:
+            return fn(i, full).to(dtype).contiguous()
+        except Exception as exc:
+            self.errors.setdefault(i, exc)
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def post(self, mine: list[int]) -> tuple[torch.Tensor, dist.Work]:
+        """Posts this round's outcome (``mine``: the matrices this rank computed)."""
+        flags = torch.zeros(self.world, dtype=torch.int64)
+        first = min((i for i in mine if i in self.errors), default=-1)
+        flags[self.rank] = first + 1
+        flags = flags.to(self.device)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        assert work is not None
+        return flags, work
+
+    def failed_owners(self, posted: tuple[torch.Tensor, dist.Work]) -> set[int]:
+        """The owners whose computation failed in the round ``posted`` describes."""
+        flags, work = posted
+        work.wait()
+        values = flags.tolist()
+        owners = {r for r, v in enumerate(values) if v}
+        for r in owners:
+            self.failed.setdefault(values[r] - 1, r)
+        return owners
+
+    def raise_if_any(self, describe: Callable[[int], str]) -> None:
+        """Raises the same error on every rank if any computation failed (then
+        one ``all_gather_object`` of the owners' messages)."""
+        if not self.failed:
+            return
+        messages: list[dict[int, str] | None] = [None] * self.world
+        mine = {i: f"{type(e).__name__}: {e}" for i, e in self.errors.items()}
+        dist.all_gather_object(messages, mine, group=self.group)
+        i = min(self.failed)
+        owner = self.failed[i]
+        text = (messages[owner] or {}).get(i, "(no message)")
+        error = RuntimeError(
+            f"fsdp_compose: the whole-matrix computation of {describe(i)} raised on its owner, "
+            f"rank {owner} of the shard group: {text}. Every rank skipped that matrix's "
+            f"update and applied the others'; {len(self.failed)} matrix(es) failed this step."
+        )
+        raise error from self.errors.get(i)

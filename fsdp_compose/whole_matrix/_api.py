@@ -78,8 +78,9 @@ def map_full_matrices(
             fresh contiguous ``(m, n)`` tensor in ``comm_dtype`` that it may
             overwrite. It must return an ``(m, n)`` tensor (any layout); it is cast
             to ``result_dtype``. It runs inside the exchange: if it raises on the
-            owner, the other ranks wait in their all-to-all until the process
-            group's timeout, so validate inputs before calling this.
+            owner, every rank finishes the exchange without that matrix's result
+            (its output holds zeros) and then raises the same ``RuntimeError``
+            quoting the owner's error.
         comm_dtype: dtype the matrices travel in (default: their dtype, which must
             then be the same for all of them).
         result_dtype: dtype of the results (default: ``comm_dtype``).
@@ -126,6 +127,7 @@ def map_full_matrices(
                 comm_dtype=comm_dtype,
                 result_dtype=out_dtype,
                 device=locals_[idx[0]].device,
+                describe=lambda k: f"matrices[{idx[k]}]",  # noqa: B023 - run returns first
             )
     return [
         _compat.dtensor_from_local(

@@ -83,6 +83,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .._runtime import _compat
+from ._agree import RoundOutcomes
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,7 @@ class ExchangePlan:
         result_dtype: torch.dtype,
         device: torch.device,
         recycle_inputs: bool = False,
+        describe: Callable[[int], str] | None = None,
     ) -> None:
         """For each matrix ``i``: ``compute(i, full)`` on its owner, where ``full``
         is the ``(m, n)`` matrix whose rows every rank wrote with ``fill(i, rows)``
@@ -302,7 +304,9 @@ class ExchangePlan:
         of, round by round. See [Note: owner compute for whole-matrix optimizers].
         ``recycle_inputs``: ``compute`` keeps no reference to
         ``full`` (other than through its result), so the buffer is reused
-        afterwards (see [Note: exchange buffers are reused])."""
+        afterwards (see [Note: exchange buffers are reused]). If ``compute`` raises
+        on an owner, every rank raises after the exchange, naming the matrix with
+        ``describe(i)`` (see [Note: a failing computation on its owner])."""
         layout = self.layout
         if layout.group is None or layout.world == 1:
             for i in range(len(self.shapes)):
@@ -365,18 +369,23 @@ class ExchangePlan:
             back = empty(sum(rnd.to_owner), result_dtype)
             return all_to_all(back, send, rnd.to_owner, rnd.from_rank), [back], [send, *results]
 
-        def finish_return(rnd: _Round, pending: Pending) -> None:
+        def finish_return(rnd: _Round, pending: Pending, posted: Posted) -> None:
             work, (back,), (send, *_) = pending
             work.wait()
+            failed = outcomes.failed_owners(posted)
             for i, offset, numel, n in rnd.my_rows:
-                consume(i, back[offset : offset + numel].view(-1, n))
+                if not failed or self.owners[i] not in failed:
+                    consume(i, back[offset : offset + numel].view(-1, n))
             pool.give(back)
             if rnd.block is None:
                 pool.give(send)
 
+        # See [Note: a failing computation on its owner].
+        outcomes = RoundOutcomes(layout.group, layout.rank, layout.world, device)
+        Posted = tuple[torch.Tensor, dist.Work]
         rounds = self._schedule()
         gathering = post_gather(rounds[0]) if rounds else None
-        returning: tuple[_Round, Pending] | None = None
+        returning: tuple[_Round, Pending, Posted] | None = None
         for b, rnd in enumerate(rounds):
             assert gathering is not None
             # The next round's gather is posted before this round's is waited for:
@@ -388,21 +397,25 @@ class ExchangePlan:
             del current  # this round's send and receive buffers
             # A tall matrix's result is a transposed view: rows need it contiguous.
             results = [
-                compute(i, full).to(result_dtype).contiguous() for i, full in zip(rnd.mine, fulls)
+                outcomes.compute(compute, i, full, self.shapes[i], result_dtype)
+                for i, full in zip(rnd.mine, fulls)
             ]
             # Inputs go back to the pool unless a result is (a view of) its input.
             for full, result in zip(fulls, results) if recycle_inputs else ():
                 if result.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
                     pool.give(full)
             del fulls
+            posted = outcomes.post(rnd.mine)
             pending = post_return(rnd, results)
             for k, i, start, end in rnd.own:  # my rows, while the others' travel
-                consume(i, results[k][start:end])
+                if i not in outcomes.errors:
+                    consume(i, results[k][start:end])
             if returning is not None:
                 finish_return(*returning)
-            returning = (rnd, pending)
+            returning = (rnd, pending, posted)
         if returning is not None:
             finish_return(*returning)
+        outcomes.raise_if_any(describe or (lambda i: f"matrix {i} (shape {self.shapes[i]})"))
 
 
 @dataclass(frozen=True)

@@ -315,4 +315,8 @@ def _run(
             result_dtype=torch.bfloat16,
             device=device,
             recycle_inputs=True,  # Newton-Schulz keeps nothing of its input
+            describe=lambda i: (
+                f"Muon's parameter of shape {tuple(jobs[i][1].shape)} "
+                f"(position {i} among the matrices with gradients of its shard group)"
+            ),
         )
