@@ -302,3 +302,22 @@ def test_newton_schulz_failing_on_its_owner_raises_on_every_rank() -> None:
         assert "rank 1" in r["error"] and "injected failure" in r["error"], r
         assert r["fast"] and r["usable"], r
         assert r["changed"] == [True, False, True, True], r
+
+
+def _muon_subclass_job() -> str:
+    class MyMuon(torch.optim.Muon):
+        pass
+
+    model = _square_model(n=2)
+    try:
+        enable_sharded_step(MyMuon(model.parameters(), lr=0.1))
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_muon_subclass_is_refused_not_silently_slow() -> None:
+    """A subclass of torch.optim.Muon may change the update: enable_sharded_step
+    refuses it with the reason, rather than quietly keeping the DTensor path."""
+    for message in run_distributed(_muon_subclass_job, 2):
+        assert "MyMuon" in message and "not subclasses" in message, message
