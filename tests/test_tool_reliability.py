@@ -35,7 +35,7 @@ def _pg_usable() -> bool:
     return t.item() == dist.get_world_size()
 
 
-def _muon_disagreement_job(case: str) -> dict:
+def _muon_disagreement_job(case: str, optim: str = "Muon") -> dict:
     rank = dist.get_rank()
     model = _square_model()
     if case == "order_named":  # the same shapes, another order on rank 1
@@ -45,7 +45,7 @@ def _muon_disagreement_job(case: str) -> dict:
         params = list(model.parameters())[: 3 if rank == 1 else 4]
     else:  # "grads": same optimizer, a matrix without a gradient on rank 1 at step 2
         params = list(model.parameters())
-    opt = enable_sharded_step(torch.optim.Muon(params, lr=0.1))
+    opt = enable_sharded_step(getattr(torch.optim, optim)(params, lr=0.1))
     error = ""
     steps = 0
     before: list[torch.Tensor] = []
@@ -74,12 +74,16 @@ def _muon_disagreement_job(case: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("case", ["order_named", "shapes", "grads"])
-def test_muon_ranks_disagreeing_on_matrices_raise_on_every_rank(case: str) -> None:
-    """Ranks whose Muon holds other matrices (order, shapes, which have gradients)
-    raise the same error naming the first differing matrix before any data moves,
-    within seconds; nothing is updated and the process group stays usable."""
-    results = run_distributed(_muon_disagreement_job, 2, case)
+@pytest.mark.parametrize(
+    "case,optim",
+    [("order_named", "Muon"), ("shapes", "Muon"), ("grads", "Muon"), ("grads", "Adafactor")],
+)
+def test_optimizer_ranks_disagreeing_on_matrices_raise_on_every_rank(case: str, optim: str) -> None:
+    """Ranks whose Muon (or Adafactor) holds other matrices (order, shapes, which
+    have gradients) raise the same error naming the first differing matrix before
+    any data moves, within seconds; nothing is updated and the process group
+    stays usable."""
+    results = run_distributed(_muon_disagreement_job, 2, case, optim)
     assert results[0]["error"] == results[1]["error"], results
     for r in results:
         assert "disagree" in r["error"] and "at matrix" in r["error"], r

@@ -17,7 +17,9 @@ integers (``MAX`` of ``(d, -d)``) per shard group tells every rank whether all
 digests are equal; only when they are not do the ranks gather the full lists
 (``all_gather_object``) to name the first differing matrix, and every rank raises
 the same error. The digest of a rank's list is cached per list (a bounded
-dictionary), so a step costs one small collective and no hashing.
+dictionary), so a step costs one small collective and no hashing. Muon's and
+Adafactor's sharded steps both check (Adafactor's all-reduces of partial sums
+would otherwise mix matrices the same way).
 
 Without names (an optimizer built from ``model.parameters()``), two matrices of
 the same shape and unit class in another order cannot be told apart: build the
@@ -28,10 +30,16 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from .._runtime._sharded_param import SHARDED_BY
+
+if TYPE_CHECKING:  # _exchange imports this module
+    from ._exchange import ShardLayout
 
 #: One matrix as the ranks compare it: (position, name, unit label, shape, dtype, has grad).
 Descriptor = tuple[str, str, str, tuple[int, ...], str, bool]
@@ -69,6 +77,33 @@ def describe(descriptor: Descriptor) -> str:
     named = f" {name!r}" if name else ""
     grad = "with" if has_grad else "without"
     return f"{position}{named} of fully_shard({label}), shape {shape}, {dtype}, {grad} a gradient"
+
+
+def check_optimizer_agreement(
+    optimizer: torch.optim.Optimizer,
+    digests: DigestCache,
+    layout: ShardLayout,
+    items: Sequence[tuple[int, int, torch.Tensor, bool]],
+    what: str,
+) -> None:
+    """:func:`check_agreement` for an optimizer's parameters of one shard group:
+    ``items`` holds (group index, position, parameter, has a gradient) for every
+    parameter of the group the sharded step handles, gradient or not."""
+    if layout.group is None or layout.world == 1:
+        return
+
+    def descriptors() -> list[Descriptor]:
+        out: list[Descriptor] = []
+        for gi, pi, p, has_grad in items:
+            names = optimizer.param_groups[gi].get("param_names")
+            name = str(names[pi]) if names is not None and pi < len(names) else ""
+            label = str(getattr(p, SHARDED_BY, ""))
+            position = f"param_groups[{gi}]['params'][{pi}]"
+            out.append((position, name, label, tuple(p.shape), str(p.dtype), has_grad))
+        return out
+
+    key = tuple((id(p), has_grad) for _, _, p, has_grad in items)
+    check_agreement(layout.group, digests.digest(key, descriptors), descriptors, what)
 
 
 def check_agreement(

@@ -76,6 +76,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -134,6 +135,31 @@ def layout_of(t: torch.Tensor, what: str) -> ShardLayout:
             f"[{start}, {end}) of {tuple(t.shape)} were expected (torch.chunk layout)."
         )
     return layout
+
+
+class Layouts:
+    """Parameters' layouts, each worked out (mesh lookups, about 50 us a matrix)
+    once per parameter and spec: a DTensor's spec is replaced, not mutated, when
+    its mesh, placements or shape change. Holds one entry per parameter seen
+    (by id), pruned to the parameters of the latest :meth:`prune`."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[Any, torch.Size, ShardLayout]] = {}
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def of(self, p: DTensor, what: str) -> ShardLayout:
+        spec, local_shape = _compat.dtensor_spec(p), _compat.local_tensor(p).shape
+        known = self._known.get(id(p))
+        if known is None or known[0] is not spec or known[1] != local_shape:
+            known = self._known[id(p)] = (spec, local_shape, layout_of(p, what))
+        return known[2]
+
+    def prune(self, live: set[int]) -> None:
+        """Forgets parameters not in ``live`` (ids) once there are many of them."""
+        if len(self._known) > 2 * len(live) + 16:
+            self._known = {k: v for k, v in self._known.items() if k in live}
 
 
 def lpt_owners(costs: list[float], world: int) -> list[int]:

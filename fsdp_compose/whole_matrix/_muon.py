@@ -39,8 +39,8 @@ from torch.distributed.tensor import DTensor
 
 from .._runtime import _compat
 from .._runtime._sharded_param import SHARDED_BY
-from ._agree import Descriptor, DigestCache, check_agreement
-from ._exchange import BufferPool, ExchangePlan, ShardLayout, layout_of
+from ._agree import DigestCache, check_optimizer_agreement
+from ._exchange import BufferPool, ExchangePlan, Layouts, ShardLayout
 
 #: Exchange plans kept per optimizer (least recently used evicted first). A plan
 #: depends on which matrices have gradients, so a model whose set of matrices with
@@ -57,19 +57,9 @@ class _OptimizerCache:
     lists the ranks compare (see [Note: ranks agree on the matrices before the
     exchange]), both bounded by :data:`PLAN_CACHE_SIZE`."""
 
-    layouts: dict[int, tuple[Any, torch.Size, ShardLayout]] = field(default_factory=dict)
+    layouts: Layouts = field(default_factory=Layouts)
     plans: OrderedDict[Any, ExchangePlan] = field(default_factory=OrderedDict)
     digests: DigestCache = field(default_factory=lambda: DigestCache(PLAN_CACHE_SIZE))
-
-    def layout(self, p: DTensor, what: str) -> ShardLayout:
-        """``p``'s layout. Worked out (mesh lookups, about 50 us a matrix) once per
-        parameter and spec: a DTensor's spec is replaced, not mutated, when its
-        mesh, placements or shape change."""
-        spec, local_shape = _compat.dtensor_spec(p), _compat.local_tensor(p).shape
-        known = self.layouts.get(id(p))
-        if known is None or known[0] is not spec or known[1] != local_shape:
-            known = self.layouts[id(p)] = (spec, local_shape, layout_of(p, what))
-        return known[2]
 
     def plan(self, key: Any, layout: ShardLayout, shapes: list[tuple[int, int]]) -> ExchangePlan:
         """The cached plan for ``key``, or a new one sharing its group's buffer pool."""
@@ -184,15 +174,15 @@ def muon_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             if p.grad is not None:
                 _check_param(p, what)
                 _check_group(group)
-            layout = cache.layout(p, what)
+            layout = cache.layouts.of(p, what)
             members.setdefault(id(layout.group), (layout, []))[1].append(
                 (gi, pi, p, p.grad is not None)
             )
             if p.grad is not None:
                 jobs.append((group, p, layout))
     for layout, items in members.values():
-        if layout.group is not None and layout.world > 1:
-            _check_agreement(optimizer, cache, layout, items)
+        check_optimizer_agreement(optimizer, cache.digests, layout, items, "torch.optim.Muon")
+    cache.layouts.prune({id(p) for _, items in members.values() for _, _, p, _ in items})
     if not jobs:
         return []
 
@@ -217,30 +207,6 @@ def _check_param(p: DTensor, what: str) -> None:
         raise RuntimeError("Muon does not support sparse gradients")
     if not isinstance(p.grad, DTensor) or p.grad.placements != p.placements:
         raise ValueError(f"fsdp_compose: {what} has a gradient not laid out like the parameter.")
-
-
-def _check_agreement(
-    optimizer: torch.optim.Optimizer,
-    cache: _OptimizerCache,
-    layout: ShardLayout,
-    items: list[tuple[int, int, DTensor, bool]],
-) -> None:
-    """See [Note: ranks agree on the matrices before the exchange]."""
-
-    def descriptors() -> list[Descriptor]:
-        out: list[Descriptor] = []
-        for gi, pi, p, has_grad in items:
-            names = optimizer.param_groups[gi].get("param_names")
-            name = str(names[pi]) if names is not None and pi < len(names) else ""
-            label = str(getattr(p, SHARDED_BY, ""))
-            position = f"param_groups[{gi}]['params'][{pi}]"
-            out.append((position, name, label, tuple(p.shape), str(p.dtype), has_grad))
-        return out
-
-    key = tuple((id(p), has_grad) for _, _, p, has_grad in items)
-    digest = cache.digests.digest(key, descriptors)
-    assert layout.group is not None
-    check_agreement(layout.group, digest, descriptors, "torch.optim.Muon")
 
 
 def _run(
