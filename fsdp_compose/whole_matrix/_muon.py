@@ -19,6 +19,11 @@ Through DTensor dispatch instead, every Newton–Schulz matmul redistributes on
 every rank and sums partial products in another order (1e-3 away from
 single-device Muon after one step), at twice the time of one process.
 
+Before anything changes, the ranks of each shard group check that they hold
+the same matrices (see [Note: ranks agree on the matrices before the
+exchange]); a Newton–Schulz that raises on its owner makes every rank raise
+(see [Note: a failing computation on its owner]).
+
 Differences from torch, all refused or documented: the momentum buffer is a
 DTensor sharded like its parameter (as the DTensor path makes it); for a bfloat16
 parameter with ``nesterov=False`` torch's ``NS`` divides the momentum buffer in
