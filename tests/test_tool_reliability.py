@@ -325,3 +325,31 @@ def test_muon_subclass_is_refused_not_silently_slow() -> None:
     refuses it with the reason, rather than quietly keeping the DTensor path."""
     for message in run_distributed(_muon_subclass_job, 2):
         assert "MyMuon" in message and "not subclasses" in message, message
+
+
+def _map_full_matrices_mismatch_job() -> dict:
+    from fsdp_compose.whole_matrix import map_full_matrices
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(6, 8, bias=False))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    matrices = [p.detach() for p in model.parameters()]
+    if dist.get_rank() == 1:
+        matrices = matrices[::-1]
+    start = time.monotonic()
+    try:
+        map_full_matrices(matrices, lambda i, full: full)
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)
+    return {"error": error, "fast": time.monotonic() - start < 10, "usable": _pg_usable()}
+
+
+def test_map_full_matrices_with_other_shapes_on_one_rank_raises_everywhere() -> None:
+    results = run_distributed(_map_full_matrices_mismatch_job, 2)
+    assert results[0]["error"] == results[1]["error"], results
+    for r in results:
+        assert "matrices[0]" in r["error"] and "(6, 8)" in r["error"], r
+        assert r["fast"] and r["usable"], r

@@ -76,7 +76,8 @@ def describe(descriptor: Descriptor) -> str:
     position, name, label, shape, dtype, has_grad = descriptor
     named = f" {name!r}" if name else ""
     grad = "with" if has_grad else "without"
-    return f"{position}{named} of fully_shard({label}), shape {shape}, {dtype}, {grad} a gradient"
+    unit = f" of fully_shard({label})" if label else ""
+    return f"{position}{named}{unit}, shape {shape}, {dtype}, {grad} a gradient"
 
 
 def check_optimizer_agreement(
