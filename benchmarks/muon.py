@@ -300,7 +300,7 @@ def _rank_main(
         k: _max_over_ranks(statistics.median(_CPU[k]) if k in _CPU else 0.0) for k in samples
     }
 
-    plan = next(iter(_muon._plans[opts["fsdp_compose"]].values()))
+    plan = next(iter(_muon._caches[opts["fsdp_compose"]].plans.values()))
     sent = torch.tensor([plan.exchanged_bytes(torch.bfloat16)], dtype=torch.float64)
     dist.all_reduce(sent)
     matrix_bytes = sum(4 * p.numel() for p in _muon_params(models["fsdp_compose"], kind)[0])

@@ -99,7 +99,7 @@ def _muon_exact(kwargs: dict, hsdp: bool, dtype: torch.dtype) -> dict:
     grads_back = all(p.grad is not None for p in model.parameters())
     from fsdp_compose.whole_matrix import _muon
 
-    plans = list(_muon._plans[opts[0]].values())
+    plans = list(_muon._caches[opts[0]].plans.values())
     return {
         "rounds": max(len(p.rounds) for p in plans),
         "params_equal": params_equal,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
-from torch.distributed.tensor import DeviceMesh, Shard
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
 from .._runtime._fsdp_module import FSDPModule
 from .._runtime._fully_shard import fully_shard
@@ -66,6 +68,15 @@ def auto_wrap(
     Raises:
         ValueError: a policy or plan that does not match the model (checked
             before anything is modified).
+
+    Atomic like ``fully_shard``: the plan is first applied to a meta-device
+    copy of the model (see [Note: atomic auto_wrap]), so when a unit fails,
+    for example a parameter that ``shard_placement_fn`` cannot shard, the error
+    is raised before any module is annotated. A ``shard_placement_fn`` must
+    decide from the parameter's shape, dtype and attributes, not its identity
+    (the copy's parameters are other objects). Models holding ``DTensor``
+    parameters (tensor parallel) are not copied: there, a failing unit leaves
+    the earlier ones annotated.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"auto_wrap expects an nn.Module, got {type(model).__name__}")
@@ -90,6 +101,27 @@ def auto_wrap(
         "offload_policy": offload_policy,
         "shard_placement_fn": shard_placement_fn,
     }
+    # [Note: atomic auto_wrap] fully_shard is atomic per call, but a plan makes
+    # many calls: the whole plan first runs on a copy of the model whose
+    # parameters and buffers are on the meta device (no data copied), so a call
+    # that would fail raises before the model is changed, and the retry starts
+    # from the model as it was.
+    skeleton = _meta_skeleton(model)
+    if skeleton is not None:
+        _apply(plan, dict(skeleton.named_modules()), common)
+    units = _apply(plan, modules, common)
+    root = units[-1]
+    if plan.prefetch_depth != 1:
+        root.set_prefetch_depth(forward=plan.prefetch_depth, backward=plan.prefetch_depth)
+    logger.info("auto_wrap: %d units (%s)", len(plan.units), ", ".join(u.name for u in plan.units))
+    for fqn, why in plan.skipped:
+        logger.info("auto_wrap: %s not wrapped: %s", fqn, why)
+    return units
+
+
+def _apply(
+    plan: ShardingPlan, modules: dict[str, nn.Module], common: dict[str, Any]
+) -> list[FSDPModule]:
     units: list[FSDPModule] = []
     for unit in plan.units:
         targets = [modules[m] for m in unit.modules]
@@ -99,13 +131,28 @@ def auto_wrap(
         arg: Any = targets[0] if len(targets) == 1 else targets
         made = fully_shard(arg, reshard_after_forward=unit.reshard_after_forward, **common)
         units.extend(made if isinstance(made, list) else [made])
-    root = units[-1]
-    if plan.prefetch_depth != 1:
-        root.set_prefetch_depth(forward=plan.prefetch_depth, backward=plan.prefetch_depth)
-    logger.info("auto_wrap: %d units (%s)", len(plan.units), ", ".join(u.name for u in plan.units))
-    for fqn, why in plan.skipped:
-        logger.info("auto_wrap: %s not wrapped: %s", fqn, why)
     return units
+
+
+def _meta_skeleton(model: nn.Module) -> nn.Module | None:
+    """A deep copy of ``model`` whose parameters and buffers are fresh meta tensors
+    (tied ones stay tied), or ``None`` where it cannot be made faithfully."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            return None
+        memo[id(p)] = nn.Parameter(
+            torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
+        )
+    for b in model.buffers():
+        if isinstance(b, DTensor):
+            return None
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:  # an uncopyable model is annotated without the dry run
+        logger.info("auto_wrap: the model cannot be copied; annotating without a dry run")
+        return None
 
 
 def _checkpoint(module: nn.Module) -> None:

@@ -103,9 +103,11 @@ class _Export:
         return final
 
     def cleanup(self) -> None:
-        for f in self.files:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.tmp(f.name))
+        # Best effort, and never the error the caller sees: that is the failure
+        # that led here (out_dir may not even be a directory).
+        for name in [f.name for f in self.files] + [INDEX_FILE]:
+            with contextlib.suppress(OSError):
+                os.remove(self.tmp(name))
 
 
 def _gather_to_rank0(tensor: DTensor) -> torch.Tensor | None:
@@ -168,6 +170,41 @@ def _check_layouts(targets: list[Any]) -> None:
 
 def _dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _prepare_out_dir(out_dir: str, what: str) -> None:
+    """Creates ``out_dir``, or raises a clear error for a path that cannot be one."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(
+            f"{what}: out_dir {out_dir!r} is an existing file, not a directory; pass the path "
+            "of a directory (it is created if missing, and the model files are written in it)."
+        )
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot create the output directory {out_dir!r}: {exc}") from exc
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"{what}: the output directory {out_dir!r} is not writable.")
+
+
+def _raise_if_any_failed(error: BaseException | None, what: str) -> None:
+    """Raises on every rank if ``error`` is set on any (collective when a process
+    group exists): the failing rank its own error, the others a ``RuntimeError``
+    quoting it. Every rank returns or raises together, so the process group stays
+    usable."""
+    if not _dist_on():
+        if error is not None:
+            raise error
+        return
+    if _agree_ok(error):
+        return
+    messages: list[str | None] = [None] * dist.get_world_size()
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(messages, mine)
+    if error is not None:
+        raise error
+    failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+    raise RuntimeError(f"{what} failed on another rank ({failed}); nothing was published.")
 
 
 def _agree_ok(error: BaseException | None, group: Any = None) -> bool:
@@ -235,6 +272,15 @@ def save_safetensors(
     rank = dist.get_rank() if _dist_on() else 0
     out_dir = os.fspath(out_dir)
     export = _Export(out_dir, files, metadata or {})
+    # Rank 0 writes: it checks the path before any tensor moves, and every rank
+    # learns the outcome (one all-reduce), so a bad path fails everywhere at once.
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            _prepare_out_dir(out_dir, "save_safetensors")
+        except ValueError as exc:
+            error = exc
+    _raise_if_any_failed(error, "save_safetensors")
 
     gathered = [0]  # tensors gathered so far, in plan order
 
@@ -244,10 +290,8 @@ def save_safetensors(
             return _gather_to_rank0(t.source)
         return t.source if rank == 0 else None
 
-    error: BaseException | None = None
     if rank == 0:
         try:
-            os.makedirs(out_dir, exist_ok=True)
             for file in files:
                 export.write_file(file, gather)
         except Exception as exc:
@@ -265,12 +309,7 @@ def save_safetensors(
             error = exc
     if rank == 0 and error is not None:
         export.cleanup()
-    if not _agree_ok(error):
-        if error is not None:
-            raise error
-        raise RuntimeError(
-            "save_safetensors failed on rank 0 (see its error); nothing was published"
-        )
+    _raise_if_any_failed(error, "save_safetensors")
     logger.info("save_safetensors: wrote %d file(s) to %s", len(files), out_dir)
     return paths
 
@@ -306,10 +345,70 @@ def export_dcp_to_safetensors(
         The paths of the written files on rank 0, ``[]`` on the other ranks.
     """
     import torch.distributed.checkpoint as dcp
+
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    out_dir = os.fspath(out_dir)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _dist_on() else (0, 1)
+    # Every rank plans from the checkpoint's metadata; all learn whether any failed
+    # (one all-reduce) before the first collective that needs the same plan.
+    error: BaseException | None = None
+    files: list[OutFile] = []
+    try:
+        files = _plan_dcp_export(checkpoint_dir, prefix, key_map, dtype, max_shard_size)
+        _prepare_out_dir(out_dir, "export_dcp_to_safetensors")
+    except Exception as exc:
+        error = exc
+    _raise_if_any_failed(error, "export_dcp_to_safetensors")
+    export = _Export(out_dir, files, metadata or {})
+    if _dist_on():  # every rank must use the same temporary names
+        tag = [export.tag]
+        dist.broadcast_object_list(tag, src=0)
+        export.tag = tag[0]
+
+    def read(t: OutTensor) -> torch.Tensor:
+        key, src_dtype = t.source
+        buf = {key: torch.empty(t.shape, dtype=src_dtype)}
+        with warnings.catch_warnings():  # no_dist is the intent, even without a process group
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to load in a single process"
+            )
+            dcp.load(buf, storage_reader=dcp.FileSystemReader(checkpoint_dir), no_dist=True)
+        return buf[key]
+
+    try:
+        for i, file in enumerate(files):
+            if i % world == rank:
+                export.write_file(file, read)
+    except Exception as exc:
+        error = exc
+    ok = _agree_ok(error)
+    paths: list[str] = []
+    if ok and rank == 0:
+        try:
+            paths = export.publish()
+            paths += [os.path.join(out_dir, INDEX_FILE)] if len(files) > 1 else []
+        except Exception as exc:
+            error = exc
+    if not ok or error is not None:
+        export.cleanup()
+    # A failed write keeps its rank's error set, so this raises wherever ok is False.
+    _raise_if_any_failed(error, "export_dcp_to_safetensors")
+    return paths
+
+
+def _plan_dcp_export(
+    checkpoint_dir: str,
+    prefix: str,
+    key_map: KeyMap | None,
+    dtype: torch.dtype | None,
+    max_shard_size: int | str,
+) -> list[OutFile]:
+    """The output files of :func:`export_dcp_to_safetensors`, from the checkpoint's
+    metadata alone."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     key_map = key_map or (lambda k: k)
-    checkpoint_dir = os.fspath(checkpoint_dir)
     reader = dcp.FileSystemReader(checkpoint_dir)
     try:
         saved = reader.read_metadata().state_dict_metadata
@@ -332,49 +431,4 @@ def export_dcp_to_safetensors(
             f"no tensors with keys starting with {prefix!r} in the checkpoint {checkpoint_dir}"
         )
     check_names(out)
-    files = split_files(out, parse_size(max_shard_size))
-    rank, world = (dist.get_rank(), dist.get_world_size()) if _dist_on() else (0, 1)
-    out_dir = os.fspath(out_dir)
-    export = _Export(out_dir, files, metadata or {})
-    if _dist_on():  # every rank must use the same temporary names
-        tag = [export.tag]
-        dist.broadcast_object_list(tag, src=0)
-        export.tag = tag[0]
-
-    def read(t: OutTensor) -> torch.Tensor:
-        key, src_dtype = t.source
-        buf = {key: torch.empty(t.shape, dtype=src_dtype)}
-        with warnings.catch_warnings():  # no_dist is the intent, even without a process group
-            warnings.filterwarnings(
-                "ignore", message=".*assuming the intent is to load in a single process"
-            )
-            dcp.load(buf, storage_reader=dcp.FileSystemReader(checkpoint_dir), no_dist=True)
-        return buf[key]
-
-    error: BaseException | None = None
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        for i, file in enumerate(files):
-            if i % world == rank:
-                export.write_file(file, read)
-    except Exception as exc:
-        error = exc
-    ok = _agree_ok(error)
-    paths: list[str] = []
-    if ok and rank == 0:
-        try:
-            paths = export.publish()
-            paths += [os.path.join(out_dir, INDEX_FILE)] if len(files) > 1 else []
-        except Exception as exc:
-            error = exc
-    if not ok or error is not None:
-        export.cleanup()
-    if _dist_on():
-        ok = _agree_ok(error) and ok
-    if error is not None:
-        raise error
-    if not ok:
-        raise RuntimeError(
-            "export_dcp_to_safetensors failed on another rank; nothing was published"
-        )
-    return paths
+    return split_files(out, parse_size(max_shard_size))

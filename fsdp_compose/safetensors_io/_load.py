@@ -137,6 +137,21 @@ def _plan_load(
     return missing, unexpected
 
 
+def _check_unchanged(t: Target, entry: Entry, shape: tuple[int, ...], dtype: str) -> None:
+    """Raises if a tensor's header changed since the checkpoint was checked (the
+    file was replaced while loading): a shorter slice would otherwise be
+    broadcast into the shard without an error."""
+    if shape == tuple(entry.shape) and dtype == entry.dtype:
+        return
+    raise ValueError(
+        f"load_safetensors: tensor {t.file_key!r} in {entry.file} now has shape {list(shape)} "
+        f"and dtype {dtype}, but had shape {list(entry.shape)} and dtype {entry.dtype} when "
+        f"the checkpoint was checked against the model ({t.keys[0]!r}): the file was replaced "
+        "while loading. Tensors before it in the model's state dict hold the new values, the "
+        "others their previous ones: load again once the checkpoint is complete."
+    )
+
+
 def _owners(module: nn.Module, tensor: torch.Tensor, is_param: bool) -> list[tuple[nn.Module, str]]:
     owners: list[tuple[nn.Module, str]] = []
     for m in module.modules():
@@ -276,7 +291,11 @@ def load_safetensors(
             entry = entries[t.file_key]
             # A short-lived handle per tensor: see [Note: memory while loading].
             with safe_open(entry.file, framework="pt") as f:
-                piece = f.get_slice(t.file_key)[tuple(slice(a, b) for a, b in t.box)]
+                tensor_slice = f.get_slice(t.file_key)
+                _check_unchanged(
+                    t, entry, tuple(tensor_slice.get_shape()), tensor_slice.get_dtype()
+                )
+                piece = tensor_slice[tuple(slice(a, b) for a, b in t.box)]
                 local.copy_(piece)
                 result.bytes_read += piece.numel() * piece.element_size()
                 del piece

@@ -20,6 +20,8 @@ propagation rejects the in-place ``square_`` of a partial norm).
 from __future__ import annotations
 
 import math
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,8 +29,23 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from .._runtime import _compat
-from ._exchange import ShardLayout, layout_of
-from ._muon import _ours
+from ._agree import DigestCache, check_optimizer_agreement
+from ._exchange import Layouts, ShardLayout
+from ._muon import PLAN_CACHE_SIZE, _ours
+
+
+@dataclass
+class _OptimizerCache:
+    """Per optimizer: parameters' layouts and the digests the ranks compare (see
+    [Note: ranks agree on the matrices before the exchange])."""
+
+    layouts: Layouts = field(default_factory=Layouts)
+    digests: DigestCache = field(default_factory=lambda: DigestCache(PLAN_CACHE_SIZE))
+
+
+_caches: weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptimizerCache] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -180,16 +197,30 @@ def adafactor_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         or getattr(optimizer, "found_inf", None) is not None
     ):
         raise AssertionError("Grad scaling should occur outside of optimizer.step()")
+    cache = _caches.get(optimizer)
+    if cache is None:
+        cache = _caches[optimizer] = _OptimizerCache()
     found: list[tuple[dict[str, Any], DTensor, ShardLayout]] = []
+    # Per shard group: its layout and (group index, position, parameter, has a gradient).
+    members: dict[int, tuple[ShardLayout, list[tuple[int, int, DTensor, bool]]]] = {}
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
-            if p.grad is None or not _ours(p):
+            if not _ours(p):
                 continue
-            if torch.is_complex(p):
-                raise RuntimeError("Adafactor does not support complex parameters")
-            if p.grad.is_sparse:
-                raise RuntimeError("Adafactor does not support sparse gradients")
-            found.append((group, p, layout_of(p, f"Adafactor param_groups[{gi}]['params'][{pi}]")))
+            if p.grad is not None:
+                if torch.is_complex(p):
+                    raise RuntimeError("Adafactor does not support complex parameters")
+                if p.grad.is_sparse:
+                    raise RuntimeError("Adafactor does not support sparse gradients")
+            layout = cache.layouts.of(p, f"Adafactor param_groups[{gi}]['params'][{pi}]")
+            members.setdefault(id(layout.group), (layout, []))[1].append(
+                (gi, pi, p, p.grad is not None)
+            )
+            if p.grad is not None:
+                found.append((group, p, layout))
+    for layout, items in members.values():
+        check_optimizer_agreement(optimizer, cache.digests, layout, items, "torch.optim.Adafactor")
+    cache.layouts.prune({id(p) for _, items in members.values() for _, _, p, _ in items})
     if not found:
         return []
     with torch.no_grad():

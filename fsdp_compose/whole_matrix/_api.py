@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._runtime import _compat
+from ._agree import Descriptor, check_agreement
 from ._exchange import ExchangePlan, ShardLayout, layout_of
 
 
@@ -32,6 +35,21 @@ def _plans(matrices: Sequence[torch.Tensor]) -> list[tuple[ExchangePlan, list[in
         )
         for idx in members.values()
     ]
+
+
+def _check_same_matrices(
+    group: dist.ProcessGroup, matrices: Sequence[torch.Tensor], idx: list[int]
+) -> None:
+    """One all-reduce: raises on every rank unless all pass the same shapes and
+    dtypes in the same order (see [Note: ranks agree on the matrices before the
+    exchange])."""
+    descriptors: list[Descriptor] = [
+        (f"matrices[{i}]", "", "", tuple(matrices[i].shape), str(matrices[i].dtype), True)
+        for i in idx
+    ]
+    raw = hashlib.blake2b(repr(descriptors).encode(), digest_size=8).digest()
+    digest = int.from_bytes(raw, "little", signed=True)
+    check_agreement(group, digest, lambda: descriptors, "map_full_matrices")
 
 
 def matrix_owners(matrices: Sequence[torch.Tensor]) -> list[int]:
@@ -60,7 +78,9 @@ def map_full_matrices(
     result sharded like its input.
 
     Every rank of the data-parallel group must call this with the same list (same
-    shapes, same order). Each matrix ``matrices[i]`` (a ``DTensor`` sharded by
+    shapes, same order): one all-reduce per shard group checks the shapes and
+    dtypes, and every rank raises the same ``RuntimeError`` naming the first
+    difference before any data moves. Each matrix ``matrices[i]`` (a ``DTensor`` sharded by
     :func:`~fsdp_compose.fully_shard`, or a plain tensor, which is treated as
     unsharded) is gathered onto its owner (see :func:`matrix_owners`), which calls
     ``fn(i, full)``; every rank receives its rows of the result. Owners are
@@ -78,8 +98,9 @@ def map_full_matrices(
             fresh contiguous ``(m, n)`` tensor in ``comm_dtype`` that it may
             overwrite. It must return an ``(m, n)`` tensor (any layout); it is cast
             to ``result_dtype``. It runs inside the exchange: if it raises on the
-            owner, the other ranks wait in their all-to-all until the process
-            group's timeout, so validate inputs before calling this.
+            owner, every rank finishes the exchange without that matrix's result
+            (its output holds zeros) and then raises the same ``RuntimeError``
+            quoting the owner's error.
         comm_dtype: dtype the matrices travel in (default: their dtype, which must
             then be the same for all of them).
         result_dtype: dtype of the results (default: ``comm_dtype``).
@@ -99,6 +120,9 @@ def map_full_matrices(
         comm_dtype = next(iter(dtypes))
     out_dtype = result_dtype or comm_dtype
     plans = _plans(matrices)
+    for plan, idx in plans:  # the same list on every rank, before any data moves
+        if plan.layout.group is not None and plan.layout.world > 1:
+            _check_same_matrices(plan.layout.group, matrices, idx)
     locals_ = [_compat.local_tensor(t) if isinstance(t, DTensor) else t for t in matrices]
     outputs = [torch.empty(x.shape, dtype=out_dtype, device=x.device) for x in locals_]
     for plan, idx in plans:
@@ -126,6 +150,7 @@ def map_full_matrices(
                 comm_dtype=comm_dtype,
                 result_dtype=out_dtype,
                 device=locals_[idx[0]].device,
+                describe=lambda k: f"matrices[{idx[k]}]",  # noqa: B023 - run returns first
             )
     return [
         _compat.dtensor_from_local(

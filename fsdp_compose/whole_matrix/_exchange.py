@@ -76,6 +76,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .._runtime import _compat
+from ._agree import RoundOutcomes
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,31 @@ def layout_of(t: torch.Tensor, what: str) -> ShardLayout:
             f"[{start}, {end}) of {tuple(t.shape)} were expected (torch.chunk layout)."
         )
     return layout
+
+
+class Layouts:
+    """Parameters' layouts, each worked out (mesh lookups, about 50 us a matrix)
+    once per parameter and spec: a DTensor's spec is replaced, not mutated, when
+    its mesh, placements or shape change. Holds one entry per parameter seen
+    (by id), pruned to the parameters of the latest :meth:`prune`."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[Any, torch.Size, ShardLayout]] = {}
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def of(self, p: DTensor, what: str) -> ShardLayout:
+        spec, local_shape = _compat.dtensor_spec(p), _compat.local_tensor(p).shape
+        known = self._known.get(id(p))
+        if known is None or known[0] is not spec or known[1] != local_shape:
+            known = self._known[id(p)] = (spec, local_shape, layout_of(p, what))
+        return known[2]
+
+    def prune(self, live: set[int]) -> None:
+        """Forgets parameters not in ``live`` (ids) once there are many of them."""
+        if len(self._known) > 2 * len(live) + 16:
+            self._known = {k: v for k, v in self._known.items() if k in live}
 
 
 def lpt_owners(costs: list[float], world: int) -> list[int]:
@@ -293,6 +320,7 @@ class ExchangePlan:
         result_dtype: torch.dtype,
         device: torch.device,
         recycle_inputs: bool = False,
+        describe: Callable[[int], str] | None = None,
     ) -> None:
         """For each matrix ``i``: ``compute(i, full)`` on its owner, where ``full``
         is the ``(m, n)`` matrix whose rows every rank wrote with ``fill(i, rows)``
@@ -302,7 +330,9 @@ class ExchangePlan:
         of, round by round. See [Note: owner compute for whole-matrix optimizers].
         ``recycle_inputs``: ``compute`` keeps no reference to
         ``full`` (other than through its result), so the buffer is reused
-        afterwards (see [Note: exchange buffers are reused])."""
+        afterwards (see [Note: exchange buffers are reused]). If ``compute`` raises
+        on an owner, every rank raises after the exchange, naming the matrix with
+        ``describe(i)`` (see [Note: a failing computation on its owner])."""
         layout = self.layout
         if layout.group is None or layout.world == 1:
             for i in range(len(self.shapes)):
@@ -311,98 +341,41 @@ class ExchangePlan:
                 consume(i, compute(i, full).to(result_dtype))
             return
 
-        pool = self.pool
-
-        def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-            return pool.take(numel, dtype, device)
-
-        def all_to_all(
-            out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
-        ) -> dist.Work:
-            # This rank's own rows never go through the collective (split 0).
-            work = dist.all_to_all_single(
-                out, inp, out_splits, in_splits, group=layout.group, async_op=True
-            )
-            assert work is not None
-            return work
-
-        Pending = tuple[dist.Work, list[torch.Tensor], list[torch.Tensor]]
-
-        def post_gather(rnd: _Round) -> Pending:
-            fulls = [empty(m * n, comm_dtype).view(m, n) for m, n in rnd.shapes]
-            send = empty(sum(rnd.to_owner), comm_dtype)
-            for i, offset, numel, n in rnd.my_rows:  # written in place
-                fill(i, send[offset : offset + numel].view(-1, n))
-            if rnd.block is not None:  # the other ranks' rows land in place
-                recv = fulls[0].view(-1)[rnd.block[0] : rnd.block[1]]
-            else:
-                recv = empty(sum(rnd.from_rank), comm_dtype)
-            work = all_to_all(recv, send, rnd.from_rank, rnd.to_owner)
-            # My rows straight into my matrices, while the others' arrive (other memory).
-            for k, i, start, end in rnd.own:
-                fill(i, fulls[k][start:end])
-            return work, [recv, *fulls], [send]
-
-        def assemble(rnd: _Round, pending: Pending) -> list[torch.Tensor]:
-            work, (recv, *fulls), (send,) = pending
-            work.wait()
-            if rnd.block is None:
-                for k, start, end, offset, numel in rnd.others_rows:
-                    fulls[k][start:end].view(-1).copy_(recv[offset : offset + numel])
-                pool.give(recv)
-            pool.give(send)
-            return fulls
-
-        def post_return(rnd: _Round, results: list[torch.Tensor]) -> Pending:
-            if rnd.block is not None:  # the other ranks' rows of the result, in place
-                send = results[0].view(-1)[rnd.block[0] : rnd.block[1]]
-            else:
-                send = empty(sum(rnd.from_rank), result_dtype)
-                for k, start, end, offset, numel in rnd.others_rows:
-                    send[offset : offset + numel].view(-1, results[k].size(1)).copy_(
-                        results[k][start:end]
-                    )
-            back = empty(sum(rnd.to_owner), result_dtype)
-            return all_to_all(back, send, rnd.to_owner, rnd.from_rank), [back], [send, *results]
-
-        def finish_return(rnd: _Round, pending: Pending) -> None:
-            work, (back,), (send, *_) = pending
-            work.wait()
-            for i, offset, numel, n in rnd.my_rows:
-                consume(i, back[offset : offset + numel].view(-1, n))
-            pool.give(back)
-            if rnd.block is None:
-                pool.give(send)
-
+        run = _Exchange(self, fill, consume, comm_dtype, result_dtype, device)
+        # See [Note: a failing computation on its owner].
+        outcomes = RoundOutcomes(layout.group, layout.rank, layout.world, device)
         rounds = self._schedule()
-        gathering = post_gather(rounds[0]) if rounds else None
-        returning: tuple[_Round, Pending] | None = None
+        gathering = run.post_gather(rounds[0]) if rounds else None
+        returning: tuple[_Round, _Pending, _Posted] | None = None
         for b, rnd in enumerate(rounds):
             assert gathering is not None
             # The next round's gather is posted before this round's is waited for:
             # its rows are written while this round's travel, and it runs while
             # this round computes.
             current = gathering
-            gathering = post_gather(rounds[b + 1]) if b + 1 < len(rounds) else None
-            fulls = assemble(rnd, current)
+            gathering = run.post_gather(rounds[b + 1]) if b + 1 < len(rounds) else None
+            fulls = run.assemble(rnd, current)
             del current  # this round's send and receive buffers
-            # A tall matrix's result is a transposed view: rows need it contiguous.
             results = [
-                compute(i, full).to(result_dtype).contiguous() for i, full in zip(rnd.mine, fulls)
+                outcomes.compute(compute, i, full, self.shapes[i], result_dtype)
+                for i, full in zip(rnd.mine, fulls)
             ]
             # Inputs go back to the pool unless a result is (a view of) its input.
             for full, result in zip(fulls, results) if recycle_inputs else ():
                 if result.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
-                    pool.give(full)
+                    self.pool.give(full)
             del fulls
-            pending = post_return(rnd, results)
+            posted = outcomes.post(rnd.mine)
+            pending = run.post_return(rnd, results)
             for k, i, start, end in rnd.own:  # my rows, while the others' travel
-                consume(i, results[k][start:end])
+                if i not in outcomes.errors:
+                    consume(i, results[k][start:end])
             if returning is not None:
-                finish_return(*returning)
-            returning = (rnd, pending)
+                run.finish_return(*returning[:2], outcomes.failed_owners(returning[2]))
+            returning = (rnd, pending, posted)
         if returning is not None:
-            finish_return(*returning)
+            run.finish_return(*returning[:2], outcomes.failed_owners(returning[2]))
+        outcomes.raise_if_any(describe or (lambda i: f"matrix {i} (shape {self.shapes[i]})"))
 
 
 @dataclass(frozen=True)
@@ -418,6 +391,91 @@ class _Round:
     own: list[tuple[int, int, int, int]]  # (index in mine, matrix, first row, end row)
     others_rows: list[tuple[int, int, int, int, int]]  # (index in mine, rows, offset, numel)
     block: tuple[int, int] | None  # a single matrix's other rows: received in place
+
+
+_Pending = tuple[dist.Work, list[torch.Tensor], list[torch.Tensor]]
+_Posted = tuple[torch.Tensor, dist.Work]
+
+
+class _Exchange:
+    """The collectives of one :meth:`ExchangePlan.run`: each round's gather to the
+    owners and return of the results, on buffers from the plan's pool."""
+
+    def __init__(
+        self,
+        plan: ExchangePlan,
+        fill: Callable[[int, torch.Tensor], None],
+        consume: Callable[[int, torch.Tensor], None],
+        comm_dtype: torch.dtype,
+        result_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.plan, self.pool, self.group = plan, plan.pool, plan.layout.group
+        self.fill, self.consume = fill, consume
+        self.comm_dtype, self.result_dtype, self.device = comm_dtype, result_dtype, device
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.pool.take(numel, dtype, self.device)
+
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> dist.Work:
+        # This rank's own rows never go through the collective (split 0).
+        work = dist.all_to_all_single(
+            out, inp, out_splits, in_splits, group=self.group, async_op=True
+        )
+        assert work is not None
+        return work
+
+    def post_gather(self, rnd: _Round) -> _Pending:
+        fill, comm_dtype = self.fill, self.comm_dtype
+        fulls = [self.empty(m * n, comm_dtype).view(m, n) for m, n in rnd.shapes]
+        send = self.empty(sum(rnd.to_owner), comm_dtype)
+        for i, offset, numel, n in rnd.my_rows:  # written in place
+            fill(i, send[offset : offset + numel].view(-1, n))
+        if rnd.block is not None:  # the other ranks' rows land in place
+            recv = fulls[0].view(-1)[rnd.block[0] : rnd.block[1]]
+        else:
+            recv = self.empty(sum(rnd.from_rank), comm_dtype)
+        work = self.all_to_all(recv, send, rnd.from_rank, rnd.to_owner)
+        # My rows straight into my matrices, while the others' arrive (other memory).
+        for k, i, start, end in rnd.own:
+            fill(i, fulls[k][start:end])
+        return work, [recv, *fulls], [send]
+
+    def assemble(self, rnd: _Round, pending: _Pending) -> list[torch.Tensor]:
+        work, (recv, *fulls), (send,) = pending
+        work.wait()
+        if rnd.block is None:
+            for k, start, end, offset, numel in rnd.others_rows:
+                fulls[k][start:end].view(-1).copy_(recv[offset : offset + numel])
+            self.pool.give(recv)
+        self.pool.give(send)
+        return fulls
+
+    def post_return(self, rnd: _Round, results: list[torch.Tensor]) -> _Pending:
+        if rnd.block is not None:  # the other ranks' rows of the result, in place
+            send = results[0].view(-1)[rnd.block[0] : rnd.block[1]]
+        else:
+            send = self.empty(sum(rnd.from_rank), self.result_dtype)
+            for k, start, end, offset, numel in rnd.others_rows:
+                send[offset : offset + numel].view(-1, results[k].size(1)).copy_(
+                    results[k][start:end]
+                )
+        back = self.empty(sum(rnd.to_owner), self.result_dtype)
+        return self.all_to_all(back, send, rnd.to_owner, rnd.from_rank), [back], [send, *results]
+
+    def finish_return(self, rnd: _Round, pending: _Pending, failed: set[int]) -> None:
+        """Applies my rows of the round's results, except those of ``failed`` owners."""
+        work, (back,), (send, *_) = pending
+        work.wait()
+        owners = self.plan.owners
+        for i, offset, numel, n in rnd.my_rows:
+            if not failed or owners[i] not in failed:
+                self.consume(i, back[offset : offset + numel].view(-1, n))
+        self.pool.give(back)
+        if rnd.block is None:
+            self.pool.give(send)
 
 
 class BufferPool:

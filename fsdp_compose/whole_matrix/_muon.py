@@ -19,6 +19,11 @@ Through DTensor dispatch instead, every Newton–Schulz matmul redistributes on
 every rank and sums partial products in another order (1e-3 away from
 single-device Muon after one step), at twice the time of one process.
 
+Before anything changes, the ranks of each shard group check that they hold
+the same matrices (see [Note: ranks agree on the matrices before the
+exchange]); a Newton–Schulz that raises on its owner makes every rank raise
+(see [Note: a failing computation on its owner]).
+
 Differences from torch, all refused or documented: the momentum buffer is a
 DTensor sharded like its parameter (as the DTensor path makes it); for a bfloat16
 parameter with ``nesterov=False`` torch's ``NS`` divides the momentum buffer in
@@ -30,6 +35,8 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,17 +44,48 @@ from torch.distributed.tensor import DTensor
 
 from .._runtime import _compat
 from .._runtime._sharded_param import SHARDED_BY
-from ._exchange import BufferPool, ExchangePlan, ShardLayout, layout_of
+from ._agree import DigestCache, check_optimizer_agreement
+from ._exchange import BufferPool, ExchangePlan, Layouts, ShardLayout
 
-_plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[Any, ExchangePlan]] = (
+#: Exchange plans kept per optimizer (least recently used evicted first). A plan
+#: depends on which matrices have gradients, so a model whose set of matrices with
+#: gradients changes from step to step (experts, frozen layers) would otherwise
+#: keep one plan per set; the plans of a shard group share one buffer pool, so
+#: the pool's memory does not grow with the number of plans.
+PLAN_CACHE_SIZE = 8
+
+
+@dataclass
+class _OptimizerCache:
+    """What :func:`muon_step` keeps per optimizer: each parameter's layout (by id,
+    checked against its spec), the exchange plans and the digests of the matrix
+    lists the ranks compare (see [Note: ranks agree on the matrices before the
+    exchange]), both bounded by :data:`PLAN_CACHE_SIZE`."""
+
+    layouts: Layouts = field(default_factory=Layouts)
+    plans: OrderedDict[Any, ExchangePlan] = field(default_factory=OrderedDict)
+    digests: DigestCache = field(default_factory=lambda: DigestCache(PLAN_CACHE_SIZE))
+
+    def plan(self, key: Any, layout: ShardLayout, shapes: list[tuple[int, int]]) -> ExchangePlan:
+        """The cached plan for ``key``, or a new one sharing its group's buffer pool."""
+        plan = self.plans.get(key)
+        if plan is not None:
+            self.plans.move_to_end(key)
+            return plan
+        plan = ExchangePlan.build(layout, shapes)
+        for other in reversed(self.plans.values()):
+            if other.layout.group is layout.group:
+                plan.pool = other.pool
+                break
+        self.plans[key] = plan
+        while len(self.plans) > PLAN_CACHE_SIZE:
+            self.plans.popitem(last=False)
+        return plan
+
+
+_caches: weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptimizerCache] = (
     weakref.WeakKeyDictionary()
 )
-
-
-# Per optimizer, per parameter (by id, checked against the spec): its layout.
-_layouts: weakref.WeakKeyDictionary[
-    torch.optim.Optimizer, dict[int, tuple[Any, torch.Size, ShardLayout]]
-] = weakref.WeakKeyDictionary()
 
 
 def newton_schulz(
@@ -125,35 +163,31 @@ def _check_group(group: dict[str, Any]) -> None:
 
 def muon_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The sharded step of a ``torch.optim.Muon`` for the parameters ``fully_shard``
-    sharded (others are left to torch). Checks everything before changing anything."""
+    sharded (others are left to torch). Checks everything, the ranks' agreement on
+    the matrices included, before changing anything."""
+    cache = _caches.get(optimizer)
+    if cache is None:
+        cache = _caches[optimizer] = _OptimizerCache()
     jobs: list[tuple[dict[str, Any], DTensor, ShardLayout]] = []
-    layouts = _layouts.setdefault(optimizer, {})
+    # Per shard group: its layout and (group index, position, parameter, has a gradient).
+    members: dict[int, tuple[ShardLayout, list[tuple[int, int, DTensor, bool]]]] = {}
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
-            if p.grad is None or not _ours(p):
+            if not _ours(p) or (p.grad is None and p.ndim != 2):
                 continue
             what = f"Muon param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
-            if p.ndim != 2 or p.grad.ndim != 2:
-                raise ValueError(
-                    f"fsdp_compose: {what} is not a 2-D matrix; Muon needs 2-D parameters."
-                )
-            if torch.is_complex(p):
-                raise RuntimeError("Muon does not support complex parameters")
-            if p.grad.is_sparse:
-                raise RuntimeError("Muon does not support sparse gradients")
-            if not isinstance(p.grad, DTensor) or p.grad.placements != p.placements:
-                raise ValueError(
-                    f"fsdp_compose: {what} has a gradient not laid out like the parameter."
-                )
-            _check_group(group)
-            # The layout (mesh lookups, about 50 us a matrix) is worked out once per
-            # parameter and spec: a DTensor's spec is replaced, not mutated, when its
-            # mesh, placements or shape change.
-            spec, local_shape = _compat.dtensor_spec(p), _compat.local_tensor(p).shape
-            known = layouts.get(id(p))
-            if known is None or known[0] is not spec or known[1] != local_shape:
-                known = layouts[id(p)] = (spec, local_shape, layout_of(p, what))
-            jobs.append((group, p, known[2]))
+            if p.grad is not None:
+                _check_param(p, what)
+                _check_group(group)
+            layout = cache.layouts.of(p, what)
+            members.setdefault(id(layout.group), (layout, []))[1].append(
+                (gi, pi, p, p.grad is not None)
+            )
+            if p.grad is not None:
+                jobs.append((group, p, layout))
+    for layout, items in members.values():
+        check_optimizer_agreement(optimizer, cache.digests, layout, items, "torch.optim.Muon")
+    cache.layouts.prune({id(p) for _, items in members.values() for _, _, p, _ in items})
     if not jobs:
         return []
 
@@ -161,16 +195,23 @@ def muon_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     by_group: dict[int, list[int]] = {}
     for j, (_, _, layout) in enumerate(jobs):
         by_group.setdefault(id(layout.group), []).append(j)
-    cache = _plans.setdefault(optimizer, {})
-    for members in by_group.values():
-        key = tuple((id(jobs[j][1]), tuple(jobs[j][1].shape)) for j in members)
-        plan = cache.get(key)
-        if plan is None:
-            plan = cache[key] = ExchangePlan.build(
-                jobs[members[0]][2], [(jobs[j][1].shape[0], jobs[j][1].shape[1]) for j in members]
-            )
-        _run(optimizer, [jobs[j] for j in members], plan)
+    for idx in by_group.values():
+        key = tuple((id(jobs[j][1]), tuple(jobs[j][1].shape)) for j in idx)
+        shapes = [(jobs[j][1].shape[0], jobs[j][1].shape[1]) for j in idx]
+        plan = cache.plan(key, jobs[idx[0]][2], shapes)
+        _run(optimizer, [jobs[j] for j in idx], plan)
     return [p for _, p, _ in jobs]
+
+
+def _check_param(p: DTensor, what: str) -> None:
+    if p.ndim != 2 or p.grad is None or p.grad.ndim != 2:
+        raise ValueError(f"fsdp_compose: {what} is not a 2-D matrix; Muon needs 2-D parameters.")
+    if torch.is_complex(p):
+        raise RuntimeError("Muon does not support complex parameters")
+    if p.grad.is_sparse:
+        raise RuntimeError("Muon does not support sparse gradients")
+    if not isinstance(p.grad, DTensor) or p.grad.placements != p.placements:
+        raise ValueError(f"fsdp_compose: {what} has a gradient not laid out like the parameter.")
 
 
 def _run(
@@ -245,4 +286,8 @@ def _run(
             result_dtype=torch.bfloat16,
             device=device,
             recycle_inputs=True,  # Newton-Schulz keeps nothing of its input
+            describe=lambda i: (
+                f"Muon's parameter of shape {tuple(jobs[i][1].shape)} "
+                f"(position {i} among the matrices with gradients of its shard group)"
+            ),
         )

@@ -1,0 +1,224 @@
+"""Checks that the ranks of a shard group agree before whole matrices move.
+
+[Note: ranks agree on the matrices before the exchange]
+The exchange (see [Note: owner compute for whole-matrix optimizers]) trusts
+every rank of a shard group to hand it the same matrices in the same order: the
+owner of matrix ``i`` assembles it from every rank's rows of *its* matrix ``i``.
+If one rank's optimizer holds two matrices of the same shape in another order,
+their rows are silently mixed; if the shapes or the set of matrices with a
+gradient differ, the all-to-all splits disagree and the job fails inside the
+collective (or hangs until the process group's timeout).
+
+So before any data moves, each rank reduces what it is about to exchange to a
+list of descriptors (position in ``param_groups``, the name given to the
+optimizer if any, the label of the unit that sharded it, shape, dtype, whether it
+has a gradient) and to a 64-bit digest of that list. One all-reduce of two
+integers (``MAX`` of ``(d, -d)``) per shard group tells every rank whether all
+digests are equal; only when they are not do the ranks gather the full lists
+(``all_gather_object``) to name the first differing matrix, and every rank raises
+the same error. The digest of a rank's list is cached per list (a bounded
+dictionary), so a step costs one small collective and no hashing. Muon's and
+Adafactor's sharded steps both check (Adafactor's all-reduces of partial sums
+would otherwise mix matrices the same way).
+
+Without names (an optimizer built from ``model.parameters()``), two matrices of
+the same shape and unit class in another order cannot be told apart: build the
+optimizer from ``model.named_parameters()`` to have the names compared too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .._runtime._sharded_param import SHARDED_BY
+
+if TYPE_CHECKING:  # _exchange imports this module
+    from ._exchange import ShardLayout
+
+#: One matrix as the ranks compare it: (position, name, unit label, shape, dtype, has grad).
+Descriptor = tuple[str, str, str, tuple[int, ...], str, bool]
+
+
+class DigestCache:
+    """Digests of descriptor lists, keyed by a caller's cheap local key (e.g. the
+    parameters' ids and which have gradients); at most ``limit`` entries, least
+    recently used evicted first."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._entries: OrderedDict[Hashable, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def digest(self, key: Hashable, descriptors: Callable[[], list[Descriptor]]) -> int:
+        """The digest of ``descriptors()`` (the list ``key`` stands for on this rank;
+        called only when ``key`` is not cached)."""
+        value = self._entries.get(key)
+        if value is None:
+            raw = hashlib.blake2b(repr(descriptors()).encode(), digest_size=8).digest()
+            value = int.from_bytes(raw, "little", signed=True)
+            self._entries[key] = value
+            while len(self._entries) > self.limit:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        return value
+
+
+def describe(descriptor: Descriptor) -> str:
+    position, name, label, shape, dtype, has_grad = descriptor
+    named = f" {name!r}" if name else ""
+    grad = "with" if has_grad else "without"
+    unit = f" of fully_shard({label})" if label else ""
+    return f"{position}{named}{unit}, shape {shape}, {dtype}, {grad} a gradient"
+
+
+def check_optimizer_agreement(
+    optimizer: torch.optim.Optimizer,
+    digests: DigestCache,
+    layout: ShardLayout,
+    items: Sequence[tuple[int, int, torch.Tensor, bool]],
+    what: str,
+) -> None:
+    """:func:`check_agreement` for an optimizer's parameters of one shard group:
+    ``items`` holds (group index, position, parameter, has a gradient) for every
+    parameter of the group the sharded step handles, gradient or not."""
+    if layout.group is None or layout.world == 1:
+        return
+
+    def descriptors() -> list[Descriptor]:
+        out: list[Descriptor] = []
+        for gi, pi, p, has_grad in items:
+            names = optimizer.param_groups[gi].get("param_names")
+            name = str(names[pi]) if names is not None and pi < len(names) else ""
+            label = str(getattr(p, SHARDED_BY, ""))
+            position = f"param_groups[{gi}]['params'][{pi}]"
+            out.append((position, name, label, tuple(p.shape), str(p.dtype), has_grad))
+        return out
+
+    key = tuple((id(p), has_grad) for _, _, p, has_grad in items)
+    check_agreement(layout.group, digests.digest(key, descriptors), descriptors, what)
+
+
+def check_agreement(
+    group: dist.ProcessGroup,
+    digest: int,
+    descriptors: Callable[[], list[Descriptor]],
+    what: str,
+) -> None:
+    """Raises the same ``RuntimeError`` on every rank of ``group`` unless every
+    rank passed the same ``digest`` (of its ``descriptors()``), naming the first
+    matrix on which the ranks differ. A collective: every rank of ``group`` must
+    call it."""
+    flags = torch.tensor([digest, -digest], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    if flags[0].item() == -flags[1].item():  # max == min: every rank passed the same digest
+        return
+    lists: list[list[Descriptor] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(lists, descriptors(), group=group)
+    gathered = [lst or [] for lst in lists]
+    length = max(len(lst) for lst in gathered)
+    k = 0
+    for k in range(length):
+        seen = [lst[k] if k < len(lst) else None for lst in gathered]
+        if any(s != seen[0] for s in seen):
+            detail = "; ".join(
+                f"rank {r} has {describe(s) if s is not None else 'nothing'}"
+                for r, s in enumerate(seen)
+            )
+            break
+    else:  # equal lists with different digests: a hash collision cannot give this
+        detail = "the lists are equal but their digests differ"
+    raise RuntimeError(
+        f"fsdp_compose: the ranks of a shard group disagree on the matrices {what} "
+        f"updates, at matrix {k} (ranks within the shard group): {detail}. Every rank "
+        "must build the optimizer from the same parameters in the same order, and the "
+        "same parameters must have gradients on every rank (a parameter unused on one "
+        "rank still needs a gradient, e.g. a zero one; build the optimizer from "
+        "model.named_parameters() to have names compared). Nothing was updated."
+    )
+
+
+class RoundOutcomes:
+    """Which owners' computations failed, agreed round by round.
+
+    [Note: a failing computation on its owner]
+    The function an owner runs on a full matrix (Newton–Schulz, a user's
+    ``map_full_matrices`` function) may raise on that rank alone. Raising there
+    at once would leave the other ranks in the exchange's next collective until
+    the process group's timeout. Instead the owner records the error, returns
+    zeros for that matrix and keeps taking part; with each round's return, every
+    rank all-reduces (asynchronously, waited for just before the round's results
+    are applied) one integer per rank of the group: ``1 + `` the first matrix
+    that failed on that owner in the round, or 0. Every rank then skips the
+    failed matrices' results (the owner included), applies the others, finishes
+    every round, and at the end all raise the same error naming the matrix, its
+    owner and the owner's message. The process group stays usable.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, world: int, device: torch.device):
+        self.group, self.rank, self.world, self.device = group, rank, world, device
+        self.errors: dict[int, BaseException] = {}  # matrix -> its error, on its owner
+        self.failed: dict[int, int] = {}  # matrix -> owner, on every rank
+
+    def compute(
+        self,
+        fn: Callable[[int, torch.Tensor], torch.Tensor],
+        i: int,
+        full: torch.Tensor,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """``fn(i, full)`` in ``dtype``, contiguous (a tall matrix's result is a
+        transposed view; rows need it contiguous), or zeros of ``shape`` after
+        recording the error it raised."""
+        try:
+            return fn(i, full).to(dtype).contiguous()
+        except Exception as exc:
+            self.errors.setdefault(i, exc)
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def post(self, mine: list[int]) -> tuple[torch.Tensor, dist.Work]:
+        """Posts this round's outcome (``mine``: the matrices this rank computed)."""
+        flags = torch.zeros(self.world, dtype=torch.int64)
+        first = min((i for i in mine if i in self.errors), default=-1)
+        flags[self.rank] = first + 1
+        flags = flags.to(self.device)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        assert work is not None
+        return flags, work
+
+    def failed_owners(self, posted: tuple[torch.Tensor, dist.Work]) -> set[int]:
+        """The owners whose computation failed in the round ``posted`` describes."""
+        flags, work = posted
+        work.wait()
+        values = flags.tolist()
+        owners = {r for r, v in enumerate(values) if v}
+        for r in owners:
+            self.failed.setdefault(values[r] - 1, r)
+        return owners
+
+    def raise_if_any(self, describe: Callable[[int], str]) -> None:
+        """Raises the same error on every rank if any computation failed (then
+        one ``all_gather_object`` of the owners' messages)."""
+        if not self.failed:
+            return
+        messages: list[dict[int, str] | None] = [None] * self.world
+        mine = {i: f"{type(e).__name__}: {e}" for i, e in self.errors.items()}
+        dist.all_gather_object(messages, mine, group=self.group)
+        i = min(self.failed)
+        owner = self.failed[i]
+        text = (messages[owner] or {}).get(i, "(no message)")
+        error = RuntimeError(
+            f"fsdp_compose: the whole-matrix computation of {describe(i)} raised on its owner, "
+            f"rank {owner} of the shard group: {text}. Every rank skipped that matrix's "
+            f"update and applied the others'; {len(self.failed)} matrix(es) failed this step."
+        )
+        raise error from self.errors.get(i)

@@ -1,0 +1,355 @@
+"""The tools beyond FSDP2 under bad input and faults: whole-matrix optimizers,
+safetensors I/O and auto-wrap end in a clear exception on every rank (or behave
+correctly), never in a silently wrong result, a hang or a dead process group."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from torch import nn
+
+from fsdp_compose import enable_sharded_step, fully_shard
+
+
+def _square_model(seed: int = 0, n: int = 4) -> nn.Sequential:
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(n)])
+    for layer in model:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _backward(model: nn.Module) -> None:
+    torch.manual_seed(0)
+    model(torch.randn(3, 8)).sum().backward()
+
+
+def _pg_usable() -> bool:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item() == dist.get_world_size()
+
+
+def _muon_disagreement_job(case: str, optim: str = "Muon") -> dict:
+    rank = dist.get_rank()
+    model = _square_model()
+    if case == "order_named":  # the same shapes, another order on rank 1
+        named = list(model.named_parameters())
+        params = named[::-1] if rank == 1 else named
+    elif case == "shapes":  # rank 1 forgets a matrix: the shapes no longer line up
+        params = list(model.parameters())[: 3 if rank == 1 else 4]
+    else:  # "grads": same optimizer, a matrix without a gradient on rank 1 at step 2
+        params = list(model.parameters())
+    opt = enable_sharded_step(getattr(torch.optim, optim)(params, lr=0.1))
+    error = ""
+    steps = 0
+    before: list[torch.Tensor] = []
+    for step in range(3):
+        opt.zero_grad()
+        _backward(model)
+        if case == "grads" and step == 2 and rank == 1:
+            model[1].weight.grad = None
+        before = [p.detach().to_local().clone() for p in model.parameters()]
+        start = time.monotonic()
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            error, elapsed = str(exc), time.monotonic() - start
+            break
+        steps += 1
+    unchanged = all(
+        torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters())
+    )
+    return {
+        "error": error,
+        "steps": steps,
+        "fast": bool(error) and elapsed < 10,
+        "unchanged": unchanged,
+        "pg_usable": _pg_usable(),
+    }
+
+
+@pytest.mark.parametrize(
+    "case,optim",
+    [("order_named", "Muon"), ("shapes", "Muon"), ("grads", "Muon"), ("grads", "Adafactor")],
+)
+def test_optimizer_ranks_disagreeing_on_matrices_raise_on_every_rank(case: str, optim: str) -> None:
+    """Ranks whose Muon (or Adafactor) holds other matrices (order, shapes, which
+    have gradients) raise the same error naming the first differing matrix before
+    any data moves, within seconds; nothing is updated and the process group
+    stays usable."""
+    results = run_distributed(_muon_disagreement_job, 2, case, optim)
+    assert results[0]["error"] == results[1]["error"], results
+    for r in results:
+        assert "disagree" in r["error"] and "at matrix" in r["error"], r
+        assert r["fast"] and r["unchanged"] and r["pg_usable"], r
+        assert r["steps"] == (2 if case == "grads" else 0), r
+    if case == "order_named":
+        assert "'0.weight'" in results[0]["error"] and "'3.weight'" in results[0]["error"]
+    if case == "grads":
+        assert "without a gradient" in results[0]["error"]
+
+
+def _muon_plan_cache_job(steps: int) -> dict:
+    from fsdp_compose.whole_matrix import _muon
+
+    model = _square_model(n=6)
+    params = list(model.parameters())
+    opt = enable_sharded_step(torch.optim.Muon(params, lr=0.01))
+    sizes = []
+    for step in range(steps):
+        opt.zero_grad()
+        _backward(model)
+        for k, p in enumerate(params):  # a different set of matrices with gradients each step
+            if (step >> k) & 1:
+                p.grad = None
+        opt.step()
+        cache = _muon._caches[opt]
+        sizes.append((len(cache.plans), len(cache.digests)))
+    pools = {id(p.pool) for p in _muon._caches[opt].plans.values()}
+    return {
+        "max": max(sizes),
+        "last": sizes[-1],
+        "pools": len(pools),
+        "bound": _muon.PLAN_CACHE_SIZE,
+    }
+
+
+def test_muon_plan_cache_is_bounded() -> None:
+    """Over 1,000 steps whose set of matrices with gradients keeps changing (63
+    different sets), the plans and digests kept stay at PLAN_CACHE_SIZE, and the
+    plans share one buffer pool."""
+    for r in run_distributed(_muon_plan_cache_job, 2, 1000, timeout=300):
+        bound = r["bound"]
+        assert r["max"] == (bound, bound) and r["last"] == (bound, bound), r
+        assert r["pools"] == 1, r
+
+
+def _save_into_file_job(tmp: str) -> dict:
+    from fsdp_compose.safetensors_io import save_safetensors
+
+    model = _square_model(n=2)
+    path = os.path.join(tmp, "model.safetensors")  # a file where a directory is expected
+    if dist.get_rank() == 0:
+        with open(path, "wb") as f:
+            f.write(b"previous")
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        save_safetensors(model, path)
+        error = ""
+    except (ValueError, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    elapsed = time.monotonic() - start
+    usable = _pg_usable()
+    with open(path, "rb") as f:
+        intact = f.read() == b"previous"
+    saved = save_safetensors(model, os.path.join(tmp, "out"))  # the next save works
+    return {
+        "error": error,
+        "fast": elapsed < 5,
+        "usable": usable,
+        "intact": intact,
+        "saved": len(saved) == (1 if dist.get_rank() == 0 else 0),
+    }
+
+
+def test_save_safetensors_into_a_file_path_fails_on_every_rank(tmp_path) -> None:
+    """An existing file as out_dir: every rank raises at once (rank 0 a ValueError
+    naming the path and the fix, the others quoting it), the file is left as it
+    was, and the process group serves the next collective and the next save."""
+    pytest.importorskip("safetensors")
+    results = run_distributed(_save_into_file_job, 2, str(tmp_path))
+    assert results[0]["error"].startswith("ValueError") and "not a directory" in results[0]["error"]
+    assert results[1]["error"].startswith("RuntimeError") and "rank 0" in results[1]["error"]
+    for r in results:
+        assert r["fast"] and r["usable"] and r["intact"] and r["saved"], r
+
+
+def _export_bad_read_job(tmp: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_compose.safetensors_io import export_dcp_to_safetensors
+
+    ckpt = os.path.join(tmp, "dcp")
+    dcp.save({"model.w": torch.ones(4, 4)}, checkpoint_id=ckpt)
+    source = ckpt if dist.get_rank() == 0 else os.path.join(tmp, "missing")
+    start = time.monotonic()
+    try:
+        export_dcp_to_safetensors(source, os.path.join(tmp, "out"))
+        error = ""
+    except (ValueError, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {
+        "error": error,
+        "fast": time.monotonic() - start < 5,
+        "usable": _pg_usable(),
+        "published": os.path.exists(os.path.join(tmp, "out", "model.safetensors")),
+    }
+
+
+def test_export_with_a_failing_read_on_one_rank_fails_on_every_rank(tmp_path) -> None:
+    pytest.importorskip("safetensors")
+    results = run_distributed(_export_bad_read_job, 2, str(tmp_path))
+    assert results[1]["error"].startswith("ValueError") and "missing" in results[1]["error"]
+    assert results[0]["error"].startswith("RuntimeError") and "rank 1" in results[0]["error"]
+    for r in results:
+        assert r["fast"] and r["usable"] and not r["published"], r
+
+
+def test_load_safetensors_file_replaced_while_loading(tmp_path, monkeypatch) -> None:
+    """The file is replaced by one with fewer rows after its header was checked:
+    a clear error naming the tensor and both shapes, not a broadcast short slice."""
+    st = pytest.importorskip("safetensors.torch")
+    from fsdp_compose.safetensors_io import _load, load_safetensors
+
+    path = str(tmp_path / "model.safetensors")
+    st.save_file({"weight": torch.randn(4, 3), "bias": torch.randn(4)}, path)
+    checked = _load.read_headers
+
+    def read_then_replace(p: object) -> object:
+        entries = checked(p)
+        st.save_file({"weight": torch.randn(1, 3), "bias": torch.randn(4)}, path)
+        return entries
+
+    monkeypatch.setattr(_load, "read_headers", read_then_replace)
+    model = nn.Linear(3, 4)
+    with pytest.raises(ValueError, match=r"'weight'.*shape \[1, 3\].*shape \[4, 3\].*replaced"):
+        load_safetensors(model, path)
+
+
+def _auto_wrap_atomic_job() -> dict:
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fsdp_compose import FSDPModule, auto_wrap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3), nn.Linear(3, 4))
+    before = [(n, id(p), p.clone()) for n, p in model.named_parameters()]
+
+    def bad_placement(p: nn.Parameter) -> Shard | None:
+        return Shard(1) if tuple(p.shape) == (4, 3) else None  # 3 columns over 2 ranks
+
+    try:
+        auto_wrap(model, {nn.Linear}, shard_placement_fn=bad_placement)
+        error = ""
+    except (ValueError, NotImplementedError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    untouched = not any(isinstance(m, FSDPModule) for m in model.modules()) and all(
+        id(p) == i and type(p) is nn.Parameter and torch.equal(p, v)
+        for (_, i, v), (_, p) in zip(before, model.named_parameters())
+    )
+    no_hooks = all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    units = auto_wrap(model, {nn.Linear})  # the retry, without the bad placement
+    retried = len(units) == 4 and all(isinstance(p, DTensor) for p in model.parameters())
+    loss = model(torch.randn(2, 4)).sum()
+    loss.backward()
+    return {"error": error, "untouched": untouched, "no_hooks": no_hooks, "retried": retried}
+
+
+def test_auto_wrap_is_atomic() -> None:
+    """A unit that fails in the middle of a plan leaves no module annotated (no
+    class swap, no hooks, the same parameter objects and values), and the retry
+    with the fix succeeds and trains."""
+    for r in run_distributed(_auto_wrap_atomic_job, 2):
+        assert "(4, 3)" in r["error"] or "[4, 3]" in r["error"] or "divisible" in r["error"], r
+        assert r["untouched"] and r["no_hooks"] and r["retried"], r
+
+
+def _newton_schulz_fails_job() -> dict:
+    from fsdp_compose.whole_matrix import _muon
+
+    model = _square_model()
+    params = list(model.parameters())
+    opt = enable_sharded_step(torch.optim.Muon(params, lr=0.1))
+    _backward(model)
+    before = [p.full_tensor() for p in params]
+    real = _muon.newton_schulz
+    calls = [0]
+
+    def failing(*args: object, **kwargs: object) -> torch.Tensor:
+        calls[0] += 1
+        if dist.get_rank() == 1 and calls[0] == 1:  # rank 1's first matrix (matrix 1)
+            raise torch.OutOfMemoryError("injected failure")
+        return real(*args, **kwargs)
+
+    _muon.newton_schulz = failing
+    start = time.monotonic()
+    try:
+        opt.step()
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)
+    finally:
+        _muon.newton_schulz = real
+    elapsed = time.monotonic() - start
+    after = [p.full_tensor() for p in params]
+    changed = [not torch.equal(a, b) for a, b in zip(after, before)]
+    opt.zero_grad()
+    _backward(model)
+    opt.step()  # training goes on
+    return {"error": error, "fast": elapsed < 10, "changed": changed, "usable": _pg_usable()}
+
+
+def test_newton_schulz_failing_on_its_owner_raises_on_every_rank() -> None:
+    """Newton-Schulz raises on the owner of one matrix: every rank finishes the
+    exchange, skips that matrix (unchanged everywhere), applies the others and
+    raises the same error quoting the owner's, within seconds; the next step runs."""
+    results = run_distributed(_newton_schulz_fails_job, 2)
+    assert results[0]["error"] == results[1]["error"], results
+    for r in results:
+        assert "rank 1" in r["error"] and "injected failure" in r["error"], r
+        assert r["fast"] and r["usable"], r
+        assert r["changed"] == [True, False, True, True], r
+
+
+def _muon_subclass_job() -> str:
+    class MyMuon(torch.optim.Muon):
+        pass
+
+    model = _square_model(n=2)
+    try:
+        enable_sharded_step(MyMuon(model.parameters(), lr=0.1))
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_muon_subclass_is_refused_not_silently_slow() -> None:
+    """A subclass of torch.optim.Muon may change the update: enable_sharded_step
+    refuses it with the reason, rather than quietly keeping the DTensor path."""
+    for message in run_distributed(_muon_subclass_job, 2):
+        assert "MyMuon" in message and "not subclasses" in message, message
+
+
+def _map_full_matrices_mismatch_job() -> dict:
+    from fsdp_compose.whole_matrix import map_full_matrices
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(6, 8, bias=False))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    matrices = [p.detach() for p in model.parameters()]
+    if dist.get_rank() == 1:
+        matrices = matrices[::-1]
+    start = time.monotonic()
+    try:
+        map_full_matrices(matrices, lambda i, full: full)
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)
+    return {"error": error, "fast": time.monotonic() - start < 10, "usable": _pg_usable()}
+
+
+def test_map_full_matrices_with_other_shapes_on_one_rank_raises_everywhere() -> None:
+    results = run_distributed(_map_full_matrices_mismatch_job, 2)
+    assert results[0]["error"] == results[1]["error"], results
+    for r in results:
+        assert "matrices[0]" in r["error"] and "(6, 8)" in r["error"], r
+        assert r["fast"] and r["usable"], r
