@@ -446,12 +446,11 @@ def test_missing_safetensors_is_a_clear_error(monkeypatch) -> None:
 def test_core_does_not_import_the_extension() -> None:
     import fsdp_compose
 
-    root = os.path.dirname(fsdp_compose.__file__)
-    core = ["_fully_shard.py", "_fsdp_module.py", "_unit.py", "_flat_buffer.py", "_reduce.py",
-            "_scheduler.py", "_hooks.py", "_collectives.py",
-            "_sharded_param.py", "_mesh.py", "_policies.py", "_compat.py"]
-    for name in core:
-        with open(os.path.join(root, name)) as f:
+    runtime = os.path.join(os.path.dirname(fsdp_compose.__file__), "_runtime")
+    names = sorted(n for n in os.listdir(runtime) if n.endswith(".py"))
+    assert "_fully_shard.py" in names, names
+    for name in names:
+        with open(os.path.join(runtime, name)) as f:
             assert "safetensors" not in f.read(), name
 
 
