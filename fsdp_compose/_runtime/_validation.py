@@ -62,7 +62,7 @@ def _describe(modules: tuple[nn.Module, ...]) -> str:
 
 
 def _check_modules(modules: tuple[nn.Module, ...]) -> None:
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
     for m in modules:
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
@@ -70,8 +70,10 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
                 f"fully_shard cannot annotate a {type(m).__name__} container: it has no forward, "
                 "so no hook would ever run. Annotate its elements (e.g. each block) instead."
             )
-        # (fsdp_compose's units are instances of torch's FSDPModule too: ask torch's state)
-        if torch_fully_shard.state(m) is not None:  # type: ignore[attr-defined]
+        # fsdp_compose's units are instances of torch's FSDPModule too, but they were
+        # refused before (already annotated); torch's fully_shard.state() is not asked,
+        # as it adds a key to the module's __dict__.
+        if isinstance(m, TorchFSDPModule):
             raise ValueError(
                 f"{type(m).__name__} was already sharded by torch.distributed.fsdp.fully_shard; "
                 "use one FSDP implementation per model."
