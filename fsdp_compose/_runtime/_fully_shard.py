@@ -164,7 +164,7 @@ def fully_shard(
     host = torch.device("cpu") if offload else None
     pin = offload and getattr(offload_policy, "pin_memory", False)
 
-    unit_label = _describe(modules)
+    unit_label = _validation.describe(modules)
     sharded: list[ShardedParam] = []
     # One unit per data-parallel mesh, see [Note: per-parameter meshes].
     groups: dict[MeshInfo, list[ShardedParam]] = {mesh_info: []}
@@ -370,10 +370,6 @@ def _placement(
             f"got {result!r} for parameter {owners[0][1]!r}"
         )
     return result.dim, info
-
-
-def _describe(modules: tuple[nn.Module, ...]) -> str:
-    return ", ".join(type(m).__name__ for m in modules)
 
 
 def _no_deepcopy(*_: Any) -> NoReturn:

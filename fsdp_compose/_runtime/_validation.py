@@ -57,7 +57,8 @@ _claimed: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...
 _NON_DATA_PARALLEL_DIMS = ("tp", "tensor", "cp", "context", "ep", "expert", "pp", "pipe", "model")
 
 
-def _describe(modules: tuple[nn.Module, ...]) -> str:
+def describe(modules: tuple[nn.Module, ...]) -> str:
+    """The class names of a ``fully_shard`` call's modules (its unit's label)."""
     return ", ".join(type(m).__name__ for m in modules)
 
 
@@ -158,7 +159,7 @@ def _check_siblings(
         name, p = sharded[0]
         raise ValueError(
             f"parameter {name!r} of {type(module).__name__} is already sharded by "
-            f"fully_shard({getattr(p, SHARDED_BY)}), a sibling of {_describe(targets)}: the "
+            f"fully_shard({getattr(p, SHARDED_BY)}), a sibling of {describe(targets)}: the "
             f"same {type(module).__name__} module is a submodule of both units (a module shared "
             "by two fully_shard units is not supported). Annotate the shared module on its own "
             "first, e.g. fully_shard(shared_module), or put the modules that share it in one "
