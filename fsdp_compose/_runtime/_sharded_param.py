@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from . import _compat
+from . import _compat, _extensions
 from ._errors import FSDPValueError
 from ._mesh import MeshInfo
 
@@ -121,8 +121,19 @@ class ShardedParam:
         self.spec = self._sharded_spec(param.dtype)
         self.placements = self.spec.placements
 
+        # A subclass with FSDP2's all-gather extension stays the local tensor
+        # (see [Note: all-gather extensions]).
+        self.extension = self.tp_spec is None and _extensions.has_extension(param)
         with torch.no_grad():
-            if param.is_meta:
+            if self.extension:
+                if shard_dim != 0:
+                    raise NotImplementedError(
+                        f"parameter {owners[0][1]!r} is a {type(param).__name__} with FSDP2's "
+                        "all-gather extension; fsdp_compose shards such parameters on dim 0 only."
+                    )
+                padded = torch.Size((self.chunk_rows, *size[1:]))
+                local = _extensions.shard_subclass(param, start, stop - start, padded, device)
+            elif param.is_meta:
                 local = torch.empty(self.local_shape, dtype=param.dtype, device="meta")
             else:
                 # clone so the full original tensor can be freed once fully_shard returns
