@@ -376,3 +376,45 @@ def test_inconsistent_hooks_raise_naming_the_parameter() -> None:
     messages = run_distributed(_bad_job, 2, timeout=60)
     for m in messages:
         assert "'0.weight'" in m and "fsdp_pre_all_gather" in m, m
+
+
+def _nf4_job() -> list[float]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
+
+    class NF4LoRA(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(to_nf4(torch.randn(256, 256)), requires_grad=False)
+            self.lora_a = nn.Parameter(torch.randn(4, 256) * 0.05)
+            self.lora_b = nn.Parameter(torch.randn(256, 4) * 0.05)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return linear_nf4(x, self.weight) + x @ self.lora_a.t() @ self.lora_b.t()
+
+    results = []
+    for shard_fn in (torch_fully_shard, fully_shard):
+        torch.manual_seed(0)
+        model = nn.Sequential(NF4LoRA(), NF4LoRA())
+        for layer in model:
+            shard_fn(layer)
+        shard_fn(model)
+        assert type(model[0].weight._local_tensor).__name__ == "NF4Tensor"
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        torch.manual_seed(1 + torch.distributed.get_rank())
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(4, 256)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        results.append(losses)
+    torch.testing.assert_close(torch.tensor(results[1]), torch.tensor(results[0]), rtol=0, atol=1e-4)
+    return results[1]
+
+
+def test_torchao_nf4_parity_with_fsdp2() -> None:
+    """QLoRA's frozen NF4 weights (torchao), as torchtune runs them under FSDP2."""
+    pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    run_distributed(_nf4_job, 2)

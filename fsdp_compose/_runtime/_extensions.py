@@ -61,14 +61,19 @@ def has_extension(tensor: torch.Tensor) -> bool:
 
 
 def shard_subclass(
-    param: torch.Tensor, start: int, length: int, padded_shape: torch.Size, device: torch.device
+    param: torch.Tensor, rank: int, world: int, padded_shape: torch.Size, device: torch.device
 ) -> torch.Tensor:
     """This rank's dim-0 shard of a subclass parameter, cut with the operations
-    FSDP2 uses (``new_zeros``, ``narrow``, ``copy_``) so the subclass survives."""
+    FSDP2 uses (``chunk``, ``new_zeros``, ``narrow`` from row 0, ``copy_``) so the
+    subclass survives (torchao's ``NF4Tensor`` slices from row 0 only)."""
     with torch.no_grad():
-        padded = param.detach().new_zeros(padded_shape)
+        param = param.detach()
+        chunks = torch.chunk(param, world, dim=0)
+        chunk = chunks[rank] if rank < len(chunks) else None
+        length = 0 if chunk is None else chunk.size(0)
+        padded = param.new_zeros(padded_shape)
         if length and not param.is_meta:
-            padded.narrow(0, 0, length).copy_(param.detach().narrow(0, start, length))
+            padded.narrow(0, 0, length).copy_(chunk)
         if not param.is_meta and padded.device != device:
             padded = padded.to(device)
         return padded.narrow(0, 0, length)

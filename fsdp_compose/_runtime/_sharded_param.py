@@ -151,7 +151,10 @@ class ShardedParam:
                         "all-gather extension; fsdp_compose shards such parameters on dim 0 only."
                     )
                 padded = torch.Size((self.chunk_rows, *self.orig_size[1:]))
-                return _extensions.shard_subclass(param, start, length, padded, device)
+                info = self.mesh_info
+                return _extensions.shard_subclass(
+                    param, info.shard_rank, info.shard_size, padded, device
+                )
             if param.is_meta:
                 return torch.empty(self.local_shape, dtype=param.dtype, device="meta")
             # clone so the full original tensor can be freed once fully_shard returns
