@@ -88,13 +88,26 @@ class Int8RowWise(torch.Tensor):
         return func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs))
 
     def fsdp_pre_all_gather(
-        self, mesh: Any, outer_size: torch.Size, outer_stride: Any, module: nn.Module, mp_policy: Any
+        self,
+        mesh: Any,
+        outer_size: torch.Size,
+        outer_stride: Any,
+        module: nn.Module,
+        mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
         world = mesh.size()
         CALLS.append(
-            ("pre", tuple(self.shape), tuple(outer_size), tuple(outer_stride), world,
-             type(module).__mro__[1].__name__, mp_policy.param_dtype,
-             int(self._data.sum()), float(self._scale.sum()))
+            (
+                "pre",
+                tuple(self.shape),
+                tuple(outer_size),
+                tuple(outer_stride),
+                world,
+                type(module).__mro__[1].__name__,
+                mp_policy.param_dtype,
+                int(self._data.sum()),
+                float(self._scale.sum()),
+            )
         )
         # Uneven shards: every rank contributes the padded shard's rows (FSDP2's rule).
         pad = -(-outer_size[0] // world) - self._data.shape[0]
@@ -104,12 +117,23 @@ class Int8RowWise(torch.Tensor):
         return (data, scale), (outer_size[0],)
 
     def fsdp_post_all_gather(
-        self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype,
-        *, out: torch.Tensor | None = None,
+        self,
+        outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         CALLS.append(
-            ("post", [(tuple(o.shape), o.dtype) for o in outputs], metadata, param_dtype,
-             out is not None, int(outputs[0].sum()), float(outputs[1].sum()))
+            (
+                "post",
+                [(tuple(o.shape), o.dtype) for o in outputs],
+                metadata,
+                param_dtype,
+                out is not None,
+                int(outputs[0].sum()),
+                float(outputs[1].sum()),
+            )
         )
         (rows,) = metadata
         data, scale = outputs[0][:rows], outputs[1][:rows]
@@ -140,11 +164,15 @@ class Released(Int8RowWise):
         return True
 
     def fsdp_post_all_gather(  # type: ignore[override]
-        self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype,
-        *, out: torch.Tensor | None = None,
+        self,
+        outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         (rows,) = metadata
-        full = (outputs[0][:rows].to(param_dtype) * outputs[1][:rows, None].to(param_dtype))
+        full = outputs[0][:rows].to(param_dtype) * outputs[1][:rows, None].to(param_dtype)
         CALLS.append(("post_released", out is not None, float(full.sum())))
         if out is not None:
             out.copy_(full)
@@ -203,7 +231,9 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         local = p._local_tensor
         if isinstance(local, Int8RowWise):  # the subclass must survive sharding
-            out[name + ".data"] = torch.tensor([float(local._data.sum()), float(local._scale.sum())])
+            out[name + ".data"] = torch.tensor(
+                [float(local._data.sum()), float(local._scale.sum())]
+            )
         else:
             out[name] = p.full_tensor().detach()
     return out
@@ -215,9 +245,17 @@ def _parity_job(reshard: bool, accumulate: bool, param_dtype: Any, kind_name: st
 
     kind = {"5": Int8RowWise, "1": Int8RowWiseMeshOnly}[kind_name]
     runs = {}
-    for name, shard_fn, mp_cls in (("torch", torch_fully_shard, TorchMP), ("ours", fully_shard, MixedPrecisionPolicy)):
+    for name, shard_fn, mp_cls in (
+        ("torch", torch_fully_shard, TorchMP),
+        ("ours", fully_shard, MixedPrecisionPolicy),
+    ):
         model = _model(kind)
-        _shard(model, shard_fn, reshard_after_forward=reshard, mp_policy=mp_cls(param_dtype=param_dtype))
+        _shard(
+            model,
+            shard_fn,
+            reshard_after_forward=reshard,
+            mp_policy=mp_cls(param_dtype=param_dtype),
+        )
         for fqn, p in model.named_parameters():
             assert isinstance(p._local_tensor, kind) == (not p.requires_grad), fqn
         CALLS.clear()
@@ -292,7 +330,11 @@ def test_release_hook_and_out_path() -> None:
 
 def _sharding_job() -> list[Any]:
     model = _model(uneven=True)
-    full = {n: (p._data.clone(), p._scale.clone()) for n, p in model.named_parameters() if isinstance(p, Int8RowWise)}
+    full = {
+        n: (p._data.clone(), p._scale.clone())
+        for n, p in model.named_parameters()
+        if isinstance(p, Int8RowWise)
+    }
     _shard(model, fully_shard)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     shapes = []
@@ -330,7 +372,10 @@ def _uneven_job() -> None:
     # against the unsharded model, every rank feeding the same batch.
     reference, model = _model(uneven=True), _model(uneven=True)
     _shard(model, fully_shard)
-    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (reference, model)]
+    opts = [
+        torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+        for m in (reference, model)
+    ]
     torch.manual_seed(5)
     for _ in range(3):
         x = torch.randn(4, 16)
@@ -355,8 +400,12 @@ def test_uneven_and_empty_subclass_shards_match_one_process(world: int) -> None:
 class RankDependent(Int8RowWise):
     """A broken subclass: rank 1 gathers float64 scales."""
 
-    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp: Any) -> Any:
-        (data, scale), meta = super().fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp)
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp: Any
+    ) -> Any:
+        (data, scale), meta = super().fsdp_pre_all_gather(
+            mesh, outer_size, outer_stride, module, mp
+        )
         if torch.distributed.get_rank() == 1:
             scale = scale.double()
         return (data, scale), meta
@@ -410,7 +459,9 @@ def _nf4_job() -> list[float]:
             opt.zero_grad()
             losses.append(loss.item())
         results.append(losses)
-    torch.testing.assert_close(torch.tensor(results[1]), torch.tensor(results[0]), rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(results[1]), torch.tensor(results[0]), rtol=0, atol=1e-4
+    )
     return results[1]
 
 

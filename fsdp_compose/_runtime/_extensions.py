@@ -29,6 +29,7 @@ across ranks raise an error naming the parameter instead of hanging.
 
 from __future__ import annotations
 
+import ast
 import inspect
 from typing import TYPE_CHECKING, Any
 
@@ -72,7 +73,7 @@ def shard_subclass(
         chunk = chunks[rank] if rank < len(chunks) else None
         length = 0 if chunk is None else chunk.size(0)
         padded = param.new_zeros(padded_shape)
-        if length and not param.is_meta:
+        if chunk is not None and length and not param.is_meta:
             padded.narrow(0, 0, length).copy_(chunk)
         if not param.is_meta and padded.device != device:
             padded = padded.to(device)
@@ -117,7 +118,7 @@ class ExtensionGather:
             padded[: src.numel()].copy_(src)
             pg.sizes, pg.dtypes = [padded.shape], [padded.dtype]
             return [padded]
-        local = p.local_shard
+        local: Any = p.local_shard  # a subclass with the extension's hooks
         if local.device != p.device:
             local = local.to(p.device, non_blocking=True)
         n_args = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
@@ -176,7 +177,10 @@ class ExtensionGather:
         from ._validation import compare_across_ranks  # imports the unit: import late
 
         description = repr(
-            [(pg.param.fqn, [tuple(s) for s in pg.sizes], [str(d) for d in pg.dtypes]) for pg in self.params]
+            [
+                (pg.param.fqn, [tuple(s) for s in pg.sizes], [str(d) for d in pg.dtypes])
+                for pg in self.params
+            ]
         )
         compare_across_ranks(description, group, _describe_difference)
 
@@ -214,7 +218,7 @@ class ExtensionGather:
             return
         outputs = tuple(o.view(-1, *s[1:]) for o, s in zip(pg.outputs, pg.sizes))
         dtype = p.compute_dtype
-        local = p.local_shard
+        local: Any = p.local_shard
         if p.unsharded_param is None:
             tensor, pg.inner = local.fsdp_post_all_gather(outputs, pg.metadata, dtype)
             p.unsharded_param = p.wrap_unsharded(tensor)
@@ -235,7 +239,7 @@ class ExtensionGather:
 
 
 def _describe_difference(mine: str, other: str) -> str:
-    a, b = eval(mine), eval(other)  # noqa: S307 - our own repr of names, sizes, dtypes
+    a, b = ast.literal_eval(mine), ast.literal_eval(other)
     for (name, sizes, dtypes), (_, other_sizes, other_dtypes) in zip(a, b):
         if (sizes, dtypes) != (other_sizes, other_dtypes):
             return (
@@ -249,7 +253,7 @@ def _alloc(tensor: torch.Tensor) -> None:
     """Re-allocates a freed storage to its full size (``tensor`` may be a view)."""
     storage = tensor.untyped_storage()
     if storage.size() == 0:
-        storage.resize_((tensor.storage_offset() + tensor.numel()) * tensor.element_size())
+        storage.resize_(int(tensor.storage_offset() + tensor.numel()) * tensor.element_size())
 
 
 def _free(tensor: torch.Tensor) -> None:
