@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from . import _compat
+from . import _compat, _extensions
 from ._errors import FSDPValueError
 from ._mesh import MeshInfo
 
@@ -121,16 +121,10 @@ class ShardedParam:
         self.spec = self._sharded_spec(param.dtype)
         self.placements = self.spec.placements
 
-        with torch.no_grad():
-            if param.is_meta:
-                local = torch.empty(self.local_shape, dtype=param.dtype, device="meta")
-            else:
-                # clone so the full original tensor can be freed once fully_shard returns
-                local = param.detach().narrow(shard_dim, start, stop - start)
-                target = offload_device if offload_device is not None else device
-                local = local.to(target, copy=True).contiguous()
-                if pin_memory and offload_device is not None and not local.is_pinned():
-                    local = local.pin_memory()
+        # A subclass with FSDP2's all-gather extension stays the local tensor
+        # (see [Note: all-gather extensions]).
+        self.extension = self.tp_spec is None and _extensions.has_extension(param)
+        local = self._cut_local_shard(param, start, stop - start, pin_memory)
         # Registered on the owning modules by fully_shard once the whole unit is
         # valid (see [Note: atomic fully_shard]).
         self.sharded_param = nn.Parameter(
@@ -142,6 +136,34 @@ class ShardedParam:
         self.compute_dtype: torch.dtype = param.dtype
         # Unsharded gradient accumulated in the reduce dtype across no-sync steps.
         self.accumulated_grad: torch.Tensor | None = None
+
+    def _cut_local_shard(
+        self, param: torch.Tensor, start: int, length: int, pin_memory: bool
+    ) -> torch.Tensor:
+        """This rank's shard of ``param`` (rows ``[start, start + length)`` of the
+        shard dim), on its storage device."""
+        d, device, offload_device = self.shard_dim, self.device, self.offload_device
+        with torch.no_grad():
+            if self.extension:
+                if d != 0:
+                    raise NotImplementedError(
+                        f"parameter {self.fqn!r} is a {type(param).__name__} with FSDP2's "
+                        "all-gather extension; fsdp_compose shards such parameters on dim 0 only."
+                    )
+                padded = torch.Size((self.chunk_rows, *self.orig_size[1:]))
+                info = self.mesh_info
+                return _extensions.shard_subclass(
+                    param, info.shard_rank, info.shard_size, padded, device
+                )
+            if param.is_meta:
+                return torch.empty(self.local_shape, dtype=param.dtype, device="meta")
+            # clone so the full original tensor can be freed once fully_shard returns
+            local = param.detach().narrow(d, start, length)
+            target = offload_device if offload_device is not None else device
+            local = local.to(target, copy=True).contiguous()
+            if pin_memory and offload_device is not None and not local.is_pinned():
+                local = local.pin_memory()
+            return local
 
     def _sharded_spec(self, dtype: torch.dtype) -> Any:
         info, d = self.mesh_info, self.shard_dim

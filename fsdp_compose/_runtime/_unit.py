@@ -25,6 +25,7 @@ from ._collectives import (
     ReduceScatter,
 )
 from ._events import Events
+from ._extensions import ExtensionGather
 from ._flat_buffer import FlatBuffer
 from ._mesh import MeshInfo, post_forward_subgroup
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -108,6 +109,8 @@ class Unit(FlatBuffer, GradientReduction):
         self._post_forward_shard: torch.Tensor | None = None
         self._unsharded: torch.Tensor | None = None  # flat buffer, see [Note: unsharded storage]
         self._alias = False
+        # Per-parameter gathering, for units with all-gather extension parameters.
+        self._extension: ExtensionGather | None = None
         self.keep_unsharded_storage = False
         # Parked: gathered data kept after a no-grad forward with the shards
         # registered (for the optimizer); the next use re-registers, no gather.
@@ -132,6 +135,11 @@ class Unit(FlatBuffer, GradientReduction):
             subgroup = post_forward_subgroup(self.mesh_info, value)
             self._post_forward_group, self._post_forward_rank = subgroup
             self._post_forward_size = value
+            if any(p.extension for p in self.params):
+                raise NotImplementedError(  # as in FSDP2
+                    "reshard_after_forward as an int is not supported with parameters using "
+                    f"all-gather extensions: {[p.fqn for p in self.params if p.extension]}"
+                )
             if any(p.shard_dim != 0 for p in self.params):
                 raise ValueError(
                     "reshard_after_forward as an int needs every parameter sharded on dim 0; "
@@ -144,6 +152,10 @@ class Unit(FlatBuffer, GradientReduction):
         """Bytes the unsharded parameters occupy (what the rate limiter budgets);
         known once the unit is initialized (:meth:`lazy_init`)."""
         assert self._initialized, f"unit {self.name!r}: unsharded_nbytes before lazy_init"
+        if self._extension is not None:
+            world = self.mesh_info.shard_size  # an estimate until the first gather
+            guess = sum(world * p.chunk_numel * p.compute_dtype.itemsize for p in self.params)
+            return self._extension.nbytes or guess
         return 0 if self._alias else self._world * self._row * self._buffer_dtype.itemsize
 
     # -- lazy initialisation: dtypes and buffer layout -------------------
@@ -156,6 +168,7 @@ class Unit(FlatBuffer, GradientReduction):
             "scheduler) before invalidating its layout"
         )
         self._initialized = False
+        self._extension = None
         for p in self.params:
             p.unsharded_param = None
 
@@ -170,7 +183,10 @@ class Unit(FlatBuffer, GradientReduction):
                 p.resync_sharded_param()
             self.events.unit("lazy_init", self)
             self._init_dtypes()
-            self._init_layout()
+            if any(p.extension for p in self.params):
+                self._extension = ExtensionGather(self.params, self.mp_policy)
+            else:
+                self._init_layout()
         self._initialized = True
 
     def _init_dtypes(self) -> None:
@@ -213,6 +229,17 @@ class Unit(FlatBuffer, GradientReduction):
         if self._alias:
             self._pending_gather = _collectives.DONE
             return
+        if self._extension is not None:
+            self._gathered_versions = [p.data_version() for p in self.params]
+            self._gather_output, self._pending_gather = self._extension.start(
+                self.all_gather_comm,
+                self.mesh_info.mesh,
+                self.shard_group,
+                self.mesh_info.shard_rank,
+                self.name,
+                self.events,
+            )
+            return
         # Partially sharded: gather this rank's post-forward share in its group.
         shard = self._post_forward_shard if self.state is ShardState.PARTIALLY_SHARDED else None
         if shard is not None:
@@ -247,7 +274,12 @@ class Unit(FlatBuffer, GradientReduction):
             return
         pending.wait()
         self._pending_gather = None
-        if not self._alias:
+        if self._extension is not None:
+            out, self._gather_output = self._gather_output, None
+            assert out is not None
+            self._extension.finish(out, self.mesh_info.shard_size)
+            self.events.unit("gathered", self)
+        elif not self._alias:
             self._copy_out()
             self.events.unit("gathered", self)
         self._post_forward_shard = None
@@ -300,7 +332,10 @@ class Unit(FlatBuffer, GradientReduction):
         for p in self.params:
             p.register(p.sharded_param)
         self._parked = False
-        self._free_unsharded()
+        if self._extension is not None:
+            self._extension.free()
+        else:
+            self._free_unsharded()
         self.state = ShardState.PARTIALLY_SHARDED if keep_share else ShardState.SHARDED
 
     def abandon_gather(self) -> None:

@@ -230,8 +230,7 @@ class UseChecks(Observer):
     def on_unit(self, event: UnitEvent, unit: Unit) -> None:
         if event == "lazy_init":
             _check_placement(unit)
-        elif event == "gathered":
-            assert unit._unsharded is not None
+        elif event == "gathered" and unit._unsharded is not None:  # the flat buffer
             setattr(unit, _GATHERED, unit._unsharded._version)
         elif event == "resharding":
             _check_unchanged_while_unsharded(unit)
@@ -340,8 +339,27 @@ def check_same_structure(units: list[Unit]) -> None:
 def _compare_through_store(
     root: int, ranks: tuple[int, ...], description: str, group: dist.ProcessGroup
 ) -> None:
+    me = dist.get_rank()
+    others = _exchange(f"structure/{root}", ranks, description, group)
+    if others is None:
+        return
+    reference = others[ranks[0]]
+    differ = [r for r in ranks if others[r] != reference]
+    detail = _first_difference(eval_description(reference), eval_description(others[differ[0]]))
+    raise RuntimeError(
+        f"fsdp_compose: the ranks of a data-parallel group built different models: ranks "
+        f"{differ} differ from rank {ranks[0]} ({detail}; rank {me} is this one). Every rank "
+        "must build the same model and call fully_shard with the same arguments."
+    )
+
+
+def _exchange(
+    what: str, ranks: tuple[int, ...], description: str, group: dist.ProcessGroup
+) -> dict[int, str] | None:
+    """Exchanges ``description`` among ``ranks`` through the job's store: None if
+    every rank's is the same, else every rank's (the same answer on every rank)."""
     store, me = _compat.default_store(), dist.get_rank()
-    key = f"fsdp_compose/structure/{root}/{hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]}/"
+    key = f"fsdp_compose/{what}/{hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]}/"
     timeout = timedelta(seconds=_compat.process_group_timeout(group) or _DEFAULT_TIMEOUT_S)
     store.set(f"{key}{me}", description)
     store.wait([f"{key}{ranks[0]}"], timeout)
@@ -351,15 +369,34 @@ def _compare_through_store(
         store.set(f"{key}done", "1")
     store.wait([f"{key}done"], timeout)
     if store.add(f"{key}differ", 0) == 0:
+        return None
+    return {r: store.get(f"{key}{r}").decode() for r in ranks}
+
+
+# Per (rank, group): the exchanges of all-gather inputs so far (store keys).
+_inputs_checked: dict[tuple[int, tuple[int, ...]], int] = {}
+
+
+def compare_across_ranks(
+    description: str, group: dist.ProcessGroup, describe: Callable[[str, str], str]
+) -> None:
+    """Raises on every rank of ``group`` if the ranks' ``description`` of a unit's
+    all-gather inputs differ (``describe(mine, other)`` says how), before the
+    collective that would hang or mix mismatched data."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    me = dist.get_rank()
+    done = _inputs_checked.get((me, ranks), 0)
+    _inputs_checked[(me, ranks)] = done + 1
+    others = _exchange(f"all_gather_inputs/{done}", ranks, description, group)
+    if others is None:
         return
-    # Slow path, on every rank: find the ranks that differ from the first one.
-    others = {r: store.get(f"{key}{r}").decode() for r in ranks}
-    differ = [r for r in ranks if others[r] != reference]
-    detail = _first_difference(eval_description(reference), eval_description(others[differ[0]]))
+    differ = [r for r in ranks if others[r] != others[ranks[0]]]
     raise RuntimeError(
-        f"fsdp_compose: the ranks of a data-parallel group built different models: ranks "
-        f"{differ} differ from rank {ranks[0]} ({detail}; rank {me} is this one). Every rank "
-        "must build the same model and call fully_shard with the same arguments."
+        f"fsdp_compose: the ranks of a data-parallel group would all-gather different "
+        f"tensors: ranks {differ} differ from rank {ranks[0]} "
+        f"({describe(others[ranks[0]], others[differ[0]])}; rank {me} is this one). "
+        "A subclass's fsdp_pre_all_gather must return the same sizes and dtypes on every "
+        "rank (the padded shard's size where the parameter is sharded unevenly)."
     )
 
 

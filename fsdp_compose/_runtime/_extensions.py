@@ -1,0 +1,262 @@
+"""Parameters whose tensor subclass decides what is all-gathered (FSDP2's extension).
+
+[Note: all-gather extensions]
+A parameter whose local shard defines ``fsdp_pre_all_gather`` and
+``fsdp_post_all_gather`` (torchao's ``NF4Tensor``, float8 training weights) is
+sharded like FSDP2 shards it: a zero chunk of the padded shard size made with
+``new_zeros``, this rank's rows copied into it, and the local shard a ``narrow``
+of it, so the DTensor's local tensor is the subclass. Its unit then gathers per
+parameter, as FSDP2 does, instead of through the flat buffer:
+
+* ``fsdp_pre_all_gather(mesh)`` or ``fsdp_pre_all_gather(mesh, outer_size,
+  outer_stride, module, mp_policy)`` returns the tensors to gather (each of the
+  padded shard's size on an unevenly sharded parameter) and metadata;
+* the inputs of all the unit's parameters are packed into one row (bytes when
+  their dtypes differ) and all-gathered in one collective, then copied into
+  per-parameter all-gather outputs that live as long as the unit;
+* ``fsdp_post_all_gather(outputs, metadata, param_dtype)`` returns the unsharded
+  tensor and the inner tensors to free at reshard; later unshards pass
+  ``out=`` the same unsharded parameter, whose inner tensors are the same
+  outputs (re-allocated, refilled);
+* ``fsdp_should_release_all_gather_outputs_after_post_all_gather()``, if
+  defined and true, frees the outputs right after the rebuild.
+
+Plain parameters of such a unit are gathered the same way, with their shard
+padded and cast to the compute dtype. The ranks compare what they gather at the
+unit's first all-gather (through the job's store), so hooks that disagree
+across ranks raise an error naming the parameter instead of hanging.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from . import _collectives, _compat
+from ._collectives import AllGather, PendingCollective
+from ._events import Events
+from ._policies import MixedPrecisionPolicy
+
+if TYPE_CHECKING:
+    from ._sharded_param import ShardedParam
+
+_RELEASE = "fsdp_should_release_all_gather_outputs_after_post_all_gather"
+
+
+def has_extension(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` defines FSDP2's all-gather extension hooks."""
+    pre = hasattr(tensor, "fsdp_pre_all_gather")
+    post = hasattr(tensor, "fsdp_post_all_gather")
+    if pre != post:
+        raise AssertionError(  # FSDP2's type and wording
+            "Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined "
+            f"if using all-gather extensions: {type(tensor).__name__}"
+        )
+    if hasattr(tensor, _RELEASE) and not pre:
+        raise AssertionError(f"{_RELEASE} requires fsdp_pre_all_gather and fsdp_post_all_gather")
+    return pre
+
+
+def shard_subclass(
+    param: torch.Tensor, rank: int, world: int, padded_shape: torch.Size, device: torch.device
+) -> torch.Tensor:
+    """This rank's dim-0 shard of a subclass parameter, cut with the operations
+    FSDP2 uses (``chunk``, ``new_zeros``, ``narrow`` from row 0, ``copy_``) so the
+    subclass survives (torchao's ``NF4Tensor`` slices from row 0 only)."""
+    with torch.no_grad():
+        param = param.detach()
+        chunks = torch.chunk(param, world, dim=0)
+        chunk = chunks[rank] if rank < len(chunks) else None
+        length = 0 if chunk is None else chunk.size(0)
+        padded = param.new_zeros(padded_shape)
+        if chunk is not None and length and not param.is_meta:
+            padded.narrow(0, 0, length).copy_(chunk)
+        if not param.is_meta and padded.device != device:
+            padded = padded.to(device)
+        return padded.narrow(0, 0, length)
+
+
+class _ParamGather:
+    """One parameter's all-gather inputs' layout, metadata and outputs."""
+
+    def __init__(self, param: ShardedParam) -> None:
+        self.param = param
+        self.extension = has_extension(param.local_shard)
+        self.sizes: list[torch.Size] = []
+        self.dtypes: list[torch.dtype] = []
+        self.metadata: Any = None
+        self.outputs: list[torch.Tensor] = []  # flat, world * input numel each
+        self.inner: list[torch.Tensor] = []  # what fsdp_post_all_gather asked to free
+        self.release = False
+        if self.extension:
+            hook = getattr(param.local_shard, _RELEASE, None)
+            self.release = bool(hook() if callable(hook) else hook)
+
+
+class ExtensionGather:
+    """The per-parameter all-gather of a unit with extension parameters; see
+    [Note: all-gather extensions]. ``param_dtype`` is the policy's; ``world`` the
+    gathering world size."""
+
+    def __init__(self, params: list[ShardedParam], mp_policy: MixedPrecisionPolicy) -> None:
+        self.params = [_ParamGather(p) for p in params]
+        self.mp_policy = mp_policy
+        self.checked = False
+        self.nbytes = 0  # of the last all-gather output
+
+    # -- before the collective ------------------------------------------
+
+    def _inputs(self, pg: _ParamGather, mesh: Any) -> list[torch.Tensor]:
+        p = pg.param
+        if not pg.extension:
+            src = p.local_shard.to(p.device, p.compute_dtype).reshape(-1)
+            padded = src.new_zeros(p.chunk_numel)
+            padded[: src.numel()].copy_(src)
+            pg.sizes, pg.dtypes = [padded.shape], [padded.dtype]
+            return [padded]
+        local: Any = p.local_shard  # a subclass with the extension's hooks
+        if local.device != p.device:
+            local = local.to(p.device, non_blocking=True)
+        n_args = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
+        if n_args == 1:
+            inputs, pg.metadata = local.fsdp_pre_all_gather(mesh)
+        elif n_args == 5:
+            stride = torch.empty(p.orig_size, device="meta").stride()
+            module = p.owners[0][0]
+            inputs, pg.metadata = local.fsdp_pre_all_gather(
+                mesh, p.orig_size, stride, module, self.mp_policy
+            )
+        else:
+            raise AssertionError(  # FSDP2's type
+                f"Invalid fsdp_pre_all_gather of {p.fqn!r}: {inspect.signature(local.fsdp_pre_all_gather)}"
+                "; expects fsdp_pre_all_gather(self, mesh) or fsdp_pre_all_gather(self, mesh, "
+                "outer_size, outer_stride, module, mp_policy)"
+            )
+        pg.sizes = [t.size() for t in inputs]
+        pg.dtypes = [t.dtype for t in inputs]
+        return [t.reshape(-1) for t in inputs]
+
+    def start(
+        self,
+        comm: AllGather,
+        mesh: Any,
+        group: dist.ProcessGroup,
+        rank: int,
+        label: str,
+        events: Events,
+    ) -> tuple[torch.Tensor, PendingCollective]:
+        """Calls the pre-all-gather hooks, packs their inputs into this rank's row
+        and issues the all-gather; returns the output and the pending collective."""
+        world = group.size()
+        if mesh.ndim > 1:  # HSDP: the shard dim's mesh, as FSDP2 passes
+            mesh = mesh[mesh.mesh_dim_names[-1]]
+        inputs = [t for pg in self.params for t in self._inputs(pg, mesh)]
+        if not self.checked:
+            self._check_same_inputs(group, world)
+            self.checked = True
+        dtypes = {t.dtype for t in inputs}
+        dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.uint8
+        pieces = [t.contiguous().view(dtype) if dtype == torch.uint8 else t for t in inputs]
+        row = sum(t.numel() for t in pieces)
+        device = self.params[0].param.device
+        out = _collectives.allocate(comm, world * row, dtype, device, label, "all_gather")
+        send = out.view(world, row)[rank]
+        torch.cat(pieces, out=send)
+        self.nbytes = out.numel() * out.element_size()
+        if world == 1:
+            return out, _collectives.DONE
+        return out, _collectives.all_gather(comm, out, send, group, label, events)
+
+    def _check_same_inputs(self, group: dist.ProcessGroup, world: int) -> None:
+        if world == 1 or _compat.backend_name(group) == "fake":
+            return
+        from ._validation import compare_across_ranks  # imports the unit: import late
+
+        description = repr(
+            [
+                (pg.param.fqn, [tuple(s) for s in pg.sizes], [str(d) for d in pg.dtypes])
+                for pg in self.params
+            ]
+        )
+        compare_across_ranks(description, group, _describe_difference)
+
+    # -- after the collective -------------------------------------------
+
+    def finish(self, out: torch.Tensor, world: int) -> None:
+        """Copies the gathered rows into each parameter's outputs and rebuilds the
+        unsharded parameters (``fsdp_post_all_gather``)."""
+        targets, sizes = [], []
+        for pg in self.params:
+            if not pg.outputs:
+                pg.outputs = [
+                    torch.empty(world * s.numel(), dtype=d, device=out.device)
+                    for s, d in zip(pg.sizes, pg.dtypes)
+                ]
+            for o in pg.outputs:
+                _alloc(o)
+                view = o.view(world, -1)
+                targets.append(view.view(torch.uint8) if out.dtype == torch.uint8 else view)
+                sizes.append(targets[-1].shape[1])
+        version = [t._version for t in targets]
+        torch.split_with_sizes_copy(out.view(world, -1), sizes, dim=1, out=targets)
+        for t, v in zip(targets, version):  # autograd may hold the unsharded views
+            _compat.restore_version(t, v)
+        with torch.no_grad():
+            for pg in self.params:
+                self._post_all_gather(pg)
+
+    def _post_all_gather(self, pg: _ParamGather) -> None:
+        p = pg.param
+        if not pg.extension:
+            if p.unsharded_param is None:
+                full = pg.outputs[0][: p.orig_numel].view(p.orig_size)
+                p.unsharded_param = p.wrap_unsharded(full)
+            return
+        outputs = tuple(o.view(-1, *s[1:]) for o, s in zip(pg.outputs, pg.sizes))
+        dtype = p.compute_dtype
+        local: Any = p.local_shard
+        if p.unsharded_param is None:
+            tensor, pg.inner = local.fsdp_post_all_gather(outputs, pg.metadata, dtype)
+            p.unsharded_param = p.wrap_unsharded(tensor)
+        else:
+            for t in pg.inner:
+                _alloc(t)
+            local.fsdp_post_all_gather(outputs, pg.metadata, dtype, out=p.unsharded_param)
+        pg.metadata = None
+        if pg.release:
+            for o in pg.outputs:
+                _free(o)
+
+    def free(self) -> None:
+        """Frees the outputs and the inner tensors of the unsharded parameters."""
+        for pg in self.params:
+            for t in (*pg.outputs, *pg.inner):
+                _free(t)
+
+
+def _describe_difference(mine: str, other: str) -> str:
+    a, b = ast.literal_eval(mine), ast.literal_eval(other)
+    for (name, sizes, dtypes), (_, other_sizes, other_dtypes) in zip(a, b):
+        if (sizes, dtypes) != (other_sizes, other_dtypes):
+            return (
+                f"parameter {name!r}: fsdp_pre_all_gather returned sizes {sizes} and dtypes "
+                f"{dtypes} on one rank but sizes {other_sizes} and dtypes {other_dtypes} on another"
+            )
+    return "the all-gather inputs differ"
+
+
+def _alloc(tensor: torch.Tensor) -> None:
+    """Re-allocates a freed storage to its full size (``tensor`` may be a view)."""
+    storage = tensor.untyped_storage()
+    if storage.size() == 0:
+        storage.resize_(int(tensor.storage_offset() + tensor.numel()) * tensor.element_size())
+
+
+def _free(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
