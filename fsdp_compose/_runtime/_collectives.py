@@ -29,7 +29,6 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from . import _compat
 from ._events import CollectiveInfo, CollectiveKind, Events
@@ -243,7 +242,7 @@ def launch(
         )
         events.collective("issue", info)  # an observer may refuse it by raising
     on_cpu = output.device.type == "cpu"
-    with record_function(f"fsdp_compose::{kind} ({label})"):
+    with _compat.profiler_label(kind, label):
         try:
             if on_cpu:
                 work = issue()

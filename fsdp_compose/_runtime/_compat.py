@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.profiler import record_function
 
 
 def make_dtensor_spec(
@@ -165,3 +166,14 @@ def process_group_timeout(group: dist.ProcessGroup) -> float | None:
         return float(group._get_backend(device).options._timeout.total_seconds())
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return None
+
+
+_NO_LABEL = contextlib.nullcontext()
+
+
+def profiler_label(what: str, unit: str = "") -> contextlib.AbstractContextManager[Any]:
+    """``record_function("fsdp_compose::{what} ({unit})")`` while torch's profiler runs;
+    otherwise nothing (a label costs a dispatcher call each, on every hook)."""
+    if not torch._C._autograd._profiler_enabled():
+        return _NO_LABEL
+    return record_function(f"fsdp_compose::{what} ({unit})" if unit else f"fsdp_compose::{what}")

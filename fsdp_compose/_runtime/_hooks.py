@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 
 from . import _compat, _env, _shared, _validation
@@ -219,7 +218,7 @@ class UnitState:
             self._nested_forwards += 1
             return self._cast_inputs(args, kwargs)
         self.lazy_init()
-        with record_function(f"fsdp_compose::pre_forward ({self.name})"):
+        with _compat.profiler_label("pre_forward", self.name):
             return self._run_pre_forward(module, args, kwargs)
 
     def _run_pre_forward(
@@ -273,7 +272,7 @@ class UnitState:
         if self._nested_forwards:
             self._nested_forwards -= 1
             return self._cast_output(output)
-        with record_function(f"fsdp_compose::post_forward ({self.name})"):
+        with _compat.profiler_label("post_forward", self.name):
             return self._run_post_forward(module, output)
 
     def _run_post_forward(self, module: nn.Module, output: Any) -> Any:
@@ -358,7 +357,7 @@ class UnitState:
     def _pre_backward(self, grad: torch.Tensor) -> None:
         root, scheduler = self.root_state, self.scheduler
         assert root is not None and scheduler is not None
-        with record_function(f"fsdp_compose::pre_backward ({self.name})"):
+        with _compat.profiler_label("pre_backward", self.name):
             if not root._finalize_queued:
                 root._finalize_queued = True
                 _compat.queue_end_of_backward_callback(root._finalize_backward)
@@ -373,7 +372,7 @@ class UnitState:
     def post_backward(self) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
-        with record_function(f"fsdp_compose::post_backward ({self.name})"):
+        with _compat.profiler_label("post_backward", self.name):
             if self.unit is not None:
                 scheduler.post_backward(*self.own_units)
             if self.borrowed:
@@ -383,7 +382,7 @@ class UnitState:
     def _finalize_backward(self) -> None:
         try:
             assert self.scheduler is not None
-            with record_function("fsdp_compose::finalize_backward"):
+            with _compat.profiler_label("finalize_backward"):
                 self.scheduler.finalize_backward()
         finally:
             self._finalize_queued = False
