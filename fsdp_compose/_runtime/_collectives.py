@@ -70,14 +70,17 @@ class ReduceScatter(Protocol):
     ) -> dist.Work | None: ...
 
 
-def _empty(size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(*size, dtype=dtype, device=device)
+class _DefaultAllocation:
+    """The default comms' buffers: plain ``torch.empty`` (the caching allocator on GPU)."""
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
 
 
-class DefaultAllGather:
+class DefaultAllGather(_DefaultAllocation):
     """torch.distributed's public ``all_gather_into_tensor`` (every backend)."""
-
-    allocate = staticmethod(_empty)
 
     def __call__(
         self,
@@ -90,10 +93,8 @@ class DefaultAllGather:
         return _compat.all_gather_into_tensor(out, inp, group, async_op)
 
 
-class DefaultReduceScatter:
+class DefaultReduceScatter(_DefaultAllocation):
     """torch.distributed's public ``reduce_scatter_tensor`` (every backend)."""
-
-    allocate = staticmethod(_empty)
 
     def __call__(
         self,
@@ -124,7 +125,7 @@ def allocate(
     """A flat buffer of ``numel`` elements from ``comm.allocate``; a custom comm's
     buffer is checked (the error names unit ``label``'s collective ``kind``)."""
     buffer = comm.allocate((numel,), dtype=dtype, device=device)
-    if not isinstance(comm, (DefaultAllGather, DefaultReduceScatter)):
+    if not isinstance(comm, _DefaultAllocation):
         what = f"{label}'s custom {kind.replace('_', '-')}"
         _check_buffer(buffer, numel, dtype, device, what)
     return buffer.view(-1)
