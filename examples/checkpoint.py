@@ -413,7 +413,7 @@ def _parse_args() -> argparse.Namespace:
 def main() -> None:
     from gpt import GPT, PRESETS, loss_fn, make_batch
     from parallelize import apply_fsdp
-    from launch import init_distributed
+    from launch import finish, init_distributed
 
     args = _parse_args()
     rank, world, device = init_distributed()
@@ -454,7 +454,7 @@ def main() -> None:
             if rank == 0:
                 size = sum(e.stat().st_size for e in os.scandir(path))
                 print(f"saved {path} ({size / 2**20:.2f} MiB)", flush=True)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

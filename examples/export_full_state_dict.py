@@ -24,6 +24,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from launch import finish
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from checkpoint import latest_checkpoint, load_checkpoint
@@ -84,7 +85,7 @@ def main() -> None:
         n = sum(p.numel() for p in plain.parameters())
         print(f"exported step {step} ({n / 1e6:.2f}M parameters) to {args.out}: "
               f"{size / 2**20:.2f} MiB; plain model vs sharded logits: max |diff| = {diff:.3g}")
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -41,3 +43,20 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     if use_cuda:
         torch.cuda.set_device(device)
     return rank, world, device
+
+
+def finish() -> None:
+    """Ends the default process group, then gives gloo's worker threads a moment to
+    drop their last references before the interpreter exits.
+
+    A gloo worker marks a collective complete a moment before it releases the tensors
+    it held; if it releases the last reference to a Python-owned tensor while the
+    interpreter is already finalizing, the process aborts with "terminate called
+    without an active exception" (a torch/gloo teardown race any gloo program can hit,
+    rarely). Collecting garbage and yielding the GIL briefly lets such a worker finish
+    while the interpreter is still alive.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    time.sleep(0.1)

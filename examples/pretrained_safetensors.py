@@ -29,6 +29,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
 import torch.distributed as dist
+from launch import finish
 from train_hf import apply_fsdp, build_model, make_batch
 
 from fsdp_compose.safetensors_io import load_safetensors, save_safetensors
@@ -84,7 +85,7 @@ def main() -> None:
             print(f"from_pretrained(export) vs sharded model: max |logits diff| = {diff:.3g}")
             if diff > 1e-5:
                 raise SystemExit("CHECK FAILED: the export does not reproduce the sharded model")
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ def main() -> None:
     import os
 
     import torch.distributed as dist
+    from launch import finish
     from torch.distributed.tensor import distribute_tensor
 
     from fsdp_compose import fully_shard
@@ -120,7 +121,7 @@ def main() -> None:
     )
     if dist.get_rank() == 0:
         print(f"Shampoo on {dist.get_world_size()} ranks vs one process: max |diff| = {worst:.2e}")
-    dist.destroy_process_group()
+    finish()
     if worst > 1e-6 and os.environ.get("FSDP_COMPOSE_EXAMPLE_CHECK", "1") == "1":
         raise SystemExit(1)
 

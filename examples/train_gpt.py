@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compose import ShardedGradScaler, trace
 from gpt import GPT, PRESETS, loss_fn, make_batch
-from launch import init_distributed
+from launch import finish, init_distributed
 from parallelize import apply_fsdp
 
 
@@ -170,7 +170,7 @@ def main() -> None:
             if r["exposed_comm"] is not None:
                 line += f", waited on communication {r['exposed_comm']:.3f}s"
             print(line)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from check import report
 from fsdp_compose import fully_shard
-from launch import init_distributed
+from launch import finish, init_distributed
 
 VOCAB, SEQ, PAD = 128, 32, 4  # PAD: left-padding tokens per sequence
 
@@ -170,7 +170,7 @@ def main() -> None:
             "max parameter diff": worst,
         }
         status = report(measured, show=rank == 0)
-    dist.destroy_process_group()
+    finish()
     raise SystemExit(status)
 
 

@@ -36,7 +36,7 @@ import fsdp_compose
 from check import report
 from fsdp_compose import fully_shard, trace
 from gpt import GPT, PRESETS, loss_fn, make_batch
-from launch import init_distributed
+from launch import finish, init_distributed
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -184,7 +184,7 @@ def main() -> None:
             "max parameter diff": worst.item(),
         }
         status = report(measured, show=rank == 0)
-    dist.destroy_process_group()
+    finish()
     raise SystemExit(status)
 
 

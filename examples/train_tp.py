@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 from check import report
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 from gpt import GPT, PRESETS, loss_fn, make_batch
-from launch import init_distributed
+from launch import finish, init_distributed
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -202,7 +202,7 @@ def main() -> None:
         status = report(measured, dtype=args.mp, show=rank == 0)
     elif rank == 0:
         print(f"done: {args.steps} steps in {elapsed:.1f}s")
-    dist.destroy_process_group()
+    finish()
     raise SystemExit(status)
 
 

@@ -48,6 +48,12 @@ def _worker(rank: int, world_size: int, init_file: str, conn: Any, pg_timeout: f
         except BaseException as exc:  # noqa: BLE001 - report everything to the parent
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
+    # gloo's workers release their last tensors a moment after a collective completes;
+    # let them, before the interpreter finalizes (a rare abort at exit otherwise).
+    import gc
+
+    gc.collect()
+    time.sleep(0.1)
 
 
 class JobFailed(AssertionError):
