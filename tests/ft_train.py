@@ -12,7 +12,9 @@ healed replica picks up the right data). It stops once the step is at least N an
 the last M committed steps had every group taking part. After each committed
 step it records the full parameters, this rank's optimizer shards and the number
 of participating groups; the records go to ``--out`` at the end. With
-``--kill-at``, the process SIGKILLs itself in the middle of that step.
+``--kill-at``, the process SIGKILLs itself in the middle of that step (or the first
+step past it). While some group is missing, each step waits 0.2 s, so that a group
+running alone does not race far ahead (and its records stay small).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -100,8 +103,10 @@ def main() -> None:
     while True:
         ft.optimizer.zero_grad()  # the quorum; a replica that is behind heals here
         step, participants = manager.current_step(), manager.num_participants()
-        if step == args.kill_at:
+        if 0 <= args.kill_at <= step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if participants < args.groups:
+            time.sleep(0.2)  # alone: pace the steps while the other groups (re)join
         x, y = make_batch(TINY, GLOBAL_BATCH, step)
         rows = slice(ft.dp_rank * local, (ft.dp_rank + 1) * local)
         loss_fn(model(x[rows]), y[rows]).backward()

@@ -19,6 +19,7 @@ Every process runs under a deadline and is killed at the end of the test.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -173,3 +174,36 @@ def test_replicas_match_one_process(tmp_path: Path) -> None:
             _assert_same_tree(
                 records[0, r][i]["optim"], records[1, r][i]["optim"], f"optim {i} r{r}"
             )
+
+
+def test_killed_group_heals(tmp_path: Path) -> None:
+    kill_step, steps, together = 3, 8, 3
+    with _job(tmp_path, min_replicas=1, steps=steps, min_together=together) as job:
+        job.start_group(0, 0, kill_at={})
+        job.start_group(1, 0, kill_at={1: kill_step})
+        code = job.wait((1, 0, 1))
+        assert code == -signal.SIGKILL, f"the killed rank exited with {code}\n{job.logs()}"
+        # An elastic launcher restarts the whole group: its other rank is stuck in
+        # the group's collectives with the dead one.
+        job.procs[1, 0, 0].kill()
+        job.wait((1, 0, 0))
+        job.start_group(1, 1, kill_at={})
+        group0 = [job.records(0, 0, r) for r in range(GROUP_SIZE)]
+        group1 = [job.records(1, 1, r) for r in range(GROUP_SIZE)]
+    for r in range(GROUP_SIZE):
+        steps0 = [rec["step"] for rec in group0[r]]
+        assert steps0 == list(range(1, steps0[-1] + 1)), f"group 0 rank {r} skipped steps"
+        alone = [rec["step"] for rec in group0[r] if rec["participants"] == 1]
+        assert any(s > kill_step for s in alone), (
+            f"group 0 committed no step alone after the failure\n{job.logs()}"
+        )
+        by_step = {rec["step"]: rec for rec in group0[r]}
+        healed = group1[r]
+        assert healed[0]["step"] > kill_step, healed[0]["step"]
+        assert healed[-1]["step"] == steps0[-1], (healed[-1]["step"], steps0[-1])
+        assert all(rec["participants"] == GROUPS for rec in healed[-together:])
+        for rec in healed:
+            ref = by_step[rec["step"]]
+            where = f"step {rec['step']} rank {r}"
+            _assert_same_tree(ref["params"], rec["params"], f"params at {where}")
+            _assert_same_tree(ref["optim"], rec["optim"], f"optimizer at {where}")
