@@ -13,7 +13,7 @@ PUBLIC = {
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx",
     "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardedGradScaler", "trace", "debug",
     "PipelineStage", "whole_matrix", "safetensors_io", "auto_wrap", "DataParallelMeshDims",
-    "plan", "enable_sharded_step", "Observer", "CollectiveInfo",
+    "plan", "ft", "enable_sharded_step", "Observer", "CollectiveInfo",
     "AllGather", "ReduceScatter", "DefaultAllGather", "DefaultReduceScatter", "GradientReductionHandle",
 }
 # FSDP2 methods missing from fsdp_compose (none left)

@@ -192,7 +192,11 @@ def test_killed_group_heals(tmp_path: Path) -> None:
         group1 = [job.records(1, 1, r) for r in range(GROUP_SIZE)]
     for r in range(GROUP_SIZE):
         steps0 = [rec["step"] for rec in group0[r]]
-        assert steps0 == list(range(1, steps0[-1] + 1)), f"group 0 rank {r} skipped steps"
+        # At the first quorum both groups are at step 0 and torchft may let either
+        # heal from the other (its first commit is then step 2); after that, group 0
+        # commits every step, through the other group's death and return.
+        assert steps0[0] <= 2, f"group 0 rank {r} started at step {steps0[0]}"
+        assert steps0 == list(range(steps0[0], steps0[-1] + 1)), f"group 0 rank {r} skipped steps"
         alone = [rec["step"] for rec in group0[r] if rec["participants"] == 1]
         assert any(s > kill_step for s in alone), (
             f"group 0 committed no step alone after the failure\n{job.logs()}"
