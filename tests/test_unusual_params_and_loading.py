@@ -1,5 +1,4 @@
-"""Behaviours that used to be wrong (issue 16), each against a single-process
-reference: a mixed-dtype unit reduced in one dtype, complex parameters, a first
+"""Unusual parameters and loading, each against a single-process reference: a mixed-dtype unit reduced in one dtype, complex parameters, a first
 forward under ``torch.inference_mode()``, ``load_state_dict(assign=True)`` after a
 step and into a meta-device model (shards then own their memory)."""
 

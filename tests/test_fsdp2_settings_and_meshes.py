@@ -1,4 +1,4 @@
-"""FSDP2 API gaps real clients hit (issue 21): communication-allocator settings,
+"""FSDP2 settings real clients use: communication-allocator settings,
 FSDP2's exception types, ``dp_mesh_dims`` on a full SPMD mesh."""
 
 from __future__ import annotations
