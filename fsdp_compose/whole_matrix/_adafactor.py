@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from .._runtime import _compat
-from ._agree import DigestCache, check_optimizer_agreement
+from ._agree import DigestCache, Members, add_member, agree_and_prune
 from ._exchange import Layouts, ShardLayout
 from ._muon import PLAN_CACHE_SIZE, _ours
 
@@ -201,8 +201,7 @@ def adafactor_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     if cache is None:
         cache = _caches[optimizer] = _OptimizerCache()
     found: list[tuple[dict[str, Any], DTensor, ShardLayout]] = []
-    # Per shard group: its layout and (group index, position, parameter, has a gradient).
-    members: dict[int, tuple[ShardLayout, list[tuple[int, int, DTensor, bool]]]] = {}
+    members: Members = {}
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             if not _ours(p):
@@ -213,14 +212,10 @@ def adafactor_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
                 if p.grad.is_sparse:
                     raise RuntimeError("Adafactor does not support sparse gradients")
             layout = cache.layouts.of(p, f"Adafactor param_groups[{gi}]['params'][{pi}]")
-            members.setdefault(id(layout.group), (layout, []))[1].append(
-                (gi, pi, p, p.grad is not None)
-            )
+            add_member(members, layout, gi, pi, p)
             if p.grad is not None:
                 found.append((group, p, layout))
-    for layout, items in members.values():
-        check_optimizer_agreement(optimizer, cache.digests, layout, items, "torch.optim.Adafactor")
-    cache.layouts.prune({id(p) for _, items in members.values() for _, _, p, _ in items})
+    agree_and_prune(optimizer, cache.digests, cache.layouts, members, "torch.optim.Adafactor")
     if not found:
         return []
     with torch.no_grad():

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from .._runtime._sharded_param import SHARDED_BY
 
 if TYPE_CHECKING:  # _exchange imports this module
-    from ._exchange import ShardLayout
+    from ._exchange import Layouts, ShardLayout
 
 #: One matrix as the ranks compare it: (position, name, unit label, shape, dtype, has grad).
 Descriptor = tuple[str, str, str, tuple[int, ...], str, bool]
@@ -222,3 +222,27 @@ class RoundOutcomes:
             f"update and applied the others'; {len(self.failed)} matrix(es) failed this step."
         )
         raise error from self.errors.get(i)
+
+
+#: Per shard group (by id): its layout and the (group index, position, parameter,
+#: has a gradient) of every parameter of the optimizer's step on it.
+Members = dict[int, tuple["ShardLayout", list[tuple[int, int, torch.Tensor, bool]]]]
+
+
+def add_member(members: Members, layout: ShardLayout, gi: int, pi: int, p: torch.Tensor) -> None:
+    """Records ``param_groups[gi]['params'][pi]`` under its shard group."""
+    members.setdefault(id(layout.group), (layout, []))[1].append((gi, pi, p, p.grad is not None))
+
+
+def agree_and_prune(
+    optimizer: torch.optim.Optimizer,
+    digests: DigestCache,
+    layouts: Layouts,
+    members: Members,
+    what: str,
+) -> None:
+    """Checks every shard group's agreement (:func:`check_optimizer_agreement`),
+    then drops the layouts of parameters the optimizer no longer holds."""
+    for layout, items in members.values():
+        check_optimizer_agreement(optimizer, digests, layout, items, what)
+    layouts.prune({id(p) for _, items in members.values() for _, _, p, _ in items})

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from .._runtime import _compat
 from .._runtime._sharded_param import SHARDED_BY
-from ._agree import DigestCache, check_optimizer_agreement
+from ._agree import DigestCache, Members, add_member, agree_and_prune
 from ._exchange import BufferPool, ExchangePlan, Layouts, ShardLayout
 
 #: Exchange plans kept per optimizer (least recently used evicted first). A plan
@@ -169,8 +169,7 @@ def muon_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     if cache is None:
         cache = _caches[optimizer] = _OptimizerCache()
     jobs: list[tuple[dict[str, Any], DTensor, ShardLayout]] = []
-    # Per shard group: its layout and (group index, position, parameter, has a gradient).
-    members: dict[int, tuple[ShardLayout, list[tuple[int, int, DTensor, bool]]]] = {}
+    members: Members = {}
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             if not _ours(p) or (p.grad is None and p.ndim != 2):
@@ -180,14 +179,10 @@ def muon_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
                 _check_param(p, what)
                 _check_group(group)
             layout = cache.layouts.of(p, what)
-            members.setdefault(id(layout.group), (layout, []))[1].append(
-                (gi, pi, p, p.grad is not None)
-            )
+            add_member(members, layout, gi, pi, p)
             if p.grad is not None:
                 jobs.append((group, p, layout))
-    for layout, items in members.values():
-        check_optimizer_agreement(optimizer, cache.digests, layout, items, "torch.optim.Muon")
-    cache.layouts.prune({id(p) for _, items in members.values() for _, _, p, _ in items})
+    agree_and_prune(optimizer, cache.digests, cache.layouts, members, "torch.optim.Muon")
     if not jobs:
         return []
 
