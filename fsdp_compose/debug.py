@@ -31,6 +31,10 @@ waits longer than the collective itself would), or for one model in code::
     with debug.collective_checks(model, timeout=30.0):
         train_step()
 
+:func:`check_optimizer` is the other debug aid: warnings at ``optimizer.step()``
+for an optimizer built before ``fully_shard``, a forgotten root annotation, or
+gradient synchronization left off (see [Note: optimizer checks are opt-in warnings]).
+
 Cost: each collective waits for a store round trip with every rank of its group
 (about 0.1-1 ms on one host), and the wait makes communication synchronous with
 the training thread, so overlap is lost. Use it to diagnose, not to train.
@@ -47,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ._optim_checks import check_optimizer
 from ._runtime import _compat, _env
 from ._runtime._errors import CollectiveMismatchError
 from ._runtime._events import CollectiveEvent, CollectiveInfo, Observer
@@ -55,6 +60,7 @@ from ._runtime._fsdp_module import FSDPModule
 __all__ = [
     "CollectiveChecks",
     "CollectiveMismatchError",
+    "check_optimizer",
     "collective_checks",
 ]
 

@@ -159,43 +159,13 @@ def fully_shard(
     borrowed = _shared.collect_borrowed(
         managed_modules, ignored, mesh_info, mp_policy, offload_policy
     )
-    device = mesh_info.device
-    offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
-    host = torch.device("cpu") if offload else None
-    pin = offload and getattr(offload_policy, "pin_memory", False)
-
-    unit_label = _validation.describe(modules)
-    sharded: list[ShardedParam] = []
-    # One unit per data-parallel mesh, see [Note: per-parameter meshes].
-    groups: dict[MeshInfo, list[ShardedParam]] = {mesh_info: []}
-    meshes = {
-        None: mesh_info,
-        (id(mesh_info.shard_group), id(mesh_info.replicate_group)): mesh_info,
-    }
-    for param, param_owners in owners.items():
-        shard_dim, param_mesh_info = _placement(shard_placement_fn, param, param_owners, meshes)
-        sharded_param = ShardedParam(
-            param, param_owners, param_mesh_info, shard_dim, device, host, pin
-        )
-        sharded.append(sharded_param)
-        groups.setdefault(param_mesh_info, []).append(sharded_param)
-    units = [
-        Unit(
-            group,
-            modules,
-            info,
-            reshard
-            if info is mesh_info
-            else validate_reshard_after_forward(reshard_after_forward, info.shard_size),
-            mp_policy,
-            offload_policy,
-        )
-        for info, group in groups.items()
-        if group
-    ]
+    units, sharded = _build_units(
+        modules, owners, mesh_info, reshard, reshard_after_forward, policies
+    )
     unit_of = {id(p): u for u in units for p in u.params}
     # Validated: from here on the module changes.
-    _move_buffers(managed_modules, device)
+    unit_label = _validation.describe(modules)
+    _move_buffers(managed_modules, mesh_info.device)
     for param in ignored & set(_all_params(managed_modules)):
         setattr(param, IGNORED_BY, unit_label)  # left plain on purpose, not forgotten
     for param, sharded_param in zip(owners, sharded):
@@ -223,6 +193,51 @@ def fully_shard(
             _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", bases, attrs)
         m.__class__ = _fsdp_classes[cls]
     return module
+
+
+def _build_units(
+    modules: tuple[nn.Module, ...],
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]],
+    mesh_info: MeshInfo,
+    reshard: bool | int,
+    reshard_after_forward: bool | int | None,
+    policies: tuple[MixedPrecisionPolicy, OffloadPolicy, Any],
+) -> tuple[list[Unit], list[ShardedParam]]:
+    """The call's sharded parameters (in ``owners``' order) and its units: one per
+    data-parallel mesh, see [Note: per-parameter meshes]. Nothing is installed."""
+    mp_policy, offload_policy, shard_placement_fn = policies
+    device = mesh_info.device
+    offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
+    host = torch.device("cpu") if offload else None
+    pin = offload and getattr(offload_policy, "pin_memory", False)
+    sharded: list[ShardedParam] = []
+    groups: dict[MeshInfo, list[ShardedParam]] = {mesh_info: []}
+    meshes = {
+        None: mesh_info,
+        (id(mesh_info.shard_group), id(mesh_info.replicate_group)): mesh_info,
+    }
+    for param, param_owners in owners.items():
+        shard_dim, param_mesh_info = _placement(shard_placement_fn, param, param_owners, meshes)
+        sharded_param = ShardedParam(
+            param, param_owners, param_mesh_info, shard_dim, device, host, pin
+        )
+        sharded.append(sharded_param)
+        groups.setdefault(param_mesh_info, []).append(sharded_param)
+    units = [
+        Unit(
+            group,
+            modules,
+            info,
+            reshard
+            if info is mesh_info
+            else validate_reshard_after_forward(reshard_after_forward, info.shard_size),
+            mp_policy,
+            offload_policy,
+        )
+        for info, group in groups.items()
+        if group
+    ]
+    return units, sharded
 
 
 def _validate_modules(module: object) -> tuple[nn.Module, ...]:

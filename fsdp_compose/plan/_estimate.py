@@ -22,13 +22,12 @@ parameter), with ``W`` the shard group size:
   unsharded gradients (compute dtype) live from its backward until they are
   packed for the reduce-scatter. At ``W = 1`` without casts or offload the
   unsharded parameters alias the shards and cost nothing.
-* **activations**: the bytes autograd saves, per unit, as measured on the meta
-  device (``[Note: activations from saved tensors]``), freed unit by unit in
-  backward; with activation checkpointing a unit keeps only its inputs and
-  recomputes the rest while its backward runs. While a unit's backward runs it
-  also holds gradients of its activations, taken as its largest saved tensor;
-  at the start of backward the loss gradient (the size of the largest tensor the
-  root saved, typically the logits) is added.
+* **activations**: every storage the step allocates on the meta device
+  (activations, temporaries, the loss and its gradient), at the moment it is
+  allocated and freed: the profile's allocation trace, replayed with the
+  buffers above ([Note: replaying the trace]). With activation checkpointing a
+  unit keeps only its output after forward and recomputes the rest when its
+  backward starts.
 * **comm_buffers**: the reduce-scatter input (``W * row``) and output (``row``)
   in the reduce dtype; fsdp_compose completes one unit's reduce-scatter before
   packing the next, so at most one is alive besides the one being packed.
@@ -62,6 +61,7 @@ from .._runtime._mesh import validate_reshard_after_forward
 from .._runtime._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 from ._profile import ROOT, ModelProfile, ModuleProfile, StepFn, default_step, profile_model
+from ._replay import simulate
 from ._units import format_bytes, parse_bytes
 
 logger = logging.getLogger("fsdp_compose")
@@ -155,11 +155,11 @@ class _Unit:
     profile: ModuleProfile
     reshard: bool | int
     checkpoint: bool
+    fqns: list[str] = field(default_factory=list)  # the modules it is made of
     sharded: int = 0  # params, own dtype, padded
     grads: int = 0
     opt: int = 0
     unsharded: int = 0  # all-gather buffer, compute dtype
-    unsharded_grads: int = 0
     rs_buffers: int = 0
     reduce_row: int = 0  # reduce-scatter output (reduce dtype); 0 when aliased
     numel: int = 0
@@ -299,7 +299,7 @@ def estimate(
     if offload and device == "cuda":
         host = sum(per_unit_states.values())
         per_unit_states = dict.fromkeys(per_unit_states, 0)
-    peak, at, terms = _simulate(units, profile, plan.prefetch_depth)
+    peak, at, terms = simulate(units, profile, plan.prefetch_depth)
     owner = _muon_owner_bytes(units) if optimizer == "muon" else 0
     if owner > peak:
         peak, at = owner, "optimizer step (Muon owner)"
@@ -381,6 +381,7 @@ def _build_units(
         up = by_module[fqn]
         if up in seen_units:
             _merge(seen_units[up], profile.modules[fqn])
+            seen_units[up].fqns.append(fqn)
             continue
         reshard: bool | int = (
             up.reshard_after_forward if up.reshard_after_forward is not None else fqn != ROOT
@@ -388,7 +389,7 @@ def _build_units(
         # fsdp_compose's own normalisation: 1 -> False, the shard size -> True,
         # an int that does not divide the shard group is an error.
         reshard = validate_reshard_after_forward(reshard, shard)
-        unit = _Unit(up.name, ModuleProfile(fqn), reshard, up.checkpoint)
+        unit = _Unit(up.name, ModuleProfile(fqn), reshard, up.checkpoint, [fqn])
         _merge(unit, profile.modules[fqn])
         seen_units[up] = unit
         out.append(unit)
@@ -402,7 +403,6 @@ def _merge(unit: _Unit, prof: ModuleProfile) -> None:
     p.params.extend(prof.params)
     p.saved_bytes += prof.saved_bytes
     p.input_bytes += prof.input_bytes
-    p.largest_saved = max(p.largest_saved, prof.largest_saved)
     p.flops += prof.flops
 
 
@@ -437,10 +437,8 @@ def _size(
             u.opt += states * n * p.dtype.itemsize
             reduce = mp.reduce_dtype or compute
             reduce_row += n * reduce.itemsize
-            u.unsharded_grads += p.numel * compute.itemsize
     if alias:
         u.unsharded = 0
-        u.unsharded_grads = 0
         u.rs_buffers = 0
     else:
         u.unsharded = shard * row_bytes
@@ -457,79 +455,6 @@ def _size(
         u.reduce_send = round(frac * shard * reduce_row)
     if replicate > 1:
         u.reduce_send += round(2 * (replicate - 1) / replicate * reduce_row)
-
-
-def _simulate(
-    units: list[_Unit], profile: ModelProfile, depth: int
-) -> tuple[int, str, dict[str, int]]:
-    """Walks one step; returns (peak of the transient terms, where, terms at the peak)."""
-    root, blocks = units[0], units[1:]
-    best: tuple[int, str, dict[str, int]] = (-1, "", {})
-    held: dict[str, int] = {}  # unit name -> unsharded param bytes it holds
-    state = {"unsharded": 0, "activations": 0, "comm_buffers": 0}
-
-    def total_unsharded() -> int:
-        return sum(held.values())
-
-    def mark(where: str, extra_act: int = 0, extra_unsh: int = 0, extra_comm: int = 0) -> None:
-        nonlocal best
-        terms = {
-            "unsharded": total_unsharded() + state["unsharded"] + extra_unsh,
-            "activations": state["activations"] + extra_act,
-            "comm_buffers": state["comm_buffers"] + extra_comm,
-        }
-        total = sum(terms.values())
-        if total > best[0]:
-            best = (total, where, terms)
-
-    def gather(u: _Unit) -> None:
-        held[u.name] = u.unsharded
-
-    # forward
-    gather(root)
-    for u in blocks[:depth]:
-        gather(u)
-    state["activations"] += profile.root_before
-    mark("forward, start")
-    for i, u in enumerate(blocks):
-        gather(u)
-        for nxt in blocks[i + 1 : i + 1 + depth]:
-            gather(nxt)
-        mark(f"forward {u.name}", extra_act=u.profile.saved_bytes)  # also AC runs it fully
-        state["activations"] += u.saved
-        held[u.name] = u.kept_after_forward()
-    state["activations"] += profile.root_after
-    mark("end of forward")
-
-    # backward: the loss gradient first, then the root's own backward (its
-    # gradients), then the units in reverse.
-    state["unsharded"] += root.unsharded_grads
-    mark("backward, loss", extra_act=profile.loss_grad_bytes)
-    state["activations"] -= profile.root_after
-    pending = 0  # reduce-scatter buffers in flight
-    rev = list(reversed(blocks))
-    for i, u in enumerate(rev):
-        gather(u)
-        for prev in rev[i + 1 : i + 1 + depth]:
-            if held.get(prev.name, 0) < prev.unsharded:
-                gather(prev)
-        recompute = u.profile.saved_bytes if u.checkpoint else 0
-        working = u.profile.largest_saved * 2  # incoming and outgoing activation gradients
-        mark(
-            f"backward {u.name}",
-            extra_act=recompute + working,
-            extra_unsh=u.unsharded_grads,
-            extra_comm=pending,
-        )
-        state["activations"] -= u.saved
-        held[u.name] = 0  # reshard after backward: before the reduction allocates
-        # pack this unit's gradients while the previous reduction completes
-        mark(f"reduce {u.name}", extra_unsh=u.unsharded_grads, extra_comm=u.rs_buffers)
-        pending = u.rs_buffers
-    state["activations"] -= profile.root_before
-    mark("backward, root", extra_comm=pending)
-    mark("reduce root", extra_comm=root.rs_buffers + pending)
-    return best[0], best[1], best[2]
 
 
 def _muon_owner_bytes(units: list[_Unit]) -> int:

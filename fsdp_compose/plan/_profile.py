@@ -9,9 +9,11 @@ plan may make a unit:
 * the bytes autograd saves for backward while it runs (its activations), in
   execution order, parameters excluded;
 * the bytes of its forward inputs (what activation checkpointing keeps instead);
-* its largest saved tensor (a stand-in for the gradient tensors backward holds
-  while it computes through the module);
-* its forward + backward FLOPs (``torch.utils.flop_counter``).
+* its forward + backward FLOPs (``torch.utils.flop_counter``);
+
+and, for the whole step, the allocation trace: every storage allocated and freed,
+in order, with the units' boundaries ([Note: the allocation trace]), which the
+estimate replays.
 
 [Note: activations from saved tensors]
 The memory a training step holds for activations is the set of tensors autograd
@@ -72,7 +74,6 @@ class ModuleProfile:
     params: list[ParamInfo] = field(default_factory=list)
     saved_bytes: int = 0
     input_bytes: int = 0
-    largest_saved: int = 0
     flops: float = 0.0
 
 
@@ -82,9 +83,6 @@ class ModelProfile:
 
     modules: dict[str, ModuleProfile]
     forward_order: list[str]  # module fqns in the order their forwards ran
-    root_before: int  # root-owned saved bytes before the first unit ran
-    root_after: int  # root-owned saved bytes after the last unit (head, loss)
-    loss_grad_bytes: int  # gradient of the largest root tensor (e.g. logits)
     #: the step's storage allocations and frees, with unit boundaries
     #: (``[Note: the allocation trace]``)
     events: list[tuple[Any, ...]] = field(default_factory=list)
@@ -128,17 +126,64 @@ def profile_model(
         step_fn: runs the forward and returns the loss.
     """
     named = dict(model.named_modules())
-    profiles = {fqn: ModuleProfile(fqn) for fqn in [*unit_modules, ROOT]}
-    seen: set[int] = set()
-    for fqn in [*unit_modules, ROOT]:
+    candidates = [*unit_modules, ROOT]
+    profiles = {fqn: ModuleProfile(fqn) for fqn in candidates}
+    owner_of: dict[int, str] = {}  # which unit candidate manages each parameter
+    for fqn in candidates:
         for p in named[fqn].parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            profiles[fqn].params.append(ParamInfo(tuple(p.shape), p.dtype, p.requires_grad))
+            if id(p) not in owner_of:
+                owner_of[id(p)] = fqn
+                profiles[fqn].params.append(ParamInfo(tuple(p.shape), p.dtype, p.requires_grad))
+    substitutes = _substitutes(model, compute_dtype)
+    param_storages = {
+        substitutes[name].untyped_storage()._cdata for name, _ in model.named_parameters()
+    }
+    # the parameters' and buffers' storages exist before the step: not allocations
+    trace = _AllocTrace({t.untyped_storage()._cdata for t in substitutes.values()})
+    for name, p in model.named_parameters():
+        if substitutes[name].requires_grad:
+            substitutes[name].register_post_accumulate_grad_hook(trace.grad_hook(owner_of[id(p)]))
 
-    # Substitute fresh meta tensors (in the compute dtype) for the parameters:
-    # backward then fills *their* .grad, and the model stays untouched.
+    stack: list[str] = [ROOT]
+    order: list[str] = []
+    counted: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in param_storages and key not in counted:
+            counted.add(key)
+            nbytes = t.untyped_storage().nbytes()
+            profiles[stack[-1]].saved_bytes += nbytes
+        return t
+
+    handles = _boundary_hooks(named, unit_modules, profiles, trace, stack, order)
+    flops = FlopCounterMode(display=False, custom_mapping=_attention_flop_formulas())
+    try:
+        with flops, torch.device("meta"), _FusedAttention(), trace:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                step = _Step(model, step_fn, batch, seq)
+                loss = torch.func.functional_call(
+                    step, {f"model.{k}": v for k, v in substitutes.items()}, (), strict=False
+                )
+            trace.events.append(("loss", ROOT))
+            if loss.requires_grad:
+                loss.backward()
+    finally:
+        trace.stop()
+        for h in handles:
+            h.remove()
+    _assign_flops(flops.get_flop_counts(), unit_modules, profiles)
+    return ModelProfile(
+        modules=profiles,
+        forward_order=list(dict.fromkeys(order)),
+        events=trace.events,
+    )
+
+
+def _substitutes(model: nn.Module, compute_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Fresh meta tensors (in the compute dtype) for the parameters, so that backward
+    fills *their* ``.grad`` and the model stays untouched; the buffers on meta too,
+    so that a materialized model profiles as well."""
     substitutes: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():  # tied weights: one entry, functional_call re-ties
         dtype = (
@@ -147,41 +192,21 @@ def profile_model(
         substitutes[name] = torch.empty(p.shape, dtype=dtype, device="meta").requires_grad_(
             p.requires_grad
         )
-    param_storages = {t.untyped_storage()._cdata for t in substitutes.values()}
-    # Buffers go to the meta device as well, so a materialized model profiles too.
     for name, b in model.named_buffers():
         substitutes[name] = b.to("meta")
+    return substitutes
 
-    # which unit candidate manages each substitute (for the allocation trace)
-    owner_of: dict[int, str] = {}
-    for fqn in [*unit_modules, ROOT]:
-        for p in named[fqn].parameters():
-            owner_of.setdefault(id(p), fqn)
-    # the parameters' and buffers' storages exist before the step: not allocations
-    trace = _AllocTrace({t.untyped_storage()._cdata for t in substitutes.values()})
-    for name, p in model.named_parameters():
-        sub = substitutes[name]
-        if sub.requires_grad:
-            sub.register_post_accumulate_grad_hook(trace.grad_hook(owner_of[id(p)]))
 
-    stack: list[str] = [ROOT]
-    order: list[str] = []
-    segments: list[tuple[str, int]] = []
-    counted: set[int] = set()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key in param_storages or key in counted:
-            return t
-        counted.add(key)
-        owner = stack[-1]
-        nbytes = storage.nbytes()
-        prof = profiles[owner]
-        prof.saved_bytes += nbytes
-        prof.largest_saved = max(prof.largest_saved, nbytes)
-        segments.append((owner, nbytes))
-        return t
+def _boundary_hooks(
+    named: dict[str, nn.Module],
+    unit_modules: Sequence[str],
+    profiles: dict[str, ModuleProfile],
+    trace: _AllocTrace,
+    stack: list[str],
+    order: list[str],
+) -> list[Any]:
+    """Forward hooks marking each unit candidate's forward in the trace (and its
+    backward, through its outputs); they keep ``stack`` (who saves) and ``order``."""
 
     def pre_hook(fqn: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -210,50 +235,25 @@ def profile_model(
         handles.append(
             named[fqn].register_forward_hook(post_hook(fqn), with_kwargs=True, always_call=True)
         )
-    flops = FlopCounterMode(display=False, custom_mapping=_attention_flop_formulas())
-    try:
-        with flops, torch.device("meta"), _FusedAttention(), trace:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                step = _Step(model, step_fn, batch, seq)
-                loss = torch.func.functional_call(
-                    step, {f"model.{k}": v for k, v in substitutes.items()}, (), strict=False
-                )
-            trace.events.append(("loss", ROOT))
-            if loss.requires_grad:
-                loss.backward()
-    finally:
-        trace.stop()
-        for h in handles:
-            h.remove()
+    return handles
 
-    counts = flops.get_flop_counts()
+
+def _assign_flops(
+    counts: dict[str, Any], unit_modules: Sequence[str], profiles: dict[str, ModuleProfile]
+) -> None:
+    """Each unit candidate's own FLOPs (units nest: a unit's exclude those of units
+    inside it); the root gets the rest."""
     prefix = "_Step.model"  # FlopCounterMode names modules by class and fqn from the top
     total = float(sum(counts.get("Global", {}).values()))
-    inner = 0.0
     for fqn in unit_modules:
-        f = float(sum(counts.get(f"{prefix}.{fqn}", {}).values()))
-        profiles[fqn].flops = f
-    # Units nest: a unit's own FLOPs exclude those of units inside it.
+        profiles[fqn].flops = float(sum(counts.get(f"{prefix}.{fqn}", {}).values()))
+    inner = 0.0
     for fqn in unit_modules:
         for other in unit_modules:
             if other != fqn and other.startswith(fqn + "."):
                 profiles[fqn].flops -= profiles[other].flops
         inner += profiles[fqn].flops
     profiles[ROOT].flops = max(0.0, total - inner)
-
-    first = next((i for i, (owner, _) in enumerate(segments) if owner != ROOT), len(segments))
-    last = max((i for i, (owner, _) in enumerate(segments) if owner != ROOT), default=-1)
-    root_before = sum(b for owner, b in segments[:first] if owner == ROOT)
-    root_after = sum(b for i, (owner, b) in enumerate(segments) if owner == ROOT and i > last)
-    return ModelProfile(
-        modules=profiles,
-        forward_order=[f for i, f in enumerate(order) if f not in order[:i]],
-        root_before=root_before,
-        root_after=root_after
-        + sum(b for i, (owner, b) in enumerate(segments) if owner == ROOT and first <= i <= last),
-        loss_grad_bytes=profiles[ROOT].largest_saved,
-        events=trace.events,
-    )
 
 
 class _AllocTrace(TorchDispatchMode):
