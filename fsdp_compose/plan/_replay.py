@@ -60,6 +60,7 @@ class _Replay:
         self.next_key = 0  # the trace numbers its storages in allocation order
         self.held: dict[str, int] = {}
         self.live: dict[int, int] = {}  # trace storage -> bytes
+        self.live_bytes = 0  # their sum
         self.grads: dict[str, set[int]] = {}  # unit name -> its live gradient storages
         self.grad_bytes = 0
         self.pending = 0  # the reduce-scatter in flight
@@ -73,7 +74,7 @@ class _Replay:
     def mark(self, extra_comm: int = 0) -> None:
         terms = {
             "unsharded": sum(self.held.values()) + self.grad_bytes,
-            "activations": sum(self.live.values()) - self.grad_bytes,
+            "activations": self.live_bytes - self.grad_bytes,
             "comm_buffers": self.pending + extra_comm,
         }
         total = sum(terms.values())
@@ -89,6 +90,7 @@ class _Replay:
         kind = event[0]
         if kind == "a":
             self.live[event[1]] = event[2]
+            self.live_bytes += event[2]
             self.next_key = event[1] + 1
             self.mark()
         elif kind == "f":
@@ -106,6 +108,7 @@ class _Replay:
 
     def _free(self, key: int) -> None:
         nbytes = self.live.pop(key, 0)
+        self.live_bytes -= nbytes
         for keys in self.grads.values():
             if key in keys:
                 keys.discard(key)
@@ -123,6 +126,7 @@ class _Replay:
         if u.checkpoint:  # keep only the output (the unit's newest live storage)
             mine = sorted(k for k in self.live if k >= self.begun.get(u.name, 0))
             self.stash[u.name] = {k: self.live.pop(k) for k in mine[:-1]}
+            self.live_bytes -= sum(self.stash[u.name].values())
 
     def _pre_backward(self, u: UnitBuffers) -> None:
         self.finish_backward(u)
@@ -132,7 +136,9 @@ class _Replay:
             i = self.index[id(u)]
             for prev in reversed(self.forward[max(0, i - self.depth) : i]):
                 self.held[prev.name] = max(self.held.get(prev.name, 0), prev.unsharded)
-        self.live.update(self.stash.pop(u.name, {}))  # recomputation
+        recomputed = self.stash.pop(u.name, {})
+        self.live.update(recomputed)
+        self.live_bytes += sum(recomputed.values())
         self.mark()
 
     def finish_backward(self, nxt: UnitBuffers | None) -> None:
