@@ -16,7 +16,11 @@ and a rank still reading it then fails with ``DistNetworkError`` instead)::
       rank 1 issued all_gather for blocks.1 (4160 x float32, step 3)
 
 and a rank that stops issuing collectives makes the others raise after
-``timeout`` seconds, naming the ranks they waited for.
+``timeout`` seconds, naming the ranks they waited for. A reduce-scatter's
+fingerprint also lists the unit's parameters that got no gradient on the rank
+(the reduce-scatter leaves them out, as FSDP2's does), so ranks that disagree on
+them (an MoE expert that got tokens on some ranks only) raise, naming the
+parameters, even where the sizes happen to match.
 
 It works the same on every backend (gloo, NCCL, ...): the fingerprints go
 through the store, never through the collectives, so the collectives issued are
@@ -54,8 +58,9 @@ import torch.nn as nn
 from ._optim_checks import check_optimizer
 from ._runtime import _compat, _env
 from ._runtime._errors import CollectiveMismatchError
-from ._runtime._events import CollectiveEvent, CollectiveInfo, Observer
+from ._runtime._events import CollectiveEvent, CollectiveInfo, Observer, UnitEvent
 from ._runtime._fsdp_module import FSDPModule
+from ._runtime._unit import Unit
 
 __all__ = [
     "CollectiveChecks",
@@ -84,10 +89,26 @@ class CollectiveChecks(Observer):
     def __init__(self, timeout: float | None = None) -> None:
         self.timeout = _env.debug_timeout() if timeout is None else timeout
         self._delete_supported = True
+        self._no_grad: dict[str, list[str]] = {}  # unit name -> its parameters without one
+
+    def on_unit(self, event: UnitEvent, unit: Unit) -> None:
+        # Recorded when the unit's backward is done, just before its reduction
+        # takes the gradients (see the module's docstring).
+        if event == "backward_end" and not unit.reduce_scatter_unused_params:
+            self._no_grad[unit.name] = [
+                p.fqn
+                for p in unit.trainable_params
+                if p.accumulated_grad is None
+                and (p.unsharded_param is None or p.unsharded_param.grad is None)
+            ]
 
     def on_collective(self, event: CollectiveEvent, info: CollectiveInfo) -> None:
         if event == "issue":
-            self._check(info.kind, info.label, info.group, info.input_numel, info.dtype, info.step)
+            no_grad = self._no_grad.pop(info.label, None) if info.kind == "reduce_scatter" else None
+            detail = f", no gradient here: {no_grad}" if no_grad else ""
+            self._check(
+                info.kind, info.label, info.group, info.input_numel, info.dtype, info.step, detail
+            )
 
     def _check(
         self,
@@ -97,6 +118,7 @@ class CollectiveChecks(Observer):
         numel: int,
         dtype: torch.dtype,
         step: int,
+        detail: str = "",
     ) -> None:
         ranks = tuple(dist.get_process_group_ranks(group))
         # Numbered per group across every root of this process: the store keys of
@@ -107,7 +129,8 @@ class CollectiveChecks(Observer):
         store = _compat.default_store()
         group_key = "-".join(map(str, ranks))
         prefix = f"fsdp_compose/fingerprint/{group_key}/{seq}/"
-        mine = f"{kind} for {label} ({numel} x {str(dtype).replace('torch.', '')}, step {step})"
+        dtype_name = str(dtype).replace("torch.", "")
+        mine = f"{kind} for {label} ({numel} x {dtype_name}, step {step}{detail})"
         store.set(prefix + str(me), mine)
         others = [r for r in ranks if r != me]
         timeout = self.timeout
@@ -133,11 +156,18 @@ class CollectiveChecks(Observer):
                 self._delete_supported = False
         if len(set(seen.values())) > 1:
             lines = "\n".join(f"  rank {r} issued {seen[r]}" for r in sorted(seen))
-            raise CollectiveMismatchError(
-                f"fsdp_compose collective mismatch on group {list(ranks)} (collective #{seq}):\n"
-                f"{lines}\nThe ranks ran different units or a different number of steps (e.g. a "
+            hint = (
+                "Parameters of one unit have gradients on some ranks only (e.g. an MoE expert "
+                "that got no tokens on some ranks): call set_reduce_scatter_unused_params(True) "
+                "on the model, so that every rank reduces them (zeros where unused)."
+                if any("no gradient here" in v for v in seen.values())
+                else "The ranks ran different units or a different number of steps (e.g. a "
                 "data-dependent branch taken on some ranks only). Every rank must run the same "
                 "fully_shard units in the same order."
+            )
+            raise CollectiveMismatchError(
+                f"fsdp_compose collective mismatch on group {list(ranks)} (collective #{seq}):\n"
+                f"{lines}\n{hint}"
             )
 
 

@@ -609,3 +609,50 @@ def test_shared_transformers_llama_tied() -> None:
         assert r["counts"][("all_gather", "model.embed_tokens")] == 2, r["counts"]
         assert r["counts"][("reduce_scatter", "model.embed_tokens")] == 1, r["counts"]
         assert r["generate_same"], r
+
+
+def _ignored_in_earlier_unit_job() -> dict:
+    """A tied weight in the ignored_params of the unit that meets it first."""
+
+    def tied_pair() -> nn.Sequential:
+        m = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+        m[1].weight = m[0].weight
+        return m
+
+    out: dict = {}
+    for later in ("root", "sibling"):
+        m = tied_pair()
+        w = m[0].weight
+        fully_shard(m[0], ignored_params={w})
+        try:
+            fully_shard(m if later == "root" else m[1])
+            out[later] = "no error"
+        except ValueError as exc:
+            out[later] = str(exc)
+        # refused before anything changed: still one plain parameter
+        out[f"{later}_untouched"] = m[1].weight is w and type(w) is nn.Parameter
+    # Ignored in every call that meets it: one plain, tied parameter that trains.
+    m = tied_pair()
+    w = m[0].weight
+    fully_shard(m[0], ignored_params={w})
+    fully_shard(m, ignored_params={w})
+    m(torch.arange(3)).sum().backward()
+    out["ignored_in_both"] = m[1].weight is m[0].weight is w and w.grad is not None
+    return out
+
+
+def test_tied_weight_ignored_by_an_earlier_unit_is_refused() -> None:
+    """Sharding a tied weight that an earlier unit left unsharded (ignored_params)
+    would untie it: the later call raises, naming both calls and both fixes,
+    and changes nothing. Ignoring it in every call keeps it tied."""
+    from dist_utils import run_distributed
+
+    for r in run_distributed(_ignored_in_earlier_unit_job, 2):
+        for later, target in (("root", "Sequential"), ("sibling", "Linear")):
+            message = r[later]
+            assert "ignored_params of fully_shard(Embedding)" in message, message
+            assert f"fully_shard({target}) finds it again" in message, message
+            assert "Pass it in ignored_params here too" in message, message
+            assert "remove it from the ignored_params of fully_shard(Embedding)" in message
+            assert r[f"{later}_untouched"], r
+        assert r["ignored_in_both"], r

@@ -38,8 +38,8 @@ def _pg_usable() -> bool:
 def _muon_disagreement_job(case: str, optim: str = "Muon") -> dict:
     rank = dist.get_rank()
     model = _square_model()
-    if case == "order_named":  # the same shapes, another order on rank 1
-        named = list(model.named_parameters())
+    if case in ("order_named", "order"):  # the same shapes, another order on rank 1
+        named = list(model.named_parameters() if case == "order_named" else model.parameters())
         params = named[::-1] if rank == 1 else named
     elif case == "shapes":  # rank 1 forgets a matrix: the shapes no longer line up
         params = list(model.parameters())[: 3 if rank == 1 else 4]
@@ -76,20 +76,28 @@ def _muon_disagreement_job(case: str, optim: str = "Muon") -> dict:
 
 @pytest.mark.parametrize(
     "case,optim",
-    [("order_named", "Muon"), ("shapes", "Muon"), ("grads", "Muon"), ("grads", "Adafactor")],
+    [
+        ("order_named", "Muon"),
+        ("order", "Muon"),
+        ("order", "Adafactor"),
+        ("shapes", "Muon"),
+        ("grads", "Muon"),
+        ("grads", "Adafactor"),
+    ],
 )
 def test_optimizer_ranks_disagreeing_on_matrices_raise_on_every_rank(case: str, optim: str) -> None:
     """Ranks whose Muon (or Adafactor) holds other matrices (order, shapes, which
     have gradients) raise the same error naming the first differing matrix before
     any data moves, within seconds; nothing is updated and the process group
-    stays usable."""
+    stays usable. Matrices of one shape in another order are named even for an
+    optimizer built from model.parameters() (the runtime's names for them)."""
     results = run_distributed(_muon_disagreement_job, 2, case, optim)
     assert results[0]["error"] == results[1]["error"], results
     for r in results:
         assert "disagree" in r["error"] and "at matrix" in r["error"], r
         assert r["fast"] and r["unchanged"] and r["pg_usable"], r
         assert r["steps"] == (2 if case == "grads" else 0), r
-    if case == "order_named":
+    if case in ("order_named", "order"):
         assert "'0.weight'" in results[0]["error"] and "'3.weight'" in results[0]["error"]
     if case == "grads":
         assert "without a gradient" in results[0]["error"]
@@ -353,3 +361,167 @@ def test_map_full_matrices_with_other_shapes_on_one_rank_raises_everywhere() -> 
     for r in results:
         assert "matrices[0]" in r["error"] and "(6, 8)" in r["error"], r
         assert r["fast"] and r["usable"], r
+
+
+def _load_fails_on_one_rank_job(tmp: str, case: str) -> dict:
+    import safetensors.torch as st
+
+    from fsdp_compose.safetensors_io import _load, load_safetensors
+
+    rank = dist.get_rank()
+    model = _square_model(n=2)
+    good = os.path.join(tmp, f"good{rank}.safetensors")
+    values = {f"{i}.weight": torch.full((8, 8), float(i + 1)) for i in range(2)}
+    st.save_file(values, good)
+    path = good
+    if case == "corrupt" and rank == 1:  # rank 1's copy is not a safetensors file
+        path = os.path.join(tmp, "corrupt.safetensors")
+        with open(path, "wb") as f:
+            f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    checked = _load.read_headers
+    if case == "replaced" and rank == 1:  # replaced after its headers were checked
+
+        def read_then_replace(p: object) -> object:
+            entries = checked(p)
+            st.save_file({k: torch.zeros(1, 8) for k in values}, good)
+            return entries
+
+        _load.read_headers = read_then_replace  # type: ignore[assignment]
+    before = [p.detach().to_local().clone() for p in model.parameters()]
+    start = time.monotonic()
+    try:
+        load_safetensors(model, path)
+        error = ""
+    except (ValueError, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        _load.read_headers = checked  # type: ignore[assignment]
+    elapsed = time.monotonic() - start
+    unchanged = all(
+        torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters())
+    )
+    usable = _pg_usable()
+    st.save_file(values, good)
+    load_safetensors(model, good)  # the retry loads
+    loaded = all(
+        torch.all(p.full_tensor() == i + 1).item() for i, p in enumerate(model.parameters())
+    )
+    return {
+        "error": error,
+        "fast": elapsed < 10,
+        "unchanged": unchanged,
+        "usable": usable,
+        "loaded": loaded,
+    }
+
+
+@pytest.mark.parametrize("case", ["corrupt", "replaced"])
+def test_load_safetensors_failing_on_one_rank_raises_on_every_rank(tmp_path, case: str) -> None:
+    """Rank 1's file is corrupt (checked before anything changes) or replaced
+    while loading (found while copying): rank 1 raises its ValueError naming the
+    file or tensor, rank 0 a RuntimeError quoting it, within seconds; the
+    process group stays usable and a retry loads."""
+    pytest.importorskip("safetensors")
+    results = run_distributed(_load_fails_on_one_rank_job, 2, str(tmp_path), case)
+    assert results[1]["error"].startswith("ValueError"), results
+    assert "corrupt.safetensors" in results[1]["error"] or "'0.weight'" in results[1]["error"]
+    assert results[0]["error"].startswith("RuntimeError") and "rank 1" in results[0]["error"]
+    assert ("nothing was loaded" if case == "corrupt" else "load again") in results[0]["error"]
+    for r in results:
+        assert r["fast"] and r["usable"] and r["loaded"], r
+    if case == "corrupt":  # refused before any tensor was modified, on every rank
+        assert results[0]["unchanged"] and results[1]["unchanged"], results
+
+
+class _TwoExperts(nn.Module):
+    """Two experts in one unit; each rank routes its tokens to the experts of ``route``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(4, 4, bias=False) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, route: list[int]) -> torch.Tensor:
+        return sum(self.experts[e](x) for e in route)  # type: ignore[return-value]
+
+
+def _unused_expert_job(mode: str) -> dict:
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_compose import debug
+
+    rank = dist.get_rank()
+    routes = [[0, 1], [0]] if mode == "debug_one_sided" else [[0], [1]]
+    torch.manual_seed(0)
+    ref = _TwoExperts()
+    ours, theirs = _TwoExperts(), _TwoExperts()
+    ours.load_state_dict(ref.state_dict())
+    theirs.load_state_dict(ref.state_dict())
+    fully_shard(ours)
+    torch_fully_shard(theirs)
+    if mode == "fixed":
+        ours.set_reduce_scatter_unused_params(True)
+    x = torch.randn(3, 4) + rank
+    xs = [torch.empty_like(x) for _ in range(2)]
+    dist.all_gather(xs, x)
+    for r in range(2):  # single-process reference: mean over both ranks' losses
+        (ref(xs[r], routes[r]).sum() / 2).backward()
+    error = ""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if mode.startswith("debug"):
+                with debug.collective_checks(ours, timeout=20):
+                    ours(x, routes[rank]).sum().backward()
+            else:
+                ours(x, routes[rank]).sum().backward()
+        except RuntimeError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    messages = [str(w.message) for w in caught if "fsdp_compose" in str(w.message)]
+    out = {"error": error, "warnings": messages, "usable": _pg_usable()}
+    if not error:
+        theirs(x, routes[rank]).sum().backward()
+
+        def local_grads(model: nn.Module) -> list[torch.Tensor]:
+            return [
+                p.grad.to_local() if p.grad is not None else torch.zeros_like(p.to_local())
+                for p in model.parameters()
+            ]
+
+        expected = [q.grad.chunk(2)[rank] for q in ref.parameters()]
+        out["ref_diff"] = max(
+            (a - b).abs().max().item() for a, b in zip(local_grads(ours), expected)
+        )
+        out["same_as_fsdp2"] = all(
+            torch.equal(a, b) for a, b in zip(local_grads(ours), local_grads(theirs))
+        )
+    return out
+
+
+@pytest.mark.parametrize("mode", ["default", "fixed", "debug", "debug_one_sided"])
+def test_expert_unused_on_one_rank(mode: str) -> None:
+    """Two experts in one unit, each getting tokens on one rank only. By default
+    the gradients are FSDP2's (the same collectives, silently mixed), with a
+    warning on each rank naming the expert without a gradient and the fix;
+    with set_reduce_scatter_unused_params(True) they match one process; in debug
+    mode every rank raises, naming the experts, before the reduce-scatter (also
+    where the sizes differ)."""
+    results = run_distributed(_unused_expert_job, 2, mode)
+    for rank, r in enumerate(results):
+        assert r["usable"], r
+        if mode == "default":
+            assert r["same_as_fsdp2"] and r["ref_diff"] > 0.1, r
+            assert len(r["warnings"]) == 1, r
+            unused = f"experts.{1 - rank}.weight"
+            assert unused in r["warnings"][0], r
+            assert "set_reduce_scatter_unused_params(True)" in r["warnings"][0], r
+        elif mode == "fixed":
+            assert r["ref_diff"] < 1e-6 and not r["warnings"], r
+        else:
+            assert r["error"].startswith("CollectiveMismatchError"), r
+            assert "experts.1.weight" in r["error"], r
+            assert "set_reduce_scatter_unused_params(True)" in r["error"], r
+    if mode == "debug":
+        assert results[0]["error"] == results[1]["error"]
+        assert "experts.0.weight" in results[0]["error"]

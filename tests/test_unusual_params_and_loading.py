@@ -252,3 +252,50 @@ def test_assign_load_into_meta_model_loads_values_and_owns_memory() -> None:
         assert r["views"] == [] and r["cpu_views"] == [], r
         assert r["held"] == r["shard_bytes"], r
         assert r["param_diff"] < 1e-5, r
+
+
+# -- 6. a buffer aliasing a parameter -------------------------------------------
+
+
+def _aliasing_buffer_job() -> dict:
+    def build(case: str) -> nn.Sequential:
+        with torch.device("meta" if case == "meta" else "cpu"):
+            m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        if case in ("same", "meta"):  # the parameter object itself
+            m[1].register_buffer("w_alias", m[1].weight)
+        elif case == "view":  # the same storage
+            m[1].register_buffer("w_t", m[1].weight.detach().T)
+        elif case == "parent":  # above the unit that shards the parameter
+            m.register_buffer("w_alias", m[1].weight)
+        elif case == "ignored":  # the fix the error names: the parameter left unsharded
+            m[1].register_buffer("w_alias", m[1].weight)
+        return m
+
+    out: dict = {}
+    for case in ("same", "meta", "view", "parent", "ignored"):
+        m = build(case)
+        weight = m[1].weight
+        try:
+            ignored = {weight} if case == "ignored" else None
+            fully_shard(m[1], ignored_params=ignored)
+            fully_shard(m, ignored_params=ignored)
+            out[case] = ""
+        except ValueError as exc:
+            out[case] = str(exc)
+        out[f"{case}_plain"] = type(m[1].weight) is nn.Parameter and m[1].weight is weight
+    return out
+
+
+def test_buffer_aliasing_a_parameter_is_refused() -> None:
+    """A buffer that is, or shares storage with, a parameter fully_shard would
+    replace (on a real or meta device, or registered above the unit) raises,
+    naming the buffer, the parameter and the fixes, instead of silently keeping
+    the old full tensor; with the parameter in ignored_params it stays tied."""
+    for r in run_distributed(_aliasing_buffer_job, 2):
+        for case, buffer in (("same", "w_alias"), ("meta", "w_alias"), ("view", "w_t")):
+            assert f"buffer {buffer!r} of Linear" in r[case], r[case]
+            assert "parameter 'weight' of Linear" in r[case], r[case]
+            assert "ignored_params" in r[case] and r[f"{case}_plain"], r
+        assert "buffer 'w_alias' of Sequential" in r["parent"], r["parent"]
+        assert "fully_shard(Linear)" in r["parent"], r["parent"]
+        assert r["ignored"] == "" and r["ignored_plain"], r

@@ -5,6 +5,7 @@ averaging division, and the hand-off to the sharded parameters' ``.grad``."""
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -89,7 +90,7 @@ class GradientReduction:
     def take_unsharded_grads(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
         """Removes and returns the unsharded gradients (including those accumulated
         without sync) of the parameters that received one."""
-        params, grads = [], []
+        params, grads, unused = [], [], []
         for p in self.trainable_params:
             up = p.unsharded_param
             grad = p.local_grad(up.grad) if up is not None and up.grad is not None else None
@@ -99,6 +100,7 @@ class GradientReduction:
                 grad, p.accumulated_grad = p.accumulated_grad, None
             if grad is None:
                 if not self.reduce_scatter_unused_params or up is None:
+                    unused.append(p.fqn)
                     continue
                 # Keep the collective's size identical on ranks where this
                 # parameter got no gradient (conditional branches, MoE).
@@ -107,6 +109,8 @@ class GradientReduction:
                 up.grad = None
             params.append(p)
             grads.append(grad)
+        if unused and params:
+            _warn_unused(self.name, unused)
         return params, grads
 
     def reduce_grads(
@@ -282,6 +286,21 @@ def _assign_sharded_grad(
         for hook in tuple(hooks.values()):
             hook(param)
     return in_flight
+
+
+def _warn_unused(unit: str, names: list[str]) -> None:
+    # As FSDP2, the reduce-scatter leaves out parameters without a gradient; only
+    # this rank's view is known here (the debug checks compare the ranks' lists).
+    warnings.warn(
+        f"fsdp_compose: {names} of unit {unit!r} got no gradient on this rank while the "
+        "unit's other parameters did, so this rank's reduce-scatter leaves them out (as "
+        "FSDP2's). If another rank has a gradient for them (an MoE expert that got no "
+        "tokens here), the ranks' gradients are silently mixed or the collective fails: "
+        "call set_reduce_scatter_unused_params(True) on the model. If they are unused on "
+        "every rank, set requires_grad=False on them. FSDP_COMPOSE_DEBUG_COLLECTIVES=1 "
+        "compares the ranks and raises on a difference.",
+        stacklevel=2,
+    )
 
 
 @functools.cache

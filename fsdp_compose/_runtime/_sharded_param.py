@@ -40,6 +40,7 @@ from ._errors import FSDPValueError
 from ._mesh import MeshInfo
 
 SHARDED_BY = "_fsdp_compose_sharded_by"  # marks the sharded DTensor parameters we own
+NAMED_AS = "_fsdp_compose_named_as"  # its name under the root once known (lazy init)
 IGNORED_BY = "_fsdp_compose_ignored_by"  # on ignored_params: plain, reduced by the user
 # On an original parameter that fully_shard replaced, so misuse is caught where it happens.
 REPLACED_BY = "_fsdp_compose_replaced_by"
@@ -256,11 +257,13 @@ class ShardedParam:
 
     def mark_owned(self, unit_label: str | None = None) -> None:
         """Marks the sharded parameter as fsdp_compose's (read by misuse checks
-        and the local optimizer step), with the label of the unit owning it."""
+        and the local optimizer step), with the label of the unit owning it and
+        its name (read by the whole-matrix optimizers' agreement check)."""
         if unit_label is not None:
             self.unit_label = unit_label
         if self.unit_label is not None and getattr(self.sharded_param, SHARDED_BY, None) is None:
             setattr(self.sharded_param, SHARDED_BY, self.unit_label)
+        setattr(self.sharded_param, NAMED_AS, self.fqn)
 
     def make_sharded_grad(self, local_grad: torch.Tensor) -> DTensor:
         spec = _compat.dtensor_spec_with_dtype(self.spec, local_grad.dtype)

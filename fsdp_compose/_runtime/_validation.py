@@ -11,6 +11,9 @@ fully_shard] in ``_fully_shard.py``):
 * a mesh on the meta device, or a named 2-D mesh that is not laid out
   ``(replicate, shard)`` (e.g. a whole ``dp x tp`` mesh passed as an HSDP mesh);
 * a submodule under two sibling units (a module shared by two units);
+* what sharding would silently untie: a parameter an earlier call left
+  unsharded (its ``ignored_params``) found again here (a tied weight), and a
+  buffer that is, or shares storage with, a parameter;
 * parameters on different devices (e.g. a module partly on the meta device).
 
 At the root's lazy init, ranks that built different models are refused on every
@@ -40,7 +43,7 @@ from ._errors import FSDPValueError
 from ._events import Observer, UnitEvent
 from ._mesh import MeshInfo
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
-from ._sharded_param import SHARDED_BY
+from ._sharded_param import IGNORED_BY, REPLACED_BY, SHARDED_BY
 from ._unit import Unit
 
 __all__ = ["USE_CHECKS", "UseChecks", "check_call", "check_same_structure"]
@@ -167,6 +170,47 @@ def _check_siblings(
         )
 
 
+def _alias_key(t: torch.Tensor) -> int:
+    """A plain tensor's storage address, else (meta, empty, subclass) its identity."""
+    plain = type(t.data) is torch.Tensor and not t.is_meta
+    return (plain and t.untyped_storage().data_ptr()) or id(t)
+
+
+def _check_untied(
+    targets: tuple[nn.Module, ...], managed: list[nn.Module], ignored: set[nn.Parameter]
+) -> None:
+    """Refuses a tie that sharding would silently break (see the module's docstring)."""
+    params: dict[int, str] = {}
+    for m in managed:
+        for name, p in m._parameters.items():
+            if p is None or p in ignored or getattr(p, SHARDED_BY, None) is not None:
+                continue
+            if getattr(p, IGNORED_BY, None) is not None:
+                earlier = f"fully_shard({getattr(p, IGNORED_BY)})"
+                raise ValueError(
+                    f"parameter {name!r} of {type(m).__name__} is in the ignored_params of "
+                    f"{earlier}, which left it unsharded, and fully_shard({describe(targets)}) "
+                    "finds it again (a tied weight): sharding it here would untie it. Pass it in "
+                    "ignored_params here too (it stays one plain parameter, reduced by you), or "
+                    f"remove it from the ignored_params of {earlier} (it is then sharded once, "
+                    "by that unit, and shared with this one)."
+                )
+            params[_alias_key(p)] = f"parameter {name!r} of {type(m).__name__}"
+    for m in managed:
+        for name, b in m._buffers.items():
+            alias = None if b is None else params.get(_alias_key(b))
+            if b is not None and getattr(b, REPLACED_BY, None) is not None:
+                alias = f"a parameter fully_shard({getattr(b, REPLACED_BY)}) sharded"
+            if alias is not None:
+                raise ValueError(
+                    f"buffer {name!r} of {type(m).__name__} is (or shares storage with) {alias}: "
+                    "fully_shard replaces that parameter by a sharded DTensor, so the buffer "
+                    "would keep the old full tensor (silently untied). Derive it from the "
+                    "parameter in forward instead (e.g. a property returning self.weight), or "
+                    "pass the parameter in ignored_params to leave it unsharded."
+                )
+
+
 def check_devices(owners: dict[nn.Parameter, list[tuple[nn.Module, str]]]) -> None:
     """Refuses parameters on different devices (e.g. a module partly on meta)."""
     devices = {p.device for p in owners}
@@ -214,6 +258,7 @@ def check_call(
     _check_mesh(mesh_info)
     _check_ignored(ignored)
     _check_siblings(modules, managed, ignored, is_borrowed)
+    _check_untied(modules, managed, ignored)
 
 
 # On a unit (hot path: an attribute, not a weak mapping): the version of its flat

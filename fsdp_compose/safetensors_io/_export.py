@@ -39,6 +39,7 @@ from ._format import (
 )
 from ._layout import box_at
 from ._load import targets_of
+from ._ranks import agree_ok, dist_on, raise_if_any_failed
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -168,10 +169,6 @@ def _check_layouts(targets: list[Any]) -> None:
             raise ValueError(f"save_safetensors cannot gather {t.keys[0]!r}: {exc}") from exc
 
 
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _prepare_out_dir(out_dir: str, what: str) -> None:
     """Creates ``out_dir``, or raises a clear error for a path that cannot be one."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -185,37 +182,6 @@ def _prepare_out_dir(out_dir: str, what: str) -> None:
         raise ValueError(f"{what}: cannot create the output directory {out_dir!r}: {exc}") from exc
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise ValueError(f"{what}: the output directory {out_dir!r} is not writable.")
-
-
-def _raise_if_any_failed(error: BaseException | None, what: str) -> None:
-    """Raises on every rank if ``error`` is set on any (collective when a process
-    group exists): the failing rank its own error, the others a ``RuntimeError``
-    quoting it. Every rank returns or raises together, so the process group stays
-    usable."""
-    if not _dist_on():
-        if error is not None:
-            raise error
-        return
-    if _agree_ok(error):
-        return
-    messages: list[str | None] = [None] * dist.get_world_size()
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    dist.all_gather_object(messages, mine)
-    if error is not None:
-        raise error
-    failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
-    raise RuntimeError(f"{what} failed on another rank ({failed}); nothing was published.")
-
-
-def _agree_ok(error: BaseException | None, group: Any = None) -> bool:
-    """True when no rank failed (collective when a process group exists)."""
-    if not _dist_on():
-        return error is None
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, group=group)
-    return int(flag.item()) == 0
 
 
 @torch.no_grad()
@@ -269,7 +235,7 @@ def save_safetensors(
         out.append(OutTensor(name, out_dtype, tuple(t.tensor.shape), t.tensor))
     check_names(out)
     files = split_files(out, max_bytes)
-    rank = dist.get_rank() if _dist_on() else 0
+    rank = dist.get_rank() if dist_on() else 0
     out_dir = os.fspath(out_dir)
     export = _Export(out_dir, files, metadata or {})
     # Rank 0 writes: it checks the path before any tensor moves, and every rank
@@ -280,7 +246,7 @@ def save_safetensors(
             _prepare_out_dir(out_dir, "save_safetensors")
         except ValueError as exc:
             error = exc
-    _raise_if_any_failed(error, "save_safetensors")
+    raise_if_any_failed(error, "save_safetensors")
 
     gathered = [0]  # tensors gathered so far, in plan order
 
@@ -309,7 +275,7 @@ def save_safetensors(
             error = exc
     if rank == 0 and error is not None:
         export.cleanup()
-    _raise_if_any_failed(error, "save_safetensors")
+    raise_if_any_failed(error, "save_safetensors")
     logger.info("save_safetensors: wrote %d file(s) to %s", len(files), out_dir)
     return paths
 
@@ -348,7 +314,7 @@ def export_dcp_to_safetensors(
 
     checkpoint_dir = os.fspath(checkpoint_dir)
     out_dir = os.fspath(out_dir)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if _dist_on() else (0, 1)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist_on() else (0, 1)
     # Every rank plans from the checkpoint's metadata; all learn whether any failed
     # (one all-reduce) before the first collective that needs the same plan.
     error: BaseException | None = None
@@ -358,9 +324,9 @@ def export_dcp_to_safetensors(
         _prepare_out_dir(out_dir, "export_dcp_to_safetensors")
     except Exception as exc:
         error = exc
-    _raise_if_any_failed(error, "export_dcp_to_safetensors")
+    raise_if_any_failed(error, "export_dcp_to_safetensors")
     export = _Export(out_dir, files, metadata or {})
-    if _dist_on():  # every rank must use the same temporary names
+    if dist_on():  # every rank must use the same temporary names
         tag = [export.tag]
         dist.broadcast_object_list(tag, src=0)
         export.tag = tag[0]
@@ -381,7 +347,7 @@ def export_dcp_to_safetensors(
                 export.write_file(file, read)
     except Exception as exc:
         error = exc
-    ok = _agree_ok(error)
+    ok = agree_ok(error)
     paths: list[str] = []
     if ok and rank == 0:
         try:
@@ -392,7 +358,7 @@ def export_dcp_to_safetensors(
     if not ok or error is not None:
         export.cleanup()
     # A failed write keeps its rank's error set, so this raises wherever ok is False.
-    _raise_if_any_failed(error, "export_dcp_to_safetensors")
+    raise_if_any_failed(error, "export_dcp_to_safetensors")
     return paths
 
 

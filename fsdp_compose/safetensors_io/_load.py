@@ -7,6 +7,17 @@ file is open. Each tensor is therefore read with its own short-lived
 ``safe_open``: the view is copied (and cast) into the local shard, then the file
 is closed. The peak is the local shards plus one tensor's slice in the file's
 dtype. Opening a file again costs one header parse (tens of microseconds).
+
+[Note: a load failing on one rank]
+Every rank reads its own files, so one rank may fail alone (its copy of the file
+unreadable, truncated or replaced). Were it to raise alone, the others would
+return and wait in their next collective until the process group's timeout.
+So, when the module holds ``DTensor``s and a process group exists, the ranks of
+``process_group`` agree twice, with one all-reduce of one integer each: after
+every header was checked (before any tensor is modified) and after the copies.
+Where one rank failed, it raises its own error and every other rank a
+``RuntimeError`` quoting it; the process group stays usable. A module of plain
+tensors (e.g. loaded on rank 0 alone) communicates nothing.
 """
 
 from __future__ import annotations
@@ -16,11 +27,13 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ._format import DTYPES, Entry, KeyMap, names_of, read_headers, safe_open_fn
 from ._layout import box_of, local_of
+from ._ranks import raise_if_any_failed
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -232,6 +245,7 @@ def load_safetensors(
     key_map: KeyMap | None = None,
     strict: bool = True,
     device: torch.device | str | None = None,
+    process_group: dist.ProcessGroup | None = None,
 ) -> LoadResult:
     """Loads a safetensors checkpoint into a (sharded) module, each rank reading
     only its own part of each tensor.
@@ -247,10 +261,13 @@ def load_safetensors(
     parameters). Tied parameters (one tensor under several names) are loaded once,
     from whichever of their names the checkpoint has.
 
-    No communication: every rank reads its own slices (see [Note: which part of a
-    tensor a rank reads]). Non-persistent buffers are not part of a checkpoint:
-    a module built on the meta device must initialize them itself (e.g. rotary
-    embedding frequencies).
+    Every rank reads its own slices (see [Note: which part of a tensor a rank
+    reads]). For a module holding ``DTensor``s, the ranks of ``process_group``
+    agree on the outcome (two all-reduces of one integer), so that a failure on
+    one rank raises on every rank (see [Note: a load failing on one rank]); a
+    module of plain tensors communicates nothing. Non-persistent buffers are not
+    part of a checkpoint: a module built on the meta device must initialize them
+    itself (e.g. rotary embedding frequencies).
 
     Args:
         module: the model (the same on every rank).
@@ -262,6 +279,9 @@ def load_safetensors(
             tensor is not used; with ``False`` they are reported in the result.
         device: where meta tensors are materialized. Default: the mesh's device
             (the current CUDA device for a CUDA mesh), else the CPU.
+        process_group: the ranks that load this module together (as in
+            ``torch.distributed.checkpoint.load``; e.g. one pipeline stage's
+            ranks). Default: every rank.
 
     Returns:
         A :class:`LoadResult`.
@@ -270,38 +290,30 @@ def load_safetensors(
         ValueError, FileNotFoundError: a missing, truncated or mismatching
             checkpoint (key, shape, dtype kind), naming the tensor and the file.
             Every header is read and checked before any tensor is modified.
+        RuntimeError: loading failed on another rank of ``process_group``
+            (quoting its error).
     """
-    safe_open = safe_open_fn()
     key_map = key_map or (lambda k: k)
-    entries = read_headers(path)
     targets = targets_of(module)
-    missing, unexpected = _plan_load(targets, entries, key_map, strict, os.fspath(path))
+    agree = dist.is_available() and dist.is_initialized()
+    agree = agree and any(isinstance(t.tensor, DTensor) for t in targets)
+    error: BaseException | None = None
+    try:
+        safe_open_fn()  # the safetensors package: checked before anything changes
+        entries = read_headers(path)
+        missing, unexpected = _plan_load(targets, entries, key_map, strict, os.fspath(path))
+    except Exception as exc:
+        error = exc
+    _settle(error, agree, process_group, "nothing was loaded")
 
     dev = torch.device(device) if device is not None else _default_device(targets)
     result = LoadResult(missing=missing, unexpected=unexpected)
-    materialized = False
-    for t in targets:
-        if t.file_key is None:
-            continue
-        if t.tensor.is_meta:
-            _materialize(module, t, dev)
-            materialized = True
-        local = local_of(t.tensor)
-        if local.numel() > 0:
-            entry = entries[t.file_key]
-            # A short-lived handle per tensor: see [Note: memory while loading].
-            with safe_open(entry.file, framework="pt") as f:
-                tensor_slice = f.get_slice(t.file_key)
-                _check_unchanged(
-                    t, entry, tuple(tensor_slice.get_shape()), tensor_slice.get_dtype()
-                )
-                piece = tensor_slice[tuple(slice(a, b) for a, b in t.box)]
-                local.copy_(piece)
-                result.bytes_read += piece.numel() * piece.element_size()
-                del piece
-        result.loaded.extend(t.keys)
-    if materialized:
-        _invalidate_units(module)
+    try:
+        _copy(module, targets, entries, dev, result)
+    except Exception as exc:
+        error = exc
+    outcome = "this rank loaded every tensor, the failing rank only some: load again"
+    _settle(error, agree, process_group, outcome)
     still_meta = [n for n, b in module.named_buffers() if b.is_meta]
     if still_meta:
         logger.warning(
@@ -310,3 +322,51 @@ def load_safetensors(
             names_of(still_meta, 10),
         )
     return result
+
+
+def _settle(
+    error: BaseException | None, agree: bool, group: dist.ProcessGroup | None, outcome: str
+) -> None:
+    """Raises ``error``; with ``agree``, every rank of ``group`` raises if any
+    failed (see [Note: a load failing on one rank])."""
+    if agree:
+        raise_if_any_failed(error, "load_safetensors", outcome, group)
+    elif error is not None:
+        raise error
+
+
+def _copy(
+    module: nn.Module,
+    targets: list[Target],
+    entries: dict[str, Entry],
+    dev: torch.device,
+    result: LoadResult,
+) -> None:
+    """Reads this rank's slice of every matched tensor into its local shard,
+    materializing meta tensors on ``dev``."""
+    safe_open = safe_open_fn()
+    materialized = False
+    try:
+        for t in targets:
+            if t.file_key is None:
+                continue
+            if t.tensor.is_meta:
+                _materialize(module, t, dev)
+                materialized = True
+            local = local_of(t.tensor)
+            if local.numel() > 0:
+                entry = entries[t.file_key]
+                # A short-lived handle per tensor: see [Note: memory while loading].
+                with safe_open(entry.file, framework="pt") as f:
+                    tensor_slice = f.get_slice(t.file_key)
+                    _check_unchanged(
+                        t, entry, tuple(tensor_slice.get_shape()), tensor_slice.get_dtype()
+                    )
+                    piece = tensor_slice[tuple(slice(a, b) for a, b in t.box)]
+                    local.copy_(piece)
+                    result.bytes_read += piece.numel() * piece.element_size()
+                    del piece
+            result.loaded.extend(t.keys)
+    finally:  # also after a failure: units re-derive their buffers at their next use
+        if materialized:
+            _invalidate_units(module)

@@ -10,9 +10,8 @@ gradient differ, the all-to-all splits disagree and the job fails inside the
 collective (or hangs until the process group's timeout).
 
 So before any data moves, each rank reduces what it is about to exchange to a
-list of descriptors (position in ``param_groups``, the name given to the
-optimizer if any, the label of the unit that sharded it, shape, dtype, whether it
-has a gradient) and to a 64-bit digest of that list. One all-reduce of two
+list of descriptors (position in ``param_groups``, its name, the label of the
+unit that sharded it, shape, dtype, whether it has a gradient) and to a 64-bit digest of that list. One all-reduce of two
 integers (``MAX`` of ``(d, -d)``) per shard group tells every rank whether all
 digests are equal; only when they are not do the ranks gather the full lists
 (``all_gather_object``) to name the first differing matrix, and every rank raises
@@ -21,9 +20,11 @@ dictionary), so a step costs one small collective and no hashing. Muon's and
 Adafactor's sharded steps both check (Adafactor's all-reduces of partial sums
 would otherwise mix matrices the same way).
 
-Without names (an optimizer built from ``model.parameters()``), two matrices of
-the same shape and unit class in another order cannot be told apart: build the
-optimizer from ``model.named_parameters()`` to have the names compared too.
+The name is the one given to the optimizer (built from
+``model.named_parameters()``), else the parameter's name under its root, which
+the runtime records on every sharded parameter at the root's lazy init (so two
+matrices of the same shape in another order are told apart even for an
+optimizer built from ``model.parameters()``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .._runtime._sharded_param import SHARDED_BY
+from .._runtime._sharded_param import NAMED_AS, SHARDED_BY
 
 if TYPE_CHECKING:  # _exchange imports this module
     from ._exchange import Layouts, ShardLayout
@@ -97,7 +98,10 @@ def check_optimizer_agreement(
         out: list[Descriptor] = []
         for gi, pi, p, has_grad in items:
             names = optimizer.param_groups[gi].get("param_names")
-            name = str(names[pi]) if names is not None and pi < len(names) else ""
+            if names is not None and pi < len(names):
+                name = str(names[pi])
+            else:  # the runtime's name for it (see the note above)
+                name = str(getattr(p, NAMED_AS, ""))
             label = str(getattr(p, SHARDED_BY, ""))
             position = f"param_groups[{gi}]['params'][{pi}]"
             out.append((position, name, label, tuple(p.shape), str(p.dtype), has_grad))
@@ -141,8 +145,7 @@ def check_agreement(
         f"updates, at matrix {k} (ranks within the shard group): {detail}. Every rank "
         "must build the optimizer from the same parameters in the same order, and the "
         "same parameters must have gradients on every rank (a parameter unused on one "
-        "rank still needs a gradient, e.g. a zero one; build the optimizer from "
-        "model.named_parameters() to have names compared). Nothing was updated."
+        "rank still needs a gradient, e.g. a zero one). Nothing was updated."
     )
 
 
