@@ -8,16 +8,20 @@ shard overflowed skips the step while the others take it and the replicas of the
 model silently diverge.
 
 For ``DTensor`` gradients torch's dispatcher all-reduces ``found_inf`` (max) over
-the mesh dims on which the gradients are *sharded*, but not over replicated dims:
-that is enough for 1-D FSDP, and for HSDP as long as the replicas' gradients are
-bit-identical (they are the output of the same all-reduce). It also issues one
-collective per (device, dtype) group, and it fails on an optimizer mixing DTensor
-gradients with plain ones (ignored parameters, whose gradients are rank-local).
+the mesh dims on which the gradients are sharded: that serves an optimizer whose
+gradients are all DTensors, on FSDP and on HSDP (the replicas' shards are the
+output of one all-reduce, so an overflow is on every replica), and there
+``torch.amp.GradScaler`` is enough. What it cannot do, with fsdp_compose as with
+torch's ``fully_shard`` (``tests/test_clip_and_scaler.py`` shows both): an
+optimizer that mixes DTensor gradients with plain, rank-local ones (ignored
+parameters, modules left unsharded) makes it raise ("got mixed torch.Tensor and
+DTensor"), and with one optimizer per kind an inf in a plain gradient on one rank
+skips the step on that rank only.
 
-:class:`ShardedGradScaler` makes the decision unconditionally global instead:
-it unscales the local tensors (no collective per group) and then all-reduces one
-flag per step over a whole process group (by default every rank), so an inf on
-any rank, in any kind of gradient, skips the step on every rank.
+:class:`ShardedGradScaler` makes the decision global instead: it unscales the
+local tensors of every gradient (no collective per group) and all-reduces one
+flag per ``unscale_`` over a whole process group (by default every rank), so an
+inf on any rank, in any kind of gradient, skips the step on every rank.
 """
 
 from __future__ import annotations
@@ -40,7 +44,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
     Use it exactly like ``torch.amp.GradScaler`` (``scale``, ``unscale_``,
     ``step``, ``update``): the only difference is that when any rank finds an
     inf or nan in any of its gradients, every rank skips ``optimizer.step()``
-    and backs off the scale, so the ranks stay in lockstep. It replaces FSDP1's
+    and backs off the scale, so the ranks stay in lockstep. Needed when an
+    optimizer holds plain (rank-local) gradients next to DTensor ones; with
+    DTensor gradients only, ``torch.amp.GradScaler`` agrees as well (see
+    [Note: found_inf with sharded gradients]). It replaces FSDP1's
     ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` and costs
     one one-element all-reduce per ``unscale_``.
 

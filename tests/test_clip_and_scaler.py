@@ -2,7 +2,9 @@
 
 ``torch.nn.utils.clip_grad_norm_`` must return the global norm of the one-process
 reference and clip identically; a loss scaler must make the same skip-or-step
-decision on every rank, even when only one rank sees an inf.
+decision on every rank, even when only one rank sees an inf. ``torch.amp.GradScaler``
+does so for DTensor gradients; the gradients it cannot handle (plain ones next to
+DTensors) are what ``ShardedGradScaler`` is kept for.
 """
 
 from __future__ import annotations
@@ -52,11 +54,17 @@ def _unchanged(model: GPT, before: list[torch.Tensor]) -> bool:
     return all(torch.equal(a, p.detach().to_local()) for a, p in zip(before, model.parameters()))
 
 
-def _inject_inf_on_last_rank(model: GPT) -> None:
-    """An inf in one element of one rank's gradient shard, after the reduction:
-    no other rank can see it unless the scaler tells them."""
-    if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
-        model.blocks[0].mlp.fc.weight.grad.to_local().view(-1)[0] = math.inf
+def _inject_inf_on_last_rank(model: GPT, every_replica: bool = False) -> None:
+    """An inf in one element of the last rank's gradient shard, after the reduction:
+    no other rank can see it unless the scaler tells them. ``every_replica``: also
+    on the other HSDP replicas' last shard, as an overflow in the all-reduce would be."""
+    grad = model.blocks[0].mlp.fc.weight.grad
+    mesh = grad.device_mesh
+    last = mesh.get_local_rank(mesh.ndim - 1) == mesh.size(mesh.ndim - 1) - 1
+    if last and (
+        every_replica or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    ):
+        grad.to_local().view(-1)[0] = math.inf
 
 
 def _clip_and_scaler_job(hsdp: bool) -> dict:
@@ -124,34 +132,19 @@ def _clip_and_scaler_job(hsdp: bool) -> dict:
     out["inf_scale"] = scaler.get_scale()
     opt.zero_grad()
 
-    # --- torch.amp.GradScaler with the same injection ----------------------------
-    # DTensor reduces found_inf over the sharded mesh dims only: enough for 1-D
-    # FSDP; on HSDP, a replica-local inf is not seen by the other replica.
+    # --- torch.amp.GradScaler: DTensor's dispatch reduces found_inf over the ----
+    # sharded mesh dims, which serves DTensor-only gradients (the HSDP replicas'
+    # shards are one all-reduce's output, so an overflow is on every replica).
     plain = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
     backward(3, plain)
     ref.zero_grad()
-    _inject_inf_on_last_rank(model)
+    _inject_inf_on_last_rank(model, every_replica=True)
     before = _local_params(model)
     plain.step(opt)
     plain.update()
     out["torch_scaler_skipped"] = _unchanged(model, before)
     opt.zero_grad()
 
-    # --- ignored parameters: plain, rank-local gradients next to DTensor ones ----
-    # (torch's GradScaler refuses to unscale such a mix)
-    torch.manual_seed(0)
-    mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-    fully_shard(mixed, ignored_params=set(mixed[1].parameters()))
-    mixed_opt = torch.optim.SGD(mixed.parameters(), lr=0.1)
-    scaler = ShardedGradScaler("cpu", init_scale=INIT_SCALE)
-    scaler.scale(mixed(torch.randn(2, 4)).sum()).backward()
-    if rank == world - 1:
-        mixed[1].weight.grad[0, 0] = math.inf  # a plain tensor gradient on one rank
-    before = [p.detach().clone() for p in mixed[1].parameters()]
-    scaler.step(mixed_opt)
-    scaler.update()
-    out["mixed_skipped"] = all(torch.equal(a, p) for a, p in zip(before, mixed[1].parameters()))
-    out["mixed_scale"] = scaler.get_scale()
     return out
 
 
@@ -172,9 +165,80 @@ def test_clip_and_scaler(hsdp: bool) -> None:
         assert r["clean_scale"] == INIT_SCALE
         assert r["sharded_scaler_skipped"], "an inf on one rank must skip the step everywhere"
         assert r["inf_scale"] == INIT_SCALE / 2
-        assert r["mixed_skipped"] and r["mixed_scale"] == INIT_SCALE / 2
-    if not hsdp:
-        assert all(r["torch_scaler_skipped"] for r in results), [r["torch_scaler_skipped"] for r in results]
+    assert all(r["torch_scaler_skipped"] for r in results), [r["torch_scaler_skipped"] for r in results]
+
+
+def _mixed_gradients_job() -> dict:
+    """An optimizer over a sharded module and an ignored (plain, rank-local) one."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    rank, world = rank_world()
+    out: dict = {}
+    for name, shard in (("fsdp_compose", fully_shard), ("torch_fsdp2", torch_fully_shard)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        shard(model, ignored_params=set(model[1].parameters()))
+        x = torch.randn(2, 4)
+
+        def backward(
+            scaler: torch.amp.GradScaler, model: torch.nn.Sequential = model, x: torch.Tensor = x
+        ) -> list[torch.Tensor]:
+            model.zero_grad()
+            scaler.scale(model(x).sum()).backward()
+            if rank == world - 1:
+                model[1].weight.grad[0, 0] = math.inf  # a plain gradient, on one rank
+            return [p.detach().clone() for p in model[1].parameters()]
+
+        def skipped(before: list[torch.Tensor], model: torch.nn.Sequential = model) -> bool:
+            return all(torch.equal(a, p) for a, p in zip(before, model[1].parameters()))
+
+        # torch's scaler refuses one optimizer over both kinds of gradients
+        plain, optim = (
+            torch.amp.GradScaler("cpu", init_scale=INIT_SCALE),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+        )
+        backward(plain)
+        try:
+            plain.unscale_(optim)
+            out[f"{name}_torch_one_optimizer"] = "no error"
+        except RuntimeError as exc:
+            out[f"{name}_torch_one_optimizer"] = str(exc)
+        # ... and with one optimizer per kind, the rank-local inf is not agreed on
+        optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in model]
+        plain = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+        before = backward(plain)
+        for o in optims:
+            plain.step(o)
+        plain.update()
+        out[f"{name}_torch"] = (skipped(before), plain.get_scale())
+        # ShardedGradScaler: every rank skips and backs off, with one optimizer
+        scaler = ShardedGradScaler("cpu", init_scale=INIT_SCALE)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = backward(scaler)
+        scaler.step(optim)
+        scaler.update()
+        out[f"{name}_sharded"] = (skipped(before), scaler.get_scale())
+    return out
+
+
+def test_torch_grad_scaler_cannot_mix_plain_and_dtensor_gradients() -> None:
+    """What ShardedGradScaler is for: ``torch.amp.GradScaler`` raises on an
+    optimizer whose gradients mix DTensors and plain tensors (ignored parameters),
+    and with the two kinds in separate optimizers an inf in a plain gradient on one
+    rank skips the step there only (the ranks' parameters and scales diverge). The
+    same holds for torch's own fully_shard; ShardedGradScaler skips everywhere."""
+    from dist_utils import run_distributed
+
+    results = run_distributed(_mixed_gradients_job, 2, timeout=120)
+    for r in results:
+        for name in ("fsdp_compose", "torch_fsdp2"):
+            assert "mixed torch.Tensor and DTensor" in r[f"{name}_torch_one_optimizer"], r
+            assert r[f"{name}_sharded"] == (True, INIT_SCALE / 2), r
+    for name in ("fsdp_compose", "torch_fsdp2"):
+        assert [r[f"{name}_torch"] for r in results] == [
+            (False, INIT_SCALE),
+            (True, INIT_SCALE / 2),
+        ], results
 
 
 def _fp16_training_job(hsdp: bool) -> dict:

@@ -204,10 +204,9 @@ def _tp_job(tmp: str) -> dict:
     from gpt import GPT, GPTConfig
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from train_tp import apply_tp_fsdp
 
-    from fsdp_compose.safetensors_io import load_safetensors, local_box
+    from fsdp_compose.safetensors_io import load_safetensors
 
     ref = _ref()
     single = os.path.join(tmp, "model.safetensors")
@@ -215,21 +214,15 @@ def _tp_job(tmp: str) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     with torch.device("meta"):
         model = apply_tp_fsdp(GPT(GPTConfig(**CFG)), mesh)
-    boxes_agree, placements = [], set()
-    for name, p in model.named_parameters():
+    placements = set()
+    for p in model.parameters():
         assert isinstance(p, DTensor)
         placements.add(str(tuple(p.placements)))
-        box = local_box(p.shape, p.device_mesh, p.placements)
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        mine = (tuple(b - a for a, b in box), tuple(a for a, _ in box))
-        if 0 not in shape:  # torch reports offsets of empty shards differently
-            boxes_agree.append((name, mine == (tuple(shape), tuple(offset))))
     load_safetensors(model, single)
     out = {
         "export": _export_diff(model, os.path.join(tmp, "export"), ref.state_dict()),
         "param": _full_diff(model, ref),
         "logits": _logits_diff(model, copy.deepcopy(ref)),
-        "boxes_agree": [n for n, ok in boxes_agree if not ok],
         "strided": any("_StridedShard" in p for p in placements),
     }
     return out
@@ -238,7 +231,6 @@ def _tp_job(tmp: str) -> dict:
 def test_load_tensor_parallel_2d(tmp_path) -> None:
     for r in run_distributed(_tp_job, 4, str(tmp_path), timeout=180):
         assert r["strided"], "the TP + FSDP layout should have strided shards"
-        assert r["boxes_agree"] == [], r
         assert r["param"] == 0.0 and r["export"] == 0.0, r
         assert r["logits"] <= 1e-5, r
 
@@ -463,7 +455,7 @@ def test_export_argument_errors(tmp_path) -> None:
     with pytest.raises(ValueError, match="two tensors are exported under the name 'w'"):
         save_safetensors(model, tmp_path / "out", key_map=lambda k: "w")
     assert not (tmp_path / "out").exists(), "nothing may be written after a bad argument"
-    with pytest.raises(ValueError, match="not a readable torch.distributed.checkpoint"):
+    with pytest.raises(ValueError, match=r"not a readable torch\.distributed\.checkpoint"):
         export_dcp_to_safetensors(tmp_path / "no_such_checkpoint", tmp_path / "out")
     paths = save_safetensors(model, tmp_path / "out", max_shard_size="1KiB")
     assert paths == [str(tmp_path / "out" / "model.safetensors")]

@@ -13,22 +13,20 @@ This module is an extension: the core never imports it, and it imports the
 ``safetensors`` package only when a function needs it
 (``pip install fsdp_compose[safetensors]``).
 
-Modules: ``_format`` (the file format, headers, output layout), ``_layout`` (which
-part of a tensor a rank holds), ``_load`` and ``_export``.
+Modules: ``_format`` (the file format, headers, output layout), ``_load`` and
+``_export``.
 """
 
 from __future__ import annotations
 
 from ._export import export_dcp_to_safetensors, save_safetensors
 from ._format import read_headers
-from ._layout import local_box
 from ._load import LoadResult, load_safetensors
 
 __all__ = [
     "LoadResult",
     "export_dcp_to_safetensors",
     "load_safetensors",
-    "local_box",
     "read_headers",
     "save_safetensors",
 ]

@@ -7,6 +7,19 @@ dtypes and shapes, which every rank knows without communication), writes the
 headers, then appends each tensor's bytes as soon as it is gathered. Files are
 written under temporary names and renamed at the end, the index (or the single
 ``model.safetensors``) last, so an interrupted export never looks complete.
+
+[Note: why not DCP's HuggingFaceStorageWriter]
+It does not keep the memory bound or the layout. Without ``save_distributed`` it
+writes *full* tensors held on one rank (the whole model), each file serialized
+into one bytes object; with ``save_distributed=True, enable_consolidation=True``
+each rank serializes all its shards into one bytes object under ``sharded/``
+(left behind: every byte written and kept twice), then the coordinator rewrites
+them one full tensor at a time into ``model-0000i-of-0000n.safetensors`` (never
+``model.safetensors``), in place, so an older export is overwritten before the new
+one is complete. Neither splits by ``max_shard_size``. The gather is not
+``DTensor.full_tensor()`` either: its all-gather puts a padded output and the full
+tensor on every rank (measured in BENCHMARKS.md), where :func:`_gather_to_rank0`
+holds one full tensor on rank 0 only.
 """
 
 from __future__ import annotations
@@ -37,7 +50,6 @@ from ._format import (
     parse_size,
     split_files,
 )
-from ._layout import box_at
 from ._load import targets_of
 from ._ranks import agree_ok, dist_on, raise_if_any_failed
 
@@ -114,26 +126,31 @@ class _Export:
 def _gather_to_rank0(tensor: DTensor) -> torch.Tensor | None:
     """The full tensor on global rank 0, ``None`` on the other ranks.
 
-    Every rank computes every rank's box of the tensor (:func:`box_at`); the first
-    rank holding each distinct box sends it to rank 0 (HSDP replicas send once),
-    which receives it straight into its place in one full-size buffer (through a
-    box-sized buffer when the box is not contiguous, e.g. a column block). Rank 0
-    thus holds one full tensor plus at most one box; the others send their local
-    tensor and allocate nothing.
+    The first rank holding each distinct part of the tensor sends it to rank 0
+    (HSDP replicas send once), which receives it straight into its place in one
+    full-size buffer (through a part-sized buffer when the part is not contiguous,
+    e.g. a column block). Rank 0 thus holds one full tensor plus at most one part;
+    the others allocate nothing.
     """
+    # Every rank's part, from its mesh coordinate: DTensor's own (private) layout
+    # function, the one DCP's planner uses through its public wrapper.
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
     grid = tensor.device_mesh.mesh  # global rank at each mesh coordinate
     me = dist.get_rank()
     if 0 not in grid.flatten().tolist():
         # A mesh without rank 0, e.g. the dp mesh of another TP rank: its tensor is
         # a replica of the one on rank 0's mesh, which rank 0 gathers from there.
         return None
-    sizes = list(grid.shape)
     local = tensor.to_local()
-    senders: dict[tuple[tuple[int, int], ...], int] = {}
-    for coord in itertools.product(*(range(n) for n in sizes)):
-        box = tuple(box_at(tensor.shape, sizes, tensor.placements, coord))
-        if all(b > a for a, b in box):
-            senders.setdefault(box, int(grid[coord]))
+    senders: dict[tuple[tuple[int, int], ...], int] = {}  # [start, stop) per dim -> rank
+    for coord in itertools.product(*(range(n) for n in grid.shape)):
+        shape, offset = _compute_local_shape_and_global_offset(
+            tensor.shape, grid.shape, list(coord), tensor.placements
+        )
+        if 0 not in shape:
+            part = tuple((o, o + n) for o, n in zip(offset, shape))
+            senders.setdefault(part, int(grid[coord]))
     if list(senders.values()) == [0]:  # rank 0 holds the whole tensor (W=1, replicated)
         return local if me == 0 else None
     if me != 0:
@@ -142,8 +159,8 @@ def _gather_to_rank0(tensor: DTensor) -> torch.Tensor | None:
                 dist.send(local.contiguous(), dst=0)
         return None
     full = torch.empty(tensor.shape, dtype=tensor.dtype, device=local.device)
-    for box, src in senders.items():
-        region = full[tuple(slice(a, b) for a, b in box)]
+    for part, src in senders.items():
+        region = full[tuple(slice(a, b) for a, b in part)]
         if src == 0:
             region.copy_(local)
         elif region.is_contiguous():
@@ -152,21 +169,7 @@ def _gather_to_rank0(tensor: DTensor) -> torch.Tensor | None:
             buf = torch.empty(region.shape, dtype=tensor.dtype, device=local.device)
             dist.recv(buf, src=src)
             region.copy_(buf)
-            del buf
     return full
-
-
-def _check_layouts(targets: list[Any]) -> None:
-    """Raises, on every rank alike and before anything is written, for a tensor
-    that :func:`_gather_to_rank0` cannot gather."""
-    for t in targets:
-        if not isinstance(t.tensor, DTensor):
-            continue
-        grid = t.tensor.device_mesh.mesh
-        try:
-            box_at(t.tensor.shape, list(grid.shape), t.tensor.placements, [0] * grid.ndim)
-        except NotImplementedError as exc:
-            raise ValueError(f"save_safetensors cannot gather {t.keys[0]!r}: {exc}") from exc
 
 
 def _prepare_out_dir(out_dir: str, what: str) -> None:
@@ -201,10 +204,8 @@ def save_safetensors(
     Collective: every rank calls it with the same module structure (the whole
     model, not a pipeline stage). Tensors are gathered one at a time in
     state-dict order, i.e. unit by unit, point to point into one full-size buffer
-    on rank 0 (:func:`_gather_to_rank0`), which appends each to its file at once, so
-    no rank holds more than one full tensor (see [Note: streaming export]). Tied
-    parameters are
-    written once, under their first state-dict name (as ``save_pretrained`` does;
+    on rank 0 (:func:`_gather_to_rank0`), which appends each to its file at once,
+    so no rank holds more than one full tensor (see [Note: streaming export]). Tied parameters are written once, under their first state-dict name (as ``save_pretrained`` does;
     ``from_pretrained`` re-ties them).
 
     Args:
@@ -225,9 +226,7 @@ def save_safetensors(
     key_map = key_map or (lambda k: k)
     max_bytes = parse_size(max_shard_size)
     out: list[OutTensor] = []
-    targets = targets_of(module)
-    _check_layouts(targets)
-    for t in targets:
+    for t in targets_of(module):
         name = key_map(t.keys[0])
         if name is None:
             continue

@@ -1,12 +1,25 @@
 """Loading a safetensors checkpoint into a (sharded) module.
 
-[Note: memory while loading]
-``safe_open`` memory-maps the file and a slice is a view of the mapping; the
-pages it touches stay resident (and count in the process's RSS) as long as the
-file is open. Each tensor is therefore read with its own short-lived
-``safe_open``: the view is copied (and cast) into the local shard, then the file
-is closed. The peak is the local shards plus one tensor's slice in the file's
-dtype. Opening a file again costs one header parse (tens of microseconds).
+[Note: what DCP's HuggingFaceStorageReader does and what is kept here]
+The reading is ``torch.distributed.checkpoint.load`` with its
+``HuggingFaceStorageReader``, with ``no_dist=True`` (no collective): DCP's planner
+computes each rank's part of every ``DTensor`` (``Shard``, ``_StridedShard``, HSDP
+replicas, uneven and empty shards) and the reader copies that slice of the
+memory-mapped file into the local shard, casting to its dtype. Kept here is what
+DCP lacks:
+
+* the files: the reader takes every ``*.safetensors`` of a directory; a single
+  file, or the files an index names (not a stale shard beside them), is served by
+  giving it the headers :func:`read_headers` read and checked (``_reader``);
+* the key map (model key -> file key) and tied weights (loaded once);
+* one error naming every missing, unexpected and mis-shaped tensor, before
+  anything changes (DCP stops at the first, after reading earlier tensors);
+* meta parameters materialized in place (DCP's meta handling makes new tensor
+  objects, which an optimizer already holding the parameters would not see);
+* the memory bound: DCP's reader keeps a file open while it reads all of that
+  file's tensors, and the mapped pages it touched stay resident until then (a
+  rank's peak: its shards plus its part of a whole file). ``_reader`` hands it one
+  tensor at a time: the shards plus one tensor's slice (BENCHMARKS.md).
 
 [Note: a load failing on one rank]
 Every rank reads its own files, so one rank may fail alone (its copy of the file
@@ -22,9 +35,14 @@ tensors (e.g. loaded on rank 0 alone) communicates nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
+import warnings
 from dataclasses import dataclass, field
+from itertools import groupby
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +50,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ._format import DTYPES, Entry, KeyMap, names_of, read_headers, safe_open_fn
-from ._layout import box_of, local_of
 from ._ranks import raise_if_any_failed
 
 logger = logging.getLogger("fsdp_compose")
@@ -61,7 +78,10 @@ class Target:
     tensor: torch.Tensor
     is_param: bool
     file_key: str | None = None
-    box: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def local(self) -> torch.Tensor:
+        return self.tensor.to_local() if isinstance(self.tensor, DTensor) else self.tensor
 
 
 def targets_of(module: nn.Module) -> list[Target]:
@@ -85,14 +105,13 @@ def targets_of(module: nn.Module) -> list[Target]:
 def _plan_load(
     targets: list[Target], entries: dict[str, Entry], key_map: KeyMap, strict: bool, source: str
 ) -> tuple[list[str], list[str]]:
-    """Matches model keys to checkpoint tensors and checks shapes, dtypes and the
-    local layout of every tensor; raises one error listing every problem."""
+    """Matches model keys to checkpoint tensors and checks shapes and dtypes;
+    raises one error listing every problem."""
     problems: list[str] = []
     missing: list[str] = []
     used: set[str] = set()
     for t in targets:
-        mapped = [(k, key_map(k)) for k in t.keys]
-        names = [name for _, name in mapped if name is not None]
+        names = [name for name in map(key_map, t.keys) if name is not None]
         used.update(n for n in names if n in entries)
         if not names:  # the key map skips this tensor
             continue
@@ -117,18 +136,6 @@ def _plan_load(
                 f"{where} has dtype {entry.dtype}, which cannot be converted to the model's "
                 f"{t.keys[0]!r} of dtype {t.tensor.dtype}"
             )
-            continue
-        try:
-            t.box = box_of(t.tensor)
-        except NotImplementedError as exc:
-            problems.append(f"model tensor {t.keys[0]!r}: cannot load into its layout: {exc}")
-            continue
-        box_shape = tuple(b - a for a, b in t.box)
-        if box_shape != tuple(local_of(t.tensor).shape):
-            problems.append(
-                f"model tensor {t.keys[0]!r}: its local shard has shape {list(local_of(t.tensor).shape)}, "
-                f"but its placements {getattr(t.tensor, 'placements', None)} describe {list(box_shape)}"
-            )
     unexpected = sorted(set(entries) - used)
     if strict and missing:
         problems.append(
@@ -150,18 +157,74 @@ def _plan_load(
     return missing, unexpected
 
 
-def _check_unchanged(t: Target, entry: Entry, shape: tuple[int, ...], dtype: str) -> None:
-    """Raises if a tensor's header changed since the checkpoint was checked (the
-    file was replaced while loading): a shorter slice would otherwise be
-    broadcast into the shard without an error."""
-    if shape == tuple(entry.shape) and dtype == entry.dtype:
-        return
-    raise ValueError(
-        f"load_safetensors: tensor {t.file_key!r} in {entry.file} now has shape {list(shape)} "
-        f"and dtype {dtype}, but had shape {list(entry.shape)} and dtype {entry.dtype} when "
-        f"the checkpoint was checked against the model ({t.keys[0]!r}): the file was replaced "
-        "while loading. Tensors before it in the model's state dict hold the new values, the "
-        "others their previous ones: load again once the checkpoint is complete."
+def _reader(entries: dict[str, Entry]) -> Any:
+    """DCP's ``HuggingFaceStorageReader`` over the checked headers (see [Note: what
+    DCP's HuggingFaceStorageReader does and what is kept here])."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    # The reader's per-tensor record is private to DCP; its own read_metadata
+    # builds the same one per header entry.
+    from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from torch.futures import Future
+
+    class _Reader(HuggingFaceStorageReader):
+        bytes_read = 0
+
+        def read_metadata(self) -> Metadata:
+            tensors, storage = {}, {}
+            for key, e in entries.items():
+                size = torch.Size(e.shape)
+                offsets = torch.Size([0] * len(size))
+                tensors[key] = TensorStorageMetadata(
+                    TensorProperties(dtype=DTYPES[e.dtype]),
+                    size,
+                    [ChunkStorageMetadata(offsets, size)],
+                )
+                storage[MetadataIndex(key, offsets)] = _HFStorageInfo(e.file, size, DTYPES[e.dtype])
+            return Metadata(state_dict_metadata=tensors, storage_data=storage)  # type: ignore[arg-type]
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            # One safe_open per tensor, not per file: the mapped pages of a tensor
+            # are released before the next is read (the memory bound).
+            for fqn, group in groupby(plan.items, key=lambda item: item.storage_index.fqn):
+                items = list(group)
+                super().read_data(dataclasses.replace(plan, items=items), planner)
+                size = DTYPES[entries[fqn].dtype].itemsize
+                self.bytes_read += sum(math.prod(item.lengths) * size for item in items)
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+
+    return _Reader(os.path.dirname(next(iter(entries.values())).file))
+
+
+def _replaced_error(path: str, entries: dict[str, Entry]) -> Exception | None:
+    """The error for a read that failed after the headers were checked: names the
+    tensors whose header changed (the file was replaced while loading), else ``None``."""
+    try:
+        now = read_headers(path)
+    except (OSError, ValueError) as reread:
+        return reread
+    changed = [
+        f"tensor {k!r} in {e.file} now has shape {list(now[k].shape)}, dtype {now[k].dtype}, but had "
+        f"shape {list(e.shape)}, dtype {e.dtype}"
+        for k, e in entries.items()
+        if k in now and now[k] != e
+    ]
+    return (
+        ValueError(
+            f"load_safetensors: {'; '.join(changed)}: the file was replaced while loading. Some tensors "
+            "hold the new values, the others their previous ones: load again once it is complete."
+        )
+        if changed
+        else None
     )
 
 
@@ -184,7 +247,7 @@ def _materialize(module: nn.Module, t: Target, device: torch.device) -> None:
     meta one was instead.
     """
     old = t.tensor
-    local = torch.empty(local_of(old).shape, dtype=old.dtype, device=device)
+    local = torch.empty(t.local.shape, dtype=old.dtype, device=device)
     new: torch.Tensor = local
     if isinstance(old, DTensor):
         new = DTensor.from_local(
@@ -261,8 +324,8 @@ def load_safetensors(
     parameters). Tied parameters (one tensor under several names) are loaded once,
     from whichever of their names the checkpoint has.
 
-    Every rank reads its own slices (see [Note: which part of a tensor a rank
-    reads]). For a module holding ``DTensor``s, the ranks of ``process_group``
+    Every rank reads its own slices through DCP's ``HuggingFaceStorageReader``
+    (see [Note: what DCP's HuggingFaceStorageReader does and what is kept here]). For a module holding ``DTensor``s, the ranks of ``process_group``
     agree on the outcome (two all-reduces of one integer), so that a failure on
     one rank raises on every rank (see [Note: a load failing on one rank]); a
     module of plain tensors communicates nothing. Non-persistent buffers are not
@@ -309,7 +372,7 @@ def load_safetensors(
     dev = torch.device(device) if device is not None else _default_device(targets)
     result = LoadResult(missing=missing, unexpected=unexpected)
     try:
-        _copy(module, targets, entries, dev, result)
+        _copy(module, targets, entries, dev, result, os.fspath(path))
     except Exception as exc:
         error = exc
     outcome = "this rank loaded every tensor, the failing rank only some: load again"
@@ -341,32 +404,38 @@ def _copy(
     entries: dict[str, Entry],
     dev: torch.device,
     result: LoadResult,
+    path: str,
 ) -> None:
-    """Reads this rank's slice of every matched tensor into its local shard,
-    materializing meta tensors on ``dev``."""
-    safe_open = safe_open_fn()
+    """Reads this rank's part of every matched tensor into its local shard through
+    DCP, materializing meta tensors on ``dev``."""
+    import torch.distributed.checkpoint as dcp
+
+    to_load: dict[str, torch.Tensor] = {}
     materialized = False
     try:
-        for t in targets:
-            if t.file_key is None:
-                continue
+        for t in [t for t in targets if t.file_key is not None]:
             if t.tensor.is_meta:
                 _materialize(module, t, dev)
                 materialized = True
-            local = local_of(t.tensor)
-            if local.numel() > 0:
-                entry = entries[t.file_key]
-                # A short-lived handle per tensor: see [Note: memory while loading].
-                with safe_open(entry.file, framework="pt") as f:
-                    tensor_slice = f.get_slice(t.file_key)
-                    _check_unchanged(
-                        t, entry, tuple(tensor_slice.get_shape()), tensor_slice.get_dtype()
-                    )
-                    piece = tensor_slice[tuple(slice(a, b) for a, b in t.box)]
-                    local.copy_(piece)
-                    result.bytes_read += piece.numel() * piece.element_size()
-                    del piece
+            to_load[t.file_key] = t.tensor  # type: ignore[index]
             result.loaded.extend(t.keys)
     finally:  # also after a failure: units re-derive their buffers at their next use
         if materialized:
             _invalidate_units(module)
+    if not to_load:
+        return
+    reader = _reader({key: entries[key] for key in to_load})
+    try:
+        with warnings.catch_warnings():  # no_dist is the intent (no collective)
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to load in a single process"
+            )
+            dcp.load(to_load, storage_reader=reader, no_dist=True)
+    except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
+        error = _replaced_error(path, entries)
+        if error is not None:
+            raise error from exc
+        if isinstance(exc, Exception):
+            raise
+        raise RuntimeError(f"load_safetensors: reading {path} failed: {exc}") from exc
+    result.bytes_read = reader.bytes_read
