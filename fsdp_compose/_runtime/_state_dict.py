@@ -1,7 +1,8 @@
 """State-dict hooks of a unit, and loading full (unsharded) state dicts.
 
 ``state_dict()`` and ``load_state_dict()`` see the sharded DTensor parameters, as
-in FSDP2. Beyond FSDP2 (which loads only sharded DTensors; a full state dict goes
+in FSDP2; ``state_dict()`` reads them without resharding (safe from another thread
+while a forward runs, which FSDP2's resharding pre-hook is not). Beyond FSDP2 (which loads only sharded DTensors; a full state dict goes
 through ``torch.distributed.checkpoint.state_dict.set_model_state_dict``),
 ``load_state_dict`` also takes a full plain tensor of a parameter's global shape,
 and with tensor parallel a DTensor laid out by TP alone (a state dict saved before
@@ -118,6 +119,22 @@ def register_state_dict_hooks(
 
     for module, params in owner_params.items():
 
+        def save_post_hook(
+            _module: nn.Module,
+            state_dict: dict[str, Any],
+            prefix: str,
+            *_: Any,
+            _params: list[tuple[str, ShardedParam]] = params,
+        ) -> None:
+            # The shards, without touching the unit: another thread (torchft's recovery)
+            # may ask while a forward or backward has the unsharded parameters registered.
+            for name, p in _params:
+                saved = state_dict.get(prefix + name)
+                if isinstance(saved, torch.Tensor) and not _is_shard(saved, p):
+                    keep_vars = isinstance(saved, nn.Parameter)  # detached otherwise
+                    sharded = p.sharded_param
+                    state_dict[prefix + name] = sharded if keep_vars else sharded.detach()
+
         def load_pre_hook(
             _module: nn.Module,
             state_dict: dict[str, Any],
@@ -135,6 +152,18 @@ def register_state_dict_hooks(
             state.reshard(unit)
             unit.invalidate()
 
-        module.register_state_dict_pre_hook(reshard)
+        module.register_state_dict_post_hook(save_post_hook)
         module.register_load_state_dict_pre_hook(load_pre_hook)
         module.register_load_state_dict_post_hook(load_post_hook)
+
+
+def _is_shard(t: torch.Tensor, p: ShardedParam) -> bool:
+    """Whether ``t`` is laid out like ``p``'s sharded DTensor (an unsharded parameter is
+    a plain tensor, or with TP or ``dp_mesh_dims`` a DTensor placed otherwise)."""
+    sharded = p.sharded_param
+    return (
+        isinstance(t, DTensor)
+        and isinstance(sharded, DTensor)
+        and t.device_mesh == sharded.device_mesh
+        and t.placements == sharded.placements
+    )
