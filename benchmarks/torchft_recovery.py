@@ -323,14 +323,16 @@ def main() -> None:
         recovery = _recovery(Path(tmp), args.steps, args.kill_at)
     print(f"W=4 (2 groups x 2 ranks), CPU gloo, GPTConfig() ~1M params, {PER_RANK} seq/rank, "
           f"{args.steps} steps ({WARMUP} warm-up left out)\n")  # fmt: skip
-    print("| run | median step (ms) | vs no torchft |")
-    print("|---|---|---|")
+    print("| run | median step (ms) | added per step (ms) | vs no torchft |")
+    print("|---|---|---|---|")
     for mode, label in (
         ("plain", "no torchft"),
         ("sync", "torchft sync quorum"),
         ("async", "torchft async quorum"),
     ):
-        print(f"| {label} | {medians[mode] * 1e3:.1f} | {medians[mode] / medians['plain']:.3f} |")
+        added = (medians[mode] - medians["plain"]) * 1e3
+        ratio = medians[mode] / medians["plain"]
+        print(f"| {label} | {medians[mode] * 1e3:.1f} | {added:+.1f} | {ratio:.3f} |")
     print(
         f"\nRecovery (torchft sync quorum, rank 1 of group 1 SIGKILLed at step {args.kill_at}):\n"
     )
