@@ -1,7 +1,7 @@
 """Fault-tolerant data parallelism across replica groups with torchft.
 
 torchft (``pip install fsdp_compose[ft]``) runs several *replica groups*, each a
-fully sharded job of its own (one process group, one mesh), and keeps them in step
+fully sharded job of its own (one process group), and keeps them in step
 through a ``torchft.Manager``: gradients are averaged across the groups that are
 alive, a step is committed only where every rank agrees, and a group that restarts
 after a failure fetches the sharded state of a healthy group before it trains on.
@@ -9,8 +9,11 @@ after a failure fetches the sharded state of a healthy group before it trains on
 :func:`enable_torchft` wires what that takes onto a model sharded with
 :func:`fsdp_compose.fully_shard` over the group's mesh::
 
-    manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), load_state_dict=None,
-                              state_dict=None, min_replica_size=1, ...)
+    t = fsdp_compose.ft.torchft_timeouts(timedelta(seconds=60))  # see [Note: torchft timeouts]
+    dist.init_process_group(..., timeout=t.replica_group)          # this replica group
+    manager = torchft.Manager(pg=torchft.ProcessGroupGloo(timeout=t.process_group),
+                              timeout=t.manager, quorum_timeout=t.quorum,
+                              load_state_dict=None, state_dict=None, min_replica_size=1, ...)
     ft = fsdp_compose.ft.enable_torchft(model, optimizer, manager,
                                         replica_group=group, num_replica_groups=groups)
     sampler = DistributedSampler(dataset, rank=ft.dp_rank, num_replicas=ft.dp_size)
@@ -19,8 +22,10 @@ after a failure fetches the sharded state of a healthy group before it trains on
         loss_fn(model(batch)).backward()
         ft.optimizer.step()        # steps only if every rank of every group committed
 
-This module uses fsdp_compose's public API only and is never imported by the
-runtime; torchft is imported when :func:`enable_torchft` is called.
+This module uses fsdp_compose's public API only (it relies on ``state_dict()``
+reading the shards from any thread, and on ``set_all_reduce_hook`` serving every
+mesh of a module) and is never imported by the runtime; torchft is imported when
+:func:`enable_torchft` is called.
 """
 
 from __future__ import annotations

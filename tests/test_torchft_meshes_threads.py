@@ -403,6 +403,8 @@ def _mid_step_job() -> dict[str, Any]:
     threads = _Threads()
     ours = _probe_mid_step(fully_shard, threads)
     ours["collective_threads"] = sorted(threads.names)
+    root = fully_shard(nn.Sequential(fully_shard(nn.Linear(8, 8))))  # no parameters of its own
+    root.set_all_reduce_hook(lambda t: None)  # accepted, as in FSDP2: nothing to hook
     try:
         fsdp2: dict[str, Any] = _probe_mid_step(torch_fully_shard, None)
     except Exception as e:  # recorded for the comparison

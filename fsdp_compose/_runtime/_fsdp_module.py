@@ -290,7 +290,7 @@ class FSDPModule:
         del stream
         pgs = None if mesh is None else mesh.get_all_groups()  # meshes on the same ranks may differ
         units = [u for u in self._units(False) if pgs in (None, u.mesh_info.mesh.get_all_groups())]
-        if not units:
+        if not units and mesh is not None:  # no mesh, no parameters: a no-op, as in FSDP2
             raise ValueError(f"set_all_reduce_hook: no parameter of this module is on {mesh}")
         for unit in units:
             unit.all_reduce_hook = hook

@@ -114,26 +114,7 @@ def register_state_dict_hooks(
     for module, name, p in owners:
         owner_params.setdefault(module, []).append((name, p))
 
-    def reshard(*_: Any) -> None:
-        state.reshard(unit)
-
     for module, params in owner_params.items():
-
-        def save_post_hook(
-            _module: nn.Module,
-            state_dict: dict[str, Any],
-            prefix: str,
-            *_: Any,
-            _params: list[tuple[str, ShardedParam]] = params,
-        ) -> None:
-            # The shards, without touching the unit: another thread (torchft's recovery)
-            # may ask while a forward or backward has the unsharded parameters registered.
-            for name, p in _params:
-                saved = state_dict.get(prefix + name)
-                if isinstance(saved, torch.Tensor) and not _is_shard(saved, p):
-                    keep_vars = isinstance(saved, nn.Parameter)  # detached otherwise
-                    sharded = p.sharded_param
-                    state_dict[prefix + name] = sharded if keep_vars else sharded.detach()
 
         def load_pre_hook(
             _module: nn.Module,
@@ -143,7 +124,7 @@ def register_state_dict_hooks(
             *_: Any,
             _params: list[tuple[str, ShardedParam]] = params,
         ) -> None:
-            reshard()
+            state.reshard(unit)
             assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
             _convert_loaded(state_dict, prefix, _params, assign)
 
@@ -152,18 +133,24 @@ def register_state_dict_hooks(
             state.reshard(unit)
             unit.invalidate()
 
-        module.register_state_dict_post_hook(save_post_hook)
+        module.register_state_dict_post_hook(
+            lambda _m, state_dict, prefix, _meta, _p=params: _save_shards(state_dict, prefix, _p)
+        )
         module.register_load_state_dict_pre_hook(load_pre_hook)
         module.register_load_state_dict_post_hook(load_post_hook)
 
 
-def _is_shard(t: torch.Tensor, p: ShardedParam) -> bool:
-    """Whether ``t`` is laid out like ``p``'s sharded DTensor (an unsharded parameter is
-    a plain tensor, or with TP or ``dp_mesh_dims`` a DTensor placed otherwise)."""
-    sharded = p.sharded_param
-    return (
-        isinstance(t, DTensor)
-        and isinstance(sharded, DTensor)
-        and t.device_mesh == sharded.device_mesh
-        and t.placements == sharded.placements
-    )
+def _save_shards(
+    state_dict: dict[str, Any], prefix: str, params: list[tuple[str, ShardedParam]]
+) -> None:
+    """Puts the shards in ``state_dict`` without touching the unit: another thread
+    (torchft's recovery) may ask while a step has the unsharded parameters registered."""
+    for name, p in params:
+        saved, sharded = state_dict.get(prefix + name), p.sharded_param
+        if not isinstance(saved, torch.Tensor) or (  # absent, or a shard (a new one: assign=True)
+            isinstance(saved, DTensor)
+            and isinstance(sharded, DTensor)
+            and (saved.device_mesh, saved.placements) == (sharded.device_mesh, sharded.placements)
+        ):
+            continue
+        state_dict[prefix + name] = sharded if isinstance(saved, nn.Parameter) else sharded.detach()
