@@ -14,7 +14,10 @@ step it records the full parameters, this rank's optimizer shards and the number
 of participating groups; the records go to ``--out`` at the end. With
 ``--kill-at``, the process SIGKILLs itself in the middle of that step (or the first
 step past it). While some group is missing, each step waits 0.2 s, so that a group
-running alone does not race far ahead (and its records stay small).
+running alone does not race far ahead (and its records stay small). The output also
+names the threads that issued the model's collectives (an observer) and the threads
+on which torchft asked for and applied the recovery state (a second state-dict
+entry, ``probe``, registered next to fsdp_compose's).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -35,12 +39,23 @@ from gpt import GPT, GPTConfig, loss_fn, make_batch  # noqa: E402
 from models import TINY_GPT  # noqa: E402
 from torchft import Manager, ProcessGroupGloo  # noqa: E402
 
-from fsdp_compose import fully_shard  # noqa: E402
-from fsdp_compose.ft import enable_torchft, shard_state_dict  # noqa: E402
+from fsdp_compose import Observer, fully_shard  # noqa: E402
+from fsdp_compose.ft import enable_torchft, shard_state_dict, torchft_timeouts  # noqa: E402
 
 TINY = GPTConfig(**{**TINY_GPT, "n_layer": 2})
 GLOBAL_BATCH = 8
 LR = 1e-2
+
+
+class _CollectiveThreads(Observer):
+    """Names the threads that issue the model's collectives."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def on_collective(self, event, info) -> None:  # type: ignore[no-untyped-def]
+        if event == "issue":
+            self.names.add(threading.current_thread().name)
 
 
 def main() -> None:
@@ -58,16 +73,20 @@ def main() -> None:
     args = p.parse_args()
 
     torch.set_num_threads(1)
-    timeout = timedelta(seconds=20)
+    timeouts = torchft_timeouts(timedelta(seconds=10), quorum=timedelta(seconds=60))
     store = dist.TCPStore(
-        "localhost", args.store_port, is_master=False, wait_for_workers=False, timeout=timeout
+        "localhost",
+        args.store_port,
+        is_master=False,
+        wait_for_workers=False,
+        timeout=timeouts.replica_group,
     )
     dist.init_process_group(
         "gloo",
         store=dist.PrefixStore("replica_group", store),
         rank=args.rank,
         world_size=args.group_size,
-        timeout=timeout,
+        timeout=timeouts.replica_group,
     )
     with torch.device("meta"):
         model = GPT(TINY)
@@ -79,13 +98,13 @@ def main() -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
 
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+        pg=ProcessGroupGloo(timeout=timeouts.process_group),
         load_state_dict=None,
         state_dict=None,
         min_replica_size=1,
         use_async_quorum=False,
-        timeout=timedelta(seconds=10),
-        quorum_timeout=timedelta(seconds=60),
+        timeout=timeouts.manager,
+        quorum_timeout=timeouts.quorum,
         connect_timeout=timedelta(seconds=10),
         rank=args.rank,
         world_size=args.group_size,
@@ -96,6 +115,13 @@ def main() -> None:
     )
     ft = enable_torchft(
         model, optim, manager, replica_group=args.group, num_replica_groups=args.groups
+    )
+    threads = {"collectives": _CollectiveThreads(), "sent": [], "loaded": []}
+    model.register_observer(threads["collectives"])
+    manager.register_state_dict_fn(
+        "probe",
+        lambda _: threads["loaded"].append(threading.current_thread().name),
+        lambda: threads["sent"].append(threading.current_thread().name),
     )
     local = GLOBAL_BATCH // ft.dp_size
     records: list[dict[str, object]] = []
@@ -125,7 +151,8 @@ def main() -> None:
         )
         if manager.current_step() >= args.steps and together >= args.min_together:
             break
-    torch.save(records, args.out)
+    threads["collectives"] = sorted(threads["collectives"].names)
+    torch.save({"records": records, "threads": threads}, args.out)
     manager.shutdown(wait=False)
     dist.destroy_process_group()
 

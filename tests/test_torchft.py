@@ -11,7 +11,9 @@ started here, a ``torchft.Manager`` per rank and torchft's reconfigurable
 * ``test_killed_group_heals``: one rank of group 1 SIGKILLs itself mid-step;
   group 0 keeps committing steps alone; group 1 is restarted (both ranks, as
   an elastic launcher would), heals from group 0, and from then on holds the
-  same parameters and optimizer shards as group 0, bit for bit.
+  same parameters and optimizer shards as group 0, bit for bit. Group 0 sends
+  its state from torchft's quorum thread, which issues none of the model's
+  collectives (only the training thread does).
 
 Every process runs under a deadline and is killed at the end of the test.
 """
@@ -94,10 +96,13 @@ class _Job:
         except subprocess.TimeoutExpired:
             pytest.fail(f"rank {key} (group, incarnation, rank) hung\n{self.logs()}")
 
-    def records(self, group: int, incarnation: int, rank: int) -> list[dict[str, Any]]:
+    def output(self, group: int, incarnation: int, rank: int) -> dict[str, Any]:
         code = self.wait((group, incarnation, rank))
         assert code == 0, f"rank {(group, incarnation, rank)} exited with {code}\n{self.logs()}"
         return torch.load(self.out(group, incarnation, rank), weights_only=False)
+
+    def records(self, group: int, incarnation: int, rank: int) -> list[dict[str, Any]]:
+        return self.output(group, incarnation, rank)["records"]
 
     def kill_all(self) -> None:
         for proc in self.procs.values():
@@ -188,8 +193,19 @@ def test_killed_group_heals(tmp_path: Path) -> None:
         job.procs[1, 0, 0].kill()
         job.wait((1, 0, 0))
         job.start_group(1, 1, kill_at={})
-        group0 = [job.records(0, 0, r) for r in range(GROUP_SIZE)]
-        group1 = [job.records(1, 1, r) for r in range(GROUP_SIZE)]
+        # group 0's first life, group 1's second
+        outputs = {(g, r): job.output(g, g, r) for g in range(GROUPS) for r in range(GROUP_SIZE)}
+    group0 = [outputs[0, r]["records"] for r in range(GROUP_SIZE)]
+    group1 = [outputs[1, r]["records"] for r in range(GROUP_SIZE)]
+    for (g, r), out in outputs.items():
+        threads = out["threads"]
+        # Recovery issues no collective of the model: only the training thread does,
+        # while torchft asks for the state on its quorum thread.
+        assert threads["collectives"] == ["MainThread"], (g, r, threads)
+        if g == 1:  # the restarted group heals, on the training thread
+            assert threads["loaded"] == ["MainThread"], (g, r, threads)
+    sent = [name for r in range(GROUP_SIZE) for name in outputs[0, r]["threads"]["sent"]]
+    assert sent and "MainThread" not in sent, sent
     for r in range(GROUP_SIZE):
         steps0 = [rec["step"] for rec in group0[r]]
         # At the first quorum both groups are at step 0 and torchft may let either

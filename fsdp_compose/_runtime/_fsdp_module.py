@@ -281,15 +281,18 @@ class FSDPModule:
             unit.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_all_reduce_hook(
-        self, hook: Callable[[torch.Tensor], None], *, stream: Any | None = None
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any | None = None, mesh: Any = None
     ) -> None:
-        """Calls ``hook(reduce_output)`` on this unit's reduced gradient (the
-        reduce-scatter output, or with HSDP the all-reduce output), before the
-        averaging division. ``stream`` is accepted for API compatibility; the hook
-        runs where the reduction completes."""
+        """Calls ``hook(reduce_output)`` on this unit's reduced gradient (the reduce-scatter
+        output, or with HSDP the all-reduce output) before the averaging division, where the
+        reduction completes (``stream``: for API compatibility). Beyond FSDP2: with per-parameter
+        meshes, on each mesh's; with ``mesh`` (a ``DeviceMesh``), on that mesh's only."""
         del stream
-        _check_single_mesh(self._fsdp_state(), "set_all_reduce_hook")
-        for unit in self._units(False):
+        pgs = None if mesh is None else mesh.get_all_groups()  # meshes on the same ranks may differ
+        units = [u for u in self._units(False) if pgs in (None, u.mesh_info.mesh.get_all_groups())]
+        if not units and mesh is not None:  # no mesh, no parameters: a no-op, as in FSDP2
+            raise ValueError(f"set_all_reduce_hook: no parameter of this module is on {mesh}")
+        for unit in units:
             unit.all_reduce_hook = hook
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:

@@ -1,7 +1,8 @@
 """State-dict hooks of a unit, and loading full (unsharded) state dicts.
 
 ``state_dict()`` and ``load_state_dict()`` see the sharded DTensor parameters, as
-in FSDP2. Beyond FSDP2 (which loads only sharded DTensors; a full state dict goes
+in FSDP2; ``state_dict()`` reads them without resharding (safe from another thread
+while a forward runs, which FSDP2's resharding pre-hook is not). Beyond FSDP2 (which loads only sharded DTensors; a full state dict goes
 through ``torch.distributed.checkpoint.state_dict.set_model_state_dict``),
 ``load_state_dict`` also takes a full plain tensor of a parameter's global shape,
 and with tensor parallel a DTensor laid out by TP alone (a state dict saved before
@@ -113,9 +114,6 @@ def register_state_dict_hooks(
     for module, name, p in owners:
         owner_params.setdefault(module, []).append((name, p))
 
-    def reshard(*_: Any) -> None:
-        state.reshard(unit)
-
     for module, params in owner_params.items():
 
         def load_pre_hook(
@@ -126,7 +124,7 @@ def register_state_dict_hooks(
             *_: Any,
             _params: list[tuple[str, ShardedParam]] = params,
         ) -> None:
-            reshard()
+            state.reshard(unit)
             assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
             _convert_loaded(state_dict, prefix, _params, assign)
 
@@ -135,6 +133,24 @@ def register_state_dict_hooks(
             state.reshard(unit)
             unit.invalidate()
 
-        module.register_state_dict_pre_hook(reshard)
+        module.register_state_dict_post_hook(
+            lambda _m, state_dict, prefix, _meta, _p=params: _save_shards(state_dict, prefix, _p)
+        )
         module.register_load_state_dict_pre_hook(load_pre_hook)
         module.register_load_state_dict_post_hook(load_post_hook)
+
+
+def _save_shards(
+    state_dict: dict[str, Any], prefix: str, params: list[tuple[str, ShardedParam]]
+) -> None:
+    """Puts the shards in ``state_dict`` without touching the unit: another thread
+    (torchft's recovery) may ask while a step has the unsharded parameters registered."""
+    for name, p in params:
+        saved, sharded = state_dict.get(prefix + name), p.sharded_param
+        if not isinstance(saved, torch.Tensor) or (  # absent, or a shard (a new one: assign=True)
+            isinstance(saved, DTensor)
+            and isinstance(sharded, DTensor)
+            and (saved.device_mesh, saved.placements) == (sharded.device_mesh, sharded.placements)
+        ):
+            continue
+        state_dict[prefix + name] = sharded if isinstance(saved, nn.Parameter) else sharded.detach()
