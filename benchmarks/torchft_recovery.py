@@ -255,20 +255,26 @@ def _lighthouse(min_replicas: int) -> Any:
     )
 
 
-def _overhead(tmp: Path, steps: int) -> dict[str, float]:
-    medians = {}
-    for mode in ("plain", "sync", "async"):
-        lighthouse = _lighthouse(GROUPS)
-        job = _Job(tmp, mode, steps, lighthouse.address())
-        try:
-            job.start(list(range(GROUPS)), 0)
-            results = [job.result(g, 0, r) for g in range(GROUPS) for r in range(GROUP_SIZE)]
-        finally:
-            job.kill_all()
-            lighthouse.shutdown()
-        assert all(s["participants"] == GROUPS for r in results for s in r["steps"]), mode
-        medians[mode] = statistics.median(_step_times(results))
-    return medians
+def _overhead(tmp: Path, steps: int, rounds: int) -> dict[str, float]:
+    """Median step time per mode, the modes interleaved over ``rounds`` rounds (the
+    order rotating each round) so that a change of load hits every mode alike."""
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for i in range(rounds):
+        for mode in MODES[i % len(MODES) :] + MODES[: i % len(MODES)]:
+            lighthouse = _lighthouse(GROUPS)
+            job = _Job(tmp, mode, steps, lighthouse.address())
+            try:
+                job.start(list(range(GROUPS)), 0)
+                results = [job.result(g, 0, r) for g in range(GROUPS) for r in range(GROUP_SIZE)]
+            finally:
+                job.kill_all()
+                lighthouse.shutdown()
+            assert all(s["participants"] == GROUPS for r in results for s in r["steps"]), mode
+            times[mode] += _step_times(results)
+    return {mode: statistics.median(ts) for mode, ts in times.items()}
+
+
+MODES = ("plain", "sync", "async")
 
 
 def _recovery(tmp: Path, steps: int, kill_at: int) -> dict[str, float]:
@@ -314,15 +320,16 @@ def main() -> None:
     p.add_argument("--store-port", type=int, default=0)
     p.add_argument("--lighthouse", default="")
     p.add_argument("--out", default="")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the 3 modes")
     args = p.parse_args()
     if args.worker:
         _worker(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        medians = _overhead(Path(tmp), args.steps)
+        medians = _overhead(Path(tmp), args.steps, args.rounds)
         recovery = _recovery(Path(tmp), args.steps, args.kill_at)
     print(f"W=4 (2 groups x 2 ranks), CPU gloo, GPTConfig() ~1M params, {PER_RANK} seq/rank, "
-          f"{args.steps} steps ({WARMUP} warm-up left out)\n")  # fmt: skip
+          f"{args.steps} steps ({WARMUP} warm-up left out), {args.rounds} interleaved rounds\n")  # fmt: skip
     print("| run | median step (ms) | added per step (ms) | vs no torchft |")
     print("|---|---|---|---|")
     for mode, label in (
