@@ -175,7 +175,10 @@ class Released(Int8RowWise):
         full = outputs[0][:rows].to(param_dtype) * outputs[1][:rows, None].to(param_dtype)
         CALLS.append(("post_released", out is not None, float(full.sum())))
         if out is not None:
-            out.copy_(full)
+            # Backward may hold the unsharded weight: refill it as FSDP2 refills
+            # gathered parameters, without bumping its version.
+            with torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(full)
             return None
         return full, (full,)
 
@@ -322,6 +325,12 @@ def _release_job() -> None:
     assert all(o.untyped_storage().size() > 0 for o in outputs[2:])  # the adapters'
     model[0].reshard()
     assert weight.untyped_storage().size() == 0
+    # Backward re-gathers through out= while autograd holds the weight.
+    for m in (model, reference):
+        m(x).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
 
 
 def test_release_hook_and_out_path() -> None:

@@ -9,15 +9,16 @@ of it, so the DTensor's local tensor is the subclass. Its unit then gathers per
 parameter, as FSDP2 does, instead of through the flat buffer:
 
 * ``fsdp_pre_all_gather(mesh)`` or ``fsdp_pre_all_gather(mesh, outer_size,
-  outer_stride, module, mp_policy)`` returns the tensors to gather (each of the
-  padded shard's size on an unevenly sharded parameter) and metadata;
+  outer_stride, module, mp_policy)`` returns the tensors to gather (of the same
+  shapes on every rank; one of the unpadded shard's shape is padded with zero
+  rows to the padded shard's) and metadata;
 * the inputs of all the unit's parameters are packed into one row (bytes when
-  their dtypes differ) and all-gathered in one collective, then copied into
-  per-parameter all-gather outputs that live as long as the unit;
+  their dtypes differ, or float8) and all-gathered in one collective, then copied
+  into per-parameter all-gather outputs that live as long as the unit;
 * ``fsdp_post_all_gather(outputs, metadata, param_dtype)`` returns the unsharded
-  tensor and the inner tensors to free at reshard; later unshards pass
-  ``out=`` the same unsharded parameter, whose inner tensors are the same
-  outputs (re-allocated, refilled);
+  tensor (viewed at the parameter's shape if it has padded rows) and the inner
+  tensors to free at reshard; later unshards pass ``out=`` the same unsharded
+  parameter, whose inner tensors are the same outputs (re-allocated, refilled);
 * ``fsdp_should_release_all_gather_outputs_after_post_all_gather()``, if
   defined and true, frees the outputs right after the rebuild.
 
@@ -136,6 +137,9 @@ class ExtensionGather:
                 "; expects fsdp_pre_all_gather(self, mesh) or fsdp_pre_all_gather(self, mesh, "
                 "outer_size, outer_stride, module, mp_policy)"
             )
+        if p.local_shape != p.chunk_shape:  # an input that is the shard itself: pad it
+            pad = p.chunk_rows - p.local_shape[0]
+            inputs = [_pad_rows(t, pad) if t.shape == p.local_shape else t for t in inputs]
         pg.sizes = [t.size() for t in inputs]
         pg.dtypes = [t.dtype for t in inputs]
         return [t.reshape(-1) for t in inputs]
@@ -160,6 +164,8 @@ class ExtensionGather:
             self.checked = True
         dtypes = {t.dtype for t in inputs}
         dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.uint8
+        if dtype.is_floating_point and dtype.itemsize == 1:  # float8: gloo has no such type
+            dtype = torch.uint8
         pieces = [t.contiguous().view(dtype) if dtype == torch.uint8 else t for t in inputs]
         row = sum(t.numel() for t in pieces)
         device = self.params[0].param.device
@@ -221,6 +227,9 @@ class ExtensionGather:
         local: Any = p.local_shard
         if p.unsharded_param is None:
             tensor, pg.inner = local.fsdp_post_all_gather(outputs, pg.metadata, dtype)
+            if tensor.shape != p.orig_size:  # padded rows: FSDP2's view of the first ones
+                stride = torch.empty(p.orig_size, device="meta").stride()
+                tensor = torch.as_strided(tensor, p.orig_size, stride, 0)
             p.unsharded_param = p.wrap_unsharded(tensor)
         else:
             for t in pg.inner:
@@ -247,6 +256,12 @@ def _describe_difference(mine: str, other: str) -> str:
                 f"{dtypes} on one rank but sizes {other_sizes} and dtypes {other_dtypes} on another"
             )
     return "the all-gather inputs differ"
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    padded = tensor.new_zeros((tensor.size(0) + rows, *tensor.shape[1:]))
+    padded[: tensor.size(0)].copy_(tensor)
+    return padded
 
 
 def _alloc(tensor: torch.Tensor) -> None:
