@@ -108,6 +108,7 @@ def _refusal_cases(shard) -> dict:
         "twice": twice,
         "deepcopy": deepcopy,
         "scalar": lambda fs: fs(_Scalar()),
+        "non_contiguous": lambda fs: fs(_non_contiguous()),
         "container": lambda fs: fs(nn.ModuleList([nn.Linear(2, 2)])),
         "reshard_int": lambda fs: fs(nn.Linear(4, 4), reshard_after_forward=3),
         "reshard_not_bool": reshard_not_bool,
@@ -152,6 +153,12 @@ def _spmd_refusal_cases() -> dict:
             spmd_linear(), mesh=mesh, dp_mesh_dims=dims, reshard_after_forward=2
         ),
     }
+
+
+def _non_contiguous() -> nn.Linear:
+    m = nn.Linear(4, 6)
+    m.weight = nn.Parameter(torch.randn(4, 6).t())
+    return m
 
 
 class _Scalar(nn.Module):

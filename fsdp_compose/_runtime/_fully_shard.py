@@ -25,7 +25,12 @@ from ._mesh import (
     resolve_spmd_mesh_info,
     validate_reshard_after_forward,
 )
-from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._policies import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    adopt_torch_policies,
+)
 from ._sharded_param import IGNORED_BY, REPLACED_BY, SHARDED_BY, ShardedParam
 from ._state_dict import register_state_dict_hooks
 from ._unit import Unit
@@ -149,6 +154,7 @@ def fully_shard(
     # retry (with the fix the error names) starts from a clean module. The checks
     # beyond FSDP2's and the collection of shared parameters run in this phase too.
     managed_modules = _managed_modules(modules)
+    mp_policy, offload_policy = adopt_torch_policies(mp_policy, offload_policy)  # type: ignore[assignment]
     policies = (mp_policy, offload_policy, shard_placement_fn)
     _validation.check_call(
         modules, managed_modules, ignored, mesh_info, policies, _shared.is_borrowed
@@ -177,6 +183,7 @@ def fully_shard(
         sharded_param = ShardedParam(
             param, param_owners, param_mesh_info, shard_dim, device, host, pin
         )
+        sharded_param.param_dtype = mp_policy._resolve_for_param(param).param_dtype
         sharded.append(sharded_param)
         groups.setdefault(param_mesh_info, []).append(sharded_param)
     units = [

@@ -84,6 +84,14 @@ class ShardedParam:
                 f"{type(owners[0][0]).__name__}: make it a 1-element 1-D tensor, or pass it "
                 "in ignored_params to leave it unsharded."
             )
+        if not param.is_contiguous():
+            name = owners[0][1]
+            raise NotImplementedError(  # FSDP2's type, see [Note: FSDP2's exception types]
+                f"fully_shard does not support the non-contiguous parameter {name!r} of "
+                f"{type(owners[0][0]).__name__} (shape {tuple(param.shape)}, stride "
+                f"{param.stride()}), as FSDP2: make it contiguous first, e.g. "
+                f"module.{name.rsplit('.', 1)[-1]} = nn.Parameter(param.contiguous())."
+            )
         if not -param.dim() <= shard_dim < param.dim():
             raise FSDPValueError(
                 f"shard dim {shard_dim} is out of range for parameter {owners[0][1]!r} "
@@ -134,6 +142,8 @@ class ShardedParam:
         # Set by the unit at lazy init (its flat buffer decides where the data lives).
         self.unsharded_param: nn.Parameter | None = None
         self.compute_dtype: torch.dtype = param.dtype
+        # MixedPrecisionPolicy's param_dtype for this parameter (param_dtype_override_fn).
+        self.param_dtype: torch.dtype | None = None
         # Unsharded gradient accumulated in the reduce dtype across no-sync steps.
         self.accumulated_grad: torch.Tensor | None = None
 
