@@ -25,7 +25,7 @@ from helpers import full, local_slice, rank_world
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from fsdp_compose import fully_shard  # noqa: E402
+from fsdp_compose import fully_shard
 
 WORLD = 2
 
@@ -94,9 +94,8 @@ def _accelerate_steps(accelerator, ckpt_dir: str) -> dict:  # type: ignore[no-un
         for p, q in zip(model.parameters(), ref.parameters())
     )
     full_sd = accelerator.get_state_dict(model)  # FSDP2 path: full, on rank 0 only
-    out["full_sd"] = (
-        rank != 0
-        or sorted(full_sd) == sorted(base.state_dict())
+    out["full_sd"] = rank != 0 or (
+        sorted(full_sd) == sorted(base.state_dict())
         and all(torch.equal(v, base.state_dict()[k]) for k, v in full_sd.items())
     )
     out["full_sd_empty_elsewhere"] = rank == 0 or full_sd == {}
