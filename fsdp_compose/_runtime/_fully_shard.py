@@ -248,7 +248,8 @@ def _validate_modules(module: object) -> tuple[nn.Module, ...]:
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__} in the list")
         if state_of(m) is not None:
             raise FSDPValueError(  # see [Note: FSDP2's exception types]
-                f"{type(m).__name__} already has fully_shard applied; each module can be "
+                "Each distinct composable distributed API can only be applied to a module "
+                f"once. {type(m).__name__} already has fully_shard applied; each module can be "
                 "annotated once (use FSDPModule.set_* methods to change its settings)."
             )
     modules: list[nn.Module] = list(dict.fromkeys(candidates))  # type: ignore[arg-type]
@@ -381,6 +382,7 @@ def _placement(
 
 def _no_deepcopy(*_: Any) -> NoReturn:
     raise FSDPRuntimeError(
-        "fully_shard modules cannot be deep-copied (their parameters are shards tied to "
+        "FSDP does not support deepcopy: fully_shard modules cannot be deep-copied (their "
+        "parameters are shards tied to "
         "process groups). Copy the model before fully_shard, or use state_dict()."
     )

@@ -210,6 +210,9 @@ class Unit(FlatBuffer, GradientReduction):
         self.reduce_dtype: torch.dtype | None = mp.reduce_dtype
         for dtype in dtypes if mp.reduce_dtype is None else ():
             self.reduce_dtype = torch.promote_types(self.reduce_dtype or dtype, dtype)
+        for p in self.params:  # FSDP2 2.15: autograd hands gradients over in reduce_dtype
+            cast = in_orig and self.reduce_dtype not in (None, p.compute_dtype)
+            p.grad_dtype = self.reduce_dtype if cast else None
 
     # -- unshard / reshard -----------------------------------------------
 
