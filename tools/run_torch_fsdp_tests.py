@@ -64,7 +64,9 @@ def _outcomes(junit: str) -> dict[str, tuple[str, str]]:
                 outcome = "skipped" if tag == "skipped" else "failed"
                 text = (node.get("message") or node.text or "").strip()
                 lines = [ln for ln in text.splitlines() if ln.strip()]
-                errors = [ln for ln in lines if "Error" in ln.split(":")[0] and "exited with" not in ln]
+                errors = [
+                    ln for ln in lines if "Error" in ln.split(":")[0] and "exited with" not in ln
+                ]
                 reason = (errors or lines or [""])[-1].strip()[:200]
                 break
         results[test_id] = (outcome, reason)

@@ -55,6 +55,15 @@ except ImportError:  # pragma: no cover - older torch
                     "At least one of shard or replicate must be set in DataParallelMeshDims"
                 )
 
+        @property
+        def shard_names(self) -> tuple[str, ...]:
+            return (self.shard,) if isinstance(self.shard, str) else tuple(self.shard or ())
+
+        @property
+        def replicate_names(self) -> tuple[str, ...]:
+            r = self.replicate
+            return (r,) if isinstance(r, str) else tuple(r or ())
+
 
 @dataclass(frozen=True)
 class SpmdLayout:
