@@ -46,8 +46,9 @@ class MixedPrecisionPolicy:
             installed torch's FSDP2: from torch 2.15 on, the parameters' original
             dtype (fp32 reductions for fp32 parameters with
             ``param_dtype=torch.bfloat16``); up to torch 2.14, the compute dtype
-            (``param_dtype``). Gradients of several dtypes in one unit are reduced
-            in their promoted dtype. (Default: ``None``)
+            (``param_dtype``). Gradients of several dtypes in one unit (2.15, or
+            ``param_dtype_override_fn``) are reduced in their promoted dtype.
+            (Default: ``None``)
         output_dtype (Optional[torch.dtype]): if set, floating-point forward outputs
             of the unit are cast to this dtype. (Default: ``None``)
         cast_forward_inputs (bool): whether floating-point forward inputs are cast

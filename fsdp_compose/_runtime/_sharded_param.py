@@ -78,23 +78,7 @@ class ShardedParam:
         requires_grad = param.requires_grad  # a DTensor's local tensor never requires grad
         if self.tp_spec is not None:
             param = _compat.local_tensor(param)  # type: ignore[assignment]
-        if param.dim() == 0:
-            raise ValueError(
-                "fully_shard doesn't support scalar parameters. Change "
-                f"{owners[0][1]} to a 1D tensor with numel equal to 1. fsdp_compose: "
-                f"cannot shard the 0-dim (scalar) parameter {owners[0][1]!r} of "
-                f"{type(owners[0][0]).__name__}: make it a 1-element 1-D tensor, or pass it "
-                "in ignored_params to leave it unsharded."
-            )
-        if not param.is_contiguous():
-            name = owners[0][1]
-            raise NotImplementedError(  # FSDP2's type, see [Note: FSDP2's exception types]
-                "FSDP does not support non-contiguous parameters yet: fsdp_compose, as "
-                f"FSDP2, refuses the non-contiguous parameter {name!r} of "
-                f"{type(owners[0][0]).__name__} (shape {tuple(param.shape)}, stride "
-                f"{param.stride()}): make it contiguous first, e.g. "
-                f"module.{name.rsplit('.', 1)[-1]} = nn.Parameter(param.contiguous())."
-            )
+        _check_shardable(param, owners)
         if not -param.dim() <= shard_dim < param.dim():
             raise FSDPValueError(
                 f"Shard dim {shard_dim} is invalid for {param.ndim}D tensor: shard dim "
@@ -345,6 +329,27 @@ class ShardedParam:
     def __repr__(self) -> str:
         return (
             f"ShardedParam({self.fqn}, size={tuple(self.global_size)}, shard_dim={self.shard_dim})"
+        )
+
+
+def _check_shardable(param: torch.Tensor, owners: list[tuple[nn.Module, str]]) -> None:
+    """Refuses what FSDP2 refuses, with FSDP2's type and its message first."""
+    if param.dim() == 0:
+        raise ValueError(
+            "fully_shard doesn't support scalar parameters. Change "
+            f"{owners[0][1]} to a 1D tensor with numel equal to 1. fsdp_compose: "
+            f"cannot shard the 0-dim (scalar) parameter {owners[0][1]!r} of "
+            f"{type(owners[0][0]).__name__}: make it a 1-element 1-D tensor, or pass it "
+            "in ignored_params to leave it unsharded."
+        )
+    if not param.is_contiguous():
+        name = owners[0][1]
+        raise NotImplementedError(  # FSDP2's type, see [Note: FSDP2's exception types]
+            "FSDP does not support non-contiguous parameters yet: fsdp_compose, as "
+            f"FSDP2, refuses the non-contiguous parameter {name!r} of "
+            f"{type(owners[0][0]).__name__} (shape {tuple(param.shape)}, stride "
+            f"{param.stride()}): make it contiguous first, e.g. "
+            f"module.{name.rsplit('.', 1)[-1]} = nn.Parameter(param.contiguous())."
         )
 
 
