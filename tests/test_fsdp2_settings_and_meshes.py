@@ -122,10 +122,11 @@ def _refusal_cases(shard) -> dict:
         "mesh_2d_unnamed": lambda fs: fs(nn.Linear(4, 4), mesh=_mesh((1, 2))),
     }
     if TORCH_HAS_PLACEMENT_RESULT:
-        info = _fsdp_common.FSDPMeshInfo(_mesh((2,)), shard_mesh_dim=0)
-        result = _fsdp_common.ShardPlacementResult(Replicate(), info)
         cases["result_not_a_shard"] = lambda fs: fs(
-            nn.Linear(4, 4), shard_placement_fn=lambda p: result
+            nn.Linear(4, 4),
+            shard_placement_fn=lambda p: _fsdp_common.ShardPlacementResult(
+                Replicate(), _fsdp_common.FSDPMeshInfo(_mesh((2,)), shard_mesh_dim=0)
+            ),
         )
     if TORCH_HAS_DP_MESH_DIMS:
         cases.update(_spmd_refusal_cases())
