@@ -4,17 +4,39 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch.distributed.fsdp as torch_fsdp
 import torch.distributed.fsdp._fully_shard as torch_fully_shard
 
 import fsdp_compose
 
 PUBLIC = {
-    "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx",
-    "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardedGradScaler", "trace", "debug",
-    "PipelineStage", "whole_matrix", "safetensors_io", "auto_wrap", "DataParallelMeshDims",
-    "plan", "ft", "enable_sharded_step", "Observer", "CollectiveInfo",
-    "AllGather", "ReduceScatter", "DefaultAllGather", "DefaultReduceScatter", "GradientReductionHandle",
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "ShardedGradScaler",
+    "trace",
+    "debug",
+    "PipelineStage",
+    "whole_matrix",
+    "safetensors_io",
+    "auto_wrap",
+    "DataParallelMeshDims",
+    "plan",
+    "ft",
+    "enable_sharded_step",
+    "Observer",
+    "CollectiveInfo",
+    "AllGather",
+    "ReduceScatter",
+    "DefaultAllGather",
+    "DefaultReduceScatter",
+    "GradientReductionHandle",
 }
 # FSDP2 methods missing from fsdp_compose (none left)
 NOT_IMPLEMENTED: set[str] = set()
@@ -48,7 +70,10 @@ def test_fully_shard_signature_matches_fsdp2() -> None:
     for name, param in theirs.items():
         assert name in ours, name
         assert ours[name].kind == param.kind, name
-        if param.default is not inspect.Parameter.empty and name not in ("mp_policy", "offload_policy"):
+        if param.default is not inspect.Parameter.empty and name not in (
+            "mp_policy",
+            "offload_policy",
+        ):
             assert ours[name].default == param.default, name
 
 
@@ -65,7 +90,9 @@ def test_fsdp_module_methods_cover_fsdp2() -> None:
     missing = theirs - ours - NOT_IMPLEMENTED - IGNORED
     assert not missing, f"FSDP2 methods missing from fsdp_compose.FSDPModule: {sorted(missing)}"
     for name in ours:
-        assert getattr(fsdp_compose.FSDPModule, name).__doc__, f"FSDPModule.{name} needs a docstring"
+        assert getattr(fsdp_compose.FSDPModule, name).__doc__, (
+            f"FSDPModule.{name} needs a docstring"
+        )
 
 
 def test_fsdp_module_signatures_match_fsdp2() -> None:
@@ -78,13 +105,24 @@ def test_fsdp_module_signatures_match_fsdp2() -> None:
 
 
 def test_data_parallel_mesh_dims_is_torchs() -> None:
-    # isinstance checks written against torch's class must accept ours
-    assert fsdp_compose.DataParallelMeshDims is torch_fsdp.DataParallelMeshDims
+    # isinstance checks written against torch's class must accept ours; on a torch
+    # without it (2.11), fsdp_compose's own has the same fields and refusal
+    theirs = getattr(torch_fsdp, "DataParallelMeshDims", None)
+    if theirs is not None:
+        assert fsdp_compose.DataParallelMeshDims is theirs
+    dims = fsdp_compose.DataParallelMeshDims(shard=("a", "b"), replicate="r")
+    assert (dims.shard_names, dims.replicate_names) == (("a", "b"), ("r",))
+    with pytest.raises(ValueError, match="At least one of shard or replicate"):
+        fsdp_compose.DataParallelMeshDims()
 
 
 def test_policies_are_frozen_dataclasses() -> None:
     import dataclasses
 
-    for cls in (fsdp_compose.MixedPrecisionPolicy, fsdp_compose.OffloadPolicy, fsdp_compose.CPUOffloadPolicy):
+    for cls in (
+        fsdp_compose.MixedPrecisionPolicy,
+        fsdp_compose.OffloadPolicy,
+        fsdp_compose.CPUOffloadPolicy,
+    ):
         assert dataclasses.is_dataclass(cls)
         assert cls.__dataclass_params__.frozen  # type: ignore[attr-defined]

@@ -18,7 +18,9 @@
 #   PYTHON           interpreter for the environments (default: python3)
 #
 # A machine-wide pip constraint that caps torch (pip config list shows it) also
-# applies inside the environments; set PIP_CONSTRAINT= (empty) to lift it here.
+# applies inside the environments; to lift it for this script only, point
+# PIP_CONSTRAINT at an empty file (an empty PIP_CONSTRAINT does not override it):
+#   touch /tmp/no_constraints.txt; PIP_CONSTRAINT=/tmp/no_constraints.txt tools/torch_matrix.sh ...
 # Exit status: 0 if every release passed, 1 otherwise.
 set -uo pipefail
 

@@ -16,6 +16,10 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.profiler import record_function
 
+# FSDP2 2.15 reduces gradients in their parameter's dtype when
+# MixedPrecisionPolicy.reduce_dtype is None; earlier releases in param_dtype.
+REDUCE_IN_PARAM_DTYPE = torch.__version__ >= "2.15"  # TorchVersion compares releases
+
 
 def make_dtensor_spec(
     mesh: DeviceMesh,

@@ -25,7 +25,12 @@ from ._mesh import (
     resolve_spmd_mesh_info,
     validate_reshard_after_forward,
 )
-from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._policies import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    adopt_torch_policies,
+)
 from ._sharded_param import IGNORED_BY, REPLACED_BY, SHARDED_BY, ShardedParam
 from ._state_dict import register_state_dict_hooks
 from ._unit import Unit
@@ -149,6 +154,7 @@ def fully_shard(
     # retry (with the fix the error names) starts from a clean module. The checks
     # beyond FSDP2's and the collection of shared parameters run in this phase too.
     managed_modules = _managed_modules(modules)
+    mp_policy, offload_policy = adopt_torch_policies(mp_policy, offload_policy)  # type: ignore[assignment]
     policies = (mp_policy, offload_policy, shard_placement_fn)
     _validation.check_call(
         modules, managed_modules, ignored, mesh_info, policies, _shared.is_borrowed
@@ -221,6 +227,7 @@ def _build_units(
         sharded_param = ShardedParam(
             param, param_owners, param_mesh_info, shard_dim, device, host, pin
         )
+        sharded_param.param_dtype = mp_policy._resolve_for_param(param).param_dtype
         sharded.append(sharded_param)
         groups.setdefault(param_mesh_info, []).append(sharded_param)
     units = [
@@ -256,7 +263,8 @@ def _validate_modules(module: object) -> tuple[nn.Module, ...]:
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__} in the list")
         if state_of(m) is not None:
             raise FSDPValueError(  # see [Note: FSDP2's exception types]
-                f"{type(m).__name__} already has fully_shard applied; each module can be "
+                "Each distinct composable distributed API can only be applied to a module "
+                f"once. {type(m).__name__} already has fully_shard applied; each module can be "
                 "annotated once (use FSDPModule.set_* methods to change its settings)."
             )
     modules: list[nn.Module] = list(dict.fromkeys(candidates))  # type: ignore[arg-type]
@@ -389,6 +397,7 @@ def _placement(
 
 def _no_deepcopy(*_: Any) -> NoReturn:
     raise FSDPRuntimeError(
-        "fully_shard modules cannot be deep-copied (their parameters are shards tied to "
+        "FSDP does not support deepcopy: fully_shard modules cannot be deep-copied (their "
+        "parameters are shards tied to "
         "process groups). Copy the model before fully_shard, or use state_dict()."
     )

@@ -55,6 +55,15 @@ except ImportError:  # pragma: no cover - older torch
                     "At least one of shard or replicate must be set in DataParallelMeshDims"
                 )
 
+        @property
+        def shard_names(self) -> tuple[str, ...]:
+            return (self.shard,) if isinstance(self.shard, str) else tuple(self.shard or ())
+
+        @property
+        def replicate_names(self) -> tuple[str, ...]:
+            r = self.replicate
+            return (r,) if isinstance(r, str) else tuple(r or ())
+
 
 @dataclass(frozen=True)
 class SpmdLayout:
@@ -181,8 +190,9 @@ def resolve_mesh_info(mesh: DeviceMesh) -> MeshInfo:
     """Validates ``mesh`` for fully_shard and resolves its groups for this rank."""
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (replicate, shard) for HSDP, "
-            f"but got a {mesh.ndim}-D mesh {mesh}. For FSDP + tensor parallel, pass the "
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a 1-D mesh (FSDP) "
+            f"or a 2-D mesh (replicate, shard) for HSDP, not a {mesh.ndim}-D mesh. For FSDP + "
+            "tensor parallel, pass the "
             'data-parallel sub-mesh, e.g. mesh["dp"].'
         )
     coordinate = mesh.get_coordinate()

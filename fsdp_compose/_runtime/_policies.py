@@ -3,9 +3,12 @@ validated on construction, so a bad policy fails where it is written."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 
 import torch
+import torch.nn as nn
+from torch.distributed import fsdp as torch_fsdp
 
 __all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
 
@@ -36,21 +39,37 @@ class MixedPrecisionPolicy:
             so of the all-gather and of forward/backward compute. ``None`` keeps the
             original dtype. (Default: ``None``)
         reduce_dtype (Optional[torch.dtype]): dtype in which gradients are reduced
-            (reduce-scatter, and all-reduce for HSDP). ``None`` reduces in the
-            compute dtype. With :meth:`FSDPModule.set_requires_gradient_sync`
-            ``(False)`` gradients are also accumulated in this dtype. Reduced
-            gradients are stored on the sharded parameters in their original
-            dtype. (Default: ``None``)
+            (reduce-scatter, and all-reduce for HSDP). With
+            :meth:`FSDPModule.set_requires_gradient_sync` ``(False)`` gradients are
+            also accumulated in this dtype. Reduced gradients are stored on the
+            sharded parameters in their original dtype. ``None`` follows the
+            installed torch's FSDP2: from torch 2.15 on, the parameters' original
+            dtype (fp32 reductions for fp32 parameters with
+            ``param_dtype=torch.bfloat16``); up to torch 2.14, the compute dtype
+            (``param_dtype``). Gradients of several dtypes in one unit (2.15, or
+            ``param_dtype_override_fn``) are reduced in their promoted dtype.
+            (Default: ``None``)
         output_dtype (Optional[torch.dtype]): if set, floating-point forward outputs
             of the unit are cast to this dtype. (Default: ``None``)
         cast_forward_inputs (bool): whether floating-point forward inputs are cast
             to ``param_dtype``. (Default: ``True``)
+        param_dtype_override_fn (Optional[Callable[[nn.Parameter], Optional[torch.dtype]]]):
+            keyword-only; a per-parameter override of ``param_dtype`` (torch 2.15's
+            FSDP2 API, available on every torch). Called once for each managed
+            parameter by :func:`fully_shard`: returning the parameter's original
+            dtype keeps it in that dtype, ``None`` or ``param_dtype`` uses
+            ``param_dtype``; any other dtype raises ``ValueError``. It must return
+            the same on every rank. Forward inputs are still cast to
+            ``param_dtype``. (Default: ``None``)
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = field(
+        default=None, kw_only=True
+    )
 
     def __post_init__(self) -> None:
         _check_float_dtype("param_dtype", self.param_dtype)
@@ -61,6 +80,51 @@ class MixedPrecisionPolicy:
                 "MixedPrecisionPolicy.cast_forward_inputs must be a bool, "
                 f"got {self.cast_forward_inputs!r}"
             )
+        if self.param_dtype_override_fn is not None and not callable(self.param_dtype_override_fn):
+            raise TypeError(
+                "MixedPrecisionPolicy.param_dtype_override_fn must be callable "
+                f"(nn.Parameter -> torch.dtype | None), got {self.param_dtype_override_fn!r}"
+            )
+
+    def _resolve_for_param(self, param: nn.Parameter) -> MixedPrecisionPolicy:
+        """This policy for one parameter, ``param_dtype_override_fn`` applied (the
+        name and semantics of torch 2.15's, whose ``fully_shard`` calls it too)."""
+        if self.param_dtype_override_fn is None:
+            return self
+        override = self.param_dtype_override_fn(param)
+        if override is not None and not isinstance(override, torch.dtype):
+            raise ValueError(
+                "param_dtype_override_fn must return a torch.dtype or None but got "
+                f"{type(override)}"
+            )
+        if override is not None and override not in (self.param_dtype, param.dtype):
+            raise ValueError(
+                "param_dtype_override_fn must return None, param_dtype, or the parameter's "
+                f"original dtype but got {override} for a parameter with dtype {param.dtype} "
+                f"and param_dtype {self.param_dtype}"
+            )
+        param_dtype = self.param_dtype if override is None else override
+        return replace(self, param_dtype=param_dtype, param_dtype_override_fn=None)
+
+
+def adopt_torch_policies(mp_policy: object, offload_policy: object) -> tuple[object, object]:
+    """fsdp_compose's equivalents of policies imported from ``torch.distributed.fsdp``,
+    so an FSDP2 program whose only change is ``fully_shard``'s import runs as is;
+    anything else is returned unchanged (and checked by the caller)."""
+    if isinstance(mp_policy, torch_fsdp.MixedPrecisionPolicy):
+        values = {f.name: getattr(mp_policy, f.name) for f in fields(mp_policy)}
+        unknown = sorted(set(values) - {f.name for f in fields(MixedPrecisionPolicy)})
+        if unknown:
+            raise NotImplementedError(
+                f"torch {torch.__version__}'s MixedPrecisionPolicy has fields {unknown} that "
+                "this fsdp_compose does not know; use fsdp_compose.MixedPrecisionPolicy"
+            )
+        mp_policy = MixedPrecisionPolicy(**values)
+    if isinstance(offload_policy, torch_fsdp.CPUOffloadPolicy):
+        offload_policy = CPUOffloadPolicy(pin_memory=offload_policy.pin_memory)
+    elif type(offload_policy) is torch_fsdp.OffloadPolicy:
+        offload_policy = OffloadPolicy()
+    return mp_policy, offload_policy
 
 
 @dataclass(frozen=True)

@@ -79,16 +79,12 @@ class ShardedParam:
         requires_grad = param.requires_grad  # a DTensor's local tensor never requires grad
         if self.tp_spec is not None:
             param = _compat.local_tensor(param)  # type: ignore[assignment]
-        if param.dim() == 0:
-            raise ValueError(
-                f"fully_shard cannot shard the 0-dim (scalar) parameter {owners[0][1]!r} of "
-                f"{type(owners[0][0]).__name__}: make it a 1-element 1-D tensor, or pass it "
-                "in ignored_params to leave it unsharded."
-            )
+        _check_shardable(param, owners)
         if not -param.dim() <= shard_dim < param.dim():
             raise FSDPValueError(
-                f"shard dim {shard_dim} is out of range for parameter {owners[0][1]!r} "
-                f"of shape {tuple(param.shape)}"
+                f"Shard dim {shard_dim} is invalid for {param.ndim}D tensor: shard dim "
+                f"{shard_dim} is out of range for parameter {owners[0][1]!r} of shape "
+                f"{tuple(param.shape)}"
             )
         shard_dim %= param.dim()
         world, rank = mesh_info.shard_size, mesh_info.shard_rank
@@ -135,6 +131,10 @@ class ShardedParam:
         # Set by the unit at lazy init (its flat buffer decides where the data lives).
         self.unsharded_param: nn.Parameter | None = None
         self.compute_dtype: torch.dtype = param.dtype
+        # MixedPrecisionPolicy's param_dtype for this parameter (param_dtype_override_fn).
+        self.param_dtype: torch.dtype | None = None
+        # The unsharded parameter's grad_dtype (set by the unit at lazy init).
+        self.grad_dtype: torch.dtype | None = None
         # Unsharded gradient accumulated in the reduce dtype across no-sync steps.
         self.accumulated_grad: torch.Tensor | None = None
 
@@ -277,7 +277,10 @@ class ShardedParam:
         if self.tp_spec is not None:
             spec = _compat.dtensor_spec_with_dtype(self.tp_spec, local.dtype)
             local = _compat.dtensor_from_local(local, spec)
-        return nn.Parameter(local, requires_grad=self.sharded_param.requires_grad)
+        param = nn.Parameter(local, requires_grad=self.sharded_param.requires_grad)
+        if self.grad_dtype is not None:
+            param.grad_dtype = self.grad_dtype  # type: ignore[attr-defined]
+        return param
 
     @property
     def unsharded_local(self) -> torch.Tensor:
@@ -329,6 +332,27 @@ class ShardedParam:
     def __repr__(self) -> str:
         return (
             f"ShardedParam({self.fqn}, size={tuple(self.global_size)}, shard_dim={self.shard_dim})"
+        )
+
+
+def _check_shardable(param: torch.Tensor, owners: list[tuple[nn.Module, str]]) -> None:
+    """Refuses what FSDP2 refuses, with FSDP2's type and its message first."""
+    if param.dim() == 0:
+        raise ValueError(
+            "fully_shard doesn't support scalar parameters. Change "
+            f"{owners[0][1]} to a 1D tensor with numel equal to 1. fsdp_compose: "
+            f"cannot shard the 0-dim (scalar) parameter {owners[0][1]!r} of "
+            f"{type(owners[0][0]).__name__}: make it a 1-element 1-D tensor, or pass it "
+            "in ignored_params to leave it unsharded."
+        )
+    if not param.is_contiguous():
+        name = owners[0][1]
+        raise NotImplementedError(  # FSDP2's type, see [Note: FSDP2's exception types]
+            "FSDP does not support non-contiguous parameters yet: fsdp_compose, as "
+            f"FSDP2, refuses the non-contiguous parameter {name!r} of "
+            f"{type(owners[0][0]).__name__} (shape {tuple(param.shape)}, stride "
+            f"{param.stride()}): make it contiguous first, e.g. "
+            f"module.{name.rsplit('.', 1)[-1]} = nn.Parameter(param.contiguous())."
         )
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives
+from . import _collectives, _compat
 from ._collectives import (
     AllGather,
     DefaultAllGather,
@@ -190,24 +190,29 @@ class Unit(FlatBuffer, GradientReduction):
         self._initialized = True
 
     def _init_dtypes(self) -> None:
-        mp = self.mp_policy
         for p in self.params:
             p.orig_dtype = p.sharded_param.dtype
-            cast = mp.param_dtype is not None and p.orig_dtype.is_floating_point
-            p.compute_dtype = mp.param_dtype if cast else p.orig_dtype  # type: ignore[assignment]
-        trainable = self.trainable_params
-        if mp.reduce_dtype is not None:
-            self.reduce_dtype: torch.dtype | None = mp.reduce_dtype
-        else:
-            dtypes = {p.compute_dtype for p in trainable}
-            if len(dtypes) > 1:
-                raise ValueError(
-                    f"fully_shard unit {self.name!r} has trainable parameters of different "
-                    f"dtypes {sorted(map(str, dtypes))}, but a unit reduces its gradients in one "
-                    "collective: give them one dtype, set MixedPrecisionPolicy(reduce_dtype=...), "
-                    "or put them in separate fully_shard units."
-                )
-            self.reduce_dtype = next(iter(dtypes)) if dtypes else None
+            cast = p.param_dtype is not None and p.orig_dtype.is_floating_point
+            p.compute_dtype = p.param_dtype if cast else p.orig_dtype  # type: ignore[assignment]
+        mp, trainable = self.mp_policy, self.trainable_params
+        # reduce_dtype=None: FSDP2 2.15 reduces in the parameters' dtype, earlier
+        # releases in the compute dtype; mixed dtypes in their promoted dtype.
+        in_orig = _compat.REDUCE_IN_PARAM_DTYPE
+        dtypes = {p.orig_dtype if in_orig else p.compute_dtype for p in trainable}
+        mixed = mp.reduce_dtype is None and len(dtypes) > 1 and not in_orig
+        if mixed and mp.param_dtype_override_fn is None:  # as FSDP2 up to 2.14
+            raise ValueError(
+                f"fully_shard unit {self.name!r} has trainable parameters of different "
+                f"dtypes {sorted(map(str, dtypes))}, but a unit reduces its gradients in one "
+                "collective: give them one dtype, set MixedPrecisionPolicy(reduce_dtype=...), "
+                "or put them in separate fully_shard units."
+            )
+        self.reduce_dtype: torch.dtype | None = mp.reduce_dtype
+        for dtype in dtypes if mp.reduce_dtype is None else ():
+            self.reduce_dtype = torch.promote_types(self.reduce_dtype or dtype, dtype)
+        for p in self.params:  # FSDP2 2.15: autograd hands gradients over in reduce_dtype
+            cast = in_orig and self.reduce_dtype not in (None, p.compute_dtype)
+            p.grad_dtype = self.reduce_dtype if cast else None
 
     # -- unshard / reshard -----------------------------------------------
 

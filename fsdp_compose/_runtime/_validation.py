@@ -71,6 +71,7 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
     for m in modules:
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(
+                "fully_shard does not support containers that do not implement forward: "
                 f"fully_shard cannot annotate a {type(m).__name__} container: it has no forward, "
                 "so no hook would ever run. Annotate its elements (e.g. each block) instead."
             )
@@ -98,6 +99,7 @@ def _check_mesh(mesh_info: MeshInfo) -> None:
         return
     if names is None:  # FSDP2 refuses it (AssertionError): see [Note: FSDP2's exception types]
         raise FSDPValueError(
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified: "
             f"fully_shard got a 2-D mesh without mesh_dim_names ({mesh}); as in FSDP2, a 2-D "
             "(HSDP) mesh needs named dims, dim 0 replicating and dim 1 sharding: "
             "init_device_mesh(device, (num_replicas, shard_size), "

@@ -1,0 +1,166 @@
+"""FSDP2-aware clients take their FSDP2 path for fsdp_compose's units, with
+``fully_shard`` imported from fsdp_compose and torch left unpatched: accelerate
+(``Accelerator.prepare``'s ``isinstance(model, FSDPModule)`` check,
+``clip_grad_norm_``, ``get_state_dict``, ``save_state``/``load_state`` through
+``save_fsdp_model``/``load_fsdp_model``) and transformers (``save_pretrained`` of a
+full state dict gathered by ``get_model_state_dict``, then ``from_pretrained``).
+
+accelerate selects FSDP only on accelerators (``MULTI_GPU`` and the like); on CPU
+gloo the job sets its state's ``distributed_type`` to ``FSDP`` with an FSDP2
+plugin, which is what ``Accelerator(fsdp_plugin=...)`` does on a GPU machine.
+Skipped when accelerate or transformers is not installed."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn as nn
+from dist_utils import run_distributed
+from helpers import full, local_slice, rank_world
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from fsdp_compose import fully_shard
+
+WORLD = 2
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _accelerate_env(rank: int, world: int) -> dict[str, str | None]:
+    values = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+    values.update(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)  # accelerate reads the launch from the environment
+    return saved
+
+
+def _accelerate_job(ckpt_dir: str) -> dict:
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    rank, world = rank_world()
+    saved = _accelerate_env(rank, world)
+    try:
+        accelerator = Accelerator(cpu=True)
+        # What Accelerator(fsdp_plugin=...) sets on a GPU machine (see the module doc).
+        PartialState().distributed_type = DistributedType.FSDP
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, state_dict_type="SHARDED_STATE_DICT"
+        )
+        return _accelerate_steps(accelerator, ckpt_dir)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _accelerate_steps(accelerator, ckpt_dir: str) -> dict:  # type: ignore[no-untyped-def]
+    rank, world = rank_world()
+    base = _model()
+    ref = copy.deepcopy(base)
+    model = copy.deepcopy(base)
+    fully_shard(model[0])
+    fully_shard(model)
+    params = [p.to_local().clone() for p in model.parameters()]  # type: ignore[attr-defined]
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    prepared, _ = accelerator.prepare(model, optim)
+    out: dict = {"is_fsdp2": accelerator.is_fsdp2, "kept": prepared is model}
+    # fsdp2_prepare_model's isinstance check kept fsdp_compose's shards (no torch fully_shard).
+    out["same_shards"] = all(
+        torch.equal(p.to_local(), q) for p, q in zip(model.parameters(), params)
+    )
+    x = torch.randn(4 * world, 6, generator=torch.Generator().manual_seed(1))
+    ref(x).pow(2).sum().div(world).backward()
+    accelerator.backward(model(local_slice(x, rank, world)).pow(2).sum())
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    norm = accelerator.clip_grad_norm_(model.parameters(), 0.5)
+    out["norm"] = (full(norm).item(), ref_norm.item())
+    out["grad_diff"] = max(
+        (full(p.grad) - q.grad).abs().max().item()
+        for p, q in zip(model.parameters(), ref.parameters())
+    )
+    full_sd = accelerator.get_state_dict(model)  # FSDP2 path: full, on rank 0 only
+    out["full_sd"] = rank != 0 or (
+        sorted(full_sd) == sorted(base.state_dict())
+        and all(torch.equal(v, base.state_dict()[k]) for k, v in full_sd.items())
+    )
+    out["full_sd_empty_elsewhere"] = rank == 0 or full_sd == {}
+    accelerator.save_state(ckpt_dir)  # save_fsdp_model: DCP, sharded
+    out["files"] = sorted(os.listdir(ckpt_dir))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    accelerator.load_state(ckpt_dir)
+    out["restored"] = max(
+        (full(p.detach()) - q.detach()).abs().max().item()
+        for p, q in zip(model.parameters(), base.parameters())
+    )
+    return out
+
+
+def test_accelerate_fsdp2_paths() -> None:
+    pytest.importorskip("accelerate")
+    with tempfile.TemporaryDirectory() as ckpt_dir:
+        for r in run_distributed(_accelerate_job, WORLD, ckpt_dir):
+            assert r["is_fsdp2"] and r["kept"] and r["same_shards"], r
+            norm, ref_norm = r["norm"]
+            assert abs(norm - ref_norm) < 1e-5 and ref_norm > 0.5, r  # it clipped
+            assert r["grad_diff"] < 1e-6, r
+            assert r["full_sd"] and r["full_sd_empty_elsewhere"], r
+            assert "pytorch_model_fsdp_0" in r["files"], r
+            assert r["restored"] == 0.0, r
+
+
+def _transformers_job(save_dir: str) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    rank, _ = rank_world()
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config)
+    out: dict = {}
+    for name, shard in (("ours", fully_shard), ("torch", torch_fully_shard)):
+        model = copy.deepcopy(base)
+        for layer in model.model.layers:
+            shard(layer)
+        shard(model)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state_dict = get_model_state_dict(model, options=options)  # rank 0 only
+        target = os.path.join(save_dir, name)
+        model.save_pretrained(target, state_dict=state_dict, is_main_process=rank == 0)
+        torch.distributed.barrier()
+        loaded = AutoModelForCausalLM.from_pretrained(target)
+        out[name] = max(
+            (p - q).abs().max().item()
+            for p, q in zip(loaded.state_dict().values(), base.state_dict().values())
+        )
+        out[f"{name}_keys"] = sorted(loaded.state_dict()) == sorted(base.state_dict())
+        torch.distributed.barrier()
+    return out
+
+
+def test_transformers_save_pretrained_of_sharded_model() -> None:
+    pytest.importorskip("transformers")
+    with tempfile.TemporaryDirectory() as save_dir:
+        for r in run_distributed(_transformers_job, WORLD, save_dir):
+            assert r["ours"] == r["torch"] == 0.0, r
+            assert r["ours_keys"] and r["torch_keys"], r
