@@ -2,8 +2,8 @@
 
 * ``test_all_reduce_hook_on_every_mesh``: a MoE-like model whose experts are
   sharded on a mesh of their own (per-parameter meshes). 2 replica groups x 2
-  ranks (W=4): first an all-reduce hook per mesh (``set_all_reduce_hook(hook,
-  mesh=...)``) averaging across the groups by hand, then the real thing through
+  ranks (W=4): first an all-reduce hook per mesh (``set_all_reduce_hook_on_mesh(mesh,
+  hook)``) averaging across the groups by hand, then the real thing through
   ``fsdp_compose.ft.enable_torchft`` (a lighthouse, a ``torchft.Manager`` per rank,
   asynchronous quorum). Gradients and parameters match one process on the global
   batch; torch's FSDP2 refuses the hook on such a module (recorded, not asserted).
@@ -162,11 +162,11 @@ def _hook_per_mesh_run(
 
     block = model.block
     assert isinstance(block, FSDPModule) and isinstance(model, FSDPModule)
-    block.set_all_reduce_hook(across_groups("dense"), mesh=dense_mesh)
-    block.set_all_reduce_hook(across_groups("experts"), mesh=expert_mesh)
+    block.set_all_reduce_hook_on_mesh(dense_mesh, across_groups("dense"))
+    block.set_all_reduce_hook_on_mesh(expert_mesh, across_groups("experts"))
     model.set_all_reduce_hook(across_groups("dense"))
     try:
-        block.set_all_reduce_hook(lambda t: None, mesh=_mesh_of(across))
+        block.set_all_reduce_hook_on_mesh(_mesh_of(across), lambda t: None)
         wrong_mesh = "accepted"
     except ValueError:
         wrong_mesh = "ValueError"

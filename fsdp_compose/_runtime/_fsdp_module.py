@@ -265,9 +265,8 @@ class FSDPModule:
             unit.unshard_in_backward = unshard_in_backward
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """Accepted for API compatibility. fsdp_compose always orders the next
-        all-gather after the optimizer step on the current stream, which is what
-        this event would establish."""
+        """Accepted for API compatibility: the next all-gather is always ordered after
+        the optimizer step on the current stream, which this event would establish."""
         del event
 
     def set_reduce_scatter_unused_params(
@@ -281,17 +280,24 @@ class FSDPModule:
             unit.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_all_reduce_hook(
-        self, hook: Callable[[torch.Tensor], None], *, stream: Any | None = None, mesh: Any = None
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any | None = None
     ) -> None:
         """Calls ``hook(reduce_output)`` on this unit's reduced gradient (the reduce-scatter
         output, or with HSDP the all-reduce output) before the averaging division, where the
-        reduction completes (``stream``: for API compatibility). Beyond FSDP2: with per-parameter
-        meshes, on each mesh's; with ``mesh`` (a ``DeviceMesh``), on that mesh's only."""
+        reduction completes (``stream``: for API compatibility). Beyond FSDP2: with
+        per-parameter meshes, on each mesh's (see :meth:`set_all_reduce_hook_on_mesh`)."""
         del stream
+        self.set_all_reduce_hook_on_mesh(None, hook)
+
+    def set_all_reduce_hook_on_mesh(self, mesh: Any, hook: Callable[[torch.Tensor], None]) -> None:
+        """Beyond FSDP2: :meth:`set_all_reduce_hook` for the parameters on ``mesh`` (a
+        ``DeviceMesh`` from ``shard_placement_fn``) only; ``None``: on every mesh."""
         pgs = None if mesh is None else mesh.get_all_groups()  # meshes on the same ranks may differ
         units = [u for u in self._units(False) if pgs in (None, u.mesh_info.mesh.get_all_groups())]
         if not units and mesh is not None:  # no mesh, no parameters: a no-op, as in FSDP2
-            raise ValueError(f"set_all_reduce_hook: no parameter of this module is on {mesh}")
+            raise ValueError(
+                f"set_all_reduce_hook_on_mesh: no parameter of this module is on {mesh}"
+            )
         for unit in units:
             unit.all_reduce_hook = hook
 
@@ -341,13 +347,10 @@ class FSDPModule:
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Asks for communication staging buffers from the process group's own
-        allocator (NCCL: zero-copy transfers over SHARP).
-
-        Accepted on every backend so that one training script runs on CPU and
-        GPU alike, but fsdp_compose always allocates the buffers with the regular
-        allocator: with gloo on CPU there is no such allocator, and the CUDA path
-        is not implemented yet. ``True`` logs a one-time note saying so; the
-        collectives and results are those of the default path.
+        allocator (NCCL: zero-copy transfers over SHARP). Accepted on every backend
+        (one script for CPU and GPU), but the buffers stay on the regular allocator
+        (gloo has no such allocator; the CUDA path is not implemented yet): ``True``
+        logs a one-time note; collectives and results are the default path's.
 
         Args:
             enable (bool): whether to use the process group's allocator.
@@ -363,11 +366,8 @@ class FSDPModule:
         """Asks for all-gather staging buffers in symmetric memory (``symm_mem``),
         for NCCL's copy-engine or symmetric-kernel all-gathers.
 
-        Accepted on every backend so that one training script runs on CPU and
-        GPU alike, but fsdp_compose always allocates the buffers with the regular
-        allocator: gloo on CPU has no symmetric memory, and the CUDA path is not
-        implemented yet. The call logs a one-time note saying so; the
-        collectives and results are those of the default path.
+        Accepted, with a one-time log note, and the regular allocator kept, as
+        for :meth:`set_allocate_memory_from_process_group_for_comm`.
 
         Args:
             backend (str): the symmetric memory backend; only ``"NCCL"``, as in FSDP2.
