@@ -188,6 +188,21 @@ def test_float8_uneven_shards_match_one_process() -> None:
     run_distributed(_float8_uneven_job, 3)
 
 
+def _float8_empty_shard_job() -> None:
+    # 4 rows over 3 ranks: 2, 2 and an empty shard on rank 2. torchao's pre-all-gather
+    # hook takes the amax of its input (max() of an empty tensor raises) and
+    # all-reduces it: an empty shard's hooks see its padding rows, zeros.
+    reference, model = _float8_model(rows=4), _float8_model(rows=4)
+    _shard(model, fully_shard)
+    assert model[0].weight.to_local().numel() == 0 or torch.distributed.get_rank() != 2
+    _assert_same(_steps(model, 3, same_batch=True), _steps(reference, 3, same_batch=True), "")
+
+
+def test_float8_empty_shard_matches_one_process() -> None:
+    _torchao_float8()
+    run_distributed(_float8_empty_shard_job, 3)
+
+
 # -- activation checkpointing --------------------------------------------
 
 

@@ -122,6 +122,8 @@ class ExtensionGather:
         local: Any = p.local_shard  # a subclass with the extension's hooks
         if local.device != p.device:
             local = local.to(p.device, non_blocking=True)
+        if local.numel() == 0 and p.chunk_numel:  # an empty shard: hooks see its padding
+            local = local.new_zeros(p.chunk_shape)  # (reductions like max fail on empty ones)
         n_args = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
         if n_args == 1:
             inputs, pg.metadata = local.fsdp_pre_all_gather(mesh)
