@@ -19,6 +19,7 @@ from models import TINY_GPT
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
+from fsdp_compose._runtime import _compat
 
 TINY = TINY_GPT
 BF16_LOSS_RTOL = 2e-2  # the bound; measured 7e-3 (a bf16 loss of ~4.6 rounds to 2**-7)
@@ -205,7 +206,14 @@ def _policies_job() -> dict:
         no_sync.set_requires_gradient_sync(i == len(micro) - 1)
         loss_fn(no_sync(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
         if i == 0:
-            accumulated = [p.accumulated_grad for p in no_sync.blocks[0]._fsdp_state().unit.params]
+            # up to torch 2.14 an upcast copy; from 2.15 autograd hands the gradient
+            # over in reduce_dtype, and it accumulates on the unsharded parameter
+            accumulated = [
+                p.accumulated_grad
+                if p.accumulated_grad is not None
+                else getattr(p.unsharded_param, "grad", None)
+                for p in no_sync.blocks[0]._fsdp_state().unit.params
+            ]
             out["accumulated_dtypes"] = sorted({str(a.dtype) for a in accumulated if a is not None})
         loss_fn(every_step(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
     out["accum_grad_diff"] = max(
@@ -225,8 +233,10 @@ def test_policies_per_unit_casts_and_accumulation() -> None:
 
     for r in run_distributed(_policies_job, 2):
         comm = r["comm_dtypes"]
-        # block 0: bf16 gather and (reduce_dtype=None) bf16 reduction
-        assert comm["blocks.0"] == _comm("bfloat16", "bfloat16")
+        # block 0: bf16 gather; reduce_dtype=None reduces in param_dtype (bf16) up to
+        # torch 2.14 and in the parameter's own dtype (fp32) from 2.15, as FSDP2 does
+        reduce = "float32" if _compat.REDUCE_IN_PARAM_DTYPE else "bfloat16"
+        assert comm["blocks.0"] == _comm("bfloat16", reduce)
         # block 1: fp16 gather, fp32 reduction (fp16 and bf16 both work on gloo)
         assert comm["blocks.1"] == _comm("float16", "float32")
         assert comm["blocks.2"] == _comm("float32", "float32")
