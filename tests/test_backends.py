@@ -152,6 +152,15 @@ def _threaded_gpt_job(
     }
 
 
+# torch 2.11's threaded process group crashes in this harness with torch's own
+# fully_shard too (a segmentation fault while the threads annotate their models;
+# checked with tools/torch_matrix.sh's 2.11 environment); 2.13 and 2.15 run it.
+_THREADED_PG_BROKEN = pytest.mark.skipif(
+    torch.__version__ < "2.13", reason="torch < 2.13: the threaded process group crashes"
+)
+
+
+@_THREADED_PG_BROKEN
 @pytest.mark.parametrize(
     "world, options",
     [
@@ -182,6 +191,7 @@ def _rank0_waits_alone() -> None:
         dist.all_reduce(torch.ones(1))  # rank 1 never joins
 
 
+@_THREADED_PG_BROKEN
 def test_threaded_runner_fails_a_hang_within_its_timeout() -> None:
     start = time.monotonic()
     with pytest.raises(AssertionError, match=r"ranks \[0\] did not finish within 2s"):
