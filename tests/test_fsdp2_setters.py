@@ -212,6 +212,11 @@ def _baseline() -> dict:
     ],
 )
 def test_setter_matches_reference_and_torch_fsdp2(setter: str) -> None:
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    method = "set_reduce_scatter_unused_params"  # added to FSDP2 after torch 2.11
+    if setter == "reduce_scatter_unused_params" and not hasattr(TorchFSDPModule, method):
+        pytest.skip(f"the installed torch's FSDP2 has no {method} to compare with")
     results = run_distributed(_setter_job, WORLD, setter)
     baseline = _baseline()
     for rank, r in enumerate(results):

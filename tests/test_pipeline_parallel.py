@@ -53,8 +53,9 @@ def _train(stages: list, schedule, modules: list, gpt: GPT, ref: GPT, mesh, step
         local = slice(dp_rank * N_MICRO * MICRO_SIZE, (dp_rank + 1) * N_MICRO * MICRO_SIZE)
         losses: list[torch.Tensor] = []
         with collective_log(*modules) as log:
-            args = (x[local],) if is_first else ()
-            kwargs = {"target": y[local], "losses": losses} if is_last else {}
+            # contiguous: torch 2.11's PipelineStage checks input strides
+            args = (x[local].contiguous(),) if is_first else ()
+            kwargs = {"target": y[local].contiguous(), "losses": losses} if is_last else {}
             schedule.step(*args, **kwargs)
         counts.append(dict(log.counts()))
         if step == 0:
