@@ -93,9 +93,14 @@ class _ParamGather:
         self.outputs: list[torch.Tensor] = []  # flat, world * input numel each
         self.inner: list[torch.Tensor] = []  # what fsdp_post_all_gather asked to free
         self.release = False
+        self.hook_args = 0  # fsdp_pre_all_gather's arity: FSDP2's two signatures
+        # the unsharded parameter's (contiguous) stride, for the hooks and the view
+        self.orig_stride = torch.empty(param.orig_size, device="meta").stride()
         if self.extension:
             hook = getattr(param.local_shard, _RELEASE, None)
             self.release = bool(hook() if callable(hook) else hook)
+            pre = param.local_shard.fsdp_pre_all_gather  # type: ignore[attr-defined]
+            self.hook_args = len(inspect.signature(pre).parameters)
 
 
 class ExtensionGather:
@@ -124,14 +129,12 @@ class ExtensionGather:
             local = local.to(p.device, non_blocking=True)
         if local.numel() == 0 and p.chunk_numel:  # an empty shard: hooks see its padding
             local = local.new_zeros(p.chunk_shape)  # (reductions like max fail on empty ones)
-        n_args = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
-        if n_args == 1:
+        if pg.hook_args == 1:
             inputs, pg.metadata = local.fsdp_pre_all_gather(mesh)
-        elif n_args == 5:
-            stride = torch.empty(p.orig_size, device="meta").stride()
+        elif pg.hook_args == 5:
             module = p.owners[0][0]
             inputs, pg.metadata = local.fsdp_pre_all_gather(
-                mesh, p.orig_size, stride, module, self.mp_policy
+                mesh, p.orig_size, pg.orig_stride, module, self.mp_policy
             )
         else:
             raise AssertionError(  # FSDP2's type
@@ -230,8 +233,7 @@ class ExtensionGather:
         if p.unsharded_param is None:
             tensor, pg.inner = local.fsdp_post_all_gather(outputs, pg.metadata, dtype)
             if tensor.shape != p.orig_size:  # padded rows: FSDP2's view of the first ones
-                stride = torch.empty(p.orig_size, device="meta").stride()
-                tensor = torch.as_strided(tensor, p.orig_size, stride, 0)
+                tensor = torch.as_strided(tensor, p.orig_size, pg.orig_stride, 0)
             p.unsharded_param = p.wrap_unsharded(tensor)
         else:
             for t in pg.inner:
