@@ -128,6 +128,6 @@ def _units_without_sync(model: nn.Module) -> list[str]:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             for unit in module._fsdp_state().own_units:
-                if not unit.requires_gradient_sync:
+                if not unit.options.requires_gradient_sync:
                     names.append(unit.name)
     return names

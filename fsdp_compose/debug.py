@@ -94,7 +94,7 @@ class CollectiveChecks(Observer):
     def on_unit(self, event: UnitEvent, unit: Unit) -> None:
         # Recorded when the unit's backward is done, just before its reduction
         # takes the gradients (see the module's docstring).
-        if event == "backward_end" and not unit.reduce_scatter_unused_params:
+        if event == "backward_end" and not unit.options.reduce_scatter_unused_params:
             self._no_grad[unit.name] = [
                 p.fqn
                 for p in unit.trainable_params

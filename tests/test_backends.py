@@ -148,7 +148,7 @@ def _threaded_gpt_job(
         "where": where,
         "kinds": kinds,
         "collectives": len(issued),
-        "comm": type(unit.all_gather_comm).__name__,
+        "comm": type(unit.options.all_gather_comm).__name__,
     }
 
 

@@ -81,7 +81,7 @@ def _errors_job() -> dict[str, str]:
         one = fully_shard(nn.Linear(4, 4), reshard_after_forward=1)
     whole = fully_shard(nn.Linear(4, 4), reshard_after_forward=world)
     results["raf_int_1_and_world"] = (
-        "ok" if (one._fsdp_state().unit.reshard_after_forward, whole._fsdp_state().unit.reshard_after_forward)
+        "ok" if (one._fsdp_state().unit.options.reshard_after_forward, whole._fsdp_state().unit.options.reshard_after_forward)
         == (False, True) else "1 / world not normalised to False / True"
     )
     results["mesh_type"] = _expect(

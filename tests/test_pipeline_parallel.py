@@ -106,7 +106,7 @@ def _pp_job(schedule_name: str, stage_cls_name: str, steps: int = 3) -> dict:
         schedule = schedule_cls(stages[0], N_MICRO, loss_fn=loss_fn)
     result = _train(stages, schedule, modules, gpt, ref, mesh, steps)
     result["settings_after"] = [
-        (u.requires_gradient_sync, u.reshard_after_backward)
+        (u.options.requires_gradient_sync, u.options.reshard_after_backward)
         for m in modules
         for u in m._fsdp_state().units_in_subtree(True)
     ]

@@ -325,7 +325,10 @@ def _reset_job(fail_in: str | None) -> dict:
             scheduler = model._fsdp_state().scheduler
             units = scheduler.units
             assert all(u.state is ShardState.SHARDED and not u.gather_in_flight for u in units)
-            assert all(u._unsharded is None or u._unsharded.untyped_storage().size() == 0 for u in units)
+            assert all(
+                u.buffer is None or u.buffer.unsharded is None or u.buffer.unsharded.untyped_storage().size() == 0
+                for u in units
+            )
             assert scheduler.memory.holding_bytes == 0 and not scheduler._reductions
             continue
         loss = loss_fn(model(x), y)

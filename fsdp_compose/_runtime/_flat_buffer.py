@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from . import _compat
 from ._mesh import MeshInfo
@@ -41,38 +40,22 @@ class _Slot:
 
 
 class FlatBuffer:
-    """The part of a :class:`~fsdp_compose._unit.Unit` that lays its parameters
-    out in one flat buffer and copies shards in (before an all-gather) and
-    gathered rows out (after it); see [Note: unsharded storage]."""
+    """The flat all-gather buffer of one unit's ``params`` on the shard group of
+    ``mesh_info``: its layout, and the copies of the shards in (before an
+    all-gather) and of the gathered rows out (after it); see [Note: unsharded
+    storage]. ``alias``: no buffer, each unsharded parameter is its local shard."""
 
-    # Set by Unit.__init__ / lazy init.
-    params: list[ShardedParam]
-    mesh_info: MeshInfo
-    offload: bool
-    _post_forward_group: dist.ProcessGroup | None
-    _post_forward_rank: int
-    _post_forward_size: int
-    _gathered_versions: list[int]
-    _gather_output: torch.Tensor | None
-    _gather_world: int
-    _unsharded: torch.Tensor | None
-    _alias: bool
-    keep_unsharded_storage: bool  # set_keep_unsharded_storage: resharding frees nothing
-
-    @property
-    def shard_group(self) -> dist.ProcessGroup:
-        return self.mesh_info.shard_group
-
-    def _init_layout(self) -> None:
-        info = self.mesh_info
-        world = info.shard_size
-        dtypes = {p.compute_dtype for p in self.params}
-        uniform = len(dtypes) == 1
-        self._uniform = uniform
-        self._buffer_dtype = next(iter(dtypes)) if uniform else torch.uint8
+    def __init__(self, params: list[ShardedParam], mesh_info: MeshInfo, offload: bool) -> None:
+        self.params = params
+        self.device = mesh_info.device
+        self.offload = offload
+        self.world = world = mesh_info.shard_size
+        dtypes = {p.compute_dtype for p in params}
+        self.uniform = uniform = len(dtypes) == 1
+        self.dtype = next(iter(dtypes)) if uniform else torch.uint8
         slots: list[_Slot] = []
         row = 0
-        for p in self.params:
+        for p in params:
             if uniform:
                 size = p.chunk_numel
             else:
@@ -83,31 +66,29 @@ class FlatBuffer:
                 size = p.chunk_numel * p.compute_dtype.itemsize
             slots.append(_Slot(p, row, size))
             row += size
-        self._slots = slots
-        self._row = row
-        self._world = world
-        self._alias = (
-            world == 1
-            and not self.offload
-            and all(p.compute_dtype == p.orig_dtype for p in self.params)
+        self.slots = slots
+        self.row = row
+        self.alias = (
+            world == 1 and not offload and all(p.compute_dtype == p.orig_dtype for p in params)
         )
-        self._fused_copy_out = all(p.shard_dim == 0 for p in self.params)
+        self._fused_copy_out = all(p.shard_dim == 0 for p in params)
         # This rank's shards fill its row without gaps (same dtype, no padding in
         # its slots): copy-in is one concatenation.
         self._dense_copy_in = uniform and all(
             s.param is not None and s.param.local_numel == s.size for s in slots
         )
         self._copy_out_sizes: dict[int, list[int]] = {}
-        device = info.device
-        if self._alias:
-            self._unsharded = None
-            for p in self.params:
+        # Persistent destination views of the copy-out, per gathering world size.
+        self._copy_out_targets: dict[int, list[torch.Tensor]] = {}
+        self.unsharded: torch.Tensor | None = None
+        if self.alias:
+            for p in params:
                 p.unsharded_param = p.wrap_unsharded(p.local_shard)
             return
-        # Views are created while the storage exists (slicing checks bounds), then
-        # the storage is freed until the first unshard.
-        flat = torch.empty(world * row, dtype=self._buffer_dtype, device=device)
-        self._unsharded = flat
+        # Views are created while the storage exists (slicing checks bounds); the
+        # unit frees the storage until its first unshard.
+        flat = torch.empty(world * row, dtype=self.dtype, device=self.device)
+        self.unsharded = flat
         for slot in slots:
             sp = slot.param
             if sp is None:
@@ -120,44 +101,43 @@ class FlatBuffer:
                     sp.compute_dtype
                 )
             sp.unsharded_param = sp.wrap_unsharded(view.view(sp.orig_size))
-        # Persistent destination views of the copy-out, per gathering world size.
-        self._copy_out_targets: dict[int, list[torch.Tensor]] = {}
         self._copy_out_views(world)
-        if self._post_forward_group is not None:
-            self._copy_out_views(self._post_forward_size)
-        self._free_unsharded()
 
-    def _free_unsharded(self) -> None:
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the unsharded parameters (none when they alias the shards)."""
+        return 0 if self.alias else self.world * self.row * self.dtype.itemsize
+
+    def free(self) -> None:
         """Frees the unsharded storage's memory (the storage itself stays)."""
-        if self._unsharded is not None and not self.keep_unsharded_storage:
-            _free_storage(self._unsharded)
+        if self.unsharded is not None:
+            _free_storage(self.unsharded)
 
     def _copy_out_views(self, world: int) -> list[torch.Tensor]:
         views = self._copy_out_targets.get(world)
         if views is None:
-            assert self._unsharded is not None
-            scale = self._world // world
+            assert self.unsharded is not None
+            scale = self.world // world
             views = [
-                self._unsharded[self._world * s.offset : self._world * (s.offset + s.size)].view(
+                self.unsharded[self.world * s.offset : self.world * (s.offset + s.size)].view(
                     world, s.size * scale
                 )
-                for s in self._slots
+                for s in self.slots
             ]
             self._copy_out_targets[world] = views
         return views
 
-    def _copy_in(self, row: torch.Tensor) -> None:
+    def copy_in(self, row: torch.Tensor) -> None:
         """Writes each local shard (cast to its compute dtype) into its slot of
         ``row``; padding is left as is (never read back). No autograd: neither
         side requires grad, so no ``no_grad`` context is needed (hot path)."""
-        self._gathered_versions = [p.data_version() for p in self.params]
         if self._dense_copy_in:
             srcs = [self._copy_in_source(p).view(-1) for p in self.params]
             torch.cat(srcs, out=row) if len(srcs) > 1 else row.copy_(srcs[0])
             return
         dsts, srcs = [], []
-        byte_mode = not self._uniform
-        for slot in self._slots:
+        byte_mode = not self.uniform
+        for slot in self.slots:
             p = slot.param
             if p is None or p.local_numel == 0:
                 continue
@@ -171,33 +151,33 @@ class FlatBuffer:
     def _copy_in_source(self, p: ShardedParam) -> torch.Tensor:
         src = p.local_shard
         if self.offload:
-            src = src.to(self.mesh_info.device, non_blocking=True)
+            src = src.to(self.device, non_blocking=True)
         return src.contiguous()
 
-    def _copy_out(self) -> None:
-        out, world = self._gather_output, self._gather_world
-        self._gather_output = None
-        assert out is not None and self._unsharded is not None
-        _alloc_storage(self._unsharded)
-        scale = self._world // world
+    def copy_out(self, out: torch.Tensor, world: int) -> None:
+        """Moves the rows ``out`` gathered over ``world`` ranks into the unsharded
+        parameters (reallocating their storage)."""
+        assert self.unsharded is not None
+        _alloc_storage(self.unsharded)
+        scale = self.world // world
         # Refilling storage autograd may have saved is not a modification: keep
         # the version (see [Note: unsharded storage]). Nothing here requires grad.
-        version = self._unsharded._version
+        version = self.unsharded._version
         try:
             rows = out.view(world, -1)
             if self._fused_copy_out:
                 sizes = self._copy_out_sizes.get(world)
                 if sizes is None:
-                    sizes = self._copy_out_sizes[world] = [s.size * scale for s in self._slots]
+                    sizes = self._copy_out_sizes[world] = [s.size * scale for s in self.slots]
                 torch.split_with_sizes_copy(rows, sizes, dim=1, out=self._copy_out_views(world))
             else:  # some parameter is sharded on a dim > 0 (needs a permuted copy)
                 self._copy_out_per_param(rows, scale)
         finally:
-            _compat.restore_version(self._unsharded, version)
+            _compat.restore_version(self.unsharded, version)
 
     def _copy_out_per_param(self, rows: torch.Tensor, scale: int) -> None:
         with torch.no_grad():  # writes through the unsharded parameters (leaves)
-            for slot in self._slots:
+            for slot in self.slots:
                 p = slot.param
                 if p is None:
                     continue
@@ -214,18 +194,16 @@ class FlatBuffer:
                 else:
                     p.unsharded_local.copy_(p.unsharded_from_rank_chunks(block))
 
-    def _pack_post_forward_shard(self) -> torch.Tensor:
-        # This rank keeps rows [i*k, (i+1)*k) of every parameter block, k = W / N:
-        # exactly what an all-gather over its N-rank group must contribute to
-        # rebuild the (W, S) rank-major gather layout in backward.
-        assert self._unsharded is not None
-        w, k, i = self._world, self._world // self._post_forward_size, self._post_forward_rank
-        pieces = [
-            self._unsharded[w * s.offset + i * k * s.size :][: k * s.size] for s in self._slots
-        ]
+    def pack_post_forward_shard(self, group_size: int, group_rank: int) -> torch.Tensor:
+        """This rank's share for ``reshard_after_forward=group_size``: rows
+        ``[i*k, (i+1)*k)`` of every parameter block, ``k = W / group_size``, exactly
+        what an all-gather over its group must contribute to rebuild the ``(W, S)``
+        rank-major gather layout in backward."""
+        assert self.unsharded is not None
+        w, k, i = self.world, self.world // group_size, group_rank
+        pieces = [self.unsharded[w * s.offset + i * k * s.size :][: k * s.size] for s in self.slots]
         numel = sum(p.numel() for p in pieces)
-        device = self._unsharded.device
-        return torch.cat(pieces, out=torch.empty(numel, dtype=self._buffer_dtype, device=device))
+        return torch.cat(pieces, out=torch.empty(numel, dtype=self.dtype, device=self.device))
 
 
 def _alloc_storage(tensor: torch.Tensor) -> None:

@@ -8,13 +8,15 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from . import _compat
 from ._collectives import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
+from ._errors import FSDPRuntimeError
 from ._events import Observer
 from ._hooks import UnitState, state_of
 from ._mesh import separate_reduce_scatter_group
@@ -31,8 +33,31 @@ __all__ = [
     "share_comm_ctx",
 ]
 
-# The FSDP subclass made for each annotated class (fully_shard fills it in).
+# The FSDP subclass made for each annotated class (by fsdp_class_of).
 _fsdp_classes: dict[type, type] = {}
+
+
+def fsdp_class_of(cls: type) -> type:
+    """The class ``fully_shard`` gives a module of class ``cls``: a subclass of
+    :class:`FSDPModule` and of ``cls``, made once per class. torch's
+    ``FSDPModule`` comes last: isinstance checks written for FSDP2 (accelerate,
+    ``torch.distributed.pipelining``) accept the unit, and none of its methods is
+    reached before ours, the original class's or ``nn.Module``'s."""
+    made = _fsdp_classes.get(cls)
+    if made is None:
+        bases = (FSDPModule, cls, TorchFSDPModule)
+        made = _fsdp_classes[cls] = type(
+            f"FSDP{cls.__name__}", bases, {"__deepcopy__": _no_deepcopy}
+        )
+    return made
+
+
+def _no_deepcopy(*_: Any) -> NoReturn:
+    raise FSDPRuntimeError(
+        "FSDP does not support deepcopy: fully_shard modules cannot be deep-copied (their "
+        "parameters are shards tied to process groups). Copy the model before fully_shard, "
+        "or use state_dict()."
+    )
 
 
 class FSDPModule:
@@ -91,16 +116,10 @@ class FSDPModule:
             state.reshard(unit)
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
-        """Sets whether resharding keeps the unsharded parameter storage allocated
-        (default ``False``: it is freed). Keeping it preserves the data pointers
-        across reshard and unshard (CUDA graph capture), at the cost of memory.
-
-        Args:
-            keep (bool): whether to keep the unsharded storage after resharding.
-            recurse (bool): apply to every FSDPModule in the subtree.
-        """
+        """Sets whether resharding keeps the unsharded storage allocated (default
+        ``False``), which keeps data pointers fixed (CUDA graphs) at a memory cost."""
         for unit in self._units(recurse):
-            unit.keep_unsharded_storage = bool(keep)
+            unit.configure(keep_unsharded_storage=bool(keep))
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """Sets whether the caller ends backward with :meth:`finalize_backward`
@@ -156,7 +175,7 @@ class FSDPModule:
             )
         if state._finalize_queued or scheduler.backward_active:
             raise RuntimeError("FSDP finalize_backward must be called after backward completes")
-        partial = next((u for u in scheduler.units if u._partial_reduce), None)
+        partial = next((u for u in scheduler.units if u.reducer.partial_sums), None)
         if partial is not None:
             raise RuntimeError(
                 "FSDP manual backward finalization does not support partial gradient "
@@ -191,14 +210,16 @@ class FSDPModule:
         gradients locally, without communication, like ``no_sync``). For HSDP this
         controls the reduce-scatter and the all-reduce together."""
         for unit in self._units(recurse):
-            unit.requires_gradient_sync = requires_gradient_sync
-            unit.requires_all_reduce = requires_gradient_sync
+            unit.configure(
+                requires_gradient_sync=requires_gradient_sync,
+                requires_all_reduce=requires_gradient_sync,
+            )
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: sets whether gradients are all-reduced across replicas after the
         reduce-scatter (``False`` accumulates reduce-scattered sums locally)."""
         for unit in self._units(recurse):
-            unit.requires_all_reduce = requires_all_reduce
+            unit.configure(requires_all_reduce=requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Sets at runtime whether parameters are freed after forward (e.g. ``True``
@@ -223,7 +244,7 @@ class FSDPModule:
         next forward's all-gather during gradient accumulation, at the cost of
         memory."""
         for unit in self._units(recurse):
-            unit.reshard_after_backward = reshard_after_backward
+            unit.configure(reshard_after_backward=reshard_after_backward)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Sets the modules whose parameters this module's forward all-gathers as
@@ -233,9 +254,7 @@ class FSDPModule:
         Args:
             modules (List[FSDPModule]): modules to prefetch, in issue order.
         """
-        targets, holders = self._prefetch_targets_and_holders(modules)
-        for holder in holders:
-            holder.forward_prefetch = targets
+        self._set_prefetch(modules, "forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Sets the modules whose parameters this module's backward all-gathers as
@@ -245,14 +264,12 @@ class FSDPModule:
         Args:
             modules (List[FSDPModule]): modules to prefetch, in issue order.
         """
-        targets, holders = self._prefetch_targets_and_holders(modules)
-        for holder in holders:
-            holder.backward_prefetch = targets
+        self._set_prefetch(modules, "backward_prefetch")
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divides reduced gradients by ``factor`` instead of the data-parallel size."""
         for unit in self._units(False):
-            unit.gradient_divide_factor = float(factor)
+            unit.configure(gradient_divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated alias of :meth:`set_gradient_divide_factor`."""
@@ -262,7 +279,7 @@ class FSDPModule:
         """Sets whether backward needs this module's parameters at all (``False``
         for e.g. an embedding whose backward does not read its weight)."""
         for unit in self._units(False):
-            unit.unshard_in_backward = unshard_in_backward
+            unit.configure(unshard_in_backward=unshard_in_backward)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Accepted for API compatibility: the next all-gather is always ordered after
@@ -277,7 +294,7 @@ class FSDPModule:
         (conditional branches, mixture of experts), so that every rank issues the
         same collective; like DDP's ``find_unused_parameters``."""
         for unit in self._units(recurse):
-            unit.reduce_scatter_unused_params = reduce_scatter_unused_params
+            unit.configure(reduce_scatter_unused_params=reduce_scatter_unused_params)
 
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: Any | None = None
@@ -299,24 +316,21 @@ class FSDPModule:
                 f"set_all_reduce_hook_on_mesh: no parameter of this module is on {mesh}"
             )
         for unit in units:
-            unit.all_reduce_hook = hook
+            unit.configure(all_reduce_hook=hook)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Sets whether gradient reductions use SUM and divide separately instead of
-        averaging. fsdp_compose always communicates with SUM; what this changes, as
-        in FSDP2, is what an all-reduce hook (:meth:`set_all_reduce_hook`) receives
-        for float32/bfloat16 gradients: the sum (then divided after the hook) when
-        enabled, the average (FSDP2's ``ReduceOp.AVG``) when not."""
+        """Sets whether reductions sum and divide separately instead of averaging.
+        fsdp_compose always sums; as in FSDP2, this sets what an all-reduce hook gets
+        for float32/bfloat16 gradients: the sum if enabled, else the average."""
         for unit in self._units(False):
-            unit.force_sum_reduction = bool(enable)
+            unit.configure(force_sum_reduction=bool(enable))
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:
         """Sets how many reduce-scatters may hold their full-size gradient buffers at
-        once (default 1: a unit's reduce-scatter is completed when the next unit's
-        starts). More lets slow reduce-scatters overlap more backward compute, at
-        the cost of that many units' gradient buffers. Applies to the whole tree."""
+        once (default 1); more overlap slow reduce-scatters with backward at that
+        many units' buffers. Applies to the whole tree."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
                 f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
@@ -329,32 +343,17 @@ class FSDPModule:
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:
-        """Runs gradient reduce-scatters on a process group of their own (one per
-        set of shard ranks, shared by the units), so that they can progress
-        concurrently with backward all-gathers instead of queueing behind them on
-        one communicator. Creating the group is collective over the shard ranks:
-        call it on every rank, with the same arguments.
-
-        Args:
-            enable (bool): ``True`` gives reduce-scatters their own group;
-                ``False`` returns them to the all-gather's group.
-            recurse (bool): apply to every FSDPModule in the subtree.
-        """
+        """Beyond FSDP2: runs reduce-scatters on a process group of their own (one
+        per set of shard ranks), so they progress concurrently with backward
+        all-gathers. Creating it is collective: call on every rank alike."""
         for unit in self._units(recurse):
-            unit.reduce_scatter_group = (
-                separate_reduce_scatter_group(unit.mesh_info) if enable else None
-            )
+            group = separate_reduce_scatter_group(unit.mesh_info) if enable else None
+            unit.configure(reduce_scatter_group=group)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Asks for communication staging buffers from the process group's own
-        allocator (NCCL: zero-copy transfers over SHARP). Accepted on every backend
-        (one script for CPU and GPU), but the buffers stay on the regular allocator
-        (gloo has no such allocator; the CUDA path is not implemented yet): ``True``
-        logs a one-time note; collectives and results are the default path's.
-
-        Args:
-            enable (bool): whether to use the process group's allocator.
-        """
+        """Asks for communication buffers from the process group's allocator (NCCL:
+        zero-copy over SHARP). Accepted on every backend; the buffers stay on the
+        regular allocator (not implemented yet), with a one-time log note."""
         if not isinstance(enable, bool):
             raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
         if enable:
@@ -363,59 +362,34 @@ class FSDPModule:
             )
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Asks for all-gather staging buffers in symmetric memory (``symm_mem``),
-        for NCCL's copy-engine or symmetric-kernel all-gathers.
-
-        Accepted, with a one-time log note, and the regular allocator kept, as
-        for :meth:`set_allocate_memory_from_process_group_for_comm`.
-
-        Args:
-            backend (str): the symmetric memory backend; only ``"NCCL"``, as in FSDP2.
-        """
+        """Asks for all-gather buffers in symmetric memory (``backend="NCCL"`` only,
+        as in FSDP2). Accepted like :meth:`set_allocate_memory_from_process_group_for_comm`."""
         if backend != "NCCL":
             raise ValueError(f'set_symm_mem_for_comm supports backend="NCCL" only, got {backend!r}')
         _note_comm_buffers_unchanged("set_symm_mem_for_comm()", self._fsdp_state())
 
     def set_custom_all_gather(self, comm: AllGather | None) -> None:
-        """Issues this module's parameter all-gathers with ``comm`` instead of the
-        default collective.
-
-        ``comm`` follows FSDP2's ``AllGather`` interface:
-        ``comm.allocate(size, *, dtype, device)`` returns the all-gather output (a
-        contiguous tensor of ``size``), of which this rank's row is the input, and
-        ``comm(output_tensor, input_tensor, group, async_op)`` issues the
-        collective and returns its ``Work`` (or ``None`` once done). Called only
-        when there is something to gather (shard world size above 1). Applies to
-        this module's own parameters, not to its children's; ``None`` restores the
-        default.
-
-        Args:
-            comm (AllGather): the custom all-gather.
-        """
+        """Issues this module's (not its children's) parameter all-gathers with
+        ``comm``, FSDP2's ``AllGather`` interface: ``comm.allocate(size, *, dtype,
+        device)`` returns the output, whose row for this rank is the input, and
+        ``comm(output_tensor, input_tensor, group, async_op)`` issues it (returns a
+        ``Work`` or ``None``). Called only for shard world sizes above 1; ``None``
+        restores the default."""
         _check_comm(comm, "set_custom_all_gather")
         _check_single_mesh(self._fsdp_state(), "set_custom_all_gather")
         for unit in self._units(False):
-            unit.all_gather_comm = DefaultAllGather() if comm is None else comm
+            unit.configure(all_gather_comm=DefaultAllGather() if comm is None else comm)
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter | None) -> None:
-        """Issues this module's gradient reduce-scatters with ``comm`` instead of
-        the default collective.
-
-        ``comm`` follows FSDP2's ``ReduceScatter`` interface:
-        ``comm.allocate(size, *, dtype, device)`` returns the input and the output
-        buffers, and ``comm(output_tensor, input_tensor, group, op, async_op)``
-        issues the collective and returns its ``Work`` (or ``None`` once done).
-        ``op`` is always ``ReduceOp.SUM``: the averaging division is applied
-        separately. Called only when the shard world size is above 1. Applies to
-        this module's own parameters; ``None`` restores the default.
-
-        Args:
-            comm (ReduceScatter): the custom reduce-scatter.
-        """
+        """Issues this module's gradient reduce-scatters with ``comm``, FSDP2's
+        ``ReduceScatter`` interface: ``allocate`` makes the input and output
+        buffers, ``comm(output_tensor, input_tensor, group, op, async_op)`` issues
+        it with ``op`` always ``SUM`` (the averaging is separate). As for
+        :meth:`set_custom_all_gather`."""
         _check_comm(comm, "set_custom_reduce_scatter")
         _check_single_mesh(self._fsdp_state(), "set_custom_reduce_scatter")
         for unit in self._units(False):
-            unit.reduce_scatter_comm = DefaultReduceScatter() if comm is None else comm
+            unit.configure(reduce_scatter_comm=DefaultReduceScatter() if comm is None else comm)
 
     # -- additions beyond FSDP2's API ----------------------------------------
 
@@ -457,18 +431,19 @@ class FSDPModule:
 
     # -- internals -----------------------------------------------------------
 
-    def _prefetch_targets_and_holders(
-        self, modules: list[FSDPModule]
-    ) -> tuple[list[Unit], list[Unit | UnitState]]:
-        """The units an explicit prefetch list gathers, and what holds the list:
-        this module's own units, or its state when it has none."""
+    def _set_prefetch(self, modules: list[FSDPModule], which: str) -> None:
+        """Sets the explicit prefetch list ``which`` of this module's own units (of
+        its state when it has none) to the units of ``modules``."""
         if not isinstance(modules, (list, tuple)):
             raise TypeError(f"expected a list of FSDPModules, got {type(modules).__name__}")
         states = [_check_fsdp_module(m)._fsdp_state() for m in modules]
         # A module that borrows a shared parameter needs its owner unit too.
-        targets = list(dict.fromkeys(u for s in states for u in [*s.own_units, *s.borrowed]))
+        targets = tuple(dict.fromkeys(u for s in states for u in [*s.own_units, *s.borrowed]))
         state = self._fsdp_state()
-        return targets, [*state.own_units] or [state]
+        for unit in state.own_units:
+            unit.configure(**{which: targets})
+        if not state.own_units:
+            setattr(state, which, targets)
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Conversions (.to(), to_empty(), .half()) must see the sharded parameters;

@@ -6,16 +6,15 @@ attaches the hooks, and mixes :class:`FSDPModule` into the module's class."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NoReturn, overload
+from typing import Any, overload
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DeviceMesh, Shard
 
 from . import _shared, _validation
-from ._errors import FSDPRuntimeError, FSDPValueError
-from ._fsdp_module import FSDPModule, _fsdp_classes
+from ._errors import FSDPValueError
+from ._fsdp_module import FSDPModule, fsdp_class_of
 from ._hooks import UnitState, state_of
 from ._mesh import (
     DataParallelMeshDims,
@@ -189,15 +188,7 @@ def fully_shard(
     replaced = [(p, sp, unit_of[id(sp)]) for p, sp in zip(owners, sharded)]
     _shared.install(state, replaced, borrowed)
     for m in modules:
-        cls = type(m)
-        if cls not in _fsdp_classes:
-            # torch's FSDPModule last: isinstance checks written for FSDP2 (accelerate,
-            # torch.distributed.pipelining) accept the unit, and none of its methods
-            # is reached before ours, the original class's or nn.Module's.
-            bases = (FSDPModule, cls, TorchFSDPModule)
-            attrs = {"__deepcopy__": _no_deepcopy}
-            _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", bases, attrs)
-        m.__class__ = _fsdp_classes[cls]
+        m.__class__ = fsdp_class_of(type(m))
     return module
 
 
@@ -393,11 +384,3 @@ def _placement(
             f"got {result!r} for parameter {owners[0][1]!r}"
         )
     return result.dim, info
-
-
-def _no_deepcopy(*_: Any) -> NoReturn:
-    raise FSDPRuntimeError(
-        "FSDP does not support deepcopy: fully_shard modules cannot be deep-copied (their "
-        "parameters are shards tied to "
-        "process groups). Copy the model before fully_shard, or use state_dict()."
-    )

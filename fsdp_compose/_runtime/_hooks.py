@@ -82,9 +82,9 @@ class UnitState:
         self.all_states: list[UnitState] = []  # root only: every state in its tree
         # One object per tree (adopt_subtree_settings), with the tree's event list.
         self.settings = ScheduleSettings(events=Events([_validation.USE_CHECKS]))
-        # Explicit prefetch lists of a call without parameters (else on the unit).
-        self.forward_prefetch: list[Unit] | None = None
-        self.backward_prefetch: list[Unit] | None = None
+        # Explicit prefetch lists of a call without parameters (else in unit.options).
+        self.forward_prefetch: tuple[Unit, ...] = ()
+        self.backward_prefetch: tuple[Unit, ...] = ()
         # Units whose parameters this call's modules share ([Note: shared parameters]).
         self.borrowed: list[Unit] = []
         self.name = type(modules[0]).__name__  # the module's FQN once the root knows it

@@ -6,70 +6,57 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from . import _collectives, _compat
-from ._collectives import PendingCollective, ReduceScatter
-from ._events import Events
-from ._mesh import MeshInfo
+from ._collectives import PendingCollective
 from ._sharded_param import ShardedParam
 
+if TYPE_CHECKING:
+    from ._unit import Unit
 
-class GradientReduction:
-    """The part of a :class:`~fsdp_compose._unit.Unit` that turns unsharded
-    gradients into reduced sharded ones."""
 
-    # Set by Unit.__init__ / lazy init.
-    params: list[ShardedParam]
-    mesh_info: MeshInfo
-    name: str
-    reduce_dtype: torch.dtype | None
-    gradient_divide_factor: float | None
-    reduce_scatter_unused_params: bool
-    reduce_scatter_comm: ReduceScatter
-    reduce_scatter_group: dist.ProcessGroup | None
-    all_reduce_hook: Callable[[torch.Tensor], None] | None
-    force_sum_reduction: bool
-    pin_memory: bool
-    _alias: bool
-    _partial_reduce: dict[ShardedParam, torch.Tensor]
-    events: Events
+class GradientReducer:
+    """Turns one unit's unsharded gradients into reduced sharded ones, with the
+    unit's settings (``unit.options``) read at each reduction."""
 
-    @property
-    def trainable_params(self) -> list[ShardedParam]:
-        return [p for p in self.params if p.sharded_param.requires_grad]
+    def __init__(self, unit: Unit) -> None:
+        self.unit = unit
+        # HSDP with set_requires_all_reduce(False): reduce-scattered (not yet
+        # all-reduced) gradient sums per parameter, added in at the next all-reduce.
+        self.partial_sums: dict[ShardedParam, torch.Tensor] = {}
 
     def accumulate_unsharded_grads(self) -> None:
         """Without gradient sync, keeps gradients unsharded for the next backward,
         upcast to the reduce dtype if that differs from the compute dtype."""
-        for p in self.trainable_params:
+        for p in self.unit.trainable_params:
             up = p.unsharded_param
-            if up is None or up.grad is None or self.reduce_dtype in (None, up.grad.dtype):
+            if up is None or up.grad is None or self.unit.reduce_dtype in (None, up.grad.dtype):
                 continue
             grad = p.local_grad(up.grad)  # kept as a plain (TP-local) tensor
             up.grad = None
             if p.accumulated_grad is None:
-                p.accumulated_grad = grad.to(self.reduce_dtype)
+                p.accumulated_grad = grad.to(self.unit.reduce_dtype)
             else:
                 p.accumulated_grad.add_(grad)
 
     def discard_unsharded_grads(self) -> None:
         """Drops the gradients of a failed step that were not reduced yet."""
-        for p in self.params:
+        for p in self.unit.params:
             p.accumulated_grad = None
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
-        self._partial_reduce.clear()
+        self.partial_sums.clear()
 
     def has_unsharded_grads(self) -> bool:
         return any(
             p.accumulated_grad is not None
             or (p.unsharded_param is not None and p.unsharded_param.grad is not None)
-            for p in self.trainable_params
+            for p in self.unit.trainable_params
         )
 
     def partial_reduce(
@@ -80,9 +67,9 @@ class GradientReduction:
         offset = 0
         for p, size in zip(params, sizes):
             piece = output[offset : offset + p.local_numel]
-            kept = self._partial_reduce.pop(p, None)
+            kept = self.partial_sums.pop(p, None)
             if keep:
-                self._partial_reduce[p] = piece.clone() if kept is None else kept.add_(piece)
+                self.partial_sums[p] = piece.clone() if kept is None else kept.add_(piece)
             elif kept is not None:
                 piece.add_(kept)
             offset += size
@@ -91,7 +78,7 @@ class GradientReduction:
         """Removes and returns the unsharded gradients (including those accumulated
         without sync) of the parameters that received one."""
         params, grads, unused = [], [], []
-        for p in self.trainable_params:
+        for p in self.unit.trainable_params:
             up = p.unsharded_param
             grad = p.local_grad(up.grad) if up is not None and up.grad is not None else None
             if p.accumulated_grad is not None:
@@ -99,18 +86,20 @@ class GradientReduction:
                     p.accumulated_grad.add_(grad)
                 grad, p.accumulated_grad = p.accumulated_grad, None
             if grad is None:
-                if not self.reduce_scatter_unused_params or up is None:
+                if not self.unit.options.reduce_scatter_unused_params or up is None:
                     unused.append(p.fqn)
                     continue
                 # Keep the collective's size identical on ranks where this
                 # parameter got no gradient (conditional branches, MoE).
-                grad = torch.zeros(p.orig_size, dtype=p.compute_dtype, device=self.mesh_info.device)
+                grad = torch.zeros(
+                    p.orig_size, dtype=p.compute_dtype, device=self.unit.mesh_info.device
+                )
             if up is not None:
                 up.grad = None
             params.append(p)
             grads.append(grad)
         if unused and params:
-            _warn_unused(self.name, unused)
+            _warn_unused(self.unit.name, unused)
         return params, grads
 
     def reduce_grads(
@@ -120,21 +109,21 @@ class GradientReduction:
         (HSDP) all-reduce; returns the pending reduction, or None if nothing to do."""
         if not params:
             return None
-        info = self.mesh_info
+        unit, options = self.unit, self.unit.options
+        info, name = unit.mesh_info, unit.name
         world = info.shard_size
-        if self._alias and not info.is_hsdp and self.gradient_divide_factor is None:
+        factor = options.gradient_divide_factor
+        if unit.aliases_shards and not info.is_hsdp and factor is None:
             # One rank, no casts: the unsharded gradient is the sharded gradient.
             for p, g in zip(params, grads):
                 _assign_sharded_grad(p, g)
             return None
-        reduce_dtype = self.reduce_dtype or grads[0].dtype
-        pre, post = _divide_factors(
-            info.data_parallel_size, reduce_dtype, self.gradient_divide_factor
-        )
+        reduce_dtype = unit.reduce_dtype or grads[0].dtype
+        pre, post = _divide_factors(info.data_parallel_size, reduce_dtype, factor)
         sizes = [p.chunk_numel for p in params]
         row = sum(sizes)
-        comm = self.reduce_scatter_comm  # as in FSDP2, both buffers come from the comm
-        device, name = info.device, self.name
+        comm = options.reduce_scatter_comm  # as in FSDP2, both buffers come from the comm
+        device = info.device
         packed = _collectives.allocate(
             comm, world * row, reduce_dtype, device, name, "reduce_scatter"
         )
@@ -150,8 +139,8 @@ class GradientReduction:
             output, rs = packed, None
         else:
             output = _collectives.allocate(comm, row, reduce_dtype, device, name, "reduce_scatter")
-            group = self.reduce_scatter_group or self.mesh_info.shard_group
-            rs = _collectives.reduce_scatter(comm, output, packed, group, self.name, self.events)
+            group = options.reduce_scatter_group or info.shard_group
+            rs = _collectives.reduce_scatter(comm, output, packed, group, name, unit.events)
         replicate_group = info.replicate_group if all_reduce else None
         return PendingReduction(self, params, sizes, output, rs, replicate_group, post)
 
@@ -161,7 +150,7 @@ class PendingReduction:
     """A unit's gradients on their way: reduce-scatter, then (HSDP) all-reduce,
     then division and hand-off to the sharded parameters' ``.grad``."""
 
-    unit: GradientReduction
+    reducer: GradientReducer
     _params: list[ShardedParam]
     _sizes: list[int]
     _output: torch.Tensor | None
@@ -174,7 +163,7 @@ class PendingReduction:
 
     def __post_init__(self) -> None:
         # HSDP without all-reduce this step: keep the sums for a later all-reduce.
-        self._keep_partial = self.unit.mesh_info.is_hsdp and self._replicate_group is None
+        self._keep_partial = self.reducer.unit.mesh_info.is_hsdp and self._replicate_group is None
 
     def advance(self) -> None:
         """Completes the reduce-scatter (freeing its full-size buffers) and starts
@@ -188,11 +177,14 @@ class PendingReduction:
         assert self._output is not None
         if self._keep_partial:
             return
-        if self.unit._partial_reduce:
-            self.unit.partial_reduce(self._params, self._sizes, self._output, keep=False)
+        if self.reducer.partial_sums:
+            self.reducer.partial_reduce(self._params, self._sizes, self._output, keep=False)
         if self._replicate_group is not None:
             self._all_reduce = _collectives.all_reduce(
-                self._output, self._replicate_group, self.unit.name, self.unit.events
+                self._output,
+                self._replicate_group,
+                self.reducer.unit.name,
+                self.reducer.unit.events,
             )
 
     def finish(self) -> None:
@@ -207,17 +199,18 @@ class PendingReduction:
         assert output is not None
         with torch.no_grad():
             if self._keep_partial:
-                self.unit.partial_reduce(self._params, self._sizes, output, keep=True)
+                self.reducer.partial_reduce(self._params, self._sizes, output, keep=True)
             else:
-                hook, post, unit = self.unit.all_reduce_hook, self._post_divide, self.unit
+                options, post = self.reducer.unit.options, self._post_divide
+                hook = options.all_reduce_hook
                 # FSDP2 reduces float32/bfloat16 with ReduceOp.AVG unless a divide
                 # factor or force-sum is set, so its all-reduce hook receives the
                 # average; with SUM the sum, divided after the hook. Same here.
                 if hook is not None:
                     if (
                         post != 1
-                        and unit.gradient_divide_factor is None
-                        and not unit.force_sum_reduction
+                        and options.gradient_divide_factor is None
+                        and not options.force_sum_reduction
                         and output.dtype in (torch.float32, torch.bfloat16)
                     ):
                         output.div_(post)
@@ -228,12 +221,12 @@ class PendingReduction:
                 offset, copies_in_flight = 0, False
                 for p, size in zip(self._params, self._sizes):
                     local = output[offset : offset + p.local_numel].view(p.local_shape)
-                    copies_in_flight |= _assign_sharded_grad(p, local, self.unit.pin_memory)
+                    copies_in_flight |= _assign_sharded_grad(p, local, self.reducer.unit.pin_memory)
                     offset += size
                 if copies_in_flight:
                     # The optimizer reads the offloaded gradients on the CPU right
                     # after backward returns: block until the copies have landed.
-                    device = self.unit.mesh_info.device
+                    device = self.reducer.unit.mesh_info.device
                     getattr(torch, device.type).current_stream(device).synchronize()
         self._release()
 

@@ -26,6 +26,7 @@ rank running the same model: all ranks issue the same collectives in order.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -175,7 +176,7 @@ class Scheduler:
         """Forward passes begun so far (the current training step)."""
         return self.events.step
 
-    def prefetch(self, units: list[Unit]) -> None:
+    def prefetch(self, units: Sequence[Unit]) -> None:
         """Explicit prefetch from a module that manages no parameters itself."""
         for unit in units:
             self.memory.prefetch(unit)
@@ -227,9 +228,9 @@ class Scheduler:
             self.memory.require(unit)
             self.events.unit("forward_begin", unit)
 
-    def _forward_prefetch_targets(self, unit: Unit) -> list[Unit]:
-        if unit.forward_prefetch is not None:  # explicit, [] included
-            return unit.forward_prefetch
+    def _forward_prefetch_targets(self, unit: Unit) -> Sequence[Unit]:
+        if unit.options.forward_prefetch is not None:  # explicit, () included
+            return unit.options.forward_prefetch
         order, depth = self._prev_forward_order, self.settings.forward_depth
         if depth <= 0 or not order:
             return []
@@ -267,8 +268,9 @@ class Scheduler:
                 self._reshard_after_forward(unit)
 
     def _reshard_after_forward(self, unit: Unit) -> None:
-        if unit.reshard_after_forward is not False:
-            self.memory.reshard(unit, to_post_forward_group=unit.reshard_after_forward is not True)
+        reshard = unit.options.reshard_after_forward
+        if reshard is not False:
+            self.memory.reshard(unit, to_post_forward_group=reshard is not True)
 
     def end_forward(self) -> None:
         """Called by the state that began the forward, after its post-forward."""
@@ -302,14 +304,14 @@ class Scheduler:
         self._note_backward()
         for unit in units:
             unit.phase = Phase.PRE_BACKWARD
-        gather = [u for u in units if u.unshard_in_backward]
+        gather = [u for u in units if u.options.unshard_in_backward]
         for unit in gather:
             self.memory.issue(unit)
         for unit in gather:
             for target in self._backward_prefetch_targets(unit):
                 # As in FSDP2, a unit set not to unshard in backward is not
                 # prefetched there either (its backward does not need it).
-                if target not in units and target.unshard_in_backward:
+                if target not in units and target.options.unshard_in_backward:
                     self.memory.prefetch(target)
         for unit in gather:
             self.memory.require(unit)
@@ -338,9 +340,9 @@ class Scheduler:
                 self.manual_finalization = self.settings.manual_backward_finalization
             self._backward_cursor = len(self._backward_order)
 
-    def _backward_prefetch_targets(self, unit: Unit) -> list[Unit]:
-        if unit.backward_prefetch is not None:  # explicit, [] included
-            return unit.backward_prefetch
+    def _backward_prefetch_targets(self, unit: Unit) -> Sequence[Unit]:
+        if unit.options.backward_prefetch is not None:  # explicit, () included
+            return unit.options.backward_prefetch
         order, depth = self._backward_order, self.settings.backward_depth
         if depth <= 0 or not order:
             return []
@@ -379,13 +381,14 @@ class Scheduler:
         if unit.phase is Phase.PRE_BACKWARD:
             self.events.unit("backward_end", unit)
         unit.phase = Phase.POST_BACKWARD
-        if not unit.requires_gradient_sync:
-            unit.accumulate_unsharded_grads()
-            if unit.reshard_after_backward:
+        options, reducer = unit.options, unit.reducer
+        if not options.requires_gradient_sync:
+            reducer.accumulate_unsharded_grads()
+            if options.reshard_after_backward:
                 self.memory.reshard(unit)
             return
-        params, grads = unit.take_unsharded_grads()
-        if unit.reshard_after_backward:
+        params, grads = reducer.take_unsharded_grads()
+        if options.reshard_after_backward:
             # Gradients are separate tensors: free the parameters before the
             # reduction allocates its buffers, so the two never coexist.
             self.memory.reshard(unit)
@@ -399,7 +402,7 @@ class Scheduler:
                 and len(self._scattering) >= self.settings.max_inflight_reductions
             ):
                 self._scattering.pop(0).advance()
-            reduction = unit.reduce_grads(params, grads, all_reduce=unit.requires_all_reduce)
+            reduction = reducer.reduce_grads(params, grads, all_reduce=options.requires_all_reduce)
             del grads  # packed into the reduction's buffer
             if reduction is not None:
                 self._reductions.append(reduction)
@@ -416,13 +419,15 @@ class Scheduler:
                     and (
                         unit.phase is Phase.PRE_BACKWARD
                         or unit.state is not ShardState.SHARDED
-                        or unit.has_unsharded_grads()
+                        or unit.reducer.has_unsharded_grads()
                     )
                 ) or (
-                    self.shared is not None and unit in self.shared and unit.has_unsharded_grads()
+                    self.shared is not None
+                    and unit in self.shared
+                    and unit.reducer.has_unsharded_grads()
                 ):
                     # (a shared unit may get gradients after an early reduction)
-                    if manual and unit.requires_gradient_sync:
+                    if manual and unit.options.requires_gradient_sync:
                         if unit not in self._awaiting_finalize:
                             self._awaiting_finalize.append(unit)
                     else:
@@ -444,9 +449,9 @@ class Scheduler:
         ``reshard_after_backward``, and (``wait``) completes every reduction."""
         awaiting, self._awaiting_finalize = self._awaiting_finalize, []
         for unit in reversed(self.units):
-            if unit in awaiting or unit.has_unsharded_grads():
+            if unit in awaiting or unit.reducer.has_unsharded_grads():
                 self._post_backward(unit, at_end=True)
-            elif unit.reshard_after_backward:
+            elif unit.options.reshard_after_backward:
                 self.memory.reshard(unit)
             unit.phase = Phase.IDLE
         self.reduction_pending = not wait
@@ -479,7 +484,7 @@ class Scheduler:
                 failures.append(str(exc))
         self._reductions, self._scattering = [], []
         for unit in self.units:
-            unit.discard_unsharded_grads()
+            unit.reducer.discard_unsharded_grads()
             try:
                 self.memory.reshard(unit)
             except RuntimeError as exc:

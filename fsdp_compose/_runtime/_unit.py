@@ -2,15 +2,18 @@
 
 A unit all-gathers its parameters into one flat buffer and reduce-scatters its
 gradients, one collective each. It knows *how* to unshard, reshard and reduce;
-the scheduler decides *when*. Here: its settings and gather/free state machine;
-the flat buffer is :class:`~fsdp_compose._flat_buffer.FlatBuffer`, gradient
-reduction :class:`~fsdp_compose._reduce.GradientReduction`.
+the scheduler decides *when*. Here: its settings (:class:`UnitOptions`) and its
+gather/free state machine; it holds the flat buffer
+(:class:`~fsdp_compose._runtime._flat_buffer.FlatBuffer`) and its gradient
+reducer (:class:`~fsdp_compose._runtime._reduce.GradientReducer`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,10 +32,36 @@ from ._extensions import ExtensionGather
 from ._flat_buffer import FlatBuffer
 from ._mesh import MeshInfo, post_forward_subgroup
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._reduce import GradientReduction, PendingReduction
+from ._reduce import GradientReducer, PendingReduction
 from ._sharded_param import ShardedParam
 
-__all__ = ["PendingReduction", "Phase", "ShardState", "Unit"]
+__all__ = ["PendingReduction", "Phase", "ShardState", "Unit", "UnitOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitOptions:
+    """A unit's user settings: ``fully_shard``'s ``reshard_after_forward`` and what
+    the ``FSDPModule.set_*`` methods set, which replace the object
+    (:meth:`Unit.configure`) rather than change it, so a reader holds one
+    consistent set."""
+
+    reshard_after_forward: bool | int = True
+    reshard_after_backward: bool = True
+    requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True  # HSDP: all-reduce across replicas
+    gradient_divide_factor: float | None = None  # None: the data-parallel size
+    reduce_scatter_unused_params: bool = False
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    force_sum_reduction: bool = False  # set_force_sum_reduction_for_comms
+    unshard_in_backward: bool = True
+    keep_unsharded_storage: bool = False  # resharding frees nothing
+    reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
+    # This unit's Comm objects ([Note: Comm objects]).
+    all_gather_comm: AllGather = dataclasses.field(default_factory=DefaultAllGather)
+    reduce_scatter_comm: ReduceScatter = dataclasses.field(default_factory=DefaultReduceScatter)
+    # Explicit prefetch targets (set_modules_to_*_prefetch); None: implicit order.
+    forward_prefetch: tuple[Unit, ...] | None = None
+    backward_prefetch: tuple[Unit, ...] | None = None
 
 
 class ShardState(Enum):
@@ -52,7 +81,7 @@ class Phase(Enum):
     POST_BACKWARD = "post_backward"
 
 
-class Unit(FlatBuffer, GradientReduction):
+class Unit:
     """The parameter group of one :func:`fully_shard` call: its managed ``params``
     (in registration order) of the annotated ``modules``, and the call's layout and
     policies (``reshard_after_forward``: a bool or an int group size)."""
@@ -77,50 +106,38 @@ class Unit(FlatBuffer, GradientReduction):
         # Pinned host shards make the device-to-host gradient copies asynchronous.
         self.pin_memory = self.offload and bool(getattr(offload_policy, "pin_memory", False))
         self.name = type(modules[0]).__name__  # refined to the module's FQN at lazy init
-        self.reshard_after_backward = True
-        self.requires_gradient_sync = True
-        self.requires_all_reduce = True
-        self.gradient_divide_factor: float | None = None
-        self.reduce_scatter_unused_params = False
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self.force_sum_reduction = False  # set_force_sum_reduction_for_comms
-        self.unshard_in_backward = True
-        self.reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
-        # This unit's Comm objects ([Note: Comm objects]); set_custom_all_gather /
-        # set_custom_reduce_scatter replace them.
-        self.all_gather_comm: AllGather = DefaultAllGather()
-        self.reduce_scatter_comm: ReduceScatter = DefaultReduceScatter()
-        # Explicit prefetch targets (set_modules_to_*_prefetch); None: implicit order.
-        self.forward_prefetch: list[Unit] | None = None
-        self.backward_prefetch: list[Unit] | None = None
+        self.options = UnitOptions()
         self.state = ShardState.SHARDED
         self.phase = Phase.IDLE
         # The root's event list (and step count), shared by its tree's units.
         self.events = Events()
+        self.reducer = GradientReducer(self)
+        self.reduce_dtype: torch.dtype | None = None  # set at lazy init
+        # With reshard_after_forward=N: the N-rank group backward gathers in.
         self._post_forward_group: dist.ProcessGroup | None = None
         self._post_forward_rank = 0
-        self._post_forward_size = 1
         self._initialized = False
         self.set_reshard_after_forward(reshard_after_forward)
-
+        # Made at lazy init: the flat buffer, or for units with all-gather
+        # extension parameters the per-parameter gather.
+        self.buffer: FlatBuffer | None = None
+        self._extension: ExtensionGather | None = None
         self._pending_gather: PendingCollective | None = None
         self._gather_output: torch.Tensor | None = None  # (world, row) while gathering
         self._gather_world = 0
         self._post_forward_shard: torch.Tensor | None = None
-        self._unsharded: torch.Tensor | None = None  # flat buffer, see [Note: unsharded storage]
-        self._alias = False
-        # Per-parameter gathering, for units with all-gather extension parameters.
-        self._extension: ExtensionGather | None = None
-        self.keep_unsharded_storage = False
         # Parked: gathered data kept after a no-grad forward with the shards
         # registered (for the optimizer); the next use re-registers, no gather.
         self._parked = False
         self._gathered_versions: list[int] = []
-        # HSDP with set_requires_all_reduce(False): reduce-scattered (not yet
-        # all-reduced) gradient sums per parameter, added in at the next all-reduce.
-        self._partial_reduce: dict[ShardedParam, torch.Tensor] = {}
 
     # -- configuration ---------------------------------------------------
+
+    def configure(self, **changes: Any) -> None:
+        """Replaces the named :class:`UnitOptions` fields (``reshard_after_forward``
+        through :meth:`set_reshard_after_forward`)."""
+        assert "reshard_after_forward" not in changes
+        self.options = dataclasses.replace(self.options, **changes)
 
     def set_reshard_after_forward(self, value: bool | int) -> None:
         # Resharding is the scheduler's (its memory accounting follows every state
@@ -129,12 +146,8 @@ class Unit(FlatBuffer, GradientReduction):
             f"unit {self.name!r}: reshard (through the scheduler) before changing "
             "reshard_after_forward"
         )
-        self.reshard_after_forward = value
         self._post_forward_group = None
         if not isinstance(value, bool):
-            subgroup = post_forward_subgroup(self.mesh_info, value)
-            self._post_forward_group, self._post_forward_rank = subgroup
-            self._post_forward_size = value
             if any(p.extension for p in self.params):
                 raise NotImplementedError(  # as in FSDP2
                     "reshard_after_forward as an int is not supported with parameters using "
@@ -146,6 +159,19 @@ class Unit(FlatBuffer, GradientReduction):
                     "shard_placement_fn chose another dim for "
                     f"{[p.fqn for p in self.params if p.shard_dim != 0]}"
                 )
+            subgroup = post_forward_subgroup(self.mesh_info, value)
+            self._post_forward_group, self._post_forward_rank = subgroup
+        self.options = dataclasses.replace(self.options, reshard_after_forward=value)
+
+    @property
+    def trainable_params(self) -> list[ShardedParam]:
+        return [p for p in self.params if p.sharded_param.requires_grad]
+
+    @property
+    def aliases_shards(self) -> bool:
+        """Whether the unsharded parameters are the local shards themselves (one
+        rank, no cast): nothing to gather or free."""
+        return self.buffer is not None and self.buffer.alias
 
     @property
     def unsharded_nbytes(self) -> int:
@@ -156,7 +182,8 @@ class Unit(FlatBuffer, GradientReduction):
             world = self.mesh_info.shard_size  # an estimate until the first gather
             guess = sum(world * p.chunk_numel * p.compute_dtype.itemsize for p in self.params)
             return self._extension.nbytes or guess
-        return 0 if self._alias else self._world * self._row * self._buffer_dtype.itemsize
+        assert self.buffer is not None
+        return self.buffer.nbytes
 
     # -- lazy initialisation: dtypes and buffer layout -------------------
 
@@ -168,7 +195,7 @@ class Unit(FlatBuffer, GradientReduction):
             "scheduler) before invalidating its layout"
         )
         self._initialized = False
-        self._extension = None
+        self._extension = self.buffer = None
         for p in self.params:
             p.unsharded_param = None
 
@@ -186,7 +213,8 @@ class Unit(FlatBuffer, GradientReduction):
             if any(p.extension for p in self.params):
                 self._extension = ExtensionGather(self.params, self.mp_policy)
             else:
-                self._init_layout()
+                self.buffer = FlatBuffer(self.params, self.mesh_info, self.offload)
+                self._free_unsharded()
         self._initialized = True
 
     def _init_dtypes(self) -> None:
@@ -207,7 +235,7 @@ class Unit(FlatBuffer, GradientReduction):
                 "collective: give them one dtype, set MixedPrecisionPolicy(reduce_dtype=...), "
                 "or put them in separate fully_shard units."
             )
-        self.reduce_dtype: torch.dtype | None = mp.reduce_dtype
+        self.reduce_dtype = mp.reduce_dtype
         for dtype in dtypes if mp.reduce_dtype is None else ():
             self.reduce_dtype = torch.promote_types(self.reduce_dtype or dtype, dtype)
         for p in self.params:  # FSDP2 2.15: autograd hands gradients over in reduce_dtype
@@ -231,35 +259,41 @@ class Unit(FlatBuffer, GradientReduction):
         if self.holds_unsharded:
             return
         self.lazy_init()
-        if self._alias:
-            self._pending_gather = _collectives.DONE
-            return
+        comm = self.options.all_gather_comm
         if self._extension is not None:
             self._gathered_versions = [p.data_version() for p in self.params]
             self._gather_output, self._pending_gather = self._extension.start(
-                self.all_gather_comm,
+                comm,
                 self.mesh_info.mesh,
-                self.shard_group,
+                self.mesh_info.shard_group,
                 self.mesh_info.shard_rank,
                 self.name,
                 self.events,
             )
             return
+        buffer = self.buffer
+        assert buffer is not None
+        if buffer.alias:
+            self._pending_gather = _collectives.DONE
+            return
         # Partially sharded: gather this rank's post-forward share in its group.
         shard = self._post_forward_shard if self.state is ShardState.PARTIALLY_SHARDED else None
         if shard is not None:
-            world, rank = self._post_forward_size, self._post_forward_rank
-            group, row, dtype = self._post_forward_group, shard.numel(), shard.dtype
+            group, rank, row = self._post_forward_group, self._post_forward_rank, shard.numel()
+            world = self.options.reshard_after_forward
+            assert isinstance(world, int) and group is not None
         else:
-            world, rank = self._world, self.mesh_info.shard_rank
-            group, row, dtype = self.shard_group, self._row, self._buffer_dtype
-        assert group is not None
-        comm, device = self.all_gather_comm, self.mesh_info.device
-        out = _collectives.allocate(comm, world * row, dtype, device, self.name, "all_gather")
+            world, rank, row = buffer.world, self.mesh_info.shard_rank, buffer.row
+            group = self.mesh_info.shard_group
+        device = self.mesh_info.device
+        out = _collectives.allocate(
+            comm, world * row, buffer.dtype, device, self.name, "all_gather"
+        )
         # As in FSDP2, the input is this rank's row of the output.
         send = out.view(world, row)[rank]
         if shard is None:
-            self._copy_in(send)
+            self._gathered_versions = [p.data_version() for p in self.params]
+            buffer.copy_in(send)
         else:
             send.copy_(shard)
         self._gather_output, self._gather_world = out, world
@@ -279,13 +313,14 @@ class Unit(FlatBuffer, GradientReduction):
             return
         pending.wait()
         self._pending_gather = None
+        out, self._gather_output = self._gather_output, None
         if self._extension is not None:
-            out, self._gather_output = self._gather_output, None
             assert out is not None
             self._extension.finish(out, self.mesh_info.shard_size)
             self.events.unit("gathered", self)
-        elif not self._alias:
-            self._copy_out()
+        elif not self.aliases_shards:
+            assert out is not None and self.buffer is not None
+            self.buffer.copy_out(out, self._gather_world)
             self.events.unit("gathered", self)
         self._post_forward_shard = None
         self._register_unsharded()
@@ -294,7 +329,7 @@ class Unit(FlatBuffer, GradientReduction):
     def params_changed_since_unshard(self) -> bool:
         """True if a sharded parameter was written (e.g. by the optimizer) after the
         unsharded copy was gathered, so the unsharded copy is stale."""
-        if self._alias or not self._gathered_versions:
+        if self.aliases_shards or not self._gathered_versions:
             return False
         return any(p.data_version() != v for p, v in zip(self.params, self._gathered_versions))
 
@@ -333,7 +368,9 @@ class Unit(FlatBuffer, GradientReduction):
         self.events.unit("resharding", self)
         keep_share = to_post_forward_group and self._post_forward_group is not None
         if keep_share:
-            self._post_forward_shard = self._pack_post_forward_shard()
+            assert self.buffer is not None and isinstance(self.options.reshard_after_forward, int)
+            size, rank = self.options.reshard_after_forward, self._post_forward_rank
+            self._post_forward_shard = self.buffer.pack_post_forward_shard(size, rank)
         for p in self.params:
             p.register(p.sharded_param)
         self._parked = False
@@ -348,3 +385,7 @@ class Unit(FlatBuffer, GradientReduction):
         nothing to wait for any more, only state to clear."""
         self._pending_gather = None
         self._gather_output = None
+
+    def _free_unsharded(self) -> None:
+        if self.buffer is not None and not self.options.keep_unsharded_storage:
+            self.buffer.free()

@@ -277,8 +277,8 @@ class UseChecks(Observer):
     def on_unit(self, event: UnitEvent, unit: Unit) -> None:
         if event == "lazy_init":
             _check_placement(unit)
-        elif event == "gathered" and unit._unsharded is not None:  # the flat buffer
-            setattr(unit, _GATHERED, unit._unsharded._version)
+        elif event == "gathered" and unit.buffer is not None and unit.buffer.unsharded is not None:
+            setattr(unit, _GATHERED, unit.buffer.unsharded._version)
         elif event == "resharding":
             _check_unchanged_while_unsharded(unit)
         elif event == "forward_begin":
@@ -316,7 +316,7 @@ def _check_placement(unit: Unit) -> None:
 
 
 def _check_unchanged_while_unsharded(unit: Unit) -> None:
-    flat = unit._unsharded
+    flat = unit.buffer.unsharded if unit.buffer is not None else None
     if flat is not None and flat._version != getattr(unit, _GATHERED, 0):
         warnings.warn(
             f"fsdp_compose: parameters of unit {unit.name!r} were modified in place while "
@@ -357,7 +357,12 @@ def _unit_description(u: Unit) -> tuple[Any, ...]:
         (p.fqn, tuple(p.orig_size), str(p.orig_dtype), bool(p.sharded_param.requires_grad))
         for p in u.params
     ]
-    settings = (str(mp.param_dtype), str(mp.reduce_dtype), str(u.reshard_after_forward), u.offload)
+    settings = (
+        str(mp.param_dtype),
+        str(mp.reduce_dtype),
+        str(u.options.reshard_after_forward),
+        u.offload,
+    )
     return (u.name, params, settings)
 
 
