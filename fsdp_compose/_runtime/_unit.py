@@ -72,6 +72,13 @@ class ShardState(Enum):
     PARTIALLY_SHARDED = "partially_sharded"  # after forward, sharded over a smaller group
 
 
+_TRANSITIONS = {
+    ShardState.SHARDED: (ShardState.UNSHARDED,),
+    ShardState.UNSHARDED: (ShardState.SHARDED, ShardState.PARTIALLY_SHARDED),
+    ShardState.PARTIALLY_SHARDED: (ShardState.UNSHARDED, ShardState.SHARDED),
+}
+
+
 class Phase(Enum):
     """What the unit is doing in the current step."""
 
@@ -324,7 +331,7 @@ class Unit:
             self.events.unit("gathered", self)
         self._post_forward_shard = None
         self._register_unsharded()
-        self.state = ShardState.UNSHARDED
+        self._transition(ShardState.UNSHARDED)
 
     def params_changed_since_unshard(self) -> bool:
         """True if a sharded parameter was written (e.g. by the optimizer) after the
@@ -363,7 +370,7 @@ class Unit:
         if self.state is not ShardState.UNSHARDED:
             if self.state is ShardState.PARTIALLY_SHARDED and not to_post_forward_group:
                 self._post_forward_shard = None
-                self.state = ShardState.SHARDED
+                self._transition(ShardState.SHARDED)
             return
         self.events.unit("resharding", self)
         keep_share = to_post_forward_group and self._post_forward_group is not None
@@ -378,13 +385,18 @@ class Unit:
             self._extension.free()
         else:
             self._free_unsharded()
-        self.state = ShardState.PARTIALLY_SHARDED if keep_share else ShardState.SHARDED
+        self._transition(ShardState.PARTIALLY_SHARDED if keep_share else ShardState.SHARDED)
 
     def abandon_gather(self) -> None:
         """Forgets a gather whose collective failed (its wait raised): there is
         nothing to wait for any more, only state to clear."""
         self._pending_gather = None
         self._gather_output = None
+
+    def _transition(self, to: ShardState) -> None:
+        # As FSDP2, every change of where the data lives is one of these.
+        assert to in _TRANSITIONS[self.state], f"unit {self.name!r}: {self.state} -> {to}"
+        self.state = to
 
     def _free_unsharded(self) -> None:
         if self.buffer is not None and not self.options.keep_unsharded_storage:
