@@ -74,6 +74,34 @@ class GradientReducer:
                 piece.add_(kept)
             offset += size
 
+    def hand_over(
+        self, params: list[ShardedParam], sizes: list[int], output: torch.Tensor, post: float
+    ) -> None:
+        """Runs the all-reduce hook, divides ``output`` by ``post`` and accumulates
+        each parameter's piece into its sharded ``.grad``."""
+        unit, options = self.unit, self.unit.options
+        # FSDP2 reduces float32/bfloat16 with ReduceOp.AVG unless a divide factor or
+        # force-sum is set, so its all-reduce hook receives the average; with SUM
+        # the sum, divided after the hook. Same here.
+        if options.all_reduce_hook is not None:
+            averaged = options.gradient_divide_factor is None and not options.force_sum_reduction
+            if post != 1 and averaged and output.dtype in (torch.float32, torch.bfloat16):
+                output.div_(post)
+                post = 1
+            options.all_reduce_hook(output)
+        if post != 1:
+            output.div_(post)
+        offset, copies_in_flight = 0, False
+        for p, size in zip(params, sizes):
+            local = output[offset : offset + p.local_numel].view(p.local_shape)
+            copies_in_flight |= _assign_sharded_grad(p, local, unit.pin_memory)
+            offset += size
+        if copies_in_flight:
+            # The optimizer reads the offloaded gradients on the CPU right after
+            # backward returns: block until the copies have landed.
+            device = unit.mesh_info.device
+            getattr(torch, device.type).current_stream(device).synchronize()
+
     def take_unsharded_grads(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
         """Removes and returns the unsharded gradients (including those accumulated
         without sync) of the parameters that received one."""
@@ -180,12 +208,9 @@ class PendingReduction:
         if self.reducer.partial_sums:
             self.reducer.partial_reduce(self._params, self._sizes, self._output, keep=False)
         if self._replicate_group is not None:
-            self._all_reduce = _collectives.all_reduce(
-                self._output,
-                self._replicate_group,
-                self.reducer.unit.name,
-                self.reducer.unit.events,
-            )
+            unit = self.reducer.unit
+            group = self._replicate_group
+            self._all_reduce = _collectives.all_reduce(self._output, group, unit.name, unit.events)
 
     def finish(self) -> None:
         """Completes the reduction and accumulates into the sharded ``.grad``."""
@@ -201,33 +226,7 @@ class PendingReduction:
             if self._keep_partial:
                 self.reducer.partial_reduce(self._params, self._sizes, output, keep=True)
             else:
-                options, post = self.reducer.unit.options, self._post_divide
-                hook = options.all_reduce_hook
-                # FSDP2 reduces float32/bfloat16 with ReduceOp.AVG unless a divide
-                # factor or force-sum is set, so its all-reduce hook receives the
-                # average; with SUM the sum, divided after the hook. Same here.
-                if hook is not None:
-                    if (
-                        post != 1
-                        and options.gradient_divide_factor is None
-                        and not options.force_sum_reduction
-                        and output.dtype in (torch.float32, torch.bfloat16)
-                    ):
-                        output.div_(post)
-                        post = 1
-                    hook(output)
-                if post != 1:
-                    output.div_(post)
-                offset, copies_in_flight = 0, False
-                for p, size in zip(self._params, self._sizes):
-                    local = output[offset : offset + p.local_numel].view(p.local_shape)
-                    copies_in_flight |= _assign_sharded_grad(p, local, self.reducer.unit.pin_memory)
-                    offset += size
-                if copies_in_flight:
-                    # The optimizer reads the offloaded gradients on the CPU right
-                    # after backward returns: block until the copies have landed.
-                    device = self.reducer.unit.mesh_info.device
-                    getattr(torch, device.type).current_stream(device).synchronize()
+                self.reducer.hand_over(self._params, self._sizes, output, self._post_divide)
         self._release()
 
     def discard(self) -> None:
@@ -285,13 +284,11 @@ def _warn_unused(unit: str, names: list[str]) -> None:
     # As FSDP2, the reduce-scatter leaves out parameters without a gradient; only
     # this rank's view is known here (the debug checks compare the ranks' lists).
     warnings.warn(
-        f"fsdp_compose: {names} of unit {unit!r} got no gradient on this rank while the "
-        "unit's other parameters did, so this rank's reduce-scatter leaves them out (as "
-        "FSDP2's). If another rank has a gradient for them (an MoE expert that got no "
-        "tokens here), the ranks' gradients are silently mixed or the collective fails: "
-        "call set_reduce_scatter_unused_params(True) on the model. If they are unused on "
-        "every rank, set requires_grad=False on them. FSDP_COMPOSE_DEBUG_COLLECTIVES=1 "
-        "compares the ranks and raises on a difference.",
+        f"fsdp_compose: {names} of unit {unit!r} got no gradient on this rank, so its "
+        "reduce-scatter leaves them out (as FSDP2's). If another rank has one (an MoE "
+        "expert without tokens here), gradients are mixed up or the collective fails: call "
+        "set_reduce_scatter_unused_params(True) on the model, or set requires_grad=False "
+        "where unused on every rank. FSDP_COMPOSE_DEBUG_COLLECTIVES=1 compares the ranks.",
         stacklevel=2,
     )
 
