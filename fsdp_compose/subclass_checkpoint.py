@@ -169,7 +169,9 @@ class NF4LoadPlanner(DefaultLoadPlanner):
     Takes ``DefaultLoadPlanner``'s arguments. Reads that cut an ``NF4Tensor``
     (the saved shard's or the local one's rows) read the whole saved shard
     instead and copy the overlap's quantized rows into the local shard's inner
-    tensors; every other read is the default planner's.
+    tensors; every other read is the default planner's. The model's NF4 block
+    sizes must be the checkpoint's: torchao's ``copy_`` between NF4Tensors of
+    other block sizes quantizes again, here as with the default planner.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -225,15 +227,6 @@ class NF4LoadPlanner(DefaultLoadPlanner):
             return super().commit_tensor(read_item, tensor)
         saved: Any = tensor
         local: Any = self.lookup_tensor(cut.dest_index)
-        if (saved.block_size, saved.scaler_block_size) != (
-            local.block_size,
-            local.scaler_block_size,
-        ):
-            raise ValueError(
-                f"{cut.dest_index.fqn!r}: the checkpoint's NF4 block sizes "
-                f"{(saved.block_size, saved.scaler_block_size)} differ from the model's "
-                f"{(local.block_size, local.scaler_block_size)}"
-            )
         rows = cut.lengths[0]
         source = _value_ranges(saved, cut.storage_offsets[0], rows)
         target = _value_ranges(local, cut.dest_offsets[0], rows)
