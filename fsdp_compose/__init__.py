@@ -4,9 +4,9 @@ Annotate modules bottom-up with :func:`fully_shard`; parameters become sharded
 ``DTensor``s in place and a per-root scheduler gathers them just in time (with
 prefetch) and reduce-scatters gradients per unit. See the README for usage.
 
-The tools (``plan``, ``safetensors_io``, ``whole_matrix``, ``trace``, ``debug``, ``ft``)
-use the public API and are imported on first access: importing fsdp_compose
-changes nothing in torch or in the process.
+The tools (``plan``, ``safetensors_io``, ``subclass_checkpoint``, ``whole_matrix``,
+``trace``, ``debug``, ``ft``) use the public API and are imported on first access:
+importing fsdp_compose changes nothing in torch or in the process.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from ._runtime._mesh import DataParallelMeshDims
 from ._runtime._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 if TYPE_CHECKING:
-    from . import debug, ft, plan, safetensors_io, trace, whole_matrix
+    from . import debug, ft, plan, safetensors_io, subclass_checkpoint, trace, whole_matrix
     from .plan import auto_wrap
 
 __version__ = "0.1.0"
 
-_TOOLS = ("debug", "ft", "plan", "safetensors_io", "trace", "whole_matrix")
+_TOOLS = ("debug", "ft", "plan", "safetensors_io", "subclass_checkpoint", "trace", "whole_matrix")
 
 
 def __getattr__(name: str) -> Any:
@@ -73,6 +73,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "safetensors_io",
     "share_comm_ctx",
+    "subclass_checkpoint",
     "trace",
     "whole_matrix",
 ]

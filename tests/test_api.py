@@ -25,6 +25,7 @@ PUBLIC = {
     "PipelineStage",
     "whole_matrix",
     "safetensors_io",
+    "subclass_checkpoint",
     "auto_wrap",
     "DataParallelMeshDims",
     "plan",

@@ -25,7 +25,7 @@ import fsdp_compose
 from fsdp_compose import Observer, fully_shard
 
 PACKAGE = os.path.dirname(fsdp_compose.__file__)
-TOOLS = ("debug", "ft", "plan", "safetensors_io", "trace", "whole_matrix")
+TOOLS = ("debug", "ft", "plan", "safetensors_io", "subclass_checkpoint", "trace", "whole_matrix")
 RUNTIME_LINE_LIMIT = 4500
 FILE_LINE_LIMIT = 600
 FUNCTION_LINE_LIMIT = 80

@@ -149,9 +149,9 @@ def _nf4_checkpoint_job(path: str, saver: str, loader: str) -> None:
 @pytest.mark.parametrize("saver, loader", [("ours", "ours"), ("torch", "ours")])
 def test_torchao_nf4_dcp_round_trip_and_full_state_dict(saver: str, loader: str) -> None:
     """NF4 (QLoRA) weights: DCP save and load at W=2, then a full-state-dict
-    export that is an NF4Tensor equal to the original. (Loading at another world
-    size fails in DCP with FSDP2 and fsdp_compose alike: ``NF4Tensor`` cannot be
-    sliced at a row inside a saved shard, ``aten.slice(NF4Tensor) with start=64``.)"""
+    export that is an NF4Tensor equal to the original. (At another world size
+    DCP's default planner fails with FSDP2 and fsdp_compose alike;
+    ``subclass_checkpoint.NF4LoadPlanner`` loads it: test_nf4_checkpoint_reshard.py.)"""
     pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
     path = tempfile.mkdtemp(prefix="fsdp_compose_nf4_dcp_")
     run_distributed(_nf4_checkpoint_job, 2, path, saver, loader)
