@@ -74,47 +74,10 @@ def _bytes(impl: str, dim: int, layers: int) -> dict[str, int]:
     return out
 
 
-class _LiveBytes:
-    """The high-water mark of live bytes in the storages that tensor operations
-    read or write inside the context (re-read after every operation, so storages
-    freed or re-allocated with ``resize_`` count at their size at the time)."""
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils.weak import WeakIdKeyDictionary
-
-        live = WeakIdKeyDictionary()
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(
-                self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-            ) -> Any:
-                import torch
-                import torch.utils._pytree as pytree
-
-                out = func(*args, **(kwargs or {}))
-                for t in pytree.tree_leaves((out, args, kwargs)):
-                    if isinstance(t, torch.Tensor) and type(t) is torch.Tensor:
-                        live[t.untyped_storage()] = True
-                counter.peak = max(counter.peak, counter.live_bytes())
-                return out
-
-        self.live = live
-        self.peak = 0  # over every operation: transients of the rebuild included
-        self.at_layers = 0  # at each layer's forward and backward entry
-        self.mode = Mode()
-
-    def live_bytes(self) -> int:
-        return sum(s.nbytes() for s in self.live)
-
-    def sample(self, *args: Any) -> None:
-        self.at_layers = max(self.at_layers, self.live_bytes())
-
-
 def _memory(impl: str, dim: int, layers: int, release: bool) -> dict[str, int]:
     import torch
     from test_tensor_subclass import QLinear, Released
+    from test_tensor_subclass_training import LiveBytes
     from torch import nn
 
     class Kept(Released):
@@ -129,7 +92,7 @@ def _memory(impl: str, dim: int, layers: int, release: bool) -> dict[str, int]:
     _shard_all(model, shard_fn)
     x = torch.randn(8, dim)
     model(x).pow(2).mean().backward()  # warm-up: lazy init, gradients allocated
-    counter = _LiveBytes()
+    counter = LiveBytes()
     for layer in model:  # registered after fully_shard's: they run once gathered
         layer.register_forward_pre_hook(counter.sample)
         layer.register_full_backward_pre_hook(counter.sample)

@@ -1,7 +1,8 @@
 """Training with tensor-subclass parameters, against torch's FSDP2 in the same job:
 torchao float8 training with float8 all-gather (trainable subclass weights, the
 hooks' inputs, all-gather bytes against bf16), activation checkpointing, and
-AdamW (``foreach`` / ``fused``) on zero-element local shards."""
+AdamW (``foreach`` / ``fused``) on zero-element local shards; the peak live
+bytes of a dequantizing rebuild against FSDP2's."""
 
 from __future__ import annotations
 
@@ -35,6 +36,41 @@ class AllGatherBytes(TorchDispatchMode):
             out = args[0]
             self.nbytes += out.numel() * out.element_size()
         return func(*args, **(kwargs or {}))
+
+
+class LiveBytes:
+    """The high-water mark of live bytes in the storages that tensor operations
+    read or write while :attr:`mode` is active (re-read after every operation, so
+    storages freed or re-allocated with ``resize_`` count at their size then)."""
+
+    def __init__(self) -> None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self.live = WeakIdKeyDictionary()
+        self.peak = 0  # over every operation: transients of the rebuild included
+        self.at_layers = 0  # where :meth:`sample` is called (e.g. layer entries)
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(
+                self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+            ) -> Any:
+                from torch.utils._pytree import tree_leaves
+
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves((out, args, kwargs)):
+                    if isinstance(t, torch.Tensor) and type(t) is torch.Tensor:
+                        counter.live[t.untyped_storage()] = True
+                counter.peak = max(counter.peak, counter.live_bytes())
+                return out
+
+        self.mode = Mode()
+
+    def live_bytes(self) -> int:
+        return sum(s.nbytes() for s in self.live)
+
+    def sample(self, *args: Any) -> None:
+        self.at_layers = max(self.at_layers, self.live_bytes())
 
 
 @contextlib.contextmanager
@@ -275,3 +311,37 @@ def test_empty_local_shards_with_foreach_and_fused_adamw(flag: str) -> None:
     """W=4, 3-row parameters: rank 3 holds zero-element shards; every parameter
     equals the one-process AdamW run's (same flag), so no neighbour is corrupted."""
     run_distributed(_empty_shard_job, 4, flag)
+
+
+# -- memory of the per-parameter all-gather ---------------------------------
+
+
+def _rebuild_peak_job(which: str) -> int:
+    """Live bytes at their highest in one forward + backward of three frozen int8
+    layers dequantized at rebuild (release hook on), after a warm-up step."""
+    from test_tensor_subclass import QLinear, Released
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[QLinear(64, 64, Released) for _ in range(3)])
+    shard = fully_shard if which == "ours" else torch_fully_shard
+    for layer in model:
+        shard(layer)
+    shard(model)
+    x = torch.randn(4, 64)
+    model(x).pow(2).mean().backward()
+    counter = LiveBytes()
+    with counter.mode:
+        model(x).pow(2).mean().backward()
+    return counter.peak
+
+
+def test_packed_all_gather_output_freed_before_rebuild() -> None:
+    """The peak over all operations is no higher than FSDP2's: the unit's packed
+    all-gather output is freed once copied out, before ``fsdp_post_all_gather``
+    dequantizes, while the next unit's backward prefetch may already be in flight
+    (FSDP2 issues that prefetch after the rebuild and frees its own output then)."""
+    ours = run_distributed(_rebuild_peak_job, 2, "ours")
+    theirs = run_distributed(_rebuild_peak_job, 2, "torch")
+    for mine, fsdp2 in zip(ours, theirs):
+        assert mine <= fsdp2, (mine, fsdp2)

@@ -113,6 +113,7 @@ class ExtensionGather:
         self.mp_policy = mp_policy
         self.checked = False
         self.nbytes = 0  # of the last all-gather output
+        self.owns_output = False  # allocated here (torch.empty), not by a custom comm
 
     # -- before the collective ------------------------------------------
 
@@ -175,6 +176,7 @@ class ExtensionGather:
         row = sum(t.numel() for t in pieces)
         device = self.params[0].param.device
         out = _collectives.allocate(comm, world * row, dtype, device, label, "all_gather")
+        self.owns_output = type(comm).allocate is _collectives.DefaultAllGather.allocate
         send = out.view(world, row)[rank]
         torch.cat(pieces, out=send)
         self.nbytes = out.numel() * out.element_size()
@@ -216,6 +218,8 @@ class ExtensionGather:
         torch.split_with_sizes_copy(out.view(world, -1), sizes, dim=1, out=targets)
         for t, v in zip(targets, version):  # autograd may hold the unsharded views
             _compat.restore_version(t, v)
+        if self.owns_output:  # copied out: free it before the rebuilds' temporaries
+            _free(out)  # (a backward prefetch may already hold the next unit's)
         with torch.no_grad():
             for pg in self.params:
                 self._post_all_gather(pg)

@@ -23,10 +23,19 @@ The unsharded parameter is a DTensor on the TP mesh with the original placement
 whose local tensor is the gathered view (TP's forward runs as without FSDP); its
 gradient, possibly ``Partial``, is redistributed to the TP placement before its
 local tensor is reduce-scattered over dp.
+
+[Note: parameter-subclass attributes]
+An ``nn.Parameter`` subclass without the all-gather extension (bitsandbytes'
+``Params4bit``) is sharded as plain data, as in FSDP2, but the sharded and the
+unsharded parameters carry its instance attributes (``quant_state``, ...) and
+its properties' values at ``fully_shard``, for the module's ``forward``,
+``state_dict()`` and ``get_model_state_dict`` (which ``getattr``-s each key).
+The unsharded one takes the sharded one's current values when registered.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -127,6 +136,8 @@ class ShardedParam:
         self.sharded_param = nn.Parameter(
             _compat.dtensor_from_local(local, self.spec), requires_grad=requires_grad
         )
+        self.attributes = {} if self.extension else _subclass_attributes(param)
+        self.sharded_param.__dict__.update(self.attributes)
 
         # Set by the unit at lazy init (its flat buffer decides where the data lives).
         self.unsharded_param: nn.Parameter | None = None
@@ -213,6 +224,10 @@ class ShardedParam:
 
     def register(self, tensor: nn.Parameter) -> None:
         """Makes ``tensor`` the parameter seen by every owning module."""
+        if self.attributes and tensor is not self.sharded_param:  # the sharded one's values
+            tensor.__dict__.update(
+                (k, getattr(self.sharded_param, k, None)) for k in self.attributes
+            )
         for module, name in self.owners:
             if type(module).__setattr__ is nn.Module.__setattr__:  # skip its checks: hot path
                 module._parameters[name] = tensor
@@ -251,6 +266,7 @@ class ShardedParam:
             )
         if not isinstance(current, nn.Parameter):
             current = nn.Parameter(current, requires_grad=self.sharded_param.requires_grad)
+        current.__dict__.update(self.attributes)
         self.sharded_param = current
         self.register(current)
         self.mark_owned()
@@ -333,6 +349,21 @@ class ShardedParam:
         return (
             f"ShardedParam({self.fqn}, size={tuple(self.global_size)}, shard_dim={self.shard_dim})"
         )
+
+
+def _subclass_attributes(param: torch.Tensor) -> dict[str, Any]:
+    """What a parameter subclass's sharded and unsharded parameters carry; see
+    [Note: parameter-subclass attributes]."""
+    mro = type(param).__mro__
+    if nn.Parameter not in mro[1:]:  # a plain parameter, or not an nn.Parameter subclass
+        return {}
+    attributes = {k: v for k, v in vars(param).items() if not k.startswith("_fsdp_compose_")}
+    for cls in mro[: mro.index(nn.Parameter)]:
+        for name, value in vars(cls).items():
+            if isinstance(value, property) and not hasattr(torch.Tensor, name):
+                with contextlib.suppress(AttributeError):  # raised when its state is unset
+                    attributes.setdefault(name, getattr(param, name))
+    return attributes
 
 
 def _check_shardable(param: torch.Tensor, owners: list[tuple[nn.Module, str]]) -> None:
