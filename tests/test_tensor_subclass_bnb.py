@@ -149,6 +149,48 @@ def test_qlora_training_matches_one_process_and_keeps_quant_state(world: int, st
                 assert set(r["keys"]) == set(r["ref_keys"]) - quant_keys
 
 
+def _param_dtype_job(which: str, storage: str, param_dtype: torch.dtype) -> dict[str, Any]:
+    """The base layers in their own units with ``param_dtype`` unlike their float
+    ``quant_storage``: whether the gathered packed bytes stay the original's, and
+    the forward's difference from one process (or the error it raises)."""
+    from fsdp_compose import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    shard, policy = {"ours": (fully_shard, MixedPrecisionPolicy), "torch": (torch_fully_shard, TorchPolicy)}[which]
+    ref, model = _model(storage), _model(storage)
+    for base in _bases(model):  # inputs not cast: the base computes as in one process
+        shard(base, mp_policy=policy(param_dtype=param_dtype, cast_forward_inputs=False))
+    shard(model)
+    same = []
+    for base, ref_base in zip(_bases(model), _bases(ref)):
+        base.register_forward_pre_hook(
+            lambda m, _, r=ref_base: same.append(torch.equal(_bits(m.weight), _bits(r.weight)))
+        )
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    try:
+        diff = (model(x) - ref(x)).abs().max().item()
+    except RuntimeError as exc:
+        return {"same": same, "diff": None, "error": str(exc)[:80]}
+    return {"same": same, "diff": diff, "error": None}
+
+
+@pytest.mark.parametrize(
+    ("storage", "param_dtype"), [("float32", torch.bfloat16), ("bfloat16", torch.float16)]
+)
+def test_param_dtype_leaves_packed_quantized_storage_alone(
+    storage: str, param_dtype: torch.dtype
+) -> None:
+    """``MixedPrecisionPolicy(param_dtype=...)`` unlike a float ``quant_storage``:
+    fsdp_compose gathers the packed bytes as they are (their ``quant_state``
+    decodes them) and matches one process exactly; FSDP2 casts them, which either
+    fails in bitsandbytes' forward (sizes differ) or gives wrong outputs."""
+    for r in run_distributed(_param_dtype_job, 2, "ours", storage, param_dtype):
+        assert r == {"same": [True, True], "diff": 0.0, "error": None}, r
+    for r in run_distributed(_param_dtype_job, 2, "torch", storage, param_dtype):
+        assert not any(r["same"]) and (r["error"] is not None or r["diff"] > 1e-2), r
+
+
 def _save_job(path: str, which: str) -> None:
     dcp.save(_shard(_model("bfloat16"), which).state_dict(), checkpoint_id=path)
 

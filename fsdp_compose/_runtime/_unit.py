@@ -227,7 +227,10 @@ class Unit:
     def _init_dtypes(self) -> None:
         for p in self.params:
             p.orig_dtype = p.sharded_param.dtype
+            # Packed quantized bytes in a float storage (bitsandbytes' quant_state;
+            # FSDP2 casts them, into garbage) keep their dtype: their own state decodes.
             cast = p.param_dtype is not None and p.orig_dtype.is_floating_point
+            cast = cast and "quant_state" not in p.attributes
             p.compute_dtype = p.param_dtype if cast else p.orig_dtype  # type: ignore[assignment]
         mp, trainable = self.mp_policy, self.trainable_params
         # reduce_dtype=None: FSDP2 2.15 reduces in the parameters' dtype, earlier
