@@ -1,7 +1,6 @@
-"""Every use of a torch internal that may move between releases lives here: the
-few private APIs needed for speed or without a public equivalent. fsdp_compose
-declares ``torch>=2.11``, the oldest release it is exercised on (2.11 with CUDA,
-2.13 on the CPU); fallbacks here cover renames *after* 2.11, not older releases."""
+"""Every torch internal that may move between releases (private APIs needed for speed
+or without a public equivalent). fsdp_compose declares ``torch>=2.11`` (exercised on
+2.11 with CUDA, 2.13 on CPU); fallbacks here cover renames after 2.11, not before."""
 
 from __future__ import annotations
 

@@ -93,13 +93,12 @@ class RateLimiter:
     def prefetch(self, unit: Unit) -> None:
         if unit.holds_unsharded:
             return
-        if not self._fits(unit):
-            if unit not in self.deferred:
-                self.deferred.append(unit)
-                self.settings.events.unit("prefetch_deferred", unit)
-            return
-        self.settings.events.unit("prefetch", unit)
-        self.issue(unit)
+        if self._fits(unit):
+            self.settings.events.unit("prefetch", unit)
+            self.issue(unit)
+        elif unit not in self.deferred:
+            self.deferred.append(unit)
+            self.settings.events.unit("prefetch_deferred", unit)
 
     def require(self, unit: Unit) -> None:
         """Makes ``unit``'s parameters available now (gather if needed, then wait)."""
@@ -277,7 +276,8 @@ class Scheduler:
             self.events.unit("backward_begin", unit)
 
     def borrow_backward(self, units: list[Unit]) -> None:
-        """A borrower of ``units`` starts its backward: unshard them, whatever ``unshard_in_backward``."""
+        """A borrower of ``units`` starts its backward: unshard them (even if not
+        ``unshard_in_backward``)."""
         self._note_backward()
         for unit in units:
             self.memory.require(unit)

@@ -114,7 +114,8 @@ def _incompatibility(
             return f"MixedPrecisionPolicy.{field} ({mine} here vs {theirs})"
     offload = isinstance(offload_policy, CPUOffloadPolicy) and mesh_info.device.type != "cpu"
     if offload != owner.offload:
-        return f"offload_policy ({type(offload_policy).__name__} here, {'' if owner.offload else 'no '}offload there)"
+        there = "offload" if owner.offload else "no offload"
+        return f"offload_policy ({type(offload_policy).__name__} here, {there} there)"
     return None
 
 
