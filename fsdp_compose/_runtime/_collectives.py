@@ -1,23 +1,13 @@
 """Every collective fsdp_compose issues goes through this module.
 
 [Note: Comm objects]
-As in FSDP2, a unit's all-gather and reduce-scatter are objects with FSDP2's
-``Comm`` interface (``allocate`` for the buffers, ``__call__`` to issue), one of
-each per unit: :class:`DefaultAllGather` and :class:`DefaultReduceScatter` call
-torch.distributed's public ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
-on every backend, so torch's own tools (``CommDebugMode``, the profiler, the
-flight recorder) see the same collective kinds and counts as with FSDP2; a user's
-object (``set_custom_all_gather`` / ``set_custom_reduce_scatter``) replaces them
-for that unit. As in FSDP2, the all-gather's input is this rank's row of its
-output (in place).
-
-Collectives are issued asynchronously and return a :class:`PendingCollective`
-whose :meth:`~PendingCollective.wait` makes the result visible: on CPU the work
-runs on the backend's threads and ``wait()`` blocks on it; on an accelerator it
-runs on an all-gather or reduce-scatter side stream that first waits for the
-compute stream, and ``wait()`` makes the compute stream wait for an event.
-Each launch is labelled for torch's profiler (``fsdp_compose::all_gather
-(layers.3)``) and reported to the root's observers ([Note: runtime events]).
+As in FSDP2, each unit has an all-gather and a reduce-scatter object with FSDP2's
+``Comm`` interface (``allocate``, ``__call__``); ``set_custom_all_gather`` /
+``set_custom_reduce_scatter`` replace the defaults, which call torch.distributed's
+public collectives, so torch's tools (``CommDebugMode``, the profiler, the flight
+recorder) see what they see with FSDP2. The all-gather's input is this rank's row
+of its output. Collectives are asynchronous, on a side stream on accelerators; the
+:class:`PendingCollective` they return makes the result visible at ``wait()``.
 """
 
 from __future__ import annotations
@@ -25,7 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,13 +26,15 @@ from ._events import CollectiveInfo, CollectiveKind, Events
 Group = dist.ProcessGroup
 
 
-class AllGather(Protocol):
-    """FSDP2's ``AllGather`` interface (``FSDPModule.set_custom_all_gather``):
-    ``allocate`` makes the output buffer, whose row for this rank is the input."""
-
+class _Allocates(Protocol):
     def allocate(
         self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor: ...
+
+
+class AllGather(_Allocates, Protocol):
+    """FSDP2's ``AllGather`` interface (``FSDPModule.set_custom_all_gather``):
+    ``allocate`` makes the output buffer, whose row for this rank is the input."""
 
     def __call__(
         self,
@@ -53,12 +45,8 @@ class AllGather(Protocol):
     ) -> dist.Work | None: ...
 
 
-class ReduceScatter(Protocol):
+class ReduceScatter(_Allocates, Protocol):
     """FSDP2's ``ReduceScatter`` interface (``FSDPModule.set_custom_reduce_scatter``)."""
-
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor: ...
 
     def __call__(
         self,
@@ -90,7 +78,7 @@ class DefaultAllGather(_DefaultAllocation):
         async_op: bool = False,
     ) -> dist.Work | None:
         out, inp = _real_view(output_tensor), _real_view(input_tensor)
-        return _compat.all_gather_into_tensor(out, inp, group, async_op)
+        return _compat.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
 
 
 class DefaultReduceScatter(_DefaultAllocation):
@@ -105,7 +93,7 @@ class DefaultReduceScatter(_DefaultAllocation):
         async_op: bool = False,
     ) -> dist.Work | None:
         out, inp = _real_view(output_tensor), _real_view(input_tensor)
-        return _compat.reduce_scatter_tensor(out, inp, group, async_op, op)
+        return _compat.reduce_scatter_tensor(out, inp, op=op, group=group, async_op=async_op)
 
 
 def _real_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -115,7 +103,7 @@ def _real_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def allocate(
-    comm: AllGather | ReduceScatter,
+    comm: _Allocates,
     numel: int,
     dtype: torch.dtype,
     device: torch.device,
@@ -124,55 +112,36 @@ def allocate(
 ) -> torch.Tensor:
     """A flat buffer of ``numel`` elements from ``comm.allocate``; a custom comm's
     buffer is checked (the error names unit ``label``'s collective ``kind``)."""
-    buffer = comm.allocate((numel,), dtype=dtype, device=device)
-    if not isinstance(comm, _DefaultAllocation):
-        what = f"{label}'s custom {kind.replace('_', '-')}"
-        _check_buffer(buffer, numel, dtype, device, what)
-    return buffer.view(-1)
-
-
-def _check_buffer(
-    buffer: object, numel: int, dtype: torch.dtype, device: torch.device, what: str
-) -> None:
-    if (
-        isinstance(buffer, torch.Tensor)
-        and buffer.numel() == numel
-        and buffer.dtype == dtype
-        and buffer.device == device
-        and buffer.is_contiguous()
+    buf = comm.allocate((numel,), dtype=dtype, device=device)
+    if isinstance(comm, _DefaultAllocation) or (
+        isinstance(buf, torch.Tensor)
+        and (buf.numel(), buf.dtype, buf.device) == (numel, dtype, device)
+        and buf.is_contiguous()
     ):
-        return
+        return buf.view(-1)
     got = (
-        f"a {'contiguous' if buffer.is_contiguous() else 'non-contiguous'} tensor of "
-        f"{buffer.numel()} {buffer.dtype} elements on {buffer.device}"
-        if isinstance(buffer, torch.Tensor)
-        else type(buffer).__name__
+        f"a {'contiguous' if buf.is_contiguous() else 'non-contiguous'} tensor of "
+        f"{buf.numel()} {buf.dtype} elements on {buf.device}"
+        if isinstance(buf, torch.Tensor)
+        else type(buf).__name__
     )
     raise ValueError(
-        f"{what}: allocate() returned {got}, but {numel} contiguous {dtype} elements "
-        f"on {device} were asked for"
+        f"{label}'s custom {kind.replace('_', '-')}: allocate() returned {got}, but {numel} "
+        f"contiguous {dtype} elements on {device} were asked for"
     )
 
 
-class _DeviceStreams:
-    """Side streams shared by all units on one accelerator device."""
-
-    def __init__(self, device: torch.device) -> None:
-        module = getattr(torch, device.type)
-        # High priority so copies for communication are not starved by compute.
-        self.all_gather = module.Stream(device=device, priority=-1)
-        self.reduce_scatter = module.Stream(device=device, priority=-1)
-        self.module = module
-
-
-_device_streams = functools.cache(_DeviceStreams)
+@functools.cache
+def _side_stream(device: torch.device, gather: bool) -> Any:
+    """The all-gather (``gather``) or reduction stream of all units on ``device``; high
+    priority, so that copies for communication are not starved by compute."""
+    return getattr(torch, device.type).Stream(device=device, priority=-1)
 
 
 @dataclass(slots=True, eq=False)
 class PendingCollective:
-    """An issued collective; :meth:`wait` makes its output usable. Holds the tensors
-    involved until then, so that their memory cannot be reused while the
-    communication may still touch it."""
+    """An issued collective; :meth:`wait` makes its output usable. Until then it holds
+    the tensors involved, whose memory the communication may still touch."""
 
     _work: dist.Work | None
     _events: Events | None = None
@@ -221,22 +190,34 @@ def _explain(exc: BaseException, kind: str, label: str, step: int) -> None:
         exc.add_note(note)
 
 
+_SUM: dist.ReduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # (a RedOpType member)
+
+
+def _issue(
+    kind: CollectiveKind, comm: Any, output: torch.Tensor, input: torch.Tensor, group: Group
+) -> dist.Work | None:
+    if kind == "all_gather":
+        return comm(output_tensor=output, input_tensor=input, group=group, async_op=True)
+    if kind == "reduce_scatter":
+        return comm(output_tensor=output, input_tensor=input, group=group, op=_SUM, async_op=True)
+    return dist.all_reduce(output, group=group, async_op=True)
+
+
 def launch(
     kind: CollectiveKind,
-    issue: Callable[[], dist.Work | None],
+    comm: AllGather | ReduceScatter | None,
     output: torch.Tensor,
     input: torch.Tensor,
     group: Group,
     label: str,
     events: Events,
-    *,
-    custom: bool = False,
 ) -> PendingCollective:
-    """Launches ``issue()`` (an asynchronous collective from ``input`` into
-    ``output`` on ``group``) for unit ``label``, on a side stream on accelerators,
-    labelled for the profiler and reported to ``events``."""
+    """Issues ``kind`` from ``input`` into ``output`` with ``comm`` (``all_reduce``: in
+    place) on ``group`` for unit ``label``, asynchronously (on accelerators, on a side
+    stream), labelled for the profiler and reported to ``events``."""
     info = None
     if events.on_collective:
+        custom = comm is not None and not isinstance(comm, _DefaultAllocation)
         numels = (input.numel(), output.numel())
         info = CollectiveInfo(
             kind, label, group, *numels, input.dtype, events.step, events.next_seq(), custom
@@ -246,22 +227,22 @@ def launch(
     with _compat.profiler_label(kind, label):
         try:
             if on_cpu:
-                work = issue()
+                work = _issue(kind, comm, output, input, group)
             else:
-                streams = _device_streams(output.device)
-                stream = streams.all_gather if kind == "all_gather" else streams.reduce_scatter
-                stream.wait_stream(streams.module.current_stream(output.device))
-                with streams.module.stream(stream):
-                    work = issue()
+                device, module = output.device, getattr(torch, output.device.type)
+                stream = _side_stream(device, kind == "all_gather")
+                stream.wait_stream(module.current_stream(device))
+                with module.stream(stream):
+                    work = _issue(kind, comm, output, input, group)
         except RuntimeError as exc:
             _explain(exc, kind, label, events.step)
             raise
     what = (kind, label, events.step)
     if not on_cpu:
-        event, device = stream.record_event(), output.device
+        event = stream.record_event()
 
         def stream_wait() -> None:
-            streams.module.current_stream(device).wait_event(event)
+            module.current_stream(device).wait_event(event)
 
         return PendingCollective(None, events, info, what, (input, output), stream_wait)
     complete_at_wait = info is None or not _reports_completion(work, events, info)
@@ -280,50 +261,15 @@ def _reports_completion(work: dist.Work | None, events: Events, info: Collective
     return True
 
 
-def all_gather(
-    comm: AllGather,
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: Group,
-    label: str,
-    events: Events,
-) -> PendingCollective:
-    """Gathers ``input`` (this rank's row of ``output``) from every rank of ``group``
-    into ``output`` (rank-major) with ``comm``."""
-
-    def issue() -> dist.Work | None:
-        return comm(output_tensor=output, input_tensor=input, group=group, async_op=True)
-
-    custom = not isinstance(comm, DefaultAllGather)
-    return launch("all_gather", issue, output, input, group, label, events, custom=custom)
-
-
-_SUM: dist.ReduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # (a RedOpType member)
-
-
-def reduce_scatter(
-    comm: ReduceScatter,
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: Group,
-    label: str,
-    events: Events,
-) -> PendingCollective:
-    """Sums ``input`` (``group.size()`` equal chunks) over ``group`` with ``comm``;
-    rank r receives the sum of chunk r in ``output``."""
-
-    def issue() -> dist.Work | None:
-        return comm(output_tensor=output, input_tensor=input, group=group, op=_SUM, async_op=True)
-
-    custom = not isinstance(comm, DefaultReduceScatter)
-    return launch("reduce_scatter", issue, output, input, group, label, events, custom=custom)
+#: ``all_gather(comm, output, input, group, label, events)``: gathers ``input`` (this
+#: rank's row of ``output``) from every rank of ``group`` into ``output`` with ``comm``.
+all_gather = functools.partial(launch, "all_gather")
+#: ``reduce_scatter(comm, output, input, group, label, events)``: sums ``input``
+#: (``group.size()`` equal chunks) over ``group``; rank r gets chunk r's in ``output``.
+reduce_scatter = functools.partial(launch, "reduce_scatter")
 
 
 def all_reduce(tensor: torch.Tensor, group: Group, label: str, events: Events) -> PendingCollective:
     """Sums ``tensor`` in place over ``group`` (HSDP's replicate all-reduce)."""
     flat = _real_view(tensor)
-
-    def issue() -> dist.Work | None:
-        return dist.all_reduce(flat, group=group, async_op=True)
-
-    return launch("all_reduce", issue, flat, flat, group, label, events)
+    return launch("all_reduce", None, flat, flat, group, label, events)

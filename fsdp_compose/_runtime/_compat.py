@@ -1,7 +1,6 @@
-"""Every use of a torch internal that may move between releases lives here: the
-few private APIs needed for speed or without a public equivalent. fsdp_compose
-declares ``torch>=2.11``, the oldest release it is exercised on (2.11 with CUDA,
-2.13 on the CPU); fallbacks here cover renames *after* 2.11, not older releases."""
+"""Every torch internal that may move between releases (private APIs needed for speed
+or without a public equivalent). fsdp_compose declares ``torch>=2.11`` (exercised on
+2.11 with CUDA, 2.13 on CPU); fallbacks here cover renames after 2.11, not before."""
 
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ def make_dtensor_spec(
 
 
 def dtensor_from_local(local: torch.Tensor, spec: Any) -> DTensor:
-    """Wraps ``local`` as a DTensor described by ``spec``, bypassing
-    ``DTensor.from_local``'s argument handling and autograd (per parameter and step)."""
+    """``local`` as a DTensor described by ``spec``, without ``DTensor.from_local``'s
+    argument handling and autograd (hot path)."""
     return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 
 
@@ -43,9 +42,7 @@ def dtensor_spec_with_dtype(spec: Any, dtype: torch.dtype) -> Any:
     meta = spec.tensor_meta
     if meta.dtype == dtype:
         return spec
-    return DTensorSpec(
-        spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype)
-    )
+    return make_dtensor_spec(spec.mesh, spec.placements, meta.shape, meta.stride, dtype)
 
 
 def strided_shard(dim: int, split_factor: int) -> Placement:
@@ -58,17 +55,12 @@ _spmd_meshes: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] =
 
 
 def concatenate_meshes(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
-    """The mesh whose dims are ``outer``'s followed by ``inner``'s (e.g. dp then tp),
-    both sub-meshes of one root mesh, by the private ``DeviceMesh._concatenate`` (as
-    FSDP2 does); cached so that every parameter of a layout shares one mesh object."""
+    """The mesh with ``outer``'s dims then ``inner``'s (e.g. dp then tp; sub-meshes of
+    one root mesh), as FSDP2 builds it; cached so a layout's parameters share one mesh."""
     key = (id(outer), id(inner))
-    hit = _spmd_meshes.get(key)
-    if hit is not None:
-        return hit[2]
-    mesh = DeviceMesh._concatenate([outer, inner])
-    # keep outer/inner alive so that their ids are not reused for other meshes
-    _spmd_meshes[key] = (outer, inner, mesh)
-    return mesh
+    if key not in _spmd_meshes:  # (outer and inner kept alive: their ids are not reused)
+        _spmd_meshes[key] = (outer, inner, DeviceMesh._concatenate([outer, inner]))
+    return _spmd_meshes[key][2]
 
 
 def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -100,51 +92,30 @@ def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
 
 
 def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
-    """Runs ``callback`` once the current ``backward()`` has finished all nodes,
-    before ``backward()`` returns to the caller."""
+    """Runs ``callback`` when the current ``backward()`` has run every node, before it returns."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
 
 
 def inside_backward() -> bool:
-    """True while the autograd engine executes a graph task (e.g. activation
-    checkpointing recomputing a forward inside backward)."""
+    """Whether autograd runs a graph task now (e.g. checkpointing recomputes a forward)."""
     return torch._C._current_graph_task_id() != -1
 
 
 def restore_version(tensor: torch.Tensor, version: int) -> None:
-    """Sets ``tensor``'s version counter back to ``version``, read before an
-    in-place write that is not a semantic modification: refilling an unsharded
-    parameter's storage that autograd saved for backward (see [Note: unsharded
-    storage] in ``_flat_buffer.py``)."""
+    """Sets ``tensor``'s version counter back to ``version`` after an in-place write
+    that is no semantic change ([Note: unsharded storage] in ``_flat_buffer.py``)."""
     torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
 
 
-# torch 2.13 names these ``all_gather_single``/``reduce_scatter_single`` and deprecates
+# torch 2.13 renames these ``all_gather_single``/``reduce_scatter_single`` and deprecates
 # the older names, kept as the fallback (not checked that 2.11 has the new ones).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def all_gather_into_tensor(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-) -> dist.Work | None:
-    return _all_gather(output, input, group=group, async_op=async_op)
-
-
-def reduce_scatter_tensor(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: dist.ProcessGroup,
-    async_op: bool,
-    op: dist.ReduceOp = dist.ReduceOp.SUM,  # type: ignore[assignment]
-) -> dist.Work | None:
-    return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
-    """Packs ``tensors`` into ``out`` (shape ``(num_chunks, -1)``): row ``r`` holds
-    the ``r``-th dim-0 chunk of every tensor, each padded to equal size, cast to
-    ``out.dtype``, in one fused kernel."""
+    """Packs ``tensors`` into ``out`` (``(num_chunks, -1)``) in one fused kernel: row
+    ``r`` holds every tensor's ``r``-th dim-0 chunk, padded, cast to ``out.dtype``."""
     torch._chunk_cat(list(tensors), dim=0, num_chunks=num_chunks, out=out)
 
 
@@ -157,14 +128,13 @@ def backend_name(group: dist.ProcessGroup) -> str:
 
 
 def default_store() -> dist.Store:
-    """The key-value store of the default process group (the job's store, e.g.
-    torchrun's): rank checks exchange through it instead of issuing collectives."""
+    """The default process group's key-value store (e.g. torchrun's): rank checks
+    exchange through it instead of issuing collectives."""
     return dist.distributed_c10d._get_default_store()
 
 
 def process_group_timeout(group: dist.ProcessGroup) -> float | None:
-    """The timeout (seconds) ``group`` was created with, or None if this torch
-    version does not expose it (read through the backend's private options)."""
+    """The timeout (seconds) ``group`` was created with (private options), or None."""
     try:
         device = torch.device("cpu") if backend_name(group) == "gloo" else torch.device("cuda")
         return float(group._get_backend(device).options._timeout.total_seconds())

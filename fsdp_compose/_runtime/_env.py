@@ -1,10 +1,8 @@
 """The ``FSDP_COMPOSE_*`` environment variables, read and validated in one place.
 
 A value fsdp_compose does not understand raises a ``ValueError`` naming the
-variable, the value and the accepted ones, instead of being silently taken as
-the default (a typo such as ``FSDP_COMPOSE_DEBUG_COLLECTIVES=ture`` would
-otherwise leave debug mode off without a word). An unset or empty variable
-means the default.
+variable, the value and the accepted ones, instead of silently meaning the default
+(``FSDP_COMPOSE_DEBUG_COLLECTIVES=ture``). Unset or empty means the default.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ _FALSE = ("0", "false", "no", "off")
 
 
 def _raw(name: str) -> str | None:
-    value = os.environ.get(name)
-    return None if value is None or value.strip() == "" else value.strip()
+    return os.environ.get(name, "").strip() or None
 
 
 def _invalid(name: str, value: str, accepted: str) -> ValueError:
@@ -57,8 +54,8 @@ def seconds(name: str) -> float | None:
 
 
 def debug_collectives() -> bool:
-    """``FSDP_COMPOSE_DEBUG_COLLECTIVES``: every root subscribes the debug
-    collective checks at its lazy init (``fsdp_compose.debug``)."""
+    """``FSDP_COMPOSE_DEBUG_COLLECTIVES``: every root subscribes ``fsdp_compose.debug``'s
+    collective checks at its lazy init."""
     return flag("FSDP_COMPOSE_DEBUG_COLLECTIVES", False)
 
 

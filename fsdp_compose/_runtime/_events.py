@@ -1,18 +1,14 @@
 """The runtime's one event interface: what one root's units and collectives do.
 
 [Note: runtime events]
-Each root's tree of units shares one :class:`Events` object, held by the tree's
-:class:`~fsdp_compose._scheduler.ScheduleSettings` before the first forward and
-by its scheduler after. Tools and checks subscribe an :class:`Observer` to it
-(``FSDPModule.register_observer``): the timeline (``trace``), the desync checks
-(``debug``), the runtime's own checks of unit use (``_validation``) and the
-tests' collective logs all see the same calls, in program order. Nothing is
-module-global: two roots in one process have two event lists and two step
-counters. With no observer, an event costs one truthiness check of a list.
-
-An observer may raise from ``on_collective("issue", ...)``: the collective is
-then not launched (the debug checks raise a mismatch this way, on every rank,
-before any data moves).
+Each root's tree of units shares one :class:`Events` object (held by its
+``ScheduleSettings``, then by its scheduler). Tools subscribe an :class:`Observer`
+to it (``FSDPModule.register_observer``): the trace, the debug checks, the unit-use
+checks (``_validation``) and the tests' collective logs all see the same calls, in
+program order. Nothing is module-global: two roots have two observer lists and two
+step counters. With no observer, an event costs one truthiness check of a tuple.
+An observer may raise from ``on_collective("issue", ...)`` to refuse the collective
+before any data moves (the debug checks raise a mismatch this way, on every rank).
 """
 
 from __future__ import annotations
@@ -31,13 +27,11 @@ if TYPE_CHECKING:
 __all__ = ["CollectiveEvent", "CollectiveInfo", "CollectiveKind", "Events", "Observer", "UnitEvent"]
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
-#: ``issue``: the training thread is about to launch it; ``complete``: the backend
-#: finished it (from its own thread where the work has a future, else at the wait);
-#: ``wait_begin``/``wait_end``: the training thread waits for it.
+#: ``issue``: about to be launched; ``complete``: the backend finished it (from its
+#: thread where the work has a future, else at the wait); ``wait_begin``/``wait_end``.
 CollectiveEvent = Literal["issue", "complete", "wait_begin", "wait_end"]
-#: What a unit does: its lazy init, its forward and backward spans, a gather
-#: finished (``gathered``) or about to be freed (``resharding``), and the
-#: scheduler's prefetch decisions.
+#: A unit's lazy init, forward and backward spans, a gather finished (``gathered``) or
+#: about to be freed (``resharding``), and the scheduler's prefetch decisions.
 UnitEvent = Literal[
     "lazy_init",
     "forward_begin",
@@ -100,9 +94,8 @@ class Observer:
 
 
 class Events:
-    """The observers of one root's tree, in subscription order, and its step count.
-    Each kind of event goes only to the observers that override its method, so an
-    observer of unit events adds nothing to the cost of a collective."""
+    """One root's observers, in subscription order, and its step count. Each kind of
+    event goes only to the observers that override its method (no cost elsewhere)."""
 
     __slots__ = ("_seq", "observers", "on_collective", "on_memory", "on_step", "on_unit", "step")
 
@@ -117,14 +110,14 @@ class Events:
         for observer in observers:
             self.add(observer)
 
-    def add(self, observer: Observer, *, first: bool = False) -> None:
+    def add(self, observer: Observer) -> None:
         if not isinstance(observer, Observer):
             raise TypeError(
                 f"an fsdp_compose observer must subclass fsdp_compose.Observer, got "
                 f"{type(observer).__name__}"
             )
         if observer not in self.observers:
-            self.observers.insert(0 if first else len(self.observers), observer)
+            self.observers.append(observer)
             self._split()
 
     def remove(self, observer: Observer) -> None:

@@ -30,37 +30,29 @@ class MixedPrecisionPolicy:
     """Configures module-level mixed precision for one :func:`fully_shard` unit.
 
     Unlike autocast, the casts happen at unit boundaries: parameters are
-    all-gathered and used in ``param_dtype``, so forward and backward compute in
-    that dtype and low-precision activations are saved for backward. The sharded
-    parameters (and hence the optimizer) stay in their original dtype.
+    all-gathered and used in ``param_dtype``, so forward and backward compute (and
+    saved activations) are in that dtype. The sharded parameters, and hence the
+    optimizer, stay in their original dtype.
 
     Attributes:
-        param_dtype (Optional[torch.dtype]): dtype of the unsharded parameters, and
-            so of the all-gather and of forward/backward compute. ``None`` keeps the
-            original dtype. (Default: ``None``)
+        param_dtype (Optional[torch.dtype]): dtype of the unsharded parameters, the
+            all-gather and compute. ``None`` keeps the original dtype. (Default: ``None``)
         reduce_dtype (Optional[torch.dtype]): dtype in which gradients are reduced
-            (reduce-scatter, and all-reduce for HSDP). With
-            :meth:`FSDPModule.set_requires_gradient_sync` ``(False)`` gradients are
-            also accumulated in this dtype. Reduced gradients are stored on the
-            sharded parameters in their original dtype. ``None`` follows the
-            installed torch's FSDP2: from torch 2.15 on, the parameters' original
-            dtype (fp32 reductions for fp32 parameters with
-            ``param_dtype=torch.bfloat16``); up to torch 2.14, the compute dtype
-            (``param_dtype``). Gradients of several dtypes in one unit (2.15, or
-            ``param_dtype_override_fn``) are reduced in their promoted dtype.
-            (Default: ``None``)
+            (and accumulated without gradient sync); they are stored on the sharded
+            parameters in their original dtype. ``None`` follows the installed
+            torch's FSDP2: from 2.15, the parameters' original dtype; up to 2.14,
+            ``param_dtype``. Gradients of several dtypes in one unit are reduced in
+            their promoted dtype. (Default: ``None``)
         output_dtype (Optional[torch.dtype]): if set, floating-point forward outputs
             of the unit are cast to this dtype. (Default: ``None``)
         cast_forward_inputs (bool): whether floating-point forward inputs are cast
             to ``param_dtype``. (Default: ``True``)
         param_dtype_override_fn (Optional[Callable[[nn.Parameter], Optional[torch.dtype]]]):
-            keyword-only; a per-parameter override of ``param_dtype`` (torch 2.15's
-            FSDP2 API, available on every torch). Called once for each managed
-            parameter by :func:`fully_shard`: returning the parameter's original
-            dtype keeps it in that dtype, ``None`` or ``param_dtype`` uses
-            ``param_dtype``; any other dtype raises ``ValueError``. It must return
-            the same on every rank. Forward inputs are still cast to
-            ``param_dtype``. (Default: ``None``)
+            keyword-only; torch 2.15's per-parameter override of ``param_dtype``, on
+            every torch. :func:`fully_shard` calls it once per managed parameter:
+            the parameter's original dtype keeps it in that dtype, ``None`` or
+            ``param_dtype`` uses ``param_dtype``, any other dtype raises
+            ``ValueError``. It must agree across ranks. (Default: ``None``)
     """
 
     param_dtype: torch.dtype | None = None
@@ -72,9 +64,8 @@ class MixedPrecisionPolicy:
     )
 
     def __post_init__(self) -> None:
-        _check_float_dtype("param_dtype", self.param_dtype)
-        _check_float_dtype("reduce_dtype", self.reduce_dtype)
-        _check_float_dtype("output_dtype", self.output_dtype)
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            _check_float_dtype(name, getattr(self, name))
         if not isinstance(self.cast_forward_inputs, bool):
             raise TypeError(
                 "MixedPrecisionPolicy.cast_forward_inputs must be a bool, "
@@ -87,8 +78,7 @@ class MixedPrecisionPolicy:
             )
 
     def _resolve_for_param(self, param: nn.Parameter) -> MixedPrecisionPolicy:
-        """This policy for one parameter, ``param_dtype_override_fn`` applied (the
-        name and semantics of torch 2.15's, whose ``fully_shard`` calls it too)."""
+        """This policy for one parameter, ``param_dtype_override_fn`` applied."""
         if self.param_dtype_override_fn is None:
             return self
         override = self.param_dtype_override_fn(param)
@@ -108,9 +98,8 @@ class MixedPrecisionPolicy:
 
 
 def adopt_torch_policies(mp_policy: object, offload_policy: object) -> tuple[object, object]:
-    """fsdp_compose's equivalents of policies imported from ``torch.distributed.fsdp``,
-    so an FSDP2 program whose only change is ``fully_shard``'s import runs as is;
-    anything else is returned unchanged (and checked by the caller)."""
+    """fsdp_compose's equivalents of ``torch.distributed.fsdp`` policies (so an FSDP2
+    program runs with only ``fully_shard``'s import changed); others are returned as is."""
     if isinstance(mp_policy, torch_fsdp.MixedPrecisionPolicy):
         values = {f.name: getattr(mp_policy, f.name) for f in fields(mp_policy)}
         unknown = sorted(set(values) - {f.name for f in fields(MixedPrecisionPolicy)})
@@ -136,15 +125,13 @@ class OffloadPolicy:
 class CPUOffloadPolicy(OffloadPolicy):
     """Keeps sharded parameters, gradients and optimizer states in CPU memory.
 
-    On an accelerator mesh, each sharded parameter is copied host-to-device just
-    before its all-gather, and each reduced gradient device-to-host right after
-    its reduce-scatter; the optimizer step then runs on the CPU. On a CPU mesh the
-    policy is accepted and changes nothing (everything already lives on the CPU).
+    On an accelerator mesh, sharded parameters are copied to the device just before
+    their all-gather and reduced gradients to the host right after their
+    reduce-scatter; the optimizer step runs on the CPU. On a CPU mesh it changes nothing.
 
     Attributes:
         pin_memory (bool): whether to pin the host copies of sharded parameters and
-            gradients, which makes the copies asynchronous and faster at the cost
-            of page-locked host memory. (Default: ``True``)
+            gradients (faster, asynchronous copies; page-locked memory). (Default: ``True``)
     """
 
     pin_memory: bool = True

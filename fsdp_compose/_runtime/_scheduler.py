@@ -1,30 +1,24 @@
-"""When each unit gathers, frees and reduces: one scheduler per root. Hooks report
-what forward and autograd are doing (``pre_forward`` ... ``finalize_backward``);
-the scheduler turns that into unit operations:
+"""When each unit gathers, frees and reduces: one scheduler per root turns what the
+hooks report (``pre_forward`` ... ``finalize_backward``) into unit operations.
 
-* **Prefetch.** When unit k starts its forward, the all-gathers of the next
-  ``forward_depth`` units of the previous iteration's order are issued, so they
-  run (on gloo's threads, or an all-gather stream) while unit k computes.
-  Backward walks the last complete forward's post-forward order in reverse the
-  same way, from its end at every backward pass (pipeline microbatches,
-  accumulation over graphs kept alive). A changed order (conditional modules)
-  costs an unused prefetch, freed at the end of forward. Explicit lists
-  (``set_modules_to_forward_prefetch``) replace the implicit choice.
+* **Prefetch.** Unit k's forward issues the all-gathers of the next ``forward_depth``
+  units of the previous forward's order; backward walks the last post-forward order
+  in reverse, from its end at every backward pass. A changed order costs an unused
+  prefetch, freed at the end of forward. Explicit lists replace this.
 * **Rate limiter.** ``max_unsharded_bytes`` bounds the unsharded parameter bytes
-  allocated or in flight: a prefetch that would exceed it waits until a unit
-  frees its parameters; a unit needed *now* is always gathered.
-* **Reductions.** A unit's reduce-scatter is issued as soon as its backward ends
-  and overlaps the backward of the units before it; the previous one is completed
-  first, so one unit's full-size gradient buffers exist at a time.
-  ``finalize_backward`` (queued on the autograd engine) completes all reductions
-  before ``backward()`` returns.
+  allocated or in flight: a prefetch waits for a unit to free its parameters; a
+  unit needed *now* is always gathered.
+* **Reductions.** A unit's reduce-scatter is issued when its backward ends; the
+  previous one is completed first, so one unit's full-size gradient buffers exist
+  at a time. ``finalize_backward`` completes all before ``backward()`` returns.
 
 Every decision depends only on the program order of hook calls, the same on every
-rank running the same model: all ranks issue the same collectives in order.
+rank: all ranks issue the same collectives in the same order.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -33,6 +27,7 @@ import torch
 
 from ._events import Events
 from ._reduce import PendingReduction
+from ._sharded_param import ShardedParam
 from ._shared import SharedUses
 from ._unit import Phase, ShardState, Unit
 
@@ -41,38 +36,31 @@ logger = logging.getLogger("fsdp_compose")
 
 @dataclass
 class ScheduleSettings:
-    """The settings of one root's schedule, shared by every ``fully_shard`` module
-    of its tree (the ``FSDPModule`` setters write them, the scheduler reads them)."""
+    """One root's schedule settings, written by its tree's ``FSDPModule`` setters."""
 
     forward_depth: int = 1  # units ahead the implicit forward prefetch gathers
     backward_depth: int = 1  # units ahead the implicit backward prefetch gathers
     max_unsharded_bytes: int | None = None  # the rate limiter's bound (None: unbounded)
-    # Reduce-scatters whose full-size buffers may be in flight at once (1: one unit's).
-    max_inflight_reductions: int = 1
+    max_inflight_reductions: int = 1  # reduce-scatters whose full-size buffers coexist
     is_last_backward: bool = True  # whether the next backward completes every reduction
-    # set_manual_backward_finalization: FSDPModule.finalize_backward ends backward.
-    manual_backward_finalization: bool = False
-    # The tree's observers and step count ([Note: runtime events]).
-    events: Events = field(default_factory=Events)
+    manual_backward_finalization: bool = False  # FSDPModule.finalize_backward ends backward
+    events: Events = field(default_factory=Events)  # [Note: runtime events]
 
     def adopt(self, other: ScheduleSettings) -> None:
         """Takes over what was set on ``other`` (a subtree annotated earlier)."""
         default = ScheduleSettings()
         for f in fields(self):
-            if f.name == "events":
-                self.events.adopt(other.events)
-                continue
             value = getattr(other, f.name)
-            if value != getattr(default, f.name):
+            if f.name == "events":
+                self.events.adopt(value)
+            elif value != getattr(default, f.name):
                 setattr(self, f.name, value)
 
 
 class RateLimiter:
-    """A scheduler's memory rate limiter: which of ``units`` hold unsharded memory
-    (allocated or in flight; those a user unsharded before the first forward are
-    counted at once), and the gathers it issues, defers and drains within
-    ``settings.max_unsharded_bytes``. Every change of a unit's shard state goes
-    through it, so its count is always exact."""
+    """Counts which of ``units`` hold unsharded memory (allocated or in flight), and
+    issues, defers and drains gathers within ``settings.max_unsharded_bytes``. Every
+    shard-state change of a unit goes through it, so its count is exact."""
 
     def __init__(self, units: list[Unit], settings: ScheduleSettings) -> None:
         self.settings = settings
@@ -85,18 +73,17 @@ class RateLimiter:
     def account(self, unit: Unit) -> None:
         """Counts (or stops counting) ``unit``'s unsharded bytes after its state changed."""
         holds = unit.holds_unsharded
-        counted = self._holding.get(unit)
-        if holds and counted is None:
-            nbytes = unit.unsharded_nbytes
-            self._holding[unit] = nbytes
+        if holds == (unit in self._holding):
+            return
+        if holds:
+            nbytes = self._holding[unit] = unit.unsharded_nbytes
             self.holding_bytes += nbytes
-            if self.settings.events.on_memory:
-                self.settings.events.memory("alloc", unit, nbytes, self.holding_bytes)
-        elif not holds and counted is not None:
-            del self._holding[unit]
-            self.holding_bytes -= counted
-            if self.settings.events.on_memory:
-                self.settings.events.memory("free", unit, counted, self.holding_bytes)
+        else:
+            nbytes = self._holding.pop(unit)
+            self.holding_bytes -= nbytes
+        events = self.settings.events
+        if events.on_memory:
+            events.memory("alloc" if holds else "free", unit, nbytes, self.holding_bytes)
 
     def issue(self, unit: Unit) -> None:
         if not unit.holds_unsharded:
@@ -106,13 +93,12 @@ class RateLimiter:
     def prefetch(self, unit: Unit) -> None:
         if unit.holds_unsharded:
             return
-        if not self._fits(unit):
-            if unit not in self.deferred:
-                self.deferred.append(unit)
-                self.settings.events.unit("prefetch_deferred", unit)
-            return
-        self.settings.events.unit("prefetch", unit)
-        self.issue(unit)
+        if self._fits(unit):
+            self.settings.events.unit("prefetch", unit)
+            self.issue(unit)
+        elif unit not in self.deferred:
+            self.deferred.append(unit)
+            self.settings.events.unit("prefetch_deferred", unit)
 
     def require(self, unit: Unit) -> None:
         """Makes ``unit``'s parameters available now (gather if needed, then wait)."""
@@ -136,8 +122,7 @@ class RateLimiter:
 
 
 class Scheduler:
-    """Coordinates ``units``, every unit of one root's tree in module pre-order,
-    with the tree's ``settings`` (the object its modules' setters write)."""
+    """Coordinates ``units`` (one root's tree, module pre-order) with ``settings``."""
 
     def __init__(self, units: list[Unit], settings: ScheduleSettings | None = None) -> None:
         self.units = units
@@ -145,31 +130,24 @@ class Scheduler:
         self.events = self.settings.events  # shared with its units
         for unit in units:
             unit.events = self.events
-        self.forward_active = False
-        self.backward_active = False
-        # The finalization mode of the backward iteration in progress (None: none
-        # is), fixed at its first backward until it is finalized or reset.
+        self.forward_active = self.backward_active = False
+        # The backward iteration's finalization mode, fixed at its first backward
+        # until it is finalized or reset (None: no iteration in progress).
         self.manual_finalization: bool | None = None
-        # A finalize_backward(async_op=True) whose handle was not waited on yet.
-        self.reduction_pending = False
-        # Manual mode: units whose post-backward waits for finalize_backward.
-        self._awaiting_finalize: list[Unit] = []
+        self.reduction_pending = False  # a finalize_backward(async_op=True) not waited on
+        self._awaiting_finalize: list[Unit] = []  # manual mode: post-backward deferred
         self.resets = 0  # reset() calls: a GradientReductionHandle from before is invalid
 
         self._prev_forward_order: list[Unit] = []
         self._forward_order: list[Unit] = []
         self._forward_cursor = 0
         self._post_forward_order: list[Unit] = []
-        # Backward prefetch walks the last complete forward's post-forward order
-        # from its end; the cursor restarts at every backward pass.
-        self._backward_order: list[Unit] = []
+        self._backward_order: list[Unit] = []  # the last forward's post-forward order
         self._backward_cursor = 0
         self._reductions: list[PendingReduction] = []  # not yet handed to .grad
         self._scattering: list[PendingReduction] = []  # reduce-scatter not yet waited
-        # Set when units of this tree share parameters ([Note: shared parameters]).
-        self.shared: SharedUses | None = None
-        # Every later state change of a unit goes through this scheduler's limiter.
-        self.memory = RateLimiter(units, self.settings)
+        self.shared: SharedUses | None = None  # [Note: shared parameters], if any
+        self.memory = RateLimiter(units, self.settings)  # every later shard-state change
 
     @property
     def step(self) -> int:
@@ -204,55 +182,34 @@ class Scheduler:
         self.memory.deferred.clear()
         for unit in self.units:
             if unit.state is ShardState.UNSHARDED and unit.params_changed_since_unshard():
-                # The sharded parameters were updated (optimizer step) while this unit
-                # stayed unsharded (reshard_after_backward=False): gather fresh data.
+                # Updated (optimizer step) while unsharded (reshard_after_backward=False).
                 self.memory.reshard(unit)
 
     def pre_forward(self, *units: Unit) -> None:
-        """``units``: one unit, or the units of one call's meshes (see [Note:
-        per-parameter meshes]), whose all-gathers are all issued before any wait."""
+        """``units``: one unit, or one call's units (one per mesh, [Note: per-parameter
+        meshes]), whose all-gathers are all issued before any wait."""
         for unit in units:
             unit.phase = Phase.FORWARD
             self._forward_order.append(unit)
-            # Adopt parameters replaced since the last step (load_state_dict(assign=True))
-            # before the checks see them.
-            unit.lazy_init()
+            unit.lazy_init()  # adopts parameters replaced since (load_state_dict(assign=True))
             if self.shared is not None:
                 self.shared.forward_use_begin(unit)
             self.memory.issue(unit)
         for unit in units:
-            for target in self._forward_prefetch_targets(unit):
+            for target in self._prefetch_targets(unit, backward=False):
                 if target not in units:
                     self.memory.prefetch(target)
         for unit in units:
             self.memory.require(unit)
             self.events.unit("forward_begin", unit)
 
-    def _forward_prefetch_targets(self, unit: Unit) -> Sequence[Unit]:
-        if unit.options.forward_prefetch is not None:  # explicit, () included
-            return unit.options.forward_prefetch
-        order, depth = self._prev_forward_order, self.settings.forward_depth
-        if depth <= 0 or not order:
-            return []
-        # Find this unit in the previous order, scanning forward from where the
-        # last match was (amortised O(1) when the order repeats).
-        for index in range(self._forward_cursor, len(order)):
-            if order[index] is unit:
-                self._forward_cursor = index + 1
-                return order[index + 1 : index + 1 + depth]
-        return []
-
     def post_forward(self, unit: Unit) -> None:
         self.events.unit("forward_end", unit)
-        self._post_forward_order.append(unit)
-        shared = self.shared
-        if shared is None or shared.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
-            self._reshard_after_forward(unit)
+        self._end_forward_use(unit)
         unit.phase = Phase.IDLE
 
     def borrow_forward(self, units: list[Unit]) -> None:
-        """A module sharing the parameters of ``units`` (their owner units) starts
-        its forward: they must be unsharded."""
+        """A module sharing the parameters of (owner) ``units`` starts its forward."""
         assert self.shared is not None
         for unit in units:
             self._forward_order.append(unit)
@@ -261,11 +218,14 @@ class Scheduler:
 
     def return_forward(self, units: list[Unit]) -> None:
         """The forward that :meth:`borrow_forward` began is done."""
-        assert self.shared is not None
         for unit in units:
-            self._post_forward_order.append(unit)
-            if self.shared.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
-                self._reshard_after_forward(unit)
+            self._end_forward_use(unit)
+
+    def _end_forward_use(self, unit: Unit) -> None:
+        self._post_forward_order.append(unit)
+        shared = self.shared
+        if shared is None or shared.forward_use_end(unit, needs_backward=torch.is_grad_enabled()):
+            self._reshard_after_forward(unit)
 
     def _reshard_after_forward(self, unit: Unit) -> None:
         reshard = unit.options.reshard_after_forward
@@ -287,17 +247,15 @@ class Scheduler:
             if unit.gather_in_flight and unit not in ran:
                 self.memory.reshard(unit)  # a prefetch the forward did not use
             elif no_backward and unit.state is ShardState.UNSHARDED:
-                # Units that stay unsharded (the root, reshard_after_forward=False)
-                # keep their data across no-grad forwards, as in FSDP2, but
-                # model.parameters() shows the shards again (for an optimizer built
-                # after an evaluation); begin_forward re-gathers stale ones.
+                # As in FSDP2, units that stay unsharded keep their data across no-grad
+                # forwards, but model.parameters() shows the shards again (for an
+                # optimizer built after an evaluation); begin_forward re-gathers stale ones.
                 unit.park()
 
     # -- backward --------------------------------------------------------
 
     def pre_backward(self, *units: Unit) -> None:
-        """Called when the gradient of one of the forward outputs of ``units`` (one
-        unit, or one call's units, as in :meth:`pre_forward`) is ready."""
+        """A gradient of a forward output of ``units`` (as in :meth:`pre_forward`) is ready."""
         units = tuple(u for u in units if u.phase is not Phase.PRE_BACKWARD)
         if not units:
             return
@@ -308,9 +266,8 @@ class Scheduler:
         for unit in gather:
             self.memory.issue(unit)
         for unit in gather:
-            for target in self._backward_prefetch_targets(unit):
-                # As in FSDP2, a unit set not to unshard in backward is not
-                # prefetched there either (its backward does not need it).
+            for target in self._prefetch_targets(unit, backward=True):
+                # As in FSDP2, a unit set not to unshard in backward is not prefetched.
                 if target not in units and target.options.unshard_in_backward:
                     self.memory.prefetch(target)
         for unit in gather:
@@ -319,19 +276,16 @@ class Scheduler:
             self.events.unit("backward_begin", unit)
 
     def borrow_backward(self, units: list[Unit]) -> None:
-        """The backward of a module sharing the parameters of ``units`` is about to
-        run: they must be unsharded, whatever their ``unshard_in_backward``."""
+        """A borrower of ``units`` starts its backward: unshard them (even if not
+        ``unshard_in_backward``)."""
         self._note_backward()
         for unit in units:
             self.memory.require(unit)
 
     def return_backward(self, units: list[Unit]) -> None:
-        """The backward that :meth:`borrow_backward` began is done: reduce the owner
-        units whose last use this was."""
-        assert self.shared is not None
+        """The backward :meth:`borrow_backward` began is done: reduce after a last use."""
         for unit in units:
-            if self.shared.backward_use_end(unit):
-                self._post_backward(unit, at_end=False)
+            self.post_backward(unit)
 
     def _note_backward(self) -> None:
         if not self.backward_active:
@@ -340,22 +294,28 @@ class Scheduler:
                 self.manual_finalization = self.settings.manual_backward_finalization
             self._backward_cursor = len(self._backward_order)
 
-    def _backward_prefetch_targets(self, unit: Unit) -> Sequence[Unit]:
-        if unit.options.backward_prefetch is not None:  # explicit, () included
-            return unit.options.backward_prefetch
-        order, depth = self._backward_order, self.settings.backward_depth
-        if depth <= 0 or not order:
+    def _prefetch_targets(self, unit: Unit, *, backward: bool) -> Sequence[Unit]:
+        explicit = unit.options.backward_prefetch if backward else unit.options.forward_prefetch
+        if explicit is not None:  # () included
+            return explicit
+        depth = self.settings.backward_depth if backward else self.settings.forward_depth
+        if depth <= 0:
             return []
-        # This unit's latest post-forward below the cursor (a unit run several
-        # times in one forward is found once per backward through it); if the
-        # order changed, its latest occurrence anywhere.
-        index = next(
-            (i for i in range(self._backward_cursor - 1, -1, -1) if order[i] is unit), None
-        )
+        if not backward:
+            order = self._prev_forward_order
+            # Scan on from the last match (amortised O(1) when the order repeats).
+            for i in range(self._forward_cursor, len(order)):
+                if order[i] is unit:
+                    self._forward_cursor = i + 1
+                    return order[i + 1 : i + 1 + depth]
+            return []
+        order = self._backward_order
+        # The unit's latest post-forward below the cursor (a unit run n times is found
+        # once per backward through it), else anywhere (the order changed).
+        below, anywhere = range(self._backward_cursor - 1, -1, -1), range(len(order) - 1, -1, -1)
+        index = next((i for i in itertools.chain(below, anywhere) if order[i] is unit), None)
         if index is None:
-            index = next((i for i in range(len(order) - 1, -1, -1) if order[i] is unit), None)
-            if index is None:
-                return []
+            return []
         self._backward_cursor = index
         targets: list[Unit] = []
         for earlier in reversed(order[:index]):
@@ -368,40 +328,33 @@ class Scheduler:
     def post_backward(self, *units: Unit, at_end: bool = False) -> None:
         """Backward through ``units`` (as in :meth:`pre_forward`) is done, or (``at_end``)
         finalisation reached units whose inputs did not require grad. One call's
-        reduce-scatters are issued together (earlier ones completed before the first)."""
+        reduce-scatters are issued together."""
         first = True
         for unit in units:
             if at_end or self.shared is None or self.shared.backward_use_end(unit):
                 self._post_backward(unit, at_end=at_end, drain=first)
                 first = False
-        # else: a unit shared with modules whose backward is still to come keeps
-        # its parameters and gradients (see [Note: shared parameters]).
+        # (a shared unit waits for the backward of its other uses: [Note: shared parameters])
 
     def _post_backward(self, unit: Unit, *, at_end: bool, drain: bool = True) -> None:
         if unit.phase is Phase.PRE_BACKWARD:
             self.events.unit("backward_end", unit)
         unit.phase = Phase.POST_BACKWARD
         options, reducer = unit.options, unit.reducer
-        if not options.requires_gradient_sync:
+        params: list[ShardedParam] = []
+        if options.requires_gradient_sync:
+            params, grads = reducer.take_unsharded_grads()
+        else:
             reducer.accumulate_unsharded_grads()
-            if options.reshard_after_backward:
-                self.memory.reshard(unit)
-            return
-        params, grads = reducer.take_unsharded_grads()
         if options.reshard_after_backward:
-            # Gradients are separate tensors: free the parameters before the
-            # reduction allocates its buffers, so the two never coexist.
+            # Free the parameters before the reduction allocates its buffers (never both).
             self.memory.reshard(unit)
         if params:
-            # Complete earlier reduce-scatters first (bounds full-size gradient
-            # buffers; they had this unit's backward to finish), except at the end
-            # of backward: nothing left to overlap, so the last ones run together.
-            while (
-                drain
-                and not at_end
-                and len(self._scattering) >= self.settings.max_inflight_reductions
-            ):
-                self._scattering.pop(0).advance()
+            # Complete earlier reduce-scatters first (bounds full-size gradient buffers),
+            # except at the end of backward: nothing is left to overlap.
+            if drain and not at_end:
+                while len(self._scattering) >= self.settings.max_inflight_reductions:
+                    self._scattering.pop(0).advance()
             reduction = reducer.reduce_grads(params, grads, all_reduce=options.requires_all_reduce)
             del grads  # packed into the reduction's buffer
             if reduction is not None:
@@ -444,9 +397,8 @@ class Scheduler:
             self.backward_active = False
 
     def finalize_manually(self, *, wait: bool) -> None:
-        """``FSDPModule.finalize_backward``: runs the post-backward that manual mode
-        deferred and of units whose gradients wait unsynchronized, reshards per
-        ``reshard_after_backward``, and (``wait``) completes every reduction."""
+        """``FSDPModule.finalize_backward``: runs the deferred post-backwards (and those
+        of unsynchronized gradients), reshards, and (``wait``) completes every reduction."""
         awaiting, self._awaiting_finalize = self._awaiting_finalize, []
         for unit in reversed(self.units):
             if unit in awaiting or unit.reducer.has_unsharded_grads():
@@ -459,8 +411,7 @@ class Scheduler:
             self.complete_manual_reductions()
 
     def complete_manual_reductions(self) -> None:
-        """Completes the reductions :meth:`finalize_manually` issued; the backward
-        iteration ends."""
+        """Completes :meth:`finalize_manually`'s reductions; the backward iteration ends."""
         self._complete_reductions()
         self.reduction_pending = False
         self.manual_finalization = None
@@ -473,9 +424,8 @@ class Scheduler:
 
     def reset(self) -> None:
         """After an exception inside forward or backward: waits for in-flight
-        collectives (their buffers must outlive them) and drops their results,
-        reshards every unit, discards the failed step's unsharded and partially
-        reduced gradients, and clears the per-iteration state."""
+        collectives (their buffers must outlive them), reshards every unit, discards
+        the failed step's gradients, and clears the per-iteration state."""
         failures: list[str] = []
         for reduction in self._reductions:
             try:

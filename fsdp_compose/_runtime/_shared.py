@@ -1,44 +1,23 @@
 """Parameters shared across units: tied embeddings, weights reused by several blocks.
 
 [Note: shared parameters]
-A parameter registered under modules that belong to different ``fully_shard``
-units (an LM head tied to the embedding, each annotated on its own; one weight
-used by two blocks in different units) is sharded **once**, by the first
-``fully_shard`` call that manages it: that call's unit is the parameter's
-*owner*. Every later call that finds the parameter under one of its modules
-becomes a *borrower* of the owner unit: it manages no copy of the parameter, it
-registers the owner's parameter object under its module (so the tie is kept:
-``head.weight is tok_emb.weight``, sharded or unsharded, and
-``named_parameters()`` lists it once), and its hooks tell the scheduler when it
-uses the owner unit.
+A parameter under modules of different ``fully_shard`` units (an LM head tied to
+the embedding) is sharded **once**, by the first call that manages it: its unit is
+the *owner*. A later call that finds it becomes a *borrower* of the owner unit: it
+registers the owner's parameter under its module (the tie is kept, and
+``named_parameters()`` lists it once), and its hooks report its uses to the
+scheduler. The owner's mesh and policies must equal the borrower's (checked at
+``fully_shard``); its resharding and gradient-sync settings apply. A borrower
+gathers the owner's whole unit: give a shared parameter a small unit of its own.
 
-The owner unit's settings govern the parameter: its mesh, mixed precision and
-offload policy must equal the borrower's (checked at ``fully_shard`` time, naming
-both modules), and its ``reshard_after_forward``, ``reshard_after_backward`` and
-``requires_gradient_sync`` apply. Borrowing is per unit: a borrower that uses the
-parameter gathers the owner's whole unit, so give a shared parameter its own
-small unit (e.g. annotate the embedding) when the owner holds much else.
-
-:class:`SharedUses` counts every use, the owner's own and the borrowers' (the
-scheduler asks it; the borrowers' hooks report through the scheduler):
-
-* forward: the owner unit stays unsharded from its first use until its last use
-  of the pass (known from the number of uses in the previous forward with
-  gradients; the end of the forward in the first), then its
-  ``reshard_after_forward`` applies. So it is gathered once per
-  forward, like the manual workaround ``fully_shard([model.tok_emb,
-  model.lm_head])``, and freed earlier when its last user runs before the end.
-* backward: every borrower gathers the owner unit for its backward (whatever the
-  owner's ``set_unshard_in_backward``), and the unit stays unsharded until the
-  backward of every use recorded in forward is done (a use whose inputs need no
-  gradient is done at the end of backward). Only then are its gradients, which
-  autograd has summed over all uses on the one unsharded parameter, reduced: once
-  per backward, after the parameter's last use.
-
-If a use's backward ends before the count expects (graphs of earlier forwards
-kept alive across backwards), the gradients that arrive later are reduced again
-at the end of backward and added to the sharded gradient: a second collective,
-never a lost or double-counted gradient.
+:class:`SharedUses` counts the owner's and the borrowers' uses. In forward, the
+owner unit stays unsharded from its first use to its last of the pass (counted in
+the previous forward with gradients; the first keeps it to its end), then
+``reshard_after_forward`` applies: one gather per forward. In backward, every
+borrower gathers it (whatever ``unshard_in_backward``), and its gradients, summed
+by autograd over all uses, are reduced once, after the backward of the last use
+recorded in forward. Gradients arriving after that (graphs of earlier forwards kept
+alive) are reduced again at the end of backward and added: never a lost gradient.
 """
 
 from __future__ import annotations
@@ -57,10 +36,9 @@ from ._unit import Unit
 if TYPE_CHECKING:
     from ._hooks import UnitState
 
-__all__ = ["SharedLink", "SharedUses", "collect_borrowed", "link_shared", "shared_link"]
+__all__ = ["SharedLink", "SharedUses", "collect_borrowed", "shared_link"]
 
-# On an original parameter that fully_shard replaced, and on the sharded DTensor
-# parameter that replaced it: where a later fully_shard call finds its owner.
+# Set on a replaced parameter and on its sharded DTensor: a later call finds the owner.
 _SHARED_AS = "_fsdp_compose_shared_as"
 
 
@@ -72,29 +50,14 @@ class SharedLink(NamedTuple):
     state: UnitState
 
 
-def link_shared(original: nn.Parameter, param: ShardedParam, unit: Unit, state: UnitState) -> None:
-    """Records ``param``'s owner on the parameter it replaced and on its sharded
-    DTensor, so that a later ``fully_shard`` call sharing it can borrow it."""
-    link = SharedLink(param, unit, state)
-    setattr(original, _SHARED_AS, link)
-    setattr(param.sharded_param, _SHARED_AS, link)
-
-
 def shared_link(param: nn.Parameter, module: nn.Module, name: str) -> SharedLink | None:
     """The owner of ``param`` if ``module.<name>`` shares a parameter that another
-    unit already sharded, else None.
-
-    A sharded parameter found under one of its own owners is not shared: that is
-    a ``fully_shard`` applied top-down, which the caller reports.
-    """
+    unit already sharded, else None (also under one of its own owners: that is a
+    ``fully_shard`` applied top-down, which the caller reports)."""
     link: SharedLink | None = getattr(param, _SHARED_AS, None)
     if link is None or any(m is module and n == name for m, n in link.param.owners):
         return None
     return link
-
-
-def _where(module: nn.Module, name: str) -> str:
-    return f"{type(module).__name__}.{name}"
 
 
 def collect_borrowed(
@@ -104,29 +67,19 @@ def collect_borrowed(
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
 ) -> dict[SharedLink, list[tuple[nn.Module, str]]]:
-    """The parameters of ``modules`` that other units already own, with the
-    ``(module, attribute)`` pairs that register them here; raises (before anything
-    is modified) if this call cannot share one of them.
-
-    Args:
-        modules: the modules whose parameters this ``fully_shard`` call manages.
-        ignored: the call's ``ignored_params``.
-        mesh_info: the call's data-parallel layout.
-        mp_policy: the call's mixed precision policy.
-        offload_policy: the call's offload policy.
-    """
+    """The parameters of a ``fully_shard`` call's ``modules`` that other units already
+    own, with the ``(module, attribute)`` pairs that register them here; raises
+    (before anything is modified) if this call cannot share one of them."""
     borrowed: dict[SharedLink, list[tuple[nn.Module, str]]] = {}
     for module in modules:
         for name, p in module._parameters.items():
-            if p is None:
-                continue
-            link = shared_link(p, module, name)
+            link = None if p is None else shared_link(p, module, name)
             if link is None:
                 continue
-            owner = link.param.owners[0]
+            owner, owner_name = link.param.owners[0]
             both = (
-                f"{_where(module, name)} (this fully_shard call) and {_where(*owner)} "
-                f"(fully_shard({link.param.unit_label}))"
+                f"{type(module).__name__}.{name} (this fully_shard call) and "
+                f"{type(owner).__name__}.{owner_name} (fully_shard({link.param.unit_label}))"
             )
             if p in ignored:
                 raise ValueError(
@@ -161,31 +114,18 @@ def _incompatibility(
             return f"MixedPrecisionPolicy.{field} ({mine} here vs {theirs})"
     offload = isinstance(offload_policy, CPUOffloadPolicy) and mesh_info.device.type != "cpu"
     if offload != owner.offload:
-        return f"offload_policy ({type(offload_policy).__name__} here, {'' if owner.offload else 'no '}offload there)"
+        there = "offload" if owner.offload else "no offload"
+        return f"offload_policy ({type(offload_policy).__name__} here, {there} there)"
     return None
 
 
-def borrow(state: UnitState, borrowed: dict[SharedLink, list[tuple[nn.Module, str]]]) -> None:
-    """Makes ``state`` a borrower of each owner unit in ``borrowed``: the owner's
-    parameter is registered under the borrowing modules (the tie is kept)."""
-    for link, pairs in borrowed.items():
-        sp = link.param
-        sp.owners.extend(pairs)
-        sp.register(sp.registered())  # type: ignore[arg-type]
-        if link.unit not in state.borrowed:
-            state.borrowed.append(link.unit)
-
-
 class SharedUses:
-    """Counts the uses of units that other units borrow (see [Note: shared
-    parameters]), so that one root's scheduler frees and reduces them after their
-    last use; the core's :class:`~fsdp_compose._scheduler.SharedUseCounter`.
-
-    Units nobody borrows are not counted: every method answers "now" for them.
-    """
+    """Counts the uses of borrowed units ([Note: shared parameters]), so that one
+    root's scheduler frees and reduces them after their last use. For units nobody
+    borrows, every method answers "now"."""
 
     def __init__(self) -> None:
-        self.borrowers: dict[Unit, list[str]] = {}  # owner unit -> borrowing modules
+        self.borrowers: set[Unit] = set()  # the owner units that others borrow
         self._open: dict[Unit, int] = {}  # forward uses begun and not ended
         self._done: dict[Unit, int] = {}  # forward uses ended in this pass
         self._expected: dict[Unit, int] = {}  # forward uses of the last pass with grad
@@ -194,30 +134,26 @@ class SharedUses:
     def __contains__(self, unit: object) -> bool:
         return unit in self.borrowers
 
-    # -- what the scheduler asks -------------------------------------------
-
     def forward_use_begin(self, unit: Unit) -> None:
         if unit in self.borrowers:
             self._open[unit] = self._open.get(unit, 0) + 1
 
     def forward_use_end(self, unit: Unit, *, needs_backward: bool) -> bool:
-        """Ends a forward use; returns whether ``unit`` may be resharded now (no
-        further use of it is expected in this forward)."""
+        """Ends a forward use; returns whether ``unit`` may be resharded (no more uses now)."""
         if unit not in self.borrowers:
             return True
         self._open[unit] = self._open.get(unit, 1) - 1
         self._done[unit] = self._done.get(unit, 0) + 1
         if needs_backward:
             self._backward_pending[unit] = self._backward_pending.get(unit, 0) + 1
-        # A pass may repeat the pattern of uses (generate registered as one forward
-        # calls forward once per token): every ``expected``-th use is a last one.
+        # A pass may repeat its pattern of uses (a registered generate() runs forward
+        # per token): every ``expected``-th use is a last one.
         expected = self._expected.get(unit)
         return self._open[unit] == 0 and expected is not None and self._done[unit] % expected == 0
 
     def end_forward_pass(self, *, record: bool) -> list[Unit]:
-        """The shared units this forward used (their resharding policy applies now);
-        with ``record``, their use counts are expected from the next forward on.
-        Starts the count of the next forward."""
+        """The shared units this forward used (to reshard now); with ``record``, their
+        use counts are expected from the next forward on, whose count starts."""
         used = [u for u, n in self._done.items() if n and not self._open.get(u)]
         if record:
             for unit in used:
@@ -227,8 +163,7 @@ class SharedUses:
         return used
 
     def backward_use_end(self, unit: Unit) -> bool:
-        """Ends the backward of one use; returns whether it was the last one
-        expected, so that ``unit``'s gradients can be reduced now."""
+        """Ends one use's backward; returns whether it was the last expected (reduce now)."""
         if unit not in self.borrowers:
             return True
         pending = self._backward_pending.get(unit, 0) - 1
@@ -254,27 +189,31 @@ def install(
     replaced: Iterable[tuple[nn.Parameter, ShardedParam, Unit]],
     borrowed: dict[SharedLink, list[tuple[nn.Module, str]]],
 ) -> None:
-    """Links ``state``'s newly sharded parameters for later borrowers, and
-    registers the parameters it borrows under its modules."""
+    """Links ``state``'s newly sharded parameters (on the original and its sharded
+    DTensor) for later borrowers, and makes ``state`` a borrower of the owner units
+    in ``borrowed``, registering their parameters under its modules (the tie is kept)."""
     for original, param, unit in replaced:
-        link_shared(original, param, unit, state)
-    borrow(state, borrowed)
+        link = SharedLink(param, unit, state)
+        setattr(original, _SHARED_AS, link)
+        setattr(param.sharded_param, _SHARED_AS, link)
     for link, pairs in borrowed.items():
-        register_state_dict_hooks(link.unit, link.state, [(m, n, link.param) for m, n in pairs])
+        sp = link.param
+        sp.owners.extend(pairs)
+        sp.register(sp.registered())  # type: ignore[arg-type]
+        if link.unit not in state.borrowed:
+            state.borrowed.append(link.unit)
+        register_state_dict_hooks(link.unit, link.state, [(m, n, sp) for m, n in pairs])
 
 
 def count_uses(units: list[Unit], states: list[UnitState], root: nn.Module) -> SharedUses | None:
     """The use counter of the units that ``states`` borrow (None if none does); an
     owner outside this root's tree (``units``) could never be coordinated: raise."""
-    borrowing = [state for state in states if state.borrowed]
-    if not borrowing:
-        return None
     uses = SharedUses()
-    names = {id(m): name for name, m in root.named_modules()}
-    for state in borrowing:
+    for state in states:
         for unit in state.borrowed:
-            borrower = ", ".join(names.get(id(m)) or type(m).__name__ for m in state.modules)
             if unit not in units:
+                names = {id(m): name for name, m in root.named_modules()}
+                borrower = ", ".join(names.get(id(m)) or type(m).__name__ for m in state.modules)
                 raise RuntimeError(
                     f"fully_shard module {borrower!r} shares a parameter with unit "
                     f"{unit.name!r}, which is not under the root {type(root).__name__} that "
@@ -282,5 +221,5 @@ def count_uses(units: list[Unit], states: list[UnitState], root: nn.Module) -> S
                     "fully_shard tree: call fully_shard on their common parent and run "
                     "forward through it."
                 )
-            uses.borrowers.setdefault(unit, []).append(borrower)
-    return uses
+            uses.borrowers.add(unit)
+    return uses if uses.borrowers else None
