@@ -240,8 +240,7 @@ def _validate_modules(module: object) -> tuple[nn.Module, ...]:
 
 
 def _validate_ignored_params(ignored: object) -> set[nn.Parameter]:
-    # As in FSDP2, parameters outside the module are not this call's: one set for the
-    # whole model may be passed to every call.
+    # (As in FSDP2, parameters outside the module are not this call's: one set may serve all.)
     if ignored is None:
         return set()
     if not isinstance(ignored, Iterable) or isinstance(ignored, torch.Tensor):
@@ -284,8 +283,7 @@ def _managed_params(
 
 
 def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
-    # Buffers are not sharded; like parameters they follow the mesh's device (also
-    # with CPU offload, which only concerns parameters, gradients and optimizer state).
+    # Buffers follow the mesh's device (CPU offload concerns parameters and gradients).
     for m in modules:
         for name, b in m._buffers.items():
             if b is not None and not b.is_meta and b.device != device:

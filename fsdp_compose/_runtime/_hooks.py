@@ -69,8 +69,8 @@ class UnitState:
         auto_reshard_after_forward: bool,
     ) -> None:
         self.modules = modules
+        self.own_units = units  # one per data-parallel mesh: [Note: per-parameter meshes]
         self.unit = units[0] if units else None
-        self.extra_units = units[1:]  # further meshes': [Note: per-parameter meshes]
         self.mp_policy = mp_policy
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None
@@ -118,11 +118,6 @@ class UnitState:
         else:
             unit.reshard()
 
-    @property
-    def own_units(self) -> list[Unit]:
-        """The units of this call: one per data-parallel mesh (usually one)."""
-        return [self.unit, *self.extra_units] if self.unit is not None else []
-
     # -- lazy init and root detection ------------------------------------
 
     def lazy_init(self) -> None:
@@ -158,7 +153,7 @@ class UnitState:
                 unit.name = (name or "root") + (f" [{mesh}]" if i else "")
             states.append(state)
         self.is_root = True
-        names = {id(p): name for name, p in root_module.named_parameters()}  # (first names)
+        names = {id(p): name for name, p in root_module.named_parameters()}  # first name of each
         units = [unit for state in states for unit in state.own_units]
         for p in (p for unit in units for p in unit.params):
             p.fqn = names.get(id(p.sharded_param)) or names.get(id(p.unsharded_param), p.fqn)
@@ -210,8 +205,7 @@ class UnitState:
         assert scheduler is not None
         with _compat.profiler_label("pre_forward", self.name):
             if _compat.inside_backward():
-                # Activation checkpointing recomputes this forward inside backward:
-                # parameters must be present, but this is not a new forward pass.
+                # Activation checkpointing's recompute: parameters present, no new forward.
                 for used in [*self.own_units, *self.borrowed]:
                     scheduler.memory.require(used)
                 return self._cast_inputs(args, kwargs)
@@ -367,6 +361,6 @@ class UnitState:
     def units_in_subtree(self, recurse: bool) -> list[Unit]:
         """This state's unit, and with ``recurse`` those of every state below it."""
         if not recurse:
-            return self.own_units
+            return list(self.own_units)
         states = [state_of(sub) for module in self.modules for sub in module.modules()]
         return [unit for s in dict.fromkeys(states) if s is not None for unit in s.own_units]

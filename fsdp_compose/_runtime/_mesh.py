@@ -114,8 +114,7 @@ def default_mesh() -> DeviceMesh:
     cache, key = _cache(), ("mesh", device_type)
     mesh = cache.get(key)
     if mesh is None:
-        # A dry run may build the model under FakeTensorMode; the mesh's rank table
-        # must stay a real tensor (DeviceMesh reads it back).
+        # (A dry run may build the model under FakeTensorMode: the rank table stays real.)
         with _compat.outside_fake_mode():
             mesh = cache[key] = init_device_mesh(device_type, (dist.get_world_size(),))
     assert isinstance(mesh, DeviceMesh)

@@ -289,9 +289,8 @@ def _check_unchanged_since_forward(unit: Unit) -> None:
         )
 
 
-# Per (check, rank, group): the store exchanges so far (_compare), the same count on
-# every rank that runs the same checks in the same order (the keys must match). Keyed
-# by rank too: in a threaded process group, every rank is a thread of this process.
+# Per (check, rank, group): _compare's exchanges so far, the same on every rank (the keys
+# must match). Keyed by rank too: in a threaded process group, ranks are threads.
 _exchanges: dict[tuple[str, int, tuple[int, ...]], int] = {}
 _DEFAULT_TIMEOUT_S = 600.0
 
