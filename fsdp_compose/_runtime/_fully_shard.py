@@ -5,7 +5,7 @@ attaches the hooks, and mixes :class:`FSDPModule` into the module's class."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, overload
 
 import torch
@@ -24,13 +24,8 @@ from ._mesh import (
     resolve_spmd_mesh_info,
     validate_reshard_after_forward,
 )
-from ._policies import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    adopt_torch_policies,
-)
-from ._sharded_param import IGNORED_BY, REPLACED_BY, SHARDED_BY, ShardedParam
+from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, adopt_torch_policies
+from ._sharded_param import IGNORED_BY, REPLACED_BY, ShardedParam
 from ._state_dict import register_state_dict_hooks
 from ._unit import Unit
 
@@ -78,20 +73,19 @@ def fully_shard(
 ) -> Any:
     """Shards ``module``'s parameters across the data-parallel ranks of ``mesh``.
 
-    Each call makes one *unit*: its parameters are those of ``module``'s subtree
-    that no earlier ``fully_shard`` call on a submodule already manages, so call it
-    bottom-up (blocks first, then the root). In place, every managed parameter is
-    replaced by an ``nn.Parameter`` wrapping a :class:`DTensor` sharded on dim 0
-    (``Shard(0)``; ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh), so parameter
-    names, ``state_dict()`` keys and the module tree are unchanged, and the
-    module's class becomes a subclass of :class:`FSDPModule` and of its original
-    class. Build the optimizer on ``model.parameters()`` after sharding.
+    Each call makes one *unit* of the parameters of ``module``'s subtree that no
+    earlier call on a submodule manages, so call it bottom-up (blocks first, then
+    the root). In place, each becomes an ``nn.Parameter`` wrapping a
+    :class:`DTensor` sharded on dim 0 (``(Replicate(), Shard(0))`` on a 2-D HSDP
+    mesh), so names, ``state_dict()`` keys and the module tree are unchanged, and
+    the module's class becomes a subclass of :class:`FSDPModule` and of its
+    original class. Build the optimizer after sharding.
 
-    During training, a unit all-gathers its parameters with one collective before
-    its forward, frees them after forward if ``reshard_after_forward``, gathers
-    them again for its backward, and reduce-scatters its gradients with one
-    collective (averaging over the data-parallel ranks) as soon as its backward is
-    done. The root waits for every reduction before ``backward()`` returns.
+    A unit all-gathers its parameters with one collective before its forward,
+    frees them after forward if ``reshard_after_forward``, gathers them again for
+    backward, and reduce-scatters its gradients (averaged over the data-parallel
+    ranks) with one collective once its backward is done. The root waits for
+    every reduction before ``backward()`` returns.
 
     Args:
         module (Union[nn.Module, List[nn.Module]]): the module to shard, or several
@@ -101,30 +95,24 @@ def fully_shard(
             (HSDP). Its device type is the device parameters live on. Defaults to a
             1-D mesh over the default process group on its backend's device.
         reshard_after_forward (Optional[Union[bool, int]]): ``True`` frees the
-            unsharded parameters after forward and gathers again in backward;
-            ``False`` keeps them until after backward; an ``int`` N that divides
-            the shard world size keeps 1/N of them after forward so backward
-            gathers within groups of N ranks (N equal to the shard world size
-            means ``True``, and N = 1 means ``False``, with a warning); ``None``
-            means ``True`` except for the root, which keeps its parameters.
+            unsharded parameters after forward; ``False`` keeps them until after
+            backward; an ``int`` N dividing the shard world size keeps 1/N of them,
+            so backward gathers within groups of N ranks (1 means ``False``, with a
+            warning); ``None`` means ``True`` except for the root.
         shard_placement_fn (Optional[Callable[[nn.Parameter], Optional[Shard]]]):
             chooses the sharded dim per parameter (``None`` means ``Shard(0)``); a
-            dim other than 0 must divide evenly. It may also return FSDP2's
-            ``ShardPlacementResult(placement, mesh_info)`` to shard the parameter
-            over ``mesh_info.mesh`` instead of ``mesh`` (e.g. MoE experts on an
-            expert-data-parallel mesh): the call then makes one unit per mesh,
-            gathered and reduced together (see [Note: per-parameter meshes]).
+            dim other than 0 must divide evenly. A ``ShardPlacementResult(placement,
+            mesh_info)`` shards the parameter over ``mesh_info.mesh`` instead
+            ([Note: per-parameter meshes]).
         mp_policy (MixedPrecisionPolicy): mixed precision for this unit.
         offload_policy (OffloadPolicy): :class:`CPUOffloadPolicy` keeps sharded
             parameters, gradients and optimizer states in host memory.
         ignored_params (Optional[Set[nn.Parameter]]): parameters left as they are:
             not sharded, not moved, not reduced.
         dp_mesh_dims (Optional[DataParallelMeshDims]): when given, ``mesh`` is the
-            full SPMD mesh (e.g. dims ``("dp", "tp")``) and every parameter must be
-            a DTensor on it with ``Replicate()`` on the data-parallel dims; the
-            parameters are sharded over the dim named ``shard`` (and replicated
-            over ``replicate``, HSDP), keeping their placement on the other dim.
-            One shard dim, at most one replicate dim and at most one other dim.
+            full SPMD mesh (e.g. dims ``("dp", "tp")``) and every parameter a
+            DTensor on it, ``Replicate()`` on the data-parallel dims; parameters are
+            sharded over the dim named ``shard`` ([Note: dp_mesh_dims]).
 
     Returns:
         The same module (or list), now an :class:`FSDPModule`.
@@ -147,41 +135,31 @@ def fully_shard(
             )
     reshard = validate_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
 
-    # [Note: atomic fully_shard] Everything that can fail runs before the module is
-    # changed: shards are built aside and installed only once every parameter and
-    # the unit are valid, so a failed call leaves the module as it was and a
-    # retry (with the fix the error names) starts from a clean module. The checks
-    # beyond FSDP2's and the collection of shared parameters run in this phase too.
-    managed_modules = _managed_modules(modules)
+    # [Note: atomic fully_shard] Everything that can fail (checks beyond FSDP2's
+    # included) runs before the module changes: shards are built aside and installed
+    # once all is valid, so a failed call leaves the module as it was for a retry.
+    managed = _managed_modules(modules)
     mp_policy, offload_policy = adopt_torch_policies(mp_policy, offload_policy)  # type: ignore[assignment]
     policies = (mp_policy, offload_policy, shard_placement_fn)
-    _validation.check_call(
-        modules, managed_modules, ignored, mesh_info, policies, _shared.is_borrowed
-    )
-    owners = _managed_params(managed_modules, ignored)
-    _validation.check_devices(owners)
+    owners = _managed_params(managed, ignored)
+    _validation.check_call(modules, managed, ignored, owners, mesh_info, policies)
     # Parameters another unit already sharded: borrowed ([Note: shared parameters]).
-    borrowed = _shared.collect_borrowed(
-        managed_modules, ignored, mesh_info, mp_policy, offload_policy
-    )
+    borrowed = _shared.collect_borrowed(managed, ignored, mesh_info, mp_policy, offload_policy)
     units, sharded = _build_units(
         modules, owners, mesh_info, reshard, reshard_after_forward, policies
     )
     unit_of = {id(p): u for u in units for p in u.params}
     # Validated: from here on the module changes.
     unit_label = _validation.describe(modules)
-    _move_buffers(managed_modules, mesh_info.device)
-    for param in ignored & set(_all_params(managed_modules)):
+    _move_buffers(managed, mesh_info.device)
+    for param in ignored & {p for m in managed for p in m._parameters.values()}:
         setattr(param, IGNORED_BY, unit_label)  # left plain on purpose, not forgotten
     for param, sharded_param in zip(owners, sharded):
         sharded_param.register(sharded_param.sharded_param)
         sharded_param.mark_owned(unit_label)
         setattr(param, REPLACED_BY, unit_label)
     # (reshard_after_forward None: the root keeps its parameters)
-    state = UnitState(
-        modules, units[0] if units else None, mp_policy, reshard_after_forward is None
-    )
-    state.extra_units = units[1:]
+    state = UnitState(modules, units, mp_policy, reshard_after_forward is None)
     state.adopt_subtree_settings()
     for unit in units:
         register_state_dict_hooks(unit, state)
@@ -239,24 +217,21 @@ def _build_units(
 
 
 def _validate_modules(module: object) -> tuple[nn.Module, ...]:
-    if isinstance(module, nn.Module):
-        candidates: Sequence[object] = (module,)
-    elif isinstance(module, (list, tuple)):
-        if not module:
-            raise ValueError("fully_shard got an empty list of modules")
-        candidates = module
-    else:
+    candidates = (module,) if isinstance(module, nn.Module) else module
+    if not isinstance(candidates, (list, tuple)):
         raise TypeError(
             f"fully_shard expects an nn.Module or a list of nn.Modules, got {type(module).__name__}"
         )
+    if not candidates:
+        raise ValueError("fully_shard got an empty list of modules")
     for m in candidates:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__} in the list")
         if state_of(m) is not None:
             raise FSDPValueError(  # see [Note: FSDP2's exception types]
                 "Each distinct composable distributed API can only be applied to a module "
-                f"once. {type(m).__name__} already has fully_shard applied; each module can be "
-                "annotated once (use FSDPModule.set_* methods to change its settings)."
+                f"once. {type(m).__name__} already has fully_shard applied; change its settings "
+                "with the FSDPModule.set_* methods."
             )
     modules: list[nn.Module] = list(dict.fromkeys(candidates))  # type: ignore[arg-type]
     # Drop modules nested inside other listed modules (their parent covers them).
@@ -265,11 +240,16 @@ def _validate_modules(module: object) -> tuple[nn.Module, ...]:
 
 
 def _validate_ignored_params(ignored: object) -> set[nn.Parameter]:
+    # (As in FSDP2, parameters outside the module are not this call's: one set may serve all.)
     if ignored is None:
         return set()
     if not isinstance(ignored, Iterable) or isinstance(ignored, torch.Tensor):
         raise TypeError("ignored_params must be a set of nn.Parameters")
-    return set(ignored)
+    params = set(ignored)
+    wrong = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
+    if wrong:
+        raise TypeError(f"ignored_params must contain parameters, got {wrong[0]}")
+    return params
 
 
 def _managed_modules(modules: tuple[nn.Module, ...]) -> list[nn.Module]:
@@ -297,24 +277,13 @@ def _managed_params(
         for name, p in m._parameters.items():
             if p is None or p in ignored or _shared.is_borrowed(p, m, name):
                 continue  # shared with an earlier unit: [Note: shared parameters]
-            if getattr(p, SHARDED_BY, None) is not None:
-                raise ValueError(
-                    f"parameter {name!r} of {type(m).__name__} is already sharded by "
-                    f"fully_shard({getattr(p, SHARDED_BY)}): fully_shard must be applied "
-                    "bottom-up, i.e. to submodules (e.g. each block) before their parents."
-                )
-            # DTensor parameters (tensor parallel) are validated by ShardedParam.
+            # (already sharded: refused by check_call; DTensors: validated by ShardedParam)
             owners.setdefault(p, []).append((m, name))
     return owners
 
 
-def _all_params(modules: list[nn.Module]) -> list[nn.Parameter]:
-    return [p for m in modules for p in m._parameters.values() if p is not None]
-
-
 def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
-    # Buffers are not sharded; like parameters they follow the mesh's device (also
-    # with CPU offload, which only concerns parameters, gradients and optimizer state).
+    # Buffers follow the mesh's device (CPU offload concerns parameters and gradients).
     for m in modules:
         for name, b in m._buffers.items():
             if b is not None and not b.is_meta and b.device != device:
@@ -322,11 +291,10 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
 
 
 # [Note: per-parameter meshes]
-# ``shard_placement_fn`` may return FSDP2's ``ShardPlacementResult`` (a placement and
-# a torch ``FSDPMeshInfo``) to shard a parameter on a mesh of its own (e.g. MoE
-# experts on an expert-data-parallel mesh). One ``fully_shard`` call then makes one
-# unit per mesh, all owned by the call's ``UnitState``, whose hooks gather and reduce
-# them together: every collective issued before any wait, so the meshes' overlap.
+# ``shard_placement_fn`` may return FSDP2's ``ShardPlacementResult`` (a placement and a
+# torch ``FSDPMeshInfo``) to shard a parameter on its own mesh (e.g. MoE experts on an
+# expert-data-parallel mesh). The call then makes one unit per mesh, all owned by its
+# ``UnitState``, whose hooks issue every unit's collectives before any wait (overlap).
 
 
 def _param_mesh(torch_mesh_info: Any, where: str, meshes: dict[Any, MeshInfo]) -> MeshInfo:
@@ -336,10 +304,9 @@ def _param_mesh(torch_mesh_info: Any, where: str, meshes: dict[Any, MeshInfo]) -
     mesh, default = getattr(torch_mesh_info, "mesh", None), meshes[None]
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
-            f"shard_placement_fn returned a ShardPlacementResult for {where} whose mesh_info "
-            f"has no DeviceMesh (got {type(torch_mesh_info).__name__}); build it as "
-            "FSDPMeshInfo(mesh, shard_mesh_dim=0) (1-D) or HSDPMeshInfo(mesh, "
-            "shard_mesh_dim=1, replicate_mesh_dim=0) (2-D)"
+            f"shard_placement_fn returned a ShardPlacementResult for {where} whose mesh_info has "
+            f"no DeviceMesh (got {type(torch_mesh_info).__name__}); build it as FSDPMeshInfo("
+            "mesh, shard_mesh_dim=0) or HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)"
         )
     shard_dim = getattr(torch_mesh_info, "shard_mesh_dim", mesh.ndim - 1)
     replicate_dim = getattr(torch_mesh_info, "replicate_mesh_dim", None)
@@ -368,9 +335,7 @@ def _placement(
 ) -> tuple[int, MeshInfo]:
     """The shard dim and data-parallel mesh ``shard_placement_fn`` chooses for
     ``param`` (default: dim 0 on fully_shard's mesh)."""
-    if fn is None:
-        return 0, meshes[None]
-    result = fn(param)
+    result = None if fn is None else fn(param)
     info, error = meshes[None], ValueError
     if result is not None and not isinstance(result, Shard) and hasattr(result, "mesh_info"):
         info = _param_mesh(result.mesh_info, repr(owners[0][1]), meshes)  # a ShardPlacementResult

@@ -1,15 +1,12 @@
 """Hooks: how forward and autograd tell the scheduler what is happening.
 
-Each :func:`fully_shard` call attaches one :class:`UnitState` to its module(s).
-Its forward **pre-hook** gathers the unit's parameters (via the scheduler) and
-wraps the inputs in :class:`_PostBackward`, whose backward runs once backward
-through the unit is done; its **post-hook** reshards (``reshard_after_forward``)
-and hooks each output that requires grad: the first gradient to arrive is the
-unit's **pre-backward** (gather again if needed; the first in an iteration
-queues the root's **finalize** on the autograd engine, which completes every
-reduction before ``backward()`` returns). The first state to run forward becomes
-the root: then (lazy init) it sees every unit of its tree, names them, and
-creates the tree's one :class:`~fsdp_compose._scheduler.Scheduler`.
+Each :func:`fully_shard` call attaches one :class:`UnitState` to its module(s): its
+forward pre-hook gathers and wraps the inputs in :class:`_PostBackward` (whose
+backward ends the unit's backward); its post-hook reshards and hooks the outputs,
+whose first gradient is the unit's pre-backward. The first state to run forward
+becomes the root: it names its tree's units, creates their one
+:class:`~fsdp_compose._scheduler.Scheduler`, and queues each backward's finalize
+(every reduction completes before ``backward()`` returns).
 """
 
 from __future__ import annotations
@@ -45,7 +42,7 @@ def _cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs whose backward marks the end of the
-    unit's backward (all input gradients computed, so all parameter gradients too)."""
+    unit's backward (input gradients computed: parameter gradients too)."""
 
     @staticmethod
     def forward(ctx: Any, state: UnitState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -59,21 +56,21 @@ class _PostBackward(torch.autograd.Function):
 
 
 class UnitState:
-    """Runtime state of one fully_shard call on ``modules``: its ``unit`` (``None``
-    if it manages no parameters), ``mp_policy`` (input/output casts), and
+    """Runtime state of one fully_shard call on ``modules``: its ``units`` (one per
+    data-parallel mesh, none if it manages no parameters), ``mp_policy`` (casts), and
     ``auto_reshard_after_forward`` (the call's value was None: a root keeps its
-    parameters). torch.compile does not trace into its hooks (they mutate Python
-    state and issue collectives): a compiled forward graph-breaks around them."""
+    parameters). A compiled forward graph-breaks around its hooks."""
 
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
-        unit: Unit | None,
+        units: list[Unit],
         mp_policy: MixedPrecisionPolicy,
         auto_reshard_after_forward: bool,
     ) -> None:
         self.modules = modules
-        self.unit = unit
+        self.own_units = units  # one per data-parallel mesh: [Note: per-parameter meshes]
+        self.unit = units[0] if units else None
         self.mp_policy = mp_policy
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None
@@ -88,12 +85,10 @@ class UnitState:
         # Units whose parameters this call's modules share ([Note: shared parameters]).
         self.borrowed: list[Unit] = []
         self.name = type(modules[0]).__name__  # the module's FQN once the root knows it
-        self.extra_units: list[Unit] = []  # further meshes': [Note: per-parameter meshes]
         self._began_forward = False
         self._finalize_queued = False
         self._pending_modules: set[nn.Module] = set()  # grouped units: not yet run this pass
-        # Inside a method registered with register_fsdp_forward_method, calls of the
-        # module's forward (generate -> forward) must neither gather nor free.
+        # Forwards inside a register_fsdp_forward_method method neither gather nor free.
         self._in_registered_method = False
         self._nested_forwards = 0
         self._cast_inputs_to = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
@@ -103,9 +98,8 @@ class UnitState:
             module.register_forward_hook(self._post_forward)
 
     def adopt_subtree_settings(self) -> None:
-        """Makes this state's :class:`ScheduleSettings` (with what was set on them)
-        those of the ``fully_shard`` modules below it: a setting made on any module
-        of a tree applies to the tree's one scheduler."""
+        """Makes this state's :class:`ScheduleSettings` those of the ``fully_shard``
+        modules below it (adopting what was set on theirs): one per tree."""
         for module in self.modules:
             for sub in module.modules():
                 state = state_of(sub)
@@ -124,11 +118,6 @@ class UnitState:
         else:
             unit.reshard()
 
-    @property
-    def own_units(self) -> list[Unit]:
-        """The units of this call: one per data-parallel mesh (usually one)."""
-        return [self.unit, *self.extra_units] if self.unit is not None else []
-
     # -- lazy init and root detection ------------------------------------
 
     def lazy_init(self) -> None:
@@ -136,9 +125,8 @@ class UnitState:
             return
         if len(self.modules) > 1:
             raise RuntimeError(
-                "a fully_shard([...]) group of several modules cannot be the root: the first "
-                "module to run forward must be one whole model. Call fully_shard on the "
-                "modules' common parent too (bottom-up), and run forward through it."
+                "a fully_shard([...]) group of several modules cannot be the root. Call "
+                "fully_shard on their common parent too, and run forward through it."
             )
         root_module = self.modules[0]
         states: list[UnitState] = []
@@ -153,10 +141,9 @@ class UnitState:
             if state is not self:
                 if state.is_root is not None:
                     raise RuntimeError(
-                        f"fully_shard module {name!r} already ran forward on its own (it became "
-                        f"a root) before its parent {type(root_module).__name__}. Run the first "
-                        "forward through the outermost fully_shard module so that it can "
-                        "coordinate all units."
+                        f"fully_shard module {name!r} already ran forward on its own (as a "
+                        f"root) before its parent {type(root_module).__name__}. Run the first "
+                        "forward through the outermost fully_shard module."
                     )
                 state.is_root = False
             for i, unit in enumerate(state.own_units):
@@ -166,14 +153,10 @@ class UnitState:
                 unit.name = (name or "root") + (f" [{mesh}]" if i else "")
             states.append(state)
         self.is_root = True
-        param_names: dict[int, str] = {}
-        for name, param in root_module.named_parameters(remove_duplicate=False):
-            param_names.setdefault(id(param), name)
+        names = {id(p): name for name, p in root_module.named_parameters()}  # first name of each
         units = [unit for state in states for unit in state.own_units]
         for p in (p for unit in units for p in unit.params):
-            p.fqn = param_names.get(id(p.sharded_param)) or param_names.get(
-                id(p.unsharded_param), p.fqn
-            )
+            p.fqn = names.get(id(p.sharded_param)) or names.get(id(p.unsharded_param), p.fqn)
         if self.auto_reshard_after_forward:
             for unit in self.own_units:
                 unit.set_reshard_after_forward(False)
@@ -196,8 +179,8 @@ class UnitState:
         after an exception inside forward or backward (``FSDPModule.reset_iter_state``)."""
         if self.is_root is False:
             raise RuntimeError(
-                "reset_iter_state() must be called on the root fully_shard module (the one "
-                "the first forward ran through)."
+                "reset_iter_state() must be called on the root fully_shard module (the first "
+                "forward's)."
             )
         if self.scheduler is None:
             return
@@ -218,87 +201,76 @@ class UnitState:
             self._nested_forwards += 1
             return self._cast_inputs(args, kwargs)
         self.lazy_init()
-        with _compat.profiler_label("pre_forward", self.name):
-            return self._run_pre_forward(module, args, kwargs)
-
-    def _run_pre_forward(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        scheduler = self.scheduler
+        scheduler, unit = self.scheduler, self.unit
         assert scheduler is not None
-        unit = self.unit
-        if _compat.inside_backward():
-            # Activation checkpointing recomputes this forward inside backward:
-            # parameters must be present, but this is not a new forward pass.
-            for used in [*self.own_units, *self.borrowed]:
-                scheduler.memory.require(used)
-            return self._cast_inputs(args, kwargs)
-        if self._began_forward:
-            raise RuntimeError(
-                f"fsdp_compose: the previous forward of {type(module).__name__} did not finish (an "
-                "exception inside forward?), so units may still hold unsharded parameters. Call "
-                "reset_iter_state() on the root module after catching the exception."
-            )
-        if not scheduler.forward_active:
-            scheduler.begin_forward()  # (may refuse: then no forward began)
-            self._began_forward = True
-            # Inputs follow the parameters to their accelerator.
-            units = (s.unit for s in (self, *self.all_states) if s.unit is not None)
-            device = next((u.mesh_info.device for u in units), torch.device("cpu"))
-            if device.type != "cpu":
-                to_device = lambda x: x.to(device, non_blocking=True)  # noqa: E731
-                args, kwargs = pytree.tree_map_only(torch.Tensor, to_device, (args, kwargs))
-        args, kwargs = self._cast_inputs(args, kwargs)
-        if unit is None and not self.borrowed:
-            if self.forward_prefetch:
-                scheduler.prefetch(self.forward_prefetch)
-            return args, kwargs
-        if len(self.modules) > 1:
-            if self._pending_modules:  # another module of the group already gathered
+        with _compat.profiler_label("pre_forward", self.name):
+            if _compat.inside_backward():
+                # Activation checkpointing's recompute: parameters present, no new forward.
+                for used in [*self.own_units, *self.borrowed]:
+                    scheduler.memory.require(used)
+                return self._cast_inputs(args, kwargs)
+            if self._began_forward:
+                raise RuntimeError(
+                    f"fsdp_compose: the previous forward of {type(module).__name__} did not "
+                    "finish (an exception inside forward?). Call reset_iter_state() on the root "
+                    "module after catching the exception."
+                )
+            if not scheduler.forward_active:
+                scheduler.begin_forward()  # (may refuse: then no forward began)
+                self._began_forward = True
+                # Inputs follow the parameters to their accelerator.
+                units = (s.unit for s in (self, *self.all_states) if s.unit is not None)
+                device = next((u.mesh_info.device for u in units), torch.device("cpu"))
+                if device.type != "cpu":
+                    to_device = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+                    args, kwargs = pytree.tree_map_only(torch.Tensor, to_device, (args, kwargs))
+            args, kwargs = self._cast_inputs(args, kwargs)
+            if unit is None and not self.borrowed:
+                if self.forward_prefetch:
+                    scheduler.prefetch(self.forward_prefetch)
                 return args, kwargs
-            self._pending_modules = set(self.modules)
-        if self.borrowed:
-            scheduler.borrow_forward(self.borrowed)
-        if unit is not None:
-            scheduler.pre_forward(*self.own_units)
-        elif self.forward_prefetch:
-            scheduler.prefetch(self.forward_prefetch)
-        if torch.is_grad_enabled():
-            args, kwargs = self._register_post_backward(args, kwargs)
-        return args, kwargs
+            if len(self.modules) > 1:
+                if self._pending_modules:  # another module of the group already gathered
+                    return args, kwargs
+                self._pending_modules = set(self.modules)
+            if self.borrowed:
+                scheduler.borrow_forward(self.borrowed)
+            if unit is not None:
+                scheduler.pre_forward(*self.own_units)
+            elif self.forward_prefetch:
+                scheduler.prefetch(self.forward_prefetch)
+            if torch.is_grad_enabled():
+                args, kwargs = self._register_post_backward(args, kwargs)
+            return args, kwargs
 
     @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self._nested_forwards:
             self._nested_forwards -= 1
             return self._cast_output(output)
-        with _compat.profiler_label("post_forward", self.name):
-            return self._run_post_forward(module, output)
-
-    def _run_post_forward(self, module: nn.Module, output: Any) -> Any:
         scheduler = self.scheduler
         assert scheduler is not None
-        if _compat.inside_backward():
+        with _compat.profiler_label("post_forward", self.name):
+            if _compat.inside_backward():
+                return self._cast_output(output)
+            if self.unit is not None or self.backward_prefetch or self.borrowed:
+                output = self._register_pre_backward(output)
+            self._pending_modules.discard(module)
+            if not self._pending_modules:  # (grouped units: every module of the group ran)
+                for own in self.own_units:
+                    scheduler.post_forward(own)
+                if self.borrowed:
+                    scheduler.return_forward(self.borrowed)
+            if self._began_forward:
+                self._began_forward = False
+                # Grouped units whose modules did not all run in this forward: reshard.
+                for state in (self.root_state or self).all_states:
+                    if state._pending_modules and state.unit is not None:
+                        state._pending_modules.clear()
+                        for unit in state.own_units:
+                            scheduler.post_forward(unit)
+                scheduler.end_forward()
             return self._cast_output(output)
-        unit = self.unit
-        if unit is not None or self.backward_prefetch or self.borrowed:
-            output = self._register_pre_backward(output)
-        self._pending_modules.discard(module)
-        if not self._pending_modules:  # (grouped units: every module of the group ran)
-            for own in self.own_units:
-                scheduler.post_forward(own)
-            if self.borrowed:
-                scheduler.return_forward(self.borrowed)
-        if self._began_forward:
-            self._began_forward = False
-            # Grouped units whose modules did not all run in this forward: reshard.
-            for state in (self.root_state or self).all_states:
-                if state._pending_modules and state.unit is not None:
-                    state._pending_modules.clear()
-                    for unit in state.own_units:
-                        scheduler.post_forward(unit)
-            scheduler.end_forward()
-        return self._cast_output(output)
 
     def run_registered_method(
         self,
@@ -330,8 +302,7 @@ class UnitState:
     # -- backward --------------------------------------------------------
 
     def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        # Common case (positional tensors only): skip the pytree round trip, which
-        # costs more than the rest of this hook.
+        # Positional tensors only (common): skip the pytree round trip, this hook's main cost.
         fast = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
         leaves, spec = (list(args), None) if fast else pytree.tree_flatten((args, kwargs))
         positions = [
@@ -390,6 +361,6 @@ class UnitState:
     def units_in_subtree(self, recurse: bool) -> list[Unit]:
         """This state's unit, and with ``recurse`` those of every state below it."""
         if not recurse:
-            return self.own_units
+            return list(self.own_units)
         states = [state_of(sub) for module in self.modules for sub in module.modules()]
         return [unit for s in dict.fromkeys(states) if s is not None for unit in s.own_units]

@@ -17,9 +17,8 @@ from torch.distributed.tensor import DeviceMesh
 
 from . import _compat
 
-# Meshes and groups made on top of the default process group, cached per default
-# group: a re-initialised process group, and each rank-thread of torch's threaded
-# test process group, has its own (a group of another one must never be reused).
+# Meshes and groups made on the default process group, cached per default group (a
+# re-initialised one, or each rank-thread of torch's threaded test group, has its own).
 _caches: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[object, ...], object]] = (
     weakref.WeakKeyDictionary()
 )
@@ -57,18 +56,16 @@ except ImportError:  # pragma: no cover - older torch
 
         @property
         def shard_names(self) -> tuple[str, ...]:
-            return (self.shard,) if isinstance(self.shard, str) else tuple(self.shard or ())
+            return _names(self.shard)
 
         @property
         def replicate_names(self) -> tuple[str, ...]:
-            r = self.replicate
-            return (r,) if isinstance(r, str) else tuple(r or ())
+            return _names(self.replicate)
 
 
 @dataclass(frozen=True)
 class SpmdLayout:
-    """Where the data-parallel dims sit in a full SPMD mesh (``dp_mesh_dims``):
-    see [Note: dp_mesh_dims]."""
+    """Where the data-parallel dims sit in a full SPMD mesh ([Note: dp_mesh_dims])."""
 
     mesh: DeviceMesh
     shard_dim: int
@@ -90,7 +87,6 @@ class MeshInfo:
     shard_rank: int
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
-    replicate_rank: int
     # Set when fully_shard got a full SPMD mesh and dp_mesh_dims.
     spmd: SpmdLayout | None = field(default=None)
 
@@ -118,8 +114,7 @@ def default_mesh() -> DeviceMesh:
     cache, key = _cache(), ("mesh", device_type)
     mesh = cache.get(key)
     if mesh is None:
-        # A dry run may build the model under FakeTensorMode; the mesh's rank table
-        # must stay a real tensor (DeviceMesh reads it back).
+        # (A dry run may build the model under FakeTensorMode: the rank table stays real.)
         with _compat.outside_fake_mode():
             mesh = cache[key] = init_device_mesh(device_type, (dist.get_world_size(),))
     assert isinstance(mesh, DeviceMesh)
@@ -135,13 +130,11 @@ def device_of_mesh(mesh: DeviceMesh) -> torch.device:
 
 # [Note: dp_mesh_dims]
 # With ``dp_mesh_dims``, ``mesh`` is the full SPMD mesh (e.g. ("dp", "tp")) and every
-# parameter is a DTensor on it, ``Replicate()`` on the data-parallel dims. The unit
-# communicates over the data-parallel sub-mesh (``mesh[shard]``, or with ``replicate``
-# the (replicate, shard) concatenation: HSDP) as for a 2-D TP layout ([Note:
-# tensor-parallel parameters]); sharded parameters are DTensors on the full mesh
-# (FSDP placement on the shard dim, ``Replicate()`` on the replicate dim, the
-# original one on the other), unsharded ones the user's. Supported: one shard dim,
-# at most one replicate dim and at most one other (model-parallel) dim.
+# parameter a DTensor on it, ``Replicate()`` on the data-parallel dims. The unit
+# communicates over the data-parallel sub-mesh (``mesh[shard]``, or (replicate, shard):
+# HSDP) as for 2-D TP ([Note: tensor-parallel parameters]); its sharded parameters are
+# DTensors on the full mesh, the other dim keeping its placement. Supported: one shard
+# dim, at most one replicate dim and at most one other (model-parallel) dim.
 
 
 def resolve_spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
@@ -166,15 +159,14 @@ def resolve_spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
             )
     if not shard:
         raise NotImplementedError(
-            "dp_mesh_dims with replicate only (DDP, no sharding) is not supported by fsdp_compose; "
-            'name the dim to shard over, e.g. DataParallelMeshDims(shard="dp")'
+            "dp_mesh_dims with replicate only (DDP) is not supported by fsdp_compose; name the "
+            'dim to shard over, e.g. DataParallelMeshDims(shard="dp")'
         )
     if len(shard) > 1 or len(rep) > 1 or mesh.ndim - len(shard) - len(rep) > 1:
         raise NotImplementedError(
-            f"fsdp_compose supports dp_mesh_dims with one shard dim, at most one replicate dim and "
-            f"at most one other (e.g. tensor-parallel) dim; got {dims} on a mesh with dims {names}. "
-            "Flatten several data-parallel dims into one first, e.g. "
-            'mesh[("dp_shard", "cp")]._flatten("dp_shard_cp").'
+            "fsdp_compose supports dp_mesh_dims with one shard dim, at most one replicate dim and "
+            f"at most one other dim; got {dims} on a mesh with dims {names}. Flatten data-parallel "
+            'dims into one first, e.g. mesh[("dp_shard", "cp")]._flatten("dp_shard_cp").'
         )
     dp_mesh = _compat.concatenate_meshes(mesh[rep[0]], mesh[shard[0]]) if rep else mesh[shard[0]]
     info = resolve_mesh_info(dp_mesh)
@@ -190,10 +182,9 @@ def resolve_mesh_info(mesh: DeviceMesh) -> MeshInfo:
     """Validates ``mesh`` for fully_shard and resolves its groups for this rank."""
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a 1-D mesh (FSDP) "
-            f"or a 2-D mesh (replicate, shard) for HSDP, not a {mesh.ndim}-D mesh. For FSDP + "
-            "tensor parallel, pass the "
-            'data-parallel sub-mesh, e.g. mesh["dp"].'
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a 1-D mesh (FSDP) or a "
+            f"2-D mesh (replicate, shard) for HSDP, not a {mesh.ndim}-D mesh. For FSDP + tensor "
+            'parallel, pass the data-parallel sub-mesh, e.g. mesh["dp"].'
         )
     coordinate = mesh.get_coordinate()
     if coordinate is None:
@@ -207,41 +198,35 @@ def resolve_mesh_info(mesh: DeviceMesh) -> MeshInfo:
         shard_rank=coordinate[-1],
         replicate_group=mesh.get_group(0) if hsdp else None,
         replicate_size=mesh.size(0) if hsdp else 1,
-        replicate_rank=coordinate[0] if hsdp else 0,
     )
 
 
 def validate_reshard_after_forward(value: object, shard_size: int) -> bool | int:
-    """Checks ``reshard_after_forward`` and returns it normalised, as FSDP2 does:
-    None -> True (resolved for the root at lazy init); an int must divide the shard
-    world size; 1 means ``False`` (with a warning) and the shard world size ``True``."""
+    """``reshard_after_forward`` checked and normalised as in FSDP2: None -> True (the
+    root's is resolved at lazy init); an int must divide the shard world size, 1 means
+    ``False`` (with a warning) and the shard world size ``True``."""
     if value is None or isinstance(value, bool):
         return True if value is None else value
-    if isinstance(value, int):
-        if not 1 <= value <= shard_size or shard_size % value != 0:
-            divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
-            raise ValueError(
-                f"reshard_after_forward={value} is invalid: an int N reshards parameters to "
-                f"groups of N ranks after forward and must be a factor of the shard world "
-                f"size {shard_size} (valid here: {divisors}; the useful ones are strictly "
-                "between 1 and the shard world size). Use True to fully reshard or False to "
-                "keep parameters unsharded."
-            )
-        if value == 1:
-            warnings.warn(
-                "reshard_after_forward=1 (int) reshards parameters to groups of one rank, i.e. "
-                "keeps them unsharded after forward, as reshard_after_forward=False; it does "
-                "not mean True.",
-                stacklevel=3,
-            )
-            return False
-        if value == shard_size:
-            return True
-        return value
-    raise ValueError(
-        "reshard_after_forward must be None, a bool, or an int group size, "
-        f"got {value!r} ({type(value).__name__})"
-    )
+    if not isinstance(value, int):
+        raise ValueError(
+            "reshard_after_forward must be None, a bool, or an int group size, "
+            f"got {value!r} ({type(value).__name__})"
+        )
+    if not 1 <= value <= shard_size or shard_size % value != 0:
+        divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
+        raise ValueError(
+            f"reshard_after_forward={value} is invalid: an int N reshards parameters to groups "
+            f"of N ranks after forward and must be a factor of the shard world size {shard_size} "
+            f"(valid here: {divisors}). Use True to fully reshard or False to keep them unsharded."
+        )
+    if value == 1:
+        warnings.warn(
+            "reshard_after_forward=1 (int) reshards to groups of one rank, i.e. keeps parameters "
+            "unsharded, as reshard_after_forward=False; it does not mean True.",
+            stacklevel=3,
+        )
+        return False
+    return True if value == shard_size else value
 
 
 def post_forward_subgroup(info: MeshInfo, group_size: int) -> tuple[dist.ProcessGroup, int]:
@@ -250,21 +235,18 @@ def post_forward_subgroup(info: MeshInfo, group_size: int) -> tuple[dist.Process
     the member ranks only, so also from a sub-mesh such as dp of dp x tp)."""
     shard_ranks = dist.get_process_group_ranks(info.shard_group)
     start = (info.shard_rank // group_size) * group_size
-    return _subgroup(
-        "post_forward", shard_ranks[start : start + group_size]
-    ), info.shard_rank - start
+    group = _subgroup("post_forward", shard_ranks[start : start + group_size])
+    return group, info.shard_rank - start
 
 
 def separate_reduce_scatter_group(info: MeshInfo) -> dist.ProcessGroup:
-    """A second process group over this unit's shard ranks, for reduce-scatters
-    only (``set_separate_reduce_scatter_group``), shared by every unit with the
-    same shard ranks. Created with local synchronization: only member ranks call."""
+    """A second process group over this unit's shard ranks for reduce-scatters only
+    (``set_separate_reduce_scatter_group``), shared by units with the same ranks."""
     return _subgroup("reduce_scatter", dist.get_process_group_ranks(info.shard_group))
 
 
 def _subgroup(purpose: str, members: list[int]) -> dist.ProcessGroup:
-    """The cached group of ``members`` made for ``purpose`` (local synchronization:
-    only member ranks call)."""
+    """The cached group of ``members`` for ``purpose`` (only member ranks call)."""
     cache, key = _cache(), (purpose, *members)
     group = cache.get(key)
     if group is None:

@@ -1,27 +1,11 @@
 """Checks of ``fully_shard``'s arguments and of a unit's use, beyond FSDP2's.
 
-torch's FSDP2 accepts these calls and fails later (or trains silently wrong);
-fsdp_compose refuses them before anything is modified (see [Note: atomic
-fully_shard] in ``_fully_shard.py``):
-
-* a policy that is not a ``MixedPrecisionPolicy``/``OffloadPolicy``, or a
-  ``shard_placement_fn`` that is not callable;
-* an ``nn.ModuleList``/``nn.ModuleDict`` container (no forward: no hook would run),
-  or a module already sharded by torch's own ``fully_shard``;
-* a mesh on the meta device, or a named 2-D mesh that is not laid out
-  ``(replicate, shard)`` (e.g. a whole ``dp x tp`` mesh passed as an HSDP mesh);
-* a submodule under two sibling units (a module shared by two units);
-* what sharding would silently untie: a parameter an earlier call left
-  unsharded (its ``ignored_params``) found again here (a tied weight), and a
-  buffer that is, or shares storage with, a parameter;
-* parameters on different devices (e.g. a module partly on the meta device).
-
-At the root's lazy init, ranks that built different models are refused on every
-rank (:func:`check_same_structure`, through the job's store: no collective). At
-run time, :class:`UseChecks` (an observer every root subscribes) refuses a unit
-whose parameters are on the meta or another device at its first use, warns about
-parameters modified in place while unsharded (the change would be lost), and
-refuses a backward through parameters modified after its forward.
+torch's FSDP2 accepts what these refuse and fails later (or trains silently wrong).
+:func:`check_call` runs before a call modifies anything ([Note: atomic fully_shard]
+in ``_fully_shard.py``); :func:`check_same_structure` refuses, on every rank, ranks
+that built different models (at the root's lazy init); :class:`UseChecks` checks
+each unit's use at run time (its parameters' device, in-place changes while
+unsharded or between forward and backward).
 """
 
 from __future__ import annotations
@@ -44,19 +28,18 @@ from ._events import Observer, UnitEvent
 from ._mesh import MeshInfo
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._sharded_param import IGNORED_BY, REPLACED_BY, SHARDED_BY
+from ._shared import is_borrowed
 from ._unit import Unit
 
 __all__ = ["USE_CHECKS", "UseChecks", "check_call", "check_same_structure"]
 
-# The targets of the fully_shard call that sharded each module's parameters
-# (recorded while they were not sharded yet), weakly: names the sibling unit.
+# Per module, weakly: the targets of the call that sharded its parameters (names a sibling).
 _claimed: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = (
     weakref.WeakKeyDictionary()
 )
 
-# Mesh dim names that denote a parallelism other than data parallel: a 2-D mesh
-# carrying one of them is almost certainly a whole dp x tp (etc.) mesh passed where
-# its data-parallel sub-mesh was meant, which would silently train as HSDP.
+# Dim names of other parallelisms: a 2-D mesh with one is likely a whole dp x tp mesh
+# passed where its data-parallel sub-mesh was meant (it would silently train as HSDP).
 _NON_DATA_PARALLEL_DIMS = ("tp", "tensor", "cp", "context", "ep", "expert", "pp", "pipe", "model")
 
 
@@ -72,12 +55,11 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(
                 "fully_shard does not support containers that do not implement forward: "
-                f"fully_shard cannot annotate a {type(m).__name__} container: it has no forward, "
-                "so no hook would ever run. Annotate its elements (e.g. each block) instead."
+                f"fully_shard cannot annotate a {type(m).__name__} container (no hook would "
+                "run). Annotate its elements (e.g. each block) instead."
             )
-        # fsdp_compose's units are instances of torch's FSDPModule too, but they were
-        # refused before (already annotated); torch's fully_shard.state() is not asked,
-        # as it adds a key to the module's __dict__.
+        # (Our units, torch FSDPModules too, were refused as annotated; torch's
+        # fully_shard.state() is not asked: it adds a key to the module's __dict__.)
         if isinstance(m, TorchFSDPModule):
             raise ValueError(
                 f"{type(m).__name__} was already sharded by torch.distributed.fsdp.fully_shard; "
@@ -89,10 +71,8 @@ def _check_mesh(mesh_info: MeshInfo) -> None:
     mesh = mesh_info.mesh
     if mesh_info.device.type == "meta":
         raise ValueError(
-            f"fully_shard got a mesh on the meta device ({mesh}): the sharded parameters would "
-            "move to meta and lose their values. Build the mesh on the device training runs "
-            "on, e.g. init_device_mesh('cpu', ...) or init_device_mesh('cuda', ...); to defer "
-            "initialization, build the *model* under torch.device('meta') instead."
+            f"fully_shard got a mesh on the meta device ({mesh}): parameters would lose their "
+            "values. Build the mesh on the training device (to defer init, the *model* on meta)."
         )
     names = mesh.mesh_dim_names
     if mesh.ndim != 2 or mesh_info.spmd is not None:
@@ -100,52 +80,33 @@ def _check_mesh(mesh_info: MeshInfo) -> None:
     if names is None:  # FSDP2 refuses it (AssertionError): see [Note: FSDP2's exception types]
         raise FSDPValueError(
             "Please init the 2D mesh for HSDP with mesh_dim_names specified: "
-            f"fully_shard got a 2-D mesh without mesh_dim_names ({mesh}); as in FSDP2, a 2-D "
-            "(HSDP) mesh needs named dims, dim 0 replicating and dim 1 sharding: "
-            "init_device_mesh(device, (num_replicas, shard_size), "
-            'mesh_dim_names=("replicate", "shard")).'
+            f"fully_shard got a 2-D mesh without mesh_dim_names ({mesh}); build it with "
+            'mesh_dim_names=("replicate", "shard") (dim 0 replicates, dim 1 shards).'
         )
-    # FSDP2 accepts any names (dim 0 replicates, dim 1 shards): warn where they say
-    # otherwise, since the likely intent was a different mesh.
+    # FSDP2 accepts any names (dim 0 replicates): warn where they suggest another intent.
     first, second = (n.lower() for n in names)
     if ("shard" in first and "shard" not in second) or ("rep" in second and "rep" not in first):
         warnings.warn(
-            "fully_shard treats a 2-D mesh as HSDP ordered (replicate, shard): dim 0 "
-            f"replicates and dim 1 shards, but mesh_dim_names={names} suggests the reverse. "
-            "Build the mesh as init_device_mesh(device, (num_replicas, shard_size), "
-            'mesh_dim_names=("replicate", "shard")) if that was the intent.',
+            "fully_shard treats a 2-D mesh as HSDP (replicate, shard), but mesh_dim_names="
+            f"{names} suggests the reverse. Build it as init_device_mesh(device, (num_replicas, "
+            'shard_size), mesh_dim_names=("replicate", "shard")) if that was the intent.',
             stacklevel=4,
         )
     other = [n for n in names if n.lower() in _NON_DATA_PARALLEL_DIMS]
     if other:
         warnings.warn(
-            f"fully_shard got a 2-D mesh with mesh_dim_names={names}: a 2-D mesh means HSDP "
-            f"(replicate, shard), but {other} does not look like a data-parallel dim. To "
-            'shard over the data-parallel dim only, pass its sub-mesh (e.g. mesh["dp"]).',
+            f"fully_shard treats a 2-D mesh as HSDP (replicate, shard), but {other} of "
+            f"mesh_dim_names={names} is not a data-parallel dim. To shard over the "
+            'data-parallel dim only, pass its sub-mesh (e.g. mesh["dp"]).',
             stacklevel=4,
         )
 
 
-def _check_ignored(ignored: set[nn.Parameter]) -> None:
-    # As in FSDP2, parameters outside the module are simply not this call's: one
-    # set for the whole model may be passed to every call.
-    for p in ignored:
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"ignored_params must contain parameters, got {type(p).__name__}")
-
-
-IsBorrowed = Callable[[nn.Parameter, nn.Module, str], bool]
-
-
 def _check_siblings(
-    targets: tuple[nn.Module, ...],
-    managed: list[nn.Module],
-    ignored: set[nn.Parameter],
-    is_borrowed: IsBorrowed,
+    targets: tuple[nn.Module, ...], managed: list[nn.Module], ignored: set[nn.Parameter]
 ) -> None:
-    """Raises if a managed module belongs to an earlier unit that is not an
-    ancestor of ``targets``: the calls were bottom-up, but the same submodule
-    hangs under two sibling units. Records the modules this call will shard."""
+    """Refuses a managed parameter an earlier unit sharded: a unit of its module's
+    parent (not bottom-up) or of a sibling; records the modules this call shards."""
     for module in managed:
         sharded = [
             (name, p)
@@ -158,17 +119,20 @@ def _check_siblings(
         if not sharded:
             _claimed[module] = tuple(weakref.ref(t) for t in targets)
             continue
+        name, p = sharded[0]
+        by = f"fully_shard({getattr(p, SHARDED_BY)})"
+        where = f"parameter {name!r} of {type(module).__name__} is already sharded by {by}"
         earlier = [m for m in (r() for r in _claimed.get(module, ())) if m is not None]
         if not earlier or any(t is e or t in e.modules() for e in earlier for t in targets):
-            continue  # a target sits inside the earlier unit: a parent annotated first
-        name, p = sharded[0]
+            raise ValueError(  # a target sits inside the earlier unit: a parent annotated first
+                f"{where}: fully_shard must be applied bottom-up, i.e. to submodules (e.g. each "
+                "block) before their parents."
+            )
         raise ValueError(
-            f"parameter {name!r} of {type(module).__name__} is already sharded by "
-            f"fully_shard({getattr(p, SHARDED_BY)}), a sibling of {describe(targets)}: the "
-            f"same {type(module).__name__} module is a submodule of both units (a module shared "
-            "by two fully_shard units is not supported). Annotate the shared module on its own "
-            "first, e.g. fully_shard(shared_module), or put the modules that share it in one "
-            "unit, e.g. fully_shard([module_a, module_b])."
+            f"{where}, a sibling of {describe(targets)}: a module shared by two fully_shard "
+            "units is not supported. Annotate the shared module on its own first "
+            "(fully_shard(shared_module)), or group the modules that share it in one unit "
+            "(fully_shard([module_a, module_b]))."
         )
 
 
@@ -181,7 +145,8 @@ def _alias_key(t: torch.Tensor) -> int:
 def _check_untied(
     targets: tuple[nn.Module, ...], managed: list[nn.Module], ignored: set[nn.Parameter]
 ) -> None:
-    """Refuses a tie that sharding would silently break (see the module's docstring)."""
+    """Refuses what sharding would silently untie: a parameter an earlier call ignored
+    found again (a tied weight), or a buffer that is (or shares storage with) one."""
     params: dict[int, str] = {}
     for m in managed:
         for name, p in m._parameters.items():
@@ -191,11 +156,9 @@ def _check_untied(
                 earlier = f"fully_shard({getattr(p, IGNORED_BY)})"
                 raise ValueError(
                     f"parameter {name!r} of {type(m).__name__} is in the ignored_params of "
-                    f"{earlier}, which left it unsharded, and fully_shard({describe(targets)}) "
-                    "finds it again (a tied weight): sharding it here would untie it. Pass it in "
-                    "ignored_params here too (it stays one plain parameter, reduced by you), or "
-                    f"remove it from the ignored_params of {earlier} (it is then sharded once, "
-                    "by that unit, and shared with this one)."
+                    f"{earlier}, and fully_shard({describe(targets)}) finds it again (tied): "
+                    "sharding would untie it. Pass it in ignored_params here too (you reduce it), "
+                    f"or remove it from the ignored_params of {earlier} (then shared)."
                 )
             params[_alias_key(p)] = f"parameter {name!r} of {type(m).__name__}"
     for m in managed:
@@ -206,30 +169,26 @@ def _check_untied(
             if alias is not None:
                 raise ValueError(
                     f"buffer {name!r} of {type(m).__name__} is (or shares storage with) {alias}: "
-                    "fully_shard replaces that parameter by a sharded DTensor, so the buffer "
-                    "would keep the old full tensor (silently untied). Derive it from the "
-                    "parameter in forward instead (e.g. a property returning self.weight), or "
-                    "pass the parameter in ignored_params to leave it unsharded."
+                    "sharding replaces that parameter, so the buffer would keep the old tensor "
+                    "(silently untied). Derive it from the parameter in forward (e.g. a property "
+                    "returning self.weight), or pass the parameter in ignored_params."
                 )
 
 
-def check_devices(owners: dict[nn.Parameter, list[tuple[nn.Module, str]]]) -> None:
+def _check_devices(owners: dict[nn.Parameter, list[tuple[nn.Module, str]]]) -> None:
     """Refuses parameters on different devices (e.g. a module partly on meta)."""
     devices = {p.device for p in owners}
     if len(devices) > 1:
-        where = {
-            f"{owner[0][1]} ({type(owner[0][0]).__name__})": str(p.device)
-            for p, owner in owners.items()
-        }
-        hint = (
-            " Materialize the whole module (to_empty) or none of it: a module partly on the "
-            "meta device would lose its real parameters when materialized later."
+        where = {f"{o[0][1]} ({type(o[0][0]).__name__})": str(p.device) for p, o in owners.items()}
+        fix = (
+            "Materialize all of the module (to_empty) or none of it: its real parameters "
+            "would be lost when the rest is materialized"
             if any(d.type == "meta" for d in devices)
-            else " Move the module to one device first."
+            else "Move the module to one device first"
         )
         raise ValueError(
             f"fully_shard found parameters on different devices {sorted(map(str, devices))}: "
-            f"{where}.{hint}"
+            f"{where}. {fix}."
         )
 
 
@@ -249,23 +208,21 @@ def check_call(
     modules: tuple[nn.Module, ...],
     managed: list[nn.Module],
     ignored: set[nn.Parameter],
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]],
     mesh_info: MeshInfo,
     policies: tuple[object, ...],
-    is_borrowed: IsBorrowed,
 ) -> None:
-    """Refuses a ``fully_shard`` call beyond FSDP2's checks, before anything changes
-    (the devices of the parameters are checked with :func:`check_devices`)."""
+    """Refuses a ``fully_shard`` call beyond FSDP2's checks, before anything changes."""
     _check_policies(*policies)
     _check_modules(modules)
     _check_mesh(mesh_info)
-    _check_ignored(ignored)
-    _check_siblings(modules, managed, ignored, is_borrowed)
+    _check_siblings(modules, managed, ignored)
     _check_untied(modules, managed, ignored)
+    _check_devices(owners)
 
 
-# On a unit (hot path: an attribute, not a weak mapping): the version of its flat
-# buffer right after its last copy-out, and the versions of its shards when its
-# forward ran (backward must see the parameters of the forward that built the graph).
+# On a unit (hot path: an attribute, not a weak mapping): its flat buffer's version
+# after the last copy-out, and its shards' versions when its forward ran.
 _GATHERED = "_fsdp_compose_gathered_version"
 _FORWARD = "_fsdp_compose_forward_versions"
 
@@ -295,10 +252,8 @@ def _check_placement(unit: Unit) -> None:
     if on_meta:
         raise RuntimeError(
             f"fully_shard unit {unit.name!r} has parameters on the meta device: {on_meta} "
-            "(built there and never materialized, or moved there after fully_shard). "
-            "Materialize them before the first forward, e.g. "
-            "model.to_empty(device=...) and then re-initialize the parameters "
-            "(reset_parameters() / your init function) or load a state dict."
+            "(never materialized, or moved there after fully_shard). Before the first forward, "
+            "call model.to_empty(device=...), then re-initialize them or load a state dict."
         )
     wrong = [
         (p.fqn, str(p.local_shard.device))
@@ -307,11 +262,9 @@ def _check_placement(unit: Unit) -> None:
     ]
     if wrong:
         raise RuntimeError(
-            f"fully_shard unit {unit.name!r} expects its sharded parameters on "
-            f"{unit.mesh_info.device} (the mesh's device"
-            f"{', or the CPU when offloaded' if unit.offload else ''}) but found {wrong}. "
-            "Do not move a sharded module to another device after fully_shard; build the "
-            "mesh on the intended device instead."
+            f"fully_shard unit {unit.name!r} expects its sharded parameters on the mesh's "
+            f"device {unit.mesh_info.device}{' (or the CPU: offloaded)' if unit.offload else ''}"
+            f", found {wrong}. Build the mesh on the intended device instead of moving the module."
         )
 
 
@@ -320,9 +273,8 @@ def _check_unchanged_while_unsharded(unit: Unit) -> None:
     if flat is not None and flat._version != getattr(unit, _GATHERED, 0):
         warnings.warn(
             f"fsdp_compose: parameters of unit {unit.name!r} were modified in place while "
-            "unsharded (e.g. under torch.no_grad() during forward); resharding discards the "
-            "change. Modify parameters outside forward/backward, where they are the sharded "
-            "DTensors that the optimizer updates.",
+            "unsharded (e.g. under torch.no_grad() in forward); resharding discards the change. "
+            "Modify them outside forward/backward, where they are the sharded DTensors.",
             stacklevel=6,
         )
 
@@ -331,21 +283,15 @@ def _check_unchanged_since_forward(unit: Unit) -> None:
     versions = getattr(unit, _FORWARD, None)
     if versions is not None and any(p.data_version() != v for p, v in zip(unit.params, versions)):
         raise RuntimeError(
-            f"fsdp_compose: backward reached unit {unit.name!r}, but its parameters were "
-            "modified (e.g. by optimizer.step()) after the forward that built this autograd "
-            "graph, so backward would combine new parameters with old activations. Run a new "
-            "forward before each backward, and step the optimizer after all backwards."
+            f"fsdp_compose: backward reached unit {unit.name!r}, but its parameters were modified "
+            "(e.g. by optimizer.step()) after the forward that built this graph (old activations, "
+            "new parameters). Run a forward before each backward; step after all backwards."
         )
 
 
-# ---------------------------------------------------------------------------
-# the same model on every rank
-# ---------------------------------------------------------------------------
-
-# Per (rank, group): the checks done so far, the same count on every rank that
-# builds the same roots in the same order (the store keys must match). Keyed by
-# rank too: in a threaded process group, every rank is a thread of this process.
-_checks_done: dict[tuple[int, tuple[int, ...]], int] = {}
+# Per (check, rank, group): _compare's exchanges so far, the same on every rank (the keys
+# must match). Keyed by rank too: in a threaded process group, ranks are threads.
+_exchanges: dict[tuple[str, int, tuple[int, ...]], int] = {}
 _DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -369,8 +315,7 @@ def _unit_description(u: Unit) -> tuple[Any, ...]:
 def check_same_structure(units: list[Unit]) -> None:
     """Raises on every rank if the ranks of a data-parallel group built different
     models (which would otherwise hang or exchange mismatched data at the first
-    all-gather). Exchanged through the job's store at the root's lazy init: no
-    collective is issued, so torch's tools count exactly FSDP2's."""
+    all-gather)."""
     if not units or not dist.is_initialized():
         return
     groups: dict[tuple[int, ...], list[Unit]] = {}
@@ -378,40 +323,49 @@ def check_same_structure(units: list[Unit]) -> None:
         for group in (u.mesh_info.shard_group, u.mesh_info.replicate_group):
             if group is None or group.size() == 1 or _compat.backend_name(group) == "fake":
                 continue
-            ranks = tuple(dist.get_process_group_ranks(group))
-            groups.setdefault(ranks, []).append(u)
-    me = dist.get_rank()
+            groups.setdefault(tuple(dist.get_process_group_ranks(group)), []).append(u)
     for ranks, members in groups.items():
         description = repr([_unit_description(u) for u in members])
-        done = _checks_done.get((me, ranks), 0)
-        _checks_done[(me, ranks)] = done + 1
-        _compare_through_store(done, ranks, description, members[0].mesh_info.shard_group)
+        group = members[0].mesh_info.shard_group
+        differ = _compare("structure", ranks, description, group, _first_difference)
+        if differ is not None:
+            raise RuntimeError(
+                "fsdp_compose: the ranks of a data-parallel group built different models: "
+                f"{differ}. Every rank must build the same model and call fully_shard with the "
+                "same arguments."
+            )
 
 
-def _compare_through_store(
-    root: int, ranks: tuple[int, ...], description: str, group: dist.ProcessGroup
+def compare_across_ranks(
+    description: str, group: dist.ProcessGroup, describe: Callable[[str, str], str]
 ) -> None:
-    me = dist.get_rank()
-    others = _exchange(f"structure/{root}", ranks, description, group)
-    if others is None:
-        return
-    reference = others[ranks[0]]
-    differ = [r for r in ranks if others[r] != reference]
-    detail = _first_difference(eval_description(reference), eval_description(others[differ[0]]))
-    raise RuntimeError(
-        f"fsdp_compose: the ranks of a data-parallel group built different models: ranks "
-        f"{differ} differ from rank {ranks[0]} ({detail}; rank {me} is this one). Every rank "
-        "must build the same model and call fully_shard with the same arguments."
-    )
+    """Raises on every rank of ``group`` if the ranks' ``description`` of a unit's
+    all-gather inputs differ (``describe(mine, other)`` says how), before the
+    collective that would hang or mix mismatched data."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    differ = _compare("all_gather_inputs", ranks, description, group, describe)
+    if differ is not None:
+        raise RuntimeError(
+            "fsdp_compose: the ranks of a data-parallel group would all-gather different "
+            f"tensors: {differ}. A subclass's fsdp_pre_all_gather must return the same sizes "
+            "and dtypes on every rank (the padded shard's size where sharded unevenly)."
+        )
 
 
-def _exchange(
-    what: str, ranks: tuple[int, ...], description: str, group: dist.ProcessGroup
-) -> dict[int, str] | None:
-    """Exchanges ``description`` among ``ranks`` through the job's store: None if
-    every rank's is the same, else every rank's (the same answer on every rank)."""
+def _compare(
+    what: str,
+    ranks: tuple[int, ...],
+    description: str,
+    group: dist.ProcessGroup,
+    explain: Callable[[str, str], str],
+) -> str | None:
+    """Exchanges ``description`` among ``ranks`` through the job's store (no
+    collective, so torch's tools count exactly FSDP2's). None if every rank's is
+    the same, else (on every rank) which ranks differ from the first, and how."""
     store, me = _compat.default_store(), dist.get_rank()
-    key = f"fsdp_compose/{what}/{hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]}/"
+    done = _exchanges.get((what, me, ranks), 0)
+    _exchanges[(what, me, ranks)] = done + 1
+    key = f"fsdp_compose/{what}/{done}/{hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]}/"
     timeout = timedelta(seconds=_compat.process_group_timeout(group) or _DEFAULT_TIMEOUT_S)
     store.set(f"{key}{me}", description)
     store.wait([f"{key}{ranks[0]}"], timeout)
@@ -422,49 +376,25 @@ def _exchange(
     store.wait([f"{key}done"], timeout)
     if store.add(f"{key}differ", 0) == 0:
         return None
-    return {r: store.get(f"{key}{r}").decode() for r in ranks}
+    others = {r: store.get(f"{key}{r}").decode() for r in ranks}
+    differ = [r for r in ranks if others[r] != reference]
+    detail = explain(reference, others[differ[0]])
+    return f"ranks {differ} differ from rank {ranks[0]} ({detail}; rank {me} is this one)"
 
 
-# Per (rank, group): the exchanges of all-gather inputs so far (store keys).
-_inputs_checked: dict[tuple[int, tuple[int, ...]], int] = {}
-
-
-def compare_across_ranks(
-    description: str, group: dist.ProcessGroup, describe: Callable[[str, str], str]
-) -> None:
-    """Raises on every rank of ``group`` if the ranks' ``description`` of a unit's
-    all-gather inputs differ (``describe(mine, other)`` says how), before the
-    collective that would hang or mix mismatched data."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    me = dist.get_rank()
-    done = _inputs_checked.get((me, ranks), 0)
-    _inputs_checked[(me, ranks)] = done + 1
-    others = _exchange(f"all_gather_inputs/{done}", ranks, description, group)
-    if others is None:
-        return
-    differ = [r for r in ranks if others[r] != others[ranks[0]]]
-    raise RuntimeError(
-        f"fsdp_compose: the ranks of a data-parallel group would all-gather different "
-        f"tensors: ranks {differ} differ from rank {ranks[0]} "
-        f"({describe(others[ranks[0]], others[differ[0]])}; rank {me} is this one). "
-        "A subclass's fsdp_pre_all_gather must return the same sizes and dtypes on every "
-        "rank (the padded shard's size where the parameter is sharded unevenly)."
-    )
-
-
-def eval_description(text: str) -> list[Any]:
-    """A description written by :func:`_unit_description` (reprs of literals)."""
-    return list(ast.literal_eval(text))
-
-
-def _first_difference(mine: list[Any], theirs: list[Any]) -> str:
+def _first_difference(mine_text: str, theirs_text: str) -> str:
+    """Where two descriptions by :func:`_unit_description` (reprs of literals) differ."""
+    mine, theirs = ast.literal_eval(mine_text), ast.literal_eval(theirs_text)
     if len(mine) != len(theirs):
         return f"{len(mine)} units vs {len(theirs)}"
     for (name_a, params_a, settings_a), (name_b, params_b, settings_b) in zip(mine, theirs):
         if name_a != name_b:
             return f"unit {name_a!r} vs {name_b!r}"
         if settings_a != settings_b:
-            return f"unit {name_a!r}: settings (param_dtype, reduce_dtype, reshard_after_forward, offload) {settings_a} vs {settings_b}"
+            return (
+                f"unit {name_a!r}: settings (param_dtype, reduce_dtype, reshard_after_forward, "
+                f"offload) {settings_a} vs {settings_b}"
+            )
         if len(params_a) != len(params_b):
             return f"unit {name_a!r} has {len(params_a)} parameters vs {len(params_b)}"
         for a, b in zip(params_a, params_b):
