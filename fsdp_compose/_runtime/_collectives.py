@@ -261,14 +261,6 @@ def _reports_completion(work: dist.Work | None, events: Events, info: Collective
     return True
 
 
-#: ``all_gather(comm, output, input, group, label, events)``: gathers ``input`` (this
-#: rank's row of ``output``) from every rank of ``group`` into ``output`` with ``comm``.
-all_gather = functools.partial(launch, "all_gather")
-#: ``reduce_scatter(comm, output, input, group, label, events)``: sums ``input``
-#: (``group.size()`` equal chunks) over ``group``; rank r gets chunk r's in ``output``.
-reduce_scatter = functools.partial(launch, "reduce_scatter")
-
-
 def all_reduce(tensor: torch.Tensor, group: Group, label: str, events: Events) -> PendingCollective:
     """Sums ``tensor`` in place over ``group`` (HSDP's replicate all-reduce)."""
     flat = _real_view(tensor)

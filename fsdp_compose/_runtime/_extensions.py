@@ -3,29 +3,23 @@
 [Note: all-gather extensions]
 A parameter whose local shard defines ``fsdp_pre_all_gather`` and
 ``fsdp_post_all_gather`` (torchao's ``NF4Tensor``, float8 training weights) is
-sharded like FSDP2 shards it: a zero chunk of the padded shard size made with
-``new_zeros``, this rank's rows copied into it, and the local shard a ``narrow``
-of it, so the DTensor's local tensor is the subclass. Its unit then gathers per
-parameter, as FSDP2 does, instead of through the flat buffer:
+sharded as FSDP2 does (``new_zeros`` of the padded shard, this rank's rows copied
+in, the local shard a ``narrow`` of it), so the DTensor's local tensor is the
+subclass. Its unit gathers per parameter, as FSDP2 does, not via the flat buffer:
 
-* ``fsdp_pre_all_gather(mesh)`` or ``fsdp_pre_all_gather(mesh, outer_size,
-  outer_stride, module, mp_policy)`` returns the tensors to gather (of the same
-  shapes on every rank; one of the unpadded shard's shape is padded with zero
-  rows to the padded shard's) and metadata;
-* the inputs of all the unit's parameters are packed into one row (bytes when
-  their dtypes differ, or float8) and all-gathered in one collective, then copied
-  into per-parameter all-gather outputs that live as long as the unit;
+* ``fsdp_pre_all_gather`` (either of FSDP2's signatures) returns the inputs (one of
+  the unpadded shard's shape is padded with zero rows) and metadata; the unit's
+  inputs are packed into one row (bytes when dtypes differ, or float8), gathered in
+  one collective and copied into per-parameter outputs that live as long as the unit;
 * ``fsdp_post_all_gather(outputs, metadata, param_dtype)`` returns the unsharded
-  tensor (viewed at the parameter's shape if it has padded rows) and the inner
-  tensors to free at reshard; later unshards pass ``out=`` the same unsharded
-  parameter, whose inner tensors are the same outputs (re-allocated, refilled);
-* ``fsdp_should_release_all_gather_outputs_after_post_all_gather()``, if
-  defined and true, frees the outputs right after the rebuild.
+  tensor and the inner tensors to free at reshard; later unshards pass ``out=``
+  that parameter, whose inner tensors are re-allocated and refilled;
+* ``fsdp_should_release_all_gather_outputs_after_post_all_gather()``, if true,
+  frees the outputs right after the rebuild.
 
-Plain parameters of such a unit are gathered the same way, with their shard
-padded and cast to the compute dtype. The ranks compare what they gather at the
-unit's first all-gather (through the job's store), so hooks that disagree
-across ranks raise an error naming the parameter instead of hanging.
+Plain parameters of such a unit are gathered the same way, padded and cast. The
+ranks compare what they gather at the unit's first all-gather, so hooks that
+disagree raise an error naming the parameter instead of hanging.
 """
 
 from __future__ import annotations
@@ -38,11 +32,12 @@ import torch
 import torch.distributed as dist
 
 from . import _collectives, _compat
-from ._collectives import AllGather, PendingCollective
-from ._events import Events
+from ._collectives import AllGather
+from ._flat_buffer import alloc_storage, free_storage
 from ._policies import MixedPrecisionPolicy
 
 if TYPE_CHECKING:
+    from ._mesh import MeshInfo
     from ._sharded_param import ShardedParam
 
 _RELEASE = "fsdp_should_release_all_gather_outputs_after_post_all_gather"
@@ -63,19 +58,18 @@ def has_extension(tensor: torch.Tensor) -> bool:
 
 
 def shard_subclass(
-    param: torch.Tensor, rank: int, world: int, padded_shape: torch.Size, device: torch.device
+    param: torch.Tensor, info: MeshInfo, padded_shape: torch.Size, device: torch.device
 ) -> torch.Tensor:
     """This rank's dim-0 shard of a subclass parameter, cut with the operations
     FSDP2 uses (``chunk``, ``new_zeros``, ``narrow`` from row 0, ``copy_``) so the
     subclass survives (torchao's ``NF4Tensor`` slices from row 0 only)."""
     with torch.no_grad():
         param = param.detach()
-        chunks = torch.chunk(param, world, dim=0)
-        chunk = chunks[rank] if rank < len(chunks) else None
-        length = 0 if chunk is None else chunk.size(0)
+        chunks, rank = torch.chunk(param, info.shard_size, dim=0), info.shard_rank
+        length = chunks[rank].size(0) if rank < len(chunks) else 0
         padded = param.new_zeros(padded_shape)
-        if chunk is not None and length and not param.is_meta:
-            padded.narrow(0, 0, length).copy_(chunk)
+        if length and not param.is_meta:
+            padded.narrow(0, 0, length).copy_(chunks[rank])
         if not param.is_meta and padded.device != device:
             padded = padded.to(device)
         return padded.narrow(0, 0, length)
@@ -92,30 +86,28 @@ class _ParamGather:
         self.metadata: Any = None
         self.outputs: list[torch.Tensor] = []  # flat, world * input numel each
         self.inner: list[torch.Tensor] = []  # what fsdp_post_all_gather asked to free
-        self.release = False
-        self.hook_args = 0  # fsdp_pre_all_gather's arity: FSDP2's two signatures
         # the unsharded parameter's (contiguous) stride, for the hooks and the view
         self.orig_stride = torch.empty(param.orig_size, device="meta").stride()
-        if self.extension:
-            hook = getattr(param.local_shard, _RELEASE, None)
-            self.release = bool(hook() if callable(hook) else hook)
-            pre = param.local_shard.fsdp_pre_all_gather  # type: ignore[attr-defined]
-            self.hook_args = len(inspect.signature(pre).parameters)
+        release = getattr(param.local_shard, _RELEASE, None)  # only with the extension
+        self.release = bool(release() if callable(release) else release)
+        pre = getattr(param.local_shard, "fsdp_pre_all_gather", None)
+        # fsdp_pre_all_gather's arity: FSDP2's two signatures
+        self.hook_args = len(inspect.signature(pre).parameters) if pre is not None else 0
 
 
 class ExtensionGather:
     """The per-parameter all-gather of a unit with extension parameters; see
-    [Note: all-gather extensions]. ``param_dtype`` is the policy's; ``world`` the
-    gathering world size."""
+    [Note: all-gather extensions]."""
 
-    def __init__(self, params: list[ShardedParam], mp_policy: MixedPrecisionPolicy) -> None:
+    def __init__(
+        self, params: list[ShardedParam], mp_policy: MixedPrecisionPolicy, world: int
+    ) -> None:
         self.params = [_ParamGather(p) for p in params]
         self.mp_policy = mp_policy
         self.checked = False
-        self.nbytes = 0  # of the last all-gather output
+        # Of the last all-gather output; an estimate until the first one.
+        self.nbytes = sum(world * p.chunk_numel * p.compute_dtype.itemsize for p in params)
         self.owns_output = False  # allocated here (torch.empty), not by a custom comm
-
-    # -- before the collective ------------------------------------------
 
     def _inputs(self, pg: _ParamGather, mesh: Any) -> list[torch.Tensor]:
         p = pg.param
@@ -138,9 +130,10 @@ class ExtensionGather:
                 mesh, p.orig_size, pg.orig_stride, module, self.mp_policy
             )
         else:
+            signature = inspect.signature(local.fsdp_pre_all_gather)
             raise AssertionError(  # FSDP2's type
-                f"Invalid fsdp_pre_all_gather of {p.fqn!r}: {inspect.signature(local.fsdp_pre_all_gather)}"
-                "; expects fsdp_pre_all_gather(self, mesh) or fsdp_pre_all_gather(self, mesh, "
+                f"Invalid fsdp_pre_all_gather of {p.fqn!r}: {signature}; expects "
+                "fsdp_pre_all_gather(self, mesh) or fsdp_pre_all_gather(self, mesh, "
                 "outer_size, outer_stride, module, mp_policy)"
             )
         if p.local_shape != p.chunk_shape:  # an input that is the shard itself: pad it
@@ -150,20 +143,14 @@ class ExtensionGather:
         pg.dtypes = [t.dtype for t in inputs]
         return [t.reshape(-1) for t in inputs]
 
-    def start(
-        self,
-        comm: AllGather,
-        mesh: Any,
-        group: dist.ProcessGroup,
-        rank: int,
-        label: str,
-        events: Events,
-    ) -> tuple[torch.Tensor, PendingCollective]:
-        """Calls the pre-all-gather hooks, packs their inputs into this rank's row
-        and issues the all-gather; returns the output and the pending collective."""
-        world = group.size()
+    def pack(
+        self, comm: AllGather, info: MeshInfo, label: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Calls the pre-all-gather hooks and packs their inputs into this rank's row
+        of a new all-gather output (from ``comm``); returns the output and the row."""
+        mesh, group, world = info.mesh, info.shard_group, info.shard_size
         if mesh.ndim > 1:  # HSDP: the shard dim's mesh, as FSDP2 passes
-            mesh = mesh[mesh.mesh_dim_names[-1]]
+            mesh = mesh[mesh.mesh_dim_names[-1]]  # type: ignore[index]
         inputs = [t for pg in self.params for t in self._inputs(pg, mesh)]
         if not self.checked:
             self._check_same_inputs(group, world)
@@ -177,29 +164,23 @@ class ExtensionGather:
         device = self.params[0].param.device
         out = _collectives.allocate(comm, world * row, dtype, device, label, "all_gather")
         self.owns_output = type(comm).allocate is _collectives.DefaultAllGather.allocate
-        send = out.view(world, row)[rank]
+        send = out.view(world, row)[info.shard_rank]
         torch.cat(pieces, out=send)
         self.nbytes = out.numel() * out.element_size()
-        if world == 1:
-            return out, _collectives.DONE
-        return out, _collectives.all_gather(comm, out, send, group, label, events)
+        return out, send
 
     def _check_same_inputs(self, group: dist.ProcessGroup, world: int) -> None:
         if world == 1 or _compat.backend_name(group) == "fake":
             return
         from ._validation import compare_across_ranks  # imports the unit: import late
 
-        description = repr(
-            [
-                (pg.param.fqn, [tuple(s) for s in pg.sizes], [str(d) for d in pg.dtypes])
-                for pg in self.params
-            ]
-        )
-        compare_across_ranks(description, group, _describe_difference)
+        layout = [
+            (pg.param.fqn, [tuple(s) for s in pg.sizes], [str(d) for d in pg.dtypes])
+            for pg in self.params
+        ]
+        compare_across_ranks(repr(layout), group, _describe_difference)
 
-    # -- after the collective -------------------------------------------
-
-    def finish(self, out: torch.Tensor, world: int) -> None:
+    def copy_out(self, out: torch.Tensor, world: int) -> None:
         """Copies the gathered rows into each parameter's outputs and rebuilds the
         unsharded parameters (``fsdp_post_all_gather``)."""
         targets, sizes = [], []
@@ -210,7 +191,7 @@ class ExtensionGather:
                     for s, d in zip(pg.sizes, pg.dtypes)
                 ]
             for o in pg.outputs:
-                _alloc(o)
+                alloc_storage(o)
                 view = o.view(world, -1)
                 targets.append(view.view(torch.uint8) if out.dtype == torch.uint8 else view)
                 sizes.append(targets[-1].shape[1])
@@ -219,7 +200,7 @@ class ExtensionGather:
         for t, v in zip(targets, version):  # autograd may hold the unsharded views
             _compat.restore_version(t, v)
         if self.owns_output:  # copied out: free it before the rebuilds' temporaries
-            _free(out)  # (a backward prefetch may already hold the next unit's)
+            free_storage(out)  # (a backward prefetch may already hold the next unit's)
         with torch.no_grad():
             for pg in self.params:
                 self._post_all_gather(pg)
@@ -241,18 +222,18 @@ class ExtensionGather:
             p.unsharded_param = p.wrap_unsharded(tensor)
         else:
             for t in pg.inner:
-                _alloc(t)
+                alloc_storage(t)
             local.fsdp_post_all_gather(outputs, pg.metadata, dtype, out=p.unsharded_param)
         pg.metadata = None
         if pg.release:
             for o in pg.outputs:
-                _free(o)
+                free_storage(o)
 
     def free(self) -> None:
         """Frees the outputs and the inner tensors of the unsharded parameters."""
         for pg in self.params:
             for t in (*pg.outputs, *pg.inner):
-                _free(t)
+                free_storage(t)
 
 
 def _describe_difference(mine: str, other: str) -> str:
@@ -270,16 +251,3 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     padded = tensor.new_zeros((tensor.size(0) + rows, *tensor.shape[1:]))
     padded[: tensor.size(0)].copy_(tensor)
     return padded
-
-
-def _alloc(tensor: torch.Tensor) -> None:
-    """Re-allocates a freed storage to its full size (``tensor`` may be a view)."""
-    storage = tensor.untyped_storage()
-    if storage.size() == 0:
-        storage.resize_(int(tensor.storage_offset() + tensor.numel()) * tensor.element_size())
-
-
-def _free(tensor: torch.Tensor) -> None:
-    storage = tensor.untyped_storage()
-    if storage.size() != 0:
-        storage.resize_(0)

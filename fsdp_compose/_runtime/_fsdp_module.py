@@ -38,11 +38,9 @@ _fsdp_classes: dict[type, type] = {}
 
 
 def fsdp_class_of(cls: type) -> type:
-    """The class ``fully_shard`` gives a module of class ``cls``: a subclass of
-    :class:`FSDPModule` and of ``cls``, made once per class. torch's
-    ``FSDPModule`` comes last: isinstance checks written for FSDP2 (accelerate,
-    ``torch.distributed.pipelining``) accept the unit, and none of its methods is
-    reached before ours, the original class's or ``nn.Module``'s."""
+    """The subclass of :class:`FSDPModule` and ``cls`` that ``fully_shard`` gives a
+    ``cls`` module, made once per class. torch's ``FSDPModule`` comes last, so FSDP2's
+    isinstance checks accept it but none of its methods shadows ours or ``cls``'s."""
     made = _fsdp_classes.get(cls)
     if made is None:
         bases = (FSDPModule, cls, TorchFSDPModule)
@@ -61,16 +59,13 @@ def _no_deepcopy(*_: Any) -> NoReturn:
 
 
 class FSDPModule:
-    """The class a module gets mixed in by :func:`fully_shard`.
-
-    ``isinstance(module, FSDPModule)`` tells whether a module was annotated; the
-    methods below control a unit at runtime. Methods taking ``recurse`` apply to
-    every ``FSDPModule`` in the module's subtree when it is ``True``.
-    """
+    """The class :func:`fully_shard` mixes into a module: ``isinstance(module,
+    FSDPModule)`` tells whether it was annotated; its methods control the unit at
+    runtime (with ``recurse=True``, every ``FSDPModule`` in the module's subtree)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # Containers build new instances of their own class (e.g. slicing an
-        # annotated nn.Sequential): those are plain modules, not units.
+        # Containers make instances of their own class (slicing an annotated
+        # nn.Sequential): those are plain modules, not units.
         orig_cls = next(
             c for c in cls.__mro__ if c not in _fsdp_classes.values() and c is not FSDPModule
         )
@@ -87,13 +82,16 @@ class FSDPModule:
     def _units(self, recurse: bool) -> list[Unit]:
         return self._fsdp_state().units_in_subtree(recurse)
 
+    def _configure(self, recurse: bool, **changes: Any) -> None:
+        for unit in self._units(recurse):
+            unit.configure(**changes)
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gathers this module's parameters (not recursive), in ``param_dtype``.
 
         Args:
-            async_op (bool): if ``True``, returns an :class:`UnshardHandle` to wait
-                on; the module's next forward also waits for it. If ``False``,
-                waits before returning ``None``.
+            async_op (bool): if ``True``, returns an :class:`UnshardHandle` to wait on
+                (the next forward also waits for it); else waits and returns ``None``.
         """
         state = self._fsdp_state()
         units = state.own_units
@@ -103,10 +101,9 @@ class FSDPModule:
             else:
                 unit.unshard()
         handle = UnshardHandle(units)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
+        if not async_op:
+            handle.wait()
+        return handle if async_op else None
 
     def reshard(self) -> None:
         """Frees this module's unsharded parameters (if any) and registers the
@@ -118,22 +115,18 @@ class FSDPModule:
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """Sets whether resharding keeps the unsharded storage allocated (default
         ``False``), which keeps data pointers fixed (CUDA graphs) at a memory cost."""
-        for unit in self._units(recurse):
-            unit.configure(keep_unsharded_storage=bool(keep))
+        self._configure(recurse, keep_unsharded_storage=bool(keep))
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """Sets whether the caller ends backward with :meth:`finalize_backward`
-        (then ``backward()`` leaves gradient reductions pending, and
-        :meth:`set_is_last_backward` is superseded). Call on the root module,
-        before backward; the mode cannot change once backward started until the
-        iteration is finalized or reset."""
+        (``backward()`` then leaves gradient reductions pending). Call on the root,
+        before backward; the mode is fixed from backward until finalize or reset."""
         state = self._fsdp_state()
         if state.is_root is False:
             raise RuntimeError(
                 "set_manual_backward_finalization must be called on the root FSDP module"
             )
-        scheduler = state.scheduler
-        active = scheduler.manual_finalization if scheduler is not None else None
+        active = state.scheduler.manual_finalization if state.scheduler is not None else None
         if enabled != state.settings.manual_backward_finalization and _compat.inside_backward():
             raise RuntimeError(
                 "set_manual_backward_finalization cannot change mode during backward"
@@ -145,18 +138,11 @@ class FSDPModule:
         state.settings.manual_backward_finalization = bool(enabled)
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
-        """Finalizes backward on the calling thread (manual mode, see
-        :meth:`set_manual_backward_finalization`): runs the post-backward work left
-        pending, reduces gradients and reshards per the current settings. Call it
-        on the root after all backward passes of one logical backward; a no-op
-        before the first forward. To accumulate over several backward passes,
-        disable gradient sync for them and re-enable it before finalizing.
-
-        Args:
-            async_op (bool): if ``True``, returns a :class:`GradientReductionHandle`
-                whose ``wait()`` must be called before using the gradients or
-                running forward again; if ``False``, waits before returning.
-        """
+        """Finalizes backward in manual mode (:meth:`set_manual_backward_finalization`):
+        runs the pending post-backward work, reduces gradients and reshards. Call on the
+        root after all backward passes of one logical backward (to accumulate over several,
+        disable gradient sync for all but the last). With ``async_op``, returns a
+        :class:`GradientReductionHandle` to wait on before using the gradients or forward."""
         state = self._fsdp_state()
         scheduler = state.scheduler
         if state.is_root is None or scheduler is None:
@@ -186,48 +172,35 @@ class FSDPModule:
         return GradientReductionHandle(scheduler) if async_op else None
 
     def reset_iter_state(self) -> None:
-        """Recovers from an exception raised inside forward or backward.
-
-        Call on the root module after catching the exception: in-flight collectives
-        are completed and discarded, every unit is resharded and its per-iteration
-        state cleared, and the failed step's unreduced gradients are dropped. The
-        next forward then starts from a clean state.
-        """
+        """Recovers from an exception raised inside forward or backward: call on the
+        root after catching it. In-flight collectives are completed and discarded,
+        every unit is resharded and the failed step's unreduced gradients dropped."""
         self._fsdp_state().reset_iter_state()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Sets whether the next backward is the last of the step (the default).
-
-        Only the last backward waits for every gradient reduction to finish; earlier
-        ones (e.g. pipeline microbatches) leave them in flight.
-        """
+        """Sets whether the next backward is the last of the step (default ``True``);
+        earlier ones (e.g. microbatches) leave their gradient reductions in flight."""
         self._fsdp_state().settings.is_last_backward = bool(is_last_backward)
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
         """Sets whether backward reduces gradients (``False`` accumulates unsharded
-        gradients locally, without communication, like ``no_sync``). For HSDP this
-        controls the reduce-scatter and the all-reduce together."""
-        for unit in self._units(recurse):
-            unit.configure(
-                requires_gradient_sync=requires_gradient_sync,
-                requires_all_reduce=requires_gradient_sync,
-            )
+        gradients locally, like ``no_sync``); with HSDP, the all-reduce too."""
+        sync = requires_gradient_sync
+        self._configure(recurse, requires_gradient_sync=sync, requires_all_reduce=sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: sets whether gradients are all-reduced across replicas after the
         reduce-scatter (``False`` accumulates reduce-scattered sums locally)."""
-        for unit in self._units(recurse):
-            unit.configure(requires_all_reduce=requires_all_reduce)
+        self._configure(recurse, requires_all_reduce=requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Sets at runtime whether parameters are freed after forward (e.g. ``True``
         for the root, or ``False`` during evaluation)."""
         if not isinstance(reshard_after_forward, bool):
-            raise ValueError(
-                f"reshard_after_forward must be a bool here, got {type(reshard_after_forward).__name__}"
-            )
+            kind = type(reshard_after_forward).__name__
+            raise ValueError(f"reshard_after_forward must be a bool here, got {kind}")
         modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
         for module in (m for m in modules if isinstance(m, FSDPModule)):
             state = module._fsdp_state()
@@ -240,36 +213,23 @@ class FSDPModule:
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
-        """Sets whether parameters are freed after backward. ``False`` saves the
-        next forward's all-gather during gradient accumulation, at the cost of
-        memory."""
-        for unit in self._units(recurse):
-            unit.configure(reshard_after_backward=reshard_after_backward)
+        """Sets whether parameters are freed after backward (``False`` saves the next
+        forward's all-gather during gradient accumulation, at a memory cost)."""
+        self._configure(recurse, reshard_after_backward=reshard_after_backward)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Sets the modules whose parameters this module's forward all-gathers as
-        soon as it starts, instead of the implicit next unit(s) of the recorded
-        order. An empty list turns forward prefetch off for this module.
-
-        Args:
-            modules (List[FSDPModule]): modules to prefetch, in issue order.
-        """
+        """Sets the ``modules`` (in issue order) whose parameters this module's forward
+        all-gathers as it starts, instead of the implicit next unit(s); ``[]``: none."""
         self._set_prefetch(modules, "forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Sets the modules whose parameters this module's backward all-gathers as
-        soon as it starts, instead of the implicit previous unit(s) of the forward
-        order. An empty list turns backward prefetch off for this module.
-
-        Args:
-            modules (List[FSDPModule]): modules to prefetch, in issue order.
-        """
+        """Sets the ``modules`` (in issue order) whose parameters this module's backward
+        all-gathers as it starts, instead of the implicit previous unit(s); ``[]``: none."""
         self._set_prefetch(modules, "backward_prefetch")
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divides reduced gradients by ``factor`` instead of the data-parallel size."""
-        for unit in self._units(False):
-            unit.configure(gradient_divide_factor=float(factor))
+        self._configure(False, gradient_divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated alias of :meth:`set_gradient_divide_factor`."""
@@ -278,8 +238,7 @@ class FSDPModule:
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Sets whether backward needs this module's parameters at all (``False``
         for e.g. an embedding whose backward does not read its weight)."""
-        for unit in self._units(False):
-            unit.configure(unshard_in_backward=unshard_in_backward)
+        self._configure(False, unshard_in_backward=unshard_in_backward)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Accepted for API compatibility: the next all-gather is always ordered after
@@ -289,20 +248,17 @@ class FSDPModule:
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
-        """Sets whether parameters that got no gradient on this rank take part in
-        the reduce-scatter with zeros. Needed when ranks use different parameters
-        (conditional branches, mixture of experts), so that every rank issues the
-        same collective; like DDP's ``find_unused_parameters``."""
-        for unit in self._units(recurse):
-            unit.configure(reduce_scatter_unused_params=reduce_scatter_unused_params)
+        """Sets whether parameters without a gradient on this rank join the
+        reduce-scatter as zeros, so that ranks using different parameters (MoE,
+        conditional branches) issue the same collective."""
+        self._configure(recurse, reduce_scatter_unused_params=reduce_scatter_unused_params)
 
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: Any | None = None
     ) -> None:
         """Calls ``hook(reduce_output)`` on this unit's reduced gradient (the reduce-scatter
-        output, or with HSDP the all-reduce output) before the averaging division, where the
-        reduction completes (``stream``: for API compatibility). Beyond FSDP2: with
-        per-parameter meshes, on each mesh's (see :meth:`set_all_reduce_hook_on_mesh`)."""
+        output, or with HSDP the all-reduce output) before the averaging division; on every
+        mesh's (:meth:`set_all_reduce_hook_on_mesh`). ``stream``: for API compatibility."""
         del stream
         self.set_all_reduce_hook_on_mesh(None, hook)
 
@@ -322,15 +278,13 @@ class FSDPModule:
         """Sets whether reductions sum and divide separately instead of averaging.
         fsdp_compose always sums; as in FSDP2, this sets what an all-reduce hook gets
         for float32/bfloat16 gradients: the sum if enabled, else the average."""
-        for unit in self._units(False):
-            unit.configure(force_sum_reduction=bool(enable))
+        self._configure(False, force_sum_reduction=bool(enable))
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:
         """Sets how many reduce-scatters may hold their full-size gradient buffers at
-        once (default 1); more overlap slow reduce-scatters with backward at that
-        many units' buffers. Applies to the whole tree."""
+        once (default 1; more overlap them with backward). Applies to the whole tree."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
                 f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
@@ -343,17 +297,15 @@ class FSDPModule:
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:
-        """Beyond FSDP2: runs reduce-scatters on a process group of their own (one
-        per set of shard ranks), so they progress concurrently with backward
-        all-gathers. Creating it is collective: call on every rank alike."""
+        """Beyond FSDP2: runs reduce-scatters on a process group of their own, so they
+        progress alongside backward all-gathers. Collective: call on every rank."""
         for unit in self._units(recurse):
             group = separate_reduce_scatter_group(unit.mesh_info) if enable else None
             unit.configure(reduce_scatter_group=group)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Asks for communication buffers from the process group's allocator (NCCL:
-        zero-copy over SHARP). Accepted on every backend; the buffers stay on the
-        regular allocator (not implemented yet), with a one-time log note."""
+        """Asks for communication buffers from the process group's allocator. Accepted;
+        the buffers stay on the regular allocator (not implemented), noted once."""
         if not isinstance(enable, bool):
             raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
         if enable:
@@ -369,36 +321,28 @@ class FSDPModule:
         _note_comm_buffers_unchanged("set_symm_mem_for_comm()", self._fsdp_state())
 
     def set_custom_all_gather(self, comm: AllGather | None) -> None:
-        """Issues this module's (not its children's) parameter all-gathers with
-        ``comm``, FSDP2's ``AllGather`` interface: ``comm.allocate(size, *, dtype,
-        device)`` returns the output, whose row for this rank is the input, and
-        ``comm(output_tensor, input_tensor, group, async_op)`` issues it (returns a
-        ``Work`` or ``None``). Called only for shard world sizes above 1; ``None``
-        restores the default."""
-        _check_comm(comm, "set_custom_all_gather")
-        _check_single_mesh(self._fsdp_state(), "set_custom_all_gather")
-        for unit in self._units(False):
-            unit.configure(all_gather_comm=DefaultAllGather() if comm is None else comm)
+        """Issues this module's (not its children's) all-gathers with ``comm``
+        (FSDP2's ``AllGather``): ``comm.allocate(size, *, dtype, device)`` returns the
+        output, whose row for this rank is the input; ``comm(output_tensor,
+        input_tensor, group, async_op)`` issues it. Used for shard world sizes above
+        1; ``None`` restores the default."""
+        _check_comm(comm, self._fsdp_state(), "set_custom_all_gather")
+        self._configure(False, all_gather_comm=DefaultAllGather() if comm is None else comm)
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter | None) -> None:
-        """Issues this module's gradient reduce-scatters with ``comm``, FSDP2's
-        ``ReduceScatter`` interface: ``allocate`` makes the input and output
-        buffers, ``comm(output_tensor, input_tensor, group, op, async_op)`` issues
-        it with ``op`` always ``SUM`` (the averaging is separate). As for
-        :meth:`set_custom_all_gather`."""
-        _check_comm(comm, "set_custom_reduce_scatter")
-        _check_single_mesh(self._fsdp_state(), "set_custom_reduce_scatter")
-        for unit in self._units(False):
-            unit.configure(reduce_scatter_comm=DefaultReduceScatter() if comm is None else comm)
+        """Issues this module's reduce-scatters with ``comm`` (FSDP2's
+        ``ReduceScatter``): ``allocate`` makes the input and output buffers,
+        ``comm(output_tensor, input_tensor, group, op, async_op)`` issues it with
+        ``op`` always ``SUM``. As :meth:`set_custom_all_gather` otherwise."""
+        _check_comm(comm, self._fsdp_state(), "set_custom_reduce_scatter")
+        self._configure(False, reduce_scatter_comm=DefaultReduceScatter() if comm is None else comm)
 
     # -- additions beyond FSDP2's API ----------------------------------------
 
     def register_observer(self, observer: Observer) -> None:
-        """Subscribes ``observer`` to the runtime events of this module's tree: its
-        units' lifecycle, forward/backward spans, memory and every collective
-        (see :class:`fsdp_compose.Observer`). Applies to the whole tree of the
-        root this module belongs to; call it on the root module, before or after
-        the first forward."""
+        """Subscribes ``observer`` (:class:`fsdp_compose.Observer`) to the runtime
+        events (unit lifecycle, forward/backward spans, memory, collectives) of the
+        whole tree of this module's root; call it on the root."""
         self._fsdp_state().settings.events.add(observer)
 
     def unregister_observer(self, observer: Observer) -> None:
@@ -422,9 +366,9 @@ class FSDPModule:
             settings.backward_depth = backward
 
     def set_unsharded_memory_limit(self, max_bytes: int | None) -> None:
-        """Bounds the unsharded parameter bytes allocated or in flight at once; a
-        prefetch that would exceed it waits until memory is freed (the unit needed
-        now is always gathered). ``None`` removes the bound. Call on the root."""
+        """Bounds the unsharded parameter bytes allocated or in flight at once
+        (``None``: no bound): a prefetch beyond it waits; the unit needed now is
+        always gathered. Call on the root."""
         if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
             raise ValueError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
         self._fsdp_state().settings.max_unsharded_bytes = max_bytes
@@ -432,16 +376,15 @@ class FSDPModule:
     # -- internals -----------------------------------------------------------
 
     def _set_prefetch(self, modules: list[FSDPModule], which: str) -> None:
-        """Sets the explicit prefetch list ``which`` of this module's own units (of
-        its state when it has none) to the units of ``modules``."""
+        """Sets the prefetch list ``which`` of this module's own units (or of its
+        state when it has none) to the units of ``modules``."""
         if not isinstance(modules, (list, tuple)):
             raise TypeError(f"expected a list of FSDPModules, got {type(modules).__name__}")
         states = [_check_fsdp_module(m)._fsdp_state() for m in modules]
         # A module that borrows a shared parameter needs its owner unit too.
         targets = tuple(dict.fromkeys(u for s in states for u in [*s.own_units, *s.borrowed]))
+        self._configure(False, **{which: targets})
         state = self._fsdp_state()
-        for unit in state.own_units:
-            unit.configure(**{which: targets})
         if not state.own_units:
             setattr(state, which, targets)
 
@@ -480,11 +423,8 @@ class GradientReductionHandle:
         self._resets = scheduler.resets if scheduler is not None else 0
 
     def wait(self) -> None:
-        """Waits for the gradient reductions and ends the backward iteration.
-
-        Raises:
-            RuntimeError: if :meth:`FSDPModule.reset_iter_state` invalidated this handle.
-        """
+        """Waits for the gradient reductions and ends the backward iteration; raises
+        ``RuntimeError`` if :meth:`FSDPModule.reset_iter_state` invalidated the handle."""
         scheduler, self._scheduler = self._scheduler, None
         if scheduler is None:
             return
@@ -494,9 +434,8 @@ class GradientReductionHandle:
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Accepted for API compatibility with FSDP2 (pipeline parallel stages share
-    CUDA streams there). fsdp_compose already uses one set of communication streams
-    per device for every root, so this only validates its argument."""
+    """Accepted for API compatibility with FSDP2: fsdp_compose already shares one set
+    of communication streams per device among all roots; this validates ``modules``."""
     for m in modules:
         _check_fsdp_module(m)
 
@@ -506,37 +445,33 @@ _noted_comm_settings: set[tuple[str, str]] = set()
 
 def _note_comm_buffers_unchanged(setting: str, state: UnitState) -> None:
     """Logs once per device type that ``setting`` keeps the regular allocator."""
-    device_type = state.unit.mesh_info.device.type if state.unit is not None else "cpu"
-    if (setting, device_type) not in _noted_comm_settings:
-        _noted_comm_settings.add((setting, device_type))
-        why = (
-            "gloo/CPU has no such allocator"
-            if device_type == "cpu"
-            else f"this path is not implemented for {device_type!r} yet"
-        )
-        logger.warning(
-            "fsdp_compose: %s accepted; communication buffers still come from the regular "
-            "allocator (%s). Collectives and results are unchanged.",
-            setting,
-            why,
-        )
+    device = state.unit.mesh_info.device.type if state.unit is not None else "cpu"
+    if (setting, device) in _noted_comm_settings:
+        return
+    _noted_comm_settings.add((setting, device))
+    why = "gloo/CPU has no such allocator"
+    if device != "cpu":
+        why = f"this path is not implemented for {device!r} yet"
+    logger.warning(
+        "fsdp_compose: %s accepted; communication buffers still come from the regular "
+        "allocator (%s). Collectives and results are unchanged.",
+        setting,
+        why,
+    )
 
 
-def _check_single_mesh(state: UnitState, method: str) -> None:
-    if len(state.own_units) > 1:  # ValueError, as FSDP2
-        raise ValueError(
-            f"{method} is not supported on a module whose parameters use several meshes "
-            "(per-parameter meshes from shard_placement_fn): it would be ambiguous which "
-            "mesh's collectives it applies to"
-        )
-
-
-def _check_comm(comm: object, method: str) -> None:
+def _check_comm(comm: object, state: UnitState, method: str) -> None:
     if comm is not None and not (callable(comm) and callable(getattr(comm, "allocate", None))):
         raise TypeError(
             f"{method} expects an object with an allocate(size, *, dtype, device) method "
             f"that is also callable to issue the collective (FSDP2's Comm interface), got "
             f"{type(comm).__name__}"
+        )
+    if len(state.own_units) > 1:  # ValueError, as FSDP2
+        raise ValueError(
+            f"{method} is not supported on a module whose parameters use several meshes "
+            "(per-parameter meshes from shard_placement_fn): it would be ambiguous which "
+            "mesh's collectives it applies to"
         )
 
 
@@ -549,13 +484,9 @@ def _check_fsdp_module(m: object) -> FSDPModule:
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Makes ``module.<method_name>`` gather and free parameters like ``forward``.
-
-    By default only ``forward`` runs the unit's hooks; use this for other entry
-    points such as ``generate``. The method counts as one forward of the module:
-    its parameters are gathered once before it and freed (per
-    ``reshard_after_forward``) once after it, even when it calls the module's own
-    ``forward`` several times. A no-op for modules that are not ``FSDPModule``.
+    """Makes ``module.<method_name>`` (e.g. ``generate``) gather and free parameters
+    like ``forward``: the call counts as one forward, even when it calls ``forward``
+    several times. A no-op for modules that are not ``FSDPModule``.
 
     Args:
         module (nn.Module): the annotated module.

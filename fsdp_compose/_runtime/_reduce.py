@@ -60,29 +60,26 @@ class GradientReducer:
         )
 
     def partial_reduce(
-        self, params: list[ShardedParam], sizes: list[int], output: torch.Tensor, *, keep: bool
+        self, params: list[ShardedParam], output: torch.Tensor, *, keep: bool
     ) -> None:
         """HSDP: keeps ``output``'s sums for a later all-reduce (``keep``), or adds
         those kept from steps without all-reduce into it."""
         offset = 0
-        for p, size in zip(params, sizes):
+        for p in params:
             piece = output[offset : offset + p.local_numel]
             kept = self.partial_sums.pop(p, None)
             if keep:
                 self.partial_sums[p] = piece.clone() if kept is None else kept.add_(piece)
             elif kept is not None:
                 piece.add_(kept)
-            offset += size
+            offset += p.chunk_numel
 
-    def hand_over(
-        self, params: list[ShardedParam], sizes: list[int], output: torch.Tensor, post: float
-    ) -> None:
+    def hand_over(self, params: list[ShardedParam], output: torch.Tensor, post: float) -> None:
         """Runs the all-reduce hook, divides ``output`` by ``post`` and accumulates
         each parameter's piece into its sharded ``.grad``."""
         unit, options = self.unit, self.unit.options
-        # FSDP2 reduces float32/bfloat16 with ReduceOp.AVG unless a divide factor or
-        # force-sum is set, so its all-reduce hook receives the average; with SUM
-        # the sum, divided after the hook. Same here.
+        # As FSDP2 (ReduceOp.AVG for float32/bfloat16 unless a divide factor or force-sum
+        # is set), the hook gets the average, else the sum, divided after the hook.
         if options.all_reduce_hook is not None:
             averaged = options.gradient_divide_factor is None and not options.force_sum_reduction
             if post != 1 and averaged and output.dtype in (torch.float32, torch.bfloat16):
@@ -92,10 +89,10 @@ class GradientReducer:
         if post != 1:
             output.div_(post)
         offset, copies_in_flight = 0, False
-        for p, size in zip(params, sizes):
+        for p in params:
             local = output[offset : offset + p.local_numel].view(p.local_shape)
             copies_in_flight |= _assign_sharded_grad(p, local, unit.pin_memory)
-            offset += size
+            offset += p.chunk_numel
         if copies_in_flight:
             # The optimizer reads the offloaded gradients on the CPU right after
             # backward returns: block until the copies have landed.
@@ -117,8 +114,7 @@ class GradientReducer:
                 if not self.unit.options.reduce_scatter_unused_params or up is None:
                     unused.append(p.fqn)
                     continue
-                # Keep the collective's size identical on ranks where this
-                # parameter got no gradient (conditional branches, MoE).
+                # The same collective size on ranks where it got no gradient (MoE).
                 grad = torch.zeros(
                     p.orig_size, dtype=p.compute_dtype, device=self.unit.mesh_info.device
                 )
@@ -127,7 +123,17 @@ class GradientReducer:
             params.append(p)
             grads.append(grad)
         if unused and params:
-            _warn_unused(self.unit.name, unused)
+            # As FSDP2, the reduce-scatter leaves out parameters without a gradient; only
+            # this rank's view is known here (the debug checks compare the ranks' lists).
+            warnings.warn(
+                f"fsdp_compose: {unused} of unit {self.unit.name!r} got no gradient on this "
+                "rank, so its reduce-scatter leaves them out (as FSDP2's). If another rank has "
+                "one (an MoE expert without tokens here), gradients are mixed up or the "
+                "collective fails: call set_reduce_scatter_unused_params(True) on the model, or "
+                "set requires_grad=False where unused on every rank. "
+                "FSDP_COMPOSE_DEBUG_COLLECTIVES=1 compares the ranks.",
+                stacklevel=1,
+            )
         return params, grads
 
     def reduce_grads(
@@ -137,10 +143,8 @@ class GradientReducer:
         (HSDP) all-reduce; returns the pending reduction, or None if nothing to do."""
         if not params:
             return None
-        unit, options = self.unit, self.unit.options
-        info, name = unit.mesh_info, unit.name
-        world = info.shard_size
-        factor = options.gradient_divide_factor
+        unit, options, info = self.unit, self.unit.options, self.unit.mesh_info
+        name, world, factor = unit.name, info.shard_size, options.gradient_divide_factor
         if unit.aliases_shards and not info.is_hsdp and factor is None:
             # One rank, no casts: the unsharded gradient is the sharded gradient.
             for p, g in zip(params, grads):
@@ -148,8 +152,7 @@ class GradientReducer:
             return None
         reduce_dtype = unit.reduce_dtype or grads[0].dtype
         pre, post = _divide_factors(info.data_parallel_size, reduce_dtype, factor)
-        sizes = [p.chunk_numel for p in params]
-        row = sum(sizes)
+        row = sum(p.chunk_numel for p in params)
         comm = options.reduce_scatter_comm  # as in FSDP2, both buffers come from the comm
         device = info.device
         packed = _collectives.allocate(
@@ -164,13 +167,15 @@ class GradientReducer:
         if pre != 1:
             packed.div_(pre)
         if world == 1:
-            output, rs = packed, None
+            output, rs = packed, _collectives.DONE
         else:
             output = _collectives.allocate(comm, row, reduce_dtype, device, name, "reduce_scatter")
             group = options.reduce_scatter_group or info.shard_group
-            rs = _collectives.reduce_scatter(comm, output, packed, group, name, unit.events)
+            rs = _collectives.launch(
+                "reduce_scatter", comm, output, packed, group, name, unit.events
+            )
         replicate_group = info.replicate_group if all_reduce else None
-        return PendingReduction(self, params, sizes, output, rs, replicate_group, post)
+        return PendingReduction(self, params, output, rs, replicate_group, post)
 
 
 @dataclass(eq=False)
@@ -179,55 +184,48 @@ class PendingReduction:
     then division and hand-off to the sharded parameters' ``.grad``."""
 
     reducer: GradientReducer
-    _params: list[ShardedParam]
-    _sizes: list[int]
-    _output: torch.Tensor | None
-    _reduce_scatter: PendingCollective | None
-    _replicate_group: dist.ProcessGroup | None
+    _params: list[ShardedParam]  # packed at their chunk_numel
+    _output: torch.Tensor | None  # None once finished or discarded
+    _reduce_scatter: PendingCollective | None  # None once waited on
+    _replicate_group: dist.ProcessGroup | None  # None: no all-reduce this step
     _post_divide: float
     _all_reduce: PendingCollective | None = None
-    _scattered: bool = False
-    done: bool = False
 
-    def __post_init__(self) -> None:
+    @property
+    def _keep_partial(self) -> bool:
         # HSDP without all-reduce this step: keep the sums for a later all-reduce.
-        self._keep_partial = self.reducer.unit.mesh_info.is_hsdp and self._replicate_group is None
+        return self.reducer.unit.mesh_info.is_hsdp and self._replicate_group is None
 
     def advance(self) -> None:
         """Completes the reduce-scatter (freeing its full-size buffers) and starts
         the replicate all-reduce if there is one, without waiting for the latter."""
-        if self._scattered or self.done:
+        if self._reduce_scatter is None or self._output is None:
             return
-        if self._reduce_scatter is not None:
-            self._reduce_scatter.wait()
-            self._reduce_scatter = None
-        self._scattered = True
-        assert self._output is not None
+        self._reduce_scatter.wait()
+        self._reduce_scatter = None
         if self._keep_partial:
             return
         if self.reducer.partial_sums:
-            self.reducer.partial_reduce(self._params, self._sizes, self._output, keep=False)
+            self.reducer.partial_reduce(self._params, self._output, keep=False)
         if self._replicate_group is not None:
-            unit = self.reducer.unit
-            group = self._replicate_group
+            unit, group = self.reducer.unit, self._replicate_group
             self._all_reduce = _collectives.all_reduce(self._output, group, unit.name, unit.events)
 
     def finish(self) -> None:
         """Completes the reduction and accumulates into the sharded ``.grad``."""
-        if self.done:
-            return
         self.advance()
+        output = self._output
+        if output is None:
+            return
         if self._all_reduce is not None:
             self._all_reduce.wait()
             self._all_reduce = None
-        output = self._output
-        assert output is not None
         with torch.no_grad():
             if self._keep_partial:
-                self.reducer.partial_reduce(self._params, self._sizes, output, keep=True)
+                self.reducer.partial_reduce(self._params, output, keep=True)
             else:
-                self.reducer.hand_over(self._params, self._sizes, output, self._post_divide)
-        self._release()
+                self.reducer.hand_over(self._params, output, self._post_divide)
+        self._output, self._params = None, []
 
     def discard(self) -> None:
         """Drops this reduction (``reset_iter_state``), after waiting for the
@@ -236,12 +234,7 @@ class PendingReduction:
             if pending is not None:
                 pending.wait()
         self._reduce_scatter = self._all_reduce = None
-        self._release()
-
-    def _release(self) -> None:
-        self.done = True
-        self._output = None
-        self._params = []
+        self._output, self._params = None, []
 
 
 def _assign_sharded_grad(
@@ -254,16 +247,13 @@ def _assign_sharded_grad(
         local_grad = local_grad.to(p.orig_dtype)  # cast on the device, before the copy
     param = p.sharded_param
     existing = param.grad
+    # Like autograd's AccumulateGrad, run the hooks of register_post_accumulate_grad_hook.
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
     in_flight = False
     if p.offload_device is not None:
         # Asynchronous only into a fresh pinned gradient nothing reads before the
-        # caller synchronizes (accumulating into an existing gradient, or a
-        # post-accumulate-grad hook, would read it while the copy runs).
-        in_flight = (
-            pin_memory
-            and existing is None
-            and not getattr(param, "_post_accumulate_grad_hooks", None)
-        )
+        # caller synchronizes (accumulating, or a post-accumulate-grad hook, would).
+        in_flight = pin_memory and existing is None and not hooks
         local_grad = local_grad.to(p.offload_device, non_blocking=in_flight)
     if local_grad.shape != p.local_shape:
         local_grad = local_grad.reshape(p.local_shape)
@@ -271,26 +261,10 @@ def _assign_sharded_grad(
         param.grad = p.make_sharded_grad(local_grad)
     else:
         _compat.local_tensor(existing).add_(local_grad)
-    # Like autograd's AccumulateGrad, run the hooks registered with
-    # register_post_accumulate_grad_hook (e.g. optimizer-in-backward).
-    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
     if hooks:
         for hook in tuple(hooks.values()):
             hook(param)
     return in_flight
-
-
-def _warn_unused(unit: str, names: list[str]) -> None:
-    # As FSDP2, the reduce-scatter leaves out parameters without a gradient; only
-    # this rank's view is known here (the debug checks compare the ranks' lists).
-    warnings.warn(
-        f"fsdp_compose: {names} of unit {unit!r} got no gradient on this rank, so its "
-        "reduce-scatter leaves them out (as FSDP2's). If another rank has one (an MoE "
-        "expert without tokens here), gradients are mixed up or the collective fails: call "
-        "set_reduce_scatter_unused_params(True) on the model, or set requires_grad=False "
-        "where unused on every rank. FSDP_COMPOSE_DEBUG_COLLECTIVES=1 compares the ranks.",
-        stacklevel=2,
-    )
 
 
 @functools.cache

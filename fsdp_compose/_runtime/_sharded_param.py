@@ -1,36 +1,32 @@
 """One managed parameter: its sharded DTensor, padding, and unsharded view.
 
 [Note: sharding layout]
-A parameter of shape ``(n, *rest)`` sharded over W ranks on dim 0 is cut into W
-chunks of ``c = ceil(n / W)`` rows, like ``torch.chunk`` and DTensor's
-``Shard(0)``: rank r owns rows ``[min(r*c, n), min((r+1)*c, n))``, possibly fewer
-than ``c`` or none. The local shard is stored unpadded (the DTensor's local
-tensor); padding exists only in communication buffers, where every rank
-contributes a slot of ``c * prod(rest)`` elements, and is never read back (so
+A parameter of shape ``(n, *rest)`` sharded over W ranks on dim 0 is cut, like
+``torch.chunk`` and DTensor's ``Shard(0)``, into chunks of ``c = ceil(n / W)`` rows:
+rank r owns rows ``[min(r*c, n), min((r+1)*c, n))``, possibly none. The local
+shard is stored unpadded; padding exists only in communication buffers, where
+every rank has a slot of ``c * prod(rest)`` elements, and is never read back (so
 never zeroed). Sharding on a dim ``k > 0`` (``shard_placement_fn``) requires
 ``n_k`` divisible by W; the local shard is ``chunk(k)[r]`` made contiguous.
 
 [Note: tensor-parallel parameters]
-A DTensor parameter on a 1-D tensor-parallel mesh (``parallelize_module``) is
-sharded the same way on its *TP-local* tensor (``(n, *rest)`` the TP-local
-shape); the unit gathers and reduces TP-local tensors only. The sharded
+A DTensor parameter on a 1-D tensor-parallel mesh is sharded the same way on its
+*TP-local* tensor, which is all the unit gathers and reduces. The sharded
 parameter is a DTensor on the mesh ``dp x tp`` (``replicate x shard x tp`` with
-HSDP) with the TP DTensor's global shape, placed the FSDP way on the dp dim and
-the TP way on tp. When TP shards the same tensor dim, FSDP's rows are a slice
-*inside* each TP chunk: ``_StridedShard(dim, split_factor=tp_size)`` on the dp
-dim, so ``full_tensor()``, ``redistribute`` and DCP see the true global layout.
-The unsharded parameter is a DTensor on the TP mesh with the original placement
-whose local tensor is the gathered view (TP's forward runs as without FSDP); its
-gradient, possibly ``Partial``, is redistributed to the TP placement before its
-local tensor is reduce-scattered over dp.
+HSDP) of the TP DTensor's global shape. When TP shards the same tensor dim,
+FSDP's rows are a slice inside each TP chunk: ``_StridedShard(dim,
+split_factor=tp_size)`` on the dp dim, so ``full_tensor()`` and DCP see the true
+layout. The unsharded parameter is a DTensor on the TP mesh with the original
+placement (TP's forward runs as without FSDP); its gradient, possibly
+``Partial``, is redistributed to that placement before being reduce-scattered.
 
 [Note: parameter-subclass attributes]
 An ``nn.Parameter`` subclass without the all-gather extension (bitsandbytes'
 ``Params4bit``) is sharded as plain data, as in FSDP2, but the sharded and the
 unsharded parameters carry its instance attributes (``quant_state``, ...) and
-its properties' values at ``fully_shard``, for the module's ``forward``,
-``state_dict()`` and ``get_model_state_dict`` (which ``getattr``-s each key).
-The unsharded one takes the sharded one's current values when registered.
+its properties' values, for ``forward``, ``state_dict()`` and
+``get_model_state_dict``; the unsharded one takes the sharded one's current
+values when registered.
 """
 
 from __future__ import annotations
@@ -57,10 +53,9 @@ REPLACED_BY = "_fsdp_compose_replaced_by"
 
 class ShardedParam:
     """Owns one parameter's sharded DTensor and describes its unsharded form.
-    ``param`` is the original parameter (possibly on the meta device, or a
-    tensor-parallel DTensor), registered as every ``(module, attribute)`` of
-    ``owners`` (several for tied weights); ``shard_dim`` is its ``Shard`` dim; its
-    shard lives on ``device``, or on ``offload_device`` (the CPU, ``pin_memory``)."""
+    ``param`` (maybe on the meta device, or a TP DTensor) is registered as each
+    ``(module, attribute)`` of ``owners`` (several for tied weights); its shard
+    lives on ``device``, or on ``offload_device`` (the CPU, ``pin_memory``)."""
 
     def __init__(
         self,
@@ -73,7 +68,6 @@ class ShardedParam:
         pin_memory: bool = False,
     ) -> None:
         self.unit_label: str | None = None  # see mark_owned
-        # With tensor parallel, FSDP shards the TP-local tensor (see the note above).
         self.tp_spec = _tp_spec(param, owners, mesh_info)
         # The model-parallel dim of tp_spec's mesh and its placement (None: only dp dims).
         self.tp_dim: int | None = None
@@ -101,9 +95,9 @@ class ShardedParam:
         if shard_dim != 0 and size[shard_dim] % world != 0:
             tp_local = " (TP-local)" if self.tp_spec is not None else ""
             raise NotImplementedError(  # FSDP2's type, see [Note: FSDP2's exception types]
-                f"parameter {owners[0][1]!r} of{tp_local} shape {tuple(size)} cannot be sharded on dim "
-                f"{shard_dim} over {world} ranks: sharding on a dim other than 0 needs the dim "
-                f"size to be divisible by the shard world size (dim 0 allows uneven sizes)."
+                f"parameter {owners[0][1]!r} of{tp_local} shape {tuple(size)} cannot be sharded on "
+                f"dim {shard_dim} over {world} ranks: sharding on a dim other than 0 needs the dim "
+                "size to be divisible by the shard world size (dim 0 allows uneven sizes)."
             )
         self.owners = owners
         self.mesh_info = mesh_info
@@ -125,14 +119,11 @@ class ShardedParam:
         self.local_numel = self.local_shape.numel()
 
         self.spec = self._sharded_spec(param.dtype)
-        self.placements = self.spec.placements
 
-        # A subclass with FSDP2's all-gather extension stays the local tensor
-        # (see [Note: all-gather extensions]).
+        # An all-gather-extension subclass stays the local tensor ([Note: all-gather extensions]).
         self.extension = self.tp_spec is None and _extensions.has_extension(param)
         local = self._cut_local_shard(param, start, stop - start, pin_memory)
-        # Registered on the owning modules by fully_shard once the whole unit is
-        # valid (see [Note: atomic fully_shard]).
+        # fully_shard registers it once the whole unit is valid ([Note: atomic fully_shard]).
         self.sharded_param = nn.Parameter(
             _compat.dtensor_from_local(local, self.spec), requires_grad=requires_grad
         )
@@ -142,10 +133,8 @@ class ShardedParam:
         # Set by the unit at lazy init (its flat buffer decides where the data lives).
         self.unsharded_param: nn.Parameter | None = None
         self.compute_dtype: torch.dtype = param.dtype
-        # MixedPrecisionPolicy's param_dtype for this parameter (param_dtype_override_fn).
-        self.param_dtype: torch.dtype | None = None
-        # The unsharded parameter's grad_dtype (set by the unit at lazy init).
-        self.grad_dtype: torch.dtype | None = None
+        self.param_dtype: torch.dtype | None = None  # the policy's, for this parameter
+        self.grad_dtype: torch.dtype | None = None  # the unsharded parameter's
         # Unsharded gradient accumulated in the reduce dtype across no-sync steps.
         self.accumulated_grad: torch.Tensor | None = None
 
@@ -162,14 +151,10 @@ class ShardedParam:
                         f"parameter {self.fqn!r} is a {type(param).__name__} with FSDP2's "
                         "all-gather extension; fsdp_compose shards such parameters on dim 0 only."
                     )
-                padded = torch.Size((self.chunk_rows, *self.orig_size[1:]))
-                info = self.mesh_info
-                return _extensions.shard_subclass(
-                    param, info.shard_rank, info.shard_size, padded, device
-                )
+                return _extensions.shard_subclass(param, self.mesh_info, self.chunk_shape, device)
             if param.is_meta:
                 return torch.empty(self.local_shape, dtype=param.dtype, device="meta")
-            # clone so the full original tensor can be freed once fully_shard returns
+            # a copy, so the full original tensor can be freed
             local = param.detach().narrow(d, start, length)
             target = offload_device if offload_device is not None else device
             local = local.to(target, copy=True).contiguous()
@@ -181,13 +166,10 @@ class ShardedParam:
         info, d = self.mesh_info, self.shard_dim
         replicate: tuple[Placement, ...] = (Replicate(),) if info.is_hsdp else ()
         if self.tp_spec is None:
-            size = self.orig_size
+            stride = torch.empty(self.orig_size, device="meta").stride()
+            dp_placements = (*replicate, Shard(d))
             return _compat.make_dtensor_spec(
-                info.mesh,
-                (*replicate, Shard(d)),
-                size,
-                torch.empty(size, device="meta").stride(),
-                dtype,
+                info.mesh, dp_placements, self.orig_size, stride, dtype
             )
         spmd = info.spmd
         if spmd is None:  # FSDP's dims, then the TP mesh's one
@@ -214,10 +196,11 @@ class ShardedParam:
             return _compat.concatenate_meshes(self.mesh_info.mesh, tp_mesh)
         except Exception as exc:
             raise ValueError(
-                f"parameter {self.fqn!r} is a DTensor on mesh {tp_mesh}, which cannot be combined "
-                f"with fully_shard's mesh {self.mesh_info.mesh} ({exc}). Both must be sub-meshes of one "
-                'device mesh, e.g. mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", '
-                '"tp")); parallelize_module(block, mesh["tp"], ...); fully_shard(block, mesh=mesh["dp"]).'
+                f"parameter {self.fqn!r} is a DTensor on mesh {tp_mesh}, which cannot be "
+                f"combined with fully_shard's mesh {self.mesh_info.mesh} ({exc}). Both must be "
+                "sub-meshes of one device mesh, e.g. mesh = init_device_mesh(device, (dp, tp), "
+                'mesh_dim_names=("dp", "tp")); parallelize_module(block, mesh["tp"], ...); '
+                'fully_shard(block, mesh=mesh["dp"]).'
             ) from exc
 
     # -- registration ------------------------------------------------------
@@ -251,18 +234,18 @@ class ShardedParam:
         return self.sharded_param._version + self.local_shard._version
 
     def resync_sharded_param(self) -> None:
-        """Adopts a new sharded parameter object if the module's registration was
-        replaced (``load_state_dict(assign=True)``, ``_apply`` without swap)."""
+        """Adopts the module's new sharded parameter if it was replaced
+        (``load_state_dict(assign=True)``, ``_apply`` without swap)."""
         current = self.registered()
         if current is self.sharded_param:
             self.mark_owned()  # _apply swaps tensor contents, __dict__ included
             return
         if not isinstance(current, DTensor) or current.shape != self.global_size:
             raise RuntimeError(
-                f"parameter {self.fqn!r} was replaced by "
-                f"{type(current).__name__}{tuple(getattr(current, 'shape', ()))} after fully_shard; "
-                "a sharded module's parameters must stay DTensors of the original shape "
-                "(load a state dict instead of assigning new parameters)."
+                f"parameter {self.fqn!r} was replaced by {type(current).__name__}"
+                f"{tuple(getattr(current, 'shape', ()))} after fully_shard; a sharded module's "
+                "parameters must stay DTensors of the original shape (load a state dict instead "
+                "of assigning new parameters)."
             )
         if not isinstance(current, nn.Parameter):
             current = nn.Parameter(current, requires_grad=self.sharded_param.requires_grad)
@@ -272,9 +255,8 @@ class ShardedParam:
         self.mark_owned()
 
     def mark_owned(self, unit_label: str | None = None) -> None:
-        """Marks the sharded parameter as fsdp_compose's (read by misuse checks
-        and the local optimizer step), with the label of the unit owning it and
-        its name (read by the whole-matrix optimizers' agreement check)."""
+        """Marks the sharded parameter with the label of the unit owning it (read by
+        misuse checks, the local optimizer step) and its name (whole-matrix checks)."""
         if unit_label is not None:
             self.unit_label = unit_label
         if self.unit_label is not None and getattr(self.sharded_param, SHARDED_BY, None) is None:
@@ -389,9 +371,7 @@ def _check_shardable(param: torch.Tensor, owners: list[tuple[nn.Module, str]]) -
 
 def _shard_dim_of(placement: Placement, ndim: int) -> int | None:
     """The tensor dim a TP placement shards, or None (replicated)."""
-    if type(placement) is Shard:
-        return placement.dim % ndim
-    return None
+    return placement.dim % ndim if type(placement) is Shard else None
 
 
 def _tp_spec(param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_info: MeshInfo) -> Any:
@@ -404,9 +384,9 @@ def _tp_spec(param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_info
         if spmd is None:
             return None
         raise ValueError(
-            f"When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
-            f"mesh (e.g. via distribute_tensor / distribute_module), but parameter {name} is a "
-            f"plain tensor. Distribute it on {spmd.mesh} with Replicate() on the data-parallel dims."
+            "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh "
+            f"(e.g. via distribute_tensor / distribute_module), but parameter {name} is a plain "
+            f"tensor. Distribute it on {spmd.mesh} with Replicate() on the data-parallel dims."
         )
     mesh = param.device_mesh
     model_dims = [0]

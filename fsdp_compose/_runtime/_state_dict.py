@@ -1,16 +1,15 @@
 """State-dict hooks of a unit, and loading full (unsharded) state dicts.
 
-``state_dict()`` and ``load_state_dict()`` see the sharded DTensor parameters, as
-in FSDP2; ``state_dict()`` reads them without resharding (safe from another thread
-while a forward runs, which FSDP2's resharding pre-hook is not). Beyond FSDP2 (which loads only sharded DTensors; a full state dict goes
-through ``torch.distributed.checkpoint.state_dict.set_model_state_dict``),
-``load_state_dict`` also takes a full plain tensor of a parameter's global shape,
-and with tensor parallel a DTensor laid out by TP alone (a state dict saved before
-``fully_shard``): each rank cuts its own shard locally, without communication.
+``state_dict()`` and ``load_state_dict()`` see the sharded DTensor parameters, as in
+FSDP2; ``state_dict()`` reads them without resharding (safe from another thread while
+a forward runs). Beyond FSDP2, ``load_state_dict`` also takes a full plain tensor of a
+parameter's global shape and, with tensor parallel, a DTensor laid out by TP alone (saved
+before ``fully_shard``): each rank cuts its own shard locally, without communication.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -25,81 +24,39 @@ from ._unit import Unit
 if TYPE_CHECKING:
     from ._hooks import UnitState
 
-__all__ = ["register_state_dict_hooks", "shard_of", "sharded_from_state"]
+__all__ = ["register_state_dict_hooks", "sharded_from_state"]
 
-
-def shard_of(p: ShardedParam, full: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a full tensor of ``p``'s (global) shape, computed
-    locally (no communication)."""
-    if p.tp_spec is not None:
-        full = _tp_local_of(p, full)
-    return _dp_shard_of(p, full)
-
-
-def _dp_shard_of(p: ShardedParam, unsharded: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a tensor of ``p``'s (TP-local) unsharded shape."""
-    rows = p.orig_size[p.shard_dim]
-    start = min(p.mesh_info.shard_rank * p.chunk_rows, rows)
-    return unsharded.narrow(p.shard_dim, start, p.local_shape[p.shard_dim])
-
-
-def _tp_local_of(p: ShardedParam, full: torch.Tensor) -> torch.Tensor:
-    """This rank's TP-local part of a full tensor: ``torch.chunk`` semantics,
-    like DTensor's ``Shard``; the whole tensor for ``Replicate``."""
-    assert p.tp_spec is not None
-    if p.tp_placement is None or p.tp_dim is None:
-        return full
-    dim = _shard_dim_of(p.tp_placement, full.dim())
-    if dim is None:
-        return full
-    mesh = p.tp_spec.mesh
-    size, rank = full.size(dim), mesh.get_local_rank(p.tp_dim)
-    chunk = math.ceil(size / mesh.size(p.tp_dim))
-    start = min(rank * chunk, size)
-    return full.narrow(dim, start, min(chunk, size - start))
+_Named = list[tuple[str, ShardedParam]]  # a module's (attribute name, parameter) pairs
 
 
 def sharded_from_state(
     p: ShardedParam, value: torch.Tensor, *, own: bool = False
 ) -> DTensor | None:
-    """A state-dict value as ``p``'s sharded DTensor (the conversion
-    ``load_state_dict`` applies), or None to leave the value as it is.
-
-    Converts a full plain tensor of the parameter's global shape and, with
-    tensor parallel, a DTensor laid out by TP alone; both without communication.
-    The shard lands on the parameter's storage device (also when the module is
-    still on the meta device). With ``own`` (``assign=True``: the result becomes
-    the parameter) it is a copy that owns its memory, not a view that would keep
-    the caller's whole tensor alive.
-    """
+    """A full plain tensor of ``p``'s global shape (or with TP, a DTensor laid out by
+    TP alone) as ``p``'s sharded DTensor on its storage device, cut locally; None for
+    other values (left as they are). With ``own`` (``assign=True``) the shard is a
+    copy, not a view keeping the caller's whole tensor alive."""
+    tp = p.tp_spec
     if value.shape != p.global_size:
         return None
-    if not isinstance(value, DTensor):
-        local = shard_of(p, value)
-    elif (
-        p.tp_spec is not None
-        and value.device_mesh == p.tp_spec.mesh
-        and tuple(value.placements) == tuple(p.tp_spec.placements)
-    ):
-        local = _dp_shard_of(p, _compat.local_tensor(value))
-    else:
-        return None
+    if isinstance(value, DTensor):
+        if tp is None or value.device_mesh != tp.mesh or value.placements != tp.placements:
+            return None
+        value = _compat.local_tensor(value)
+    elif tp is not None and p.tp_placement is not None and p.tp_dim is not None:
+        dim = _shard_dim_of(p.tp_placement, value.dim())
+        if dim is not None:  # TP's part first: torch.chunk semantics, like DTensor's Shard
+            size, rank = value.size(dim), tp.mesh.get_local_rank(p.tp_dim)
+            chunk = math.ceil(size / tp.mesh.size(p.tp_dim))
+            start = min(rank * chunk, size)
+            value = value.narrow(dim, start, min(chunk, size - start))
+    d = p.shard_dim  # then FSDP's shard of the (TP-local) unsharded tensor
+    start = min(p.mesh_info.shard_rank * p.chunk_rows, p.orig_size[d])
+    local = value.narrow(d, start, p.local_shape[d])
     device = p.offload_device or p.device
     if own or local.device != device:
         local = local.to(device, copy=True).contiguous()
     return p.make_sharded_grad(local)
-
-
-def _convert_loaded(
-    state_dict: dict[str, Any], prefix: str, params: list[tuple[str, ShardedParam]], assign: bool
-) -> None:
-    for name, p in params:
-        key = prefix + name
-        value = state_dict.get(key)
-        if isinstance(value, torch.Tensor):
-            sharded = sharded_from_state(p, value, own=assign)
-            if sharded is not None:
-                state_dict[key] = sharded
 
 
 def register_state_dict_hooks(
@@ -110,38 +67,39 @@ def register_state_dict_hooks(
     registrations of ``unit``'s parameters (a borrower's, ``_shared``)."""
     if owners is None:
         owners = [(module, name, p) for p in unit.params for module, name in p.owners]
-    owner_params: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
+    owner_params: dict[nn.Module, _Named] = {}
     for module, name, p in owners:
         owner_params.setdefault(module, []).append((name, p))
 
+    def load_pre_hook(
+        params: _Named,
+        _module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any] | None = None,
+        *_: Any,
+    ) -> None:
+        state.reshard(unit)
+        assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
+        for name, p in params:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor):
+                sharded = sharded_from_state(p, value, own=assign)
+                if sharded is not None:
+                    state_dict[prefix + name] = sharded
+
+    def load_post_hook(*_: Any) -> None:
+        state.reshard(unit)  # parameters may have been re-assigned (assign=True)
+        unit.invalidate()
+
     for module, params in owner_params.items():
-
-        def load_pre_hook(
-            _module: nn.Module,
-            state_dict: dict[str, Any],
-            prefix: str,
-            local_metadata: dict[str, Any] | None = None,
-            *_: Any,
-            _params: list[tuple[str, ShardedParam]] = params,
-        ) -> None:
-            state.reshard(unit)
-            assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
-            _convert_loaded(state_dict, prefix, _params, assign)
-
-        def load_post_hook(*_: Any) -> None:
-            # Parameters may have been re-assigned (assign=True).
-            state.reshard(unit)
-            unit.invalidate()
-
-        module.register_state_dict_post_hook(
-            lambda _m, state_dict, prefix, _meta, _p=params: _save_shards(state_dict, prefix, _p)
-        )
-        module.register_load_state_dict_pre_hook(load_pre_hook)
+        module.register_state_dict_post_hook(functools.partial(_save_shards, params))
+        module.register_load_state_dict_pre_hook(functools.partial(load_pre_hook, params))
         module.register_load_state_dict_post_hook(load_post_hook)
 
 
 def _save_shards(
-    state_dict: dict[str, Any], prefix: str, params: list[tuple[str, ShardedParam]]
+    params: _Named, _module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any
 ) -> None:
     """Puts the shards in ``state_dict`` without touching the unit: another thread
     (torchft's recovery) may ask while a step has the unsharded parameters registered."""

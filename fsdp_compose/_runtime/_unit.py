@@ -1,12 +1,6 @@
-"""A unit: the parameters of one ``fully_shard`` call, communicated together.
-
-A unit all-gathers its parameters into one flat buffer and reduce-scatters its
-gradients, one collective each. It knows *how* to unshard, reshard and reduce;
-the scheduler decides *when*. Here: its settings (:class:`UnitOptions`) and its
-gather/free state machine; it holds the flat buffer
-(:class:`~fsdp_compose._runtime._flat_buffer.FlatBuffer`) and its gradient
-reducer (:class:`~fsdp_compose._runtime._reduce.GradientReducer`).
-"""
+"""A unit: the parameters of one ``fully_shard`` call, all-gathered and reduce-scattered
+together (one collective each). It knows *how* to unshard, reshard and reduce; the
+scheduler decides *when*."""
 
 from __future__ import annotations
 
@@ -32,18 +26,16 @@ from ._extensions import ExtensionGather
 from ._flat_buffer import FlatBuffer
 from ._mesh import MeshInfo, post_forward_subgroup
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._reduce import GradientReducer, PendingReduction
+from ._reduce import GradientReducer
 from ._sharded_param import ShardedParam
 
-__all__ = ["PendingReduction", "Phase", "ShardState", "Unit", "UnitOptions"]
+__all__ = ["Phase", "ShardState", "Unit", "UnitOptions"]
 
 
 @dataclasses.dataclass(frozen=True)
 class UnitOptions:
-    """A unit's user settings: ``fully_shard``'s ``reshard_after_forward`` and what
-    the ``FSDPModule.set_*`` methods set, which replace the object
-    (:meth:`Unit.configure`) rather than change it, so a reader holds one
-    consistent set."""
+    """A unit's user settings (``reshard_after_forward`` and the ``FSDPModule.set_*``
+    ones); replaced whole by :meth:`Unit.configure`, so a reader holds one set."""
 
     reshard_after_forward: bool | int = True
     reshard_after_backward: bool = True
@@ -89,9 +81,8 @@ class Phase(Enum):
 
 
 class Unit:
-    """The parameter group of one :func:`fully_shard` call: its managed ``params``
-    (in registration order) of the annotated ``modules``, and the call's layout and
-    policies (``reshard_after_forward``: a bool or an int group size)."""
+    """The parameter group of one :func:`fully_shard` call: its ``params`` (in
+    registration order) of the annotated ``modules``, with the call's mesh and policies."""
 
     def __init__(
         self,
@@ -106,10 +97,8 @@ class Unit:
         self.modules = modules
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
-        # On a CPU mesh everything already lives on the CPU: offloading is a no-op.
-        self.offload = (
-            isinstance(offload_policy, CPUOffloadPolicy) and mesh_info.device.type != "cpu"
-        )
+        on_cpu = mesh_info.device.type == "cpu"  # everything lives there: nothing to offload
+        self.offload = isinstance(offload_policy, CPUOffloadPolicy) and not on_cpu
         # Pinned host shards make the device-to-host gradient copies asynchronous.
         self.pin_memory = self.offload and bool(getattr(offload_policy, "pin_memory", False))
         self.name = type(modules[0]).__name__  # refined to the module's FQN at lazy init
@@ -123,32 +112,30 @@ class Unit:
         # With reshard_after_forward=N: the N-rank group backward gathers in.
         self._post_forward_group: dist.ProcessGroup | None = None
         self._post_forward_rank = 0
-        self._initialized = False
         self.set_reshard_after_forward(reshard_after_forward)
-        # Made at lazy init: the flat buffer, or for units with all-gather
-        # extension parameters the per-parameter gather.
+        # Made at lazy init (None: not initialized): the flat buffer, or the
+        # per-parameter gather of units with all-gather extension parameters.
         self.buffer: FlatBuffer | None = None
         self._extension: ExtensionGather | None = None
         self._pending_gather: PendingCollective | None = None
         self._gather_output: torch.Tensor | None = None  # (world, row) while gathering
         self._gather_world = 0
         self._post_forward_shard: torch.Tensor | None = None
-        # Parked: gathered data kept after a no-grad forward with the shards
-        # registered (for the optimizer); the next use re-registers, no gather.
+        # Parked: the shards registered (for the optimizer) after a no-grad forward,
+        # the gathered data kept for the next use.
         self._parked = False
         self._gathered_versions: list[int] = []
 
     # -- configuration ---------------------------------------------------
 
     def configure(self, **changes: Any) -> None:
-        """Replaces the named :class:`UnitOptions` fields (``reshard_after_forward``
-        through :meth:`set_reshard_after_forward`)."""
+        """Replaces the named :class:`UnitOptions` fields (but not
+        ``reshard_after_forward``: :meth:`set_reshard_after_forward`)."""
         assert "reshard_after_forward" not in changes
         self.options = dataclasses.replace(self.options, **changes)
 
     def set_reshard_after_forward(self, value: bool | int) -> None:
-        # Resharding is the scheduler's (its memory accounting follows every state
-        # change): the caller reshards a partially sharded unit first.
+        # The scheduler reshards (its memory accounting follows every state change).
         assert self.state is not ShardState.PARTIALLY_SHARDED, (
             f"unit {self.name!r}: reshard (through the scheduler) before changing "
             "reshard_after_forward"
@@ -182,47 +169,39 @@ class Unit:
 
     @property
     def unsharded_nbytes(self) -> int:
-        """Bytes the unsharded parameters occupy (what the rate limiter budgets);
-        known once the unit is initialized (:meth:`lazy_init`)."""
-        assert self._initialized, f"unit {self.name!r}: unsharded_nbytes before lazy_init"
-        if self._extension is not None:
-            world = self.mesh_info.shard_size  # an estimate until the first gather
-            guess = sum(world * p.chunk_numel * p.compute_dtype.itemsize for p in self.params)
-            return self._extension.nbytes or guess
-        assert self.buffer is not None
-        return self.buffer.nbytes
+        """Bytes the unsharded parameters occupy (what the rate limiter budgets)."""
+        gather = self._extension or self.buffer
+        assert gather is not None, f"unit {self.name!r}: unsharded_nbytes before lazy_init"
+        return gather.nbytes
 
     # -- lazy initialisation: dtypes and buffer layout -------------------
 
     def invalidate(self) -> None:
-        """Forces layout and views to be rebuilt (after ``_apply``/dtype changes).
-        The caller reshards the unit first, through its scheduler."""
+        """Forces layout and views to be rebuilt (after ``_apply``/dtype changes)."""
         assert self.state is ShardState.SHARDED and self._pending_gather is None, (
             f"unit {self.name!r} is {self.state.value}: reshard it (through the "
             "scheduler) before invalidating its layout"
         )
-        self._initialized = False
         self._extension = self.buffer = None
         for p in self.params:
             p.unsharded_param = None
 
     def lazy_init(self) -> None:
-        if self._initialized:
+        if self.buffer is not None or self._extension is not None:
             return
-        # The buffers and views made here outlive this call: made inside
-        # torch.inference_mode() (an evaluation first), they would be inference
-        # tensors, unusable for training ever after.
+        # Buffers and views made inside torch.inference_mode() (an evaluation first)
+        # would be inference tensors, unusable for training ever after.
         with torch.inference_mode(False):
             for p in self.params:
                 p.resync_sharded_param()
             self.events.unit("lazy_init", self)
             self._init_dtypes()
             if any(p.extension for p in self.params):
-                self._extension = ExtensionGather(self.params, self.mp_policy)
+                world = self.mesh_info.shard_size
+                self._extension = ExtensionGather(self.params, self.mp_policy, world)
             else:
                 self.buffer = FlatBuffer(self.params, self.mesh_info, self.offload)
                 self._free_unsharded()
-        self._initialized = True
 
     def _init_dtypes(self) -> None:
         for p in self.params:
@@ -269,48 +248,37 @@ class Unit:
         if self.holds_unsharded:
             return
         self.lazy_init()
-        comm = self.options.all_gather_comm
-        if self._extension is not None:
-            self._gathered_versions = [p.data_version() for p in self.params]
-            self._gather_output, self._pending_gather = self._extension.start(
-                comm,
-                self.mesh_info.mesh,
-                self.mesh_info.shard_group,
-                self.mesh_info.shard_rank,
-                self.name,
-                self.events,
-            )
-            return
-        buffer = self.buffer
-        assert buffer is not None
-        if buffer.alias:
+        buffer, info = self.buffer, self.mesh_info
+        if buffer is not None and buffer.alias:
             self._pending_gather = _collectives.DONE
             return
+        comm, world, group = self.options.all_gather_comm, info.shard_size, info.shard_group
         # Partially sharded: gather this rank's post-forward share in its group.
         shard = self._post_forward_shard if self.state is ShardState.PARTIALLY_SHARDED else None
-        if shard is not None:
-            group, rank, row = self._post_forward_group, self._post_forward_rank, shard.numel()
-            world = self.options.reshard_after_forward
-            assert isinstance(world, int) and group is not None
-        else:
-            world, rank, row = buffer.world, self.mesh_info.shard_rank, buffer.row
-            group = self.mesh_info.shard_group
-        device = self.mesh_info.device
-        out = _collectives.allocate(
-            comm, world * row, buffer.dtype, device, self.name, "all_gather"
-        )
-        # As in FSDP2, the input is this rank's row of the output.
-        send = out.view(world, row)[rank]
         if shard is None:
             self._gathered_versions = [p.data_version() for p in self.params]
-            buffer.copy_in(send)
+        if self._extension is not None:
+            out, send = self._extension.pack(comm, info, self.name)
         else:
-            send.copy_(shard)
+            assert buffer is not None
+            rank, row = info.shard_rank, buffer.row
+            if shard is not None:
+                assert self._post_forward_group is not None
+                group, rank, row = self._post_forward_group, self._post_forward_rank, shard.numel()
+                world = self.options.reshard_after_forward
+            out = _collectives.allocate(
+                comm, world * row, buffer.dtype, info.device, self.name, "all_gather"
+            )
+            send = out.view(world, row)[rank]  # as in FSDP2, the input is a row of the output
+            if shard is None:
+                buffer.copy_in(send)
+            else:
+                send.copy_(shard)
         self._gather_output, self._gather_world = out, world
         self._pending_gather = (
             _collectives.DONE
             if world == 1
-            else _collectives.all_gather(comm, out, send, group, self.name, self.events)
+            else _collectives.launch("all_gather", comm, out, send, group, self.name, self.events)
         )
 
     def wait_unshard(self) -> None:
@@ -324,21 +292,18 @@ class Unit:
         pending.wait()
         self._pending_gather = None
         out, self._gather_output = self._gather_output, None
-        if self._extension is not None:
-            assert out is not None
-            self._extension.finish(out, self.mesh_info.shard_size)
-            self.events.unit("gathered", self)
-        elif not self.aliases_shards:
-            assert out is not None and self.buffer is not None
-            self.buffer.copy_out(out, self._gather_world)
+        if out is not None:  # None: the parameters alias the shards
+            gather = self._extension or self.buffer
+            assert gather is not None
+            gather.copy_out(out, self._gather_world)
             self.events.unit("gathered", self)
         self._post_forward_shard = None
         self._register_unsharded()
         self._transition(ShardState.UNSHARDED)
 
     def params_changed_since_unshard(self) -> bool:
-        """True if a sharded parameter was written (e.g. by the optimizer) after the
-        unsharded copy was gathered, so the unsharded copy is stale."""
+        """Whether a sharded parameter was written (e.g. by the optimizer) since the
+        unsharded copy was gathered."""
         if self.aliases_shards or not self._gathered_versions:
             return False
         return any(p.data_version() != v for p, v in zip(self.params, self._gathered_versions))
@@ -384,17 +349,12 @@ class Unit:
         for p in self.params:
             p.register(p.sharded_param)
         self._parked = False
-        if self._extension is not None:
-            self._extension.free()
-        else:
-            self._free_unsharded()
+        self._free_unsharded()
         self._transition(ShardState.PARTIALLY_SHARDED if keep_share else ShardState.SHARDED)
 
     def abandon_gather(self) -> None:
-        """Forgets a gather whose collective failed (its wait raised): there is
-        nothing to wait for any more, only state to clear."""
-        self._pending_gather = None
-        self._gather_output = None
+        """Forgets a gather whose collective failed (its wait raised)."""
+        self._pending_gather = self._gather_output = None
 
     def _transition(self, to: ShardState) -> None:
         # As FSDP2, every change of where the data lives is one of these.
@@ -402,5 +362,7 @@ class Unit:
         self.state = to
 
     def _free_unsharded(self) -> None:
-        if self.buffer is not None and not self.options.keep_unsharded_storage:
+        if self._extension is not None:
+            self._extension.free()
+        elif self.buffer is not None and not self.options.keep_unsharded_storage:
             self.buffer.free()
