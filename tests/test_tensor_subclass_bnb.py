@@ -129,7 +129,10 @@ def test_qlora_training_matches_one_process_and_keeps_quant_state(world: int, st
     """Losses, adapter gradients and parameters equal one process's (W=3: the
     packed rows are sharded unevenly); fsdp_compose's sharded and unsharded base
     weights carry the original ``quant_state``; FSDP2's carry none."""
-    for which in ("ours", "torch"):
+    # FSDP2 before torch 2.13 cannot shard a uint8 parameter at all (its sharded
+    # nn.Parameter requires grad): only fsdp_compose runs there.
+    old_fsdp2 = storage == "uint8" and torch.__version__ < "2.13"
+    for which in ("ours",) if old_fsdp2 else ("ours", "torch"):
         results = run_distributed(_train_job, world, which, storage)
         for r in results:
             assert max(r["loss_diffs"]) <= 1e-5, (which, r["loss_diffs"])
