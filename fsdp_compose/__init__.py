@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._fully_shard import fully_shard
 from ._grad_scaler import ShardedGradScaler
 from ._optim import enable_sharded_step
 from ._pipelining import PipelineStage
@@ -26,7 +27,6 @@ from ._runtime._fsdp_module import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
-from ._runtime._fully_shard import fully_shard
 from ._runtime._mesh import DataParallelMeshDims
 from ._runtime._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 

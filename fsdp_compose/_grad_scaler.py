@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from . import _tool_compat
 from ._runtime import _compat
 
 __all__ = ["ShardedGradScaler"]
@@ -164,7 +165,7 @@ def _communication_device(group: dist.ProcessGroup, scale_device: torch.device) 
     unless the scale is on the CPU and the group has no CPU backend (NCCL only)."""
     if scale_device.type != "cpu":
         return scale_device
-    backend = _compat.backend_name(group)
+    backend = _tool_compat.backend_name(group)
     if "gloo" in backend or "mpi" in backend or "cpu" in backend or not torch.cuda.is_available():
         return scale_device
     return torch.device("cuda", torch.cuda.current_device())

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from . import _tool_compat
 from ._runtime import _compat
 from ._runtime._sharded_param import SHARDED_BY
 
@@ -271,6 +272,6 @@ def _as_state_of(p: DTensor, local: torch.Tensor, value: Any, old: dict[str, Any
         # Created like the parameter (zeros_like / clone of the gradient): the
         # DTensor path would have made a DTensor with the parameter's layout.
         return _compat.dtensor_from_local(
-            value, _compat.dtensor_spec_with_dtype(_compat.dtensor_spec(p), value.dtype)
+            value, _compat.dtensor_spec_with_dtype(_tool_compat.dtensor_spec(p), value.dtype)
         )
     return value  # scalars such as ``step`` are plain tensors on both paths

@@ -55,9 +55,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import _env, _tool_compat
 from ._optim_checks import check_optimizer
-from ._runtime import _compat, _env
-from ._runtime._errors import CollectiveMismatchError
 from ._runtime._events import CollectiveEvent, CollectiveInfo, Observer, UnitEvent
 from ._runtime._fsdp_module import FSDPModule
 from ._runtime._unit import Unit
@@ -73,6 +72,11 @@ _FALLBACK_TIMEOUT_S = 60.0  # where torch does not expose a group's timeout
 # The next fingerprint's number per (rank, group), shared by every root of the
 # rank (keyed by rank too: in a threaded process group every rank is a thread).
 _seq: dict[tuple[int, tuple[int, ...]], int] = {}
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks of one process group issued different collectives (or some none):
+    raised on every rank by the debug checks."""
 
 
 class CollectiveChecks(Observer):
@@ -126,7 +130,7 @@ class CollectiveChecks(Observer):
         me = dist.get_rank()
         seq = _seq.get((me, ranks), 0)
         _seq[(me, ranks)] = seq + 1
-        store = _compat.default_store()
+        store = _tool_compat.default_store()
         group_key = "-".join(map(str, ranks))
         prefix = f"fsdp_compose/fingerprint/{group_key}/{seq}/"
         dtype_name = str(dtype).replace("torch.", "")
@@ -135,7 +139,7 @@ class CollectiveChecks(Observer):
         others = [r for r in ranks if r != me]
         timeout = self.timeout
         if timeout is None:
-            timeout = _compat.process_group_timeout(group) or _FALLBACK_TIMEOUT_S
+            timeout = _tool_compat.process_group_timeout(group) or _FALLBACK_TIMEOUT_S
         try:
             store.wait([prefix + str(r) for r in others], timedelta(seconds=timeout))
         except RuntimeError as exc:

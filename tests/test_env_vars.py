@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_compose._runtime import _env
+from fsdp_compose import _env
 
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,7 +56,7 @@ def test_every_variable_read_is_validated() -> None:
 
 def test_invalid_values_read_at_use(monkeypatch: pytest.MonkeyPatch) -> None:
     from fsdp_compose import debug
-    from fsdp_compose._runtime import _env
+    from fsdp_compose import _env
 
     monkeypatch.setenv("FSDP_COMPOSE_DEBUG_TIMEOUT", "5s")
     with pytest.raises(ValueError, match="FSDP_COMPOSE_DEBUG_TIMEOUT='5s'"):

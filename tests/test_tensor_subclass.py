@@ -318,7 +318,7 @@ def _release_job() -> None:
     # Unsharded, the gathered int8 data and scales are gone; the rebuilt weight is not.
     model[0].unshard()
     (unit,) = model[0]._units(recurse=False)
-    outputs = [o for pg in unit._extension.params for o in pg.outputs]
+    outputs = [o for pg in unit.extension.params for o in pg.outputs]
     weight = model[0].weight
     assert type(weight) is nn.Parameter and weight.untyped_storage().size() > 0
     assert [o.untyped_storage().size() for o in outputs[:2]] == [0, 0]  # the weight's

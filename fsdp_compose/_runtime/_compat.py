@@ -78,11 +78,6 @@ def local_tensor(dtensor: torch.Tensor) -> torch.Tensor:
     return dtensor._local_tensor  # type: ignore[attr-defined]
 
 
-def dtensor_spec(dtensor: DTensor) -> Any:
-    """The (private) spec of ``dtensor``: mesh, placements and tensor metadata."""
-    return dtensor._spec
-
-
 def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
     """Suspends an active ``FakeTensorMode`` (a dry run) for code that must read
     tensor values back, such as a ``DeviceMesh``'s rank table."""
@@ -117,29 +112,6 @@ def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tenso
     """Packs ``tensors`` into ``out`` (``(num_chunks, -1)``) in one fused kernel: row
     ``r`` holds every tensor's ``r``-th dim-0 chunk, padded, cast to ``out.dtype``."""
     torch._chunk_cat(list(tensors), dim=0, num_chunks=num_chunks, out=out)
-
-
-def backend_name(group: dist.ProcessGroup) -> str:
-    """Lower-case backend name of ``group`` (``"gloo"``, ``"nccl"``, ...)."""
-    try:
-        return str(dist.get_backend(group)).lower()
-    except (RuntimeError, ValueError, KeyError):  # a group torch does not know
-        return "unknown"
-
-
-def default_store() -> dist.Store:
-    """The default process group's key-value store (e.g. torchrun's): rank checks
-    exchange through it instead of issuing collectives."""
-    return dist.distributed_c10d._get_default_store()
-
-
-def process_group_timeout(group: dist.ProcessGroup) -> float | None:
-    """The timeout (seconds) ``group`` was created with (private options), or None."""
-    try:
-        device = torch.device("cpu") if backend_name(group) == "gloo" else torch.device("cuda")
-        return float(group._get_backend(device).options._timeout.total_seconds())
-    except (AttributeError, RuntimeError, TypeError, ValueError):
-        return None
 
 
 _NO_LABEL = contextlib.nullcontext()

@@ -17,8 +17,3 @@ class FSDPValueError(ValueError, AssertionError):
 
 class FSDPRuntimeError(RuntimeError, AssertionError):
     """A refused operation that torch's FSDP2 refuses with ``AssertionError``."""
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks of one process group issued different collectives (or some none):
-    raised on every rank by the debug checks (``fsdp_compose.debug``)."""

@@ -3,37 +3,52 @@
 [Note: runtime events]
 Each root's tree of units shares one :class:`Events` object (held by its
 ``ScheduleSettings``, then by its scheduler). Tools subscribe an :class:`Observer`
-to it (``FSDPModule.register_observer``): the trace, the debug checks, the unit-use
-checks (``_validation``) and the tests' collective logs all see the same calls, in
-program order. Nothing is module-global: two roots have two observer lists and two
+to it (``FSDPModule.register_observer``): the trace, the debug checks, the checks
+fsdp_compose adds to FSDP2's (``fsdp_compose._checks``, which the public
+``fully_shard`` passes to every call) and the tests' collective logs all see the same
+calls, in program order. Nothing is module-global: two roots have two observer lists and two
 step counters. With no observer, an event costs one truthiness check of a tuple.
 An observer may raise from ``on_collective("issue", ...)`` to refuse the collective
-before any data moves (the debug checks raise a mismatch this way, on every rank).
+before any data moves (the debug checks raise a mismatch this way, on every rank);
+from ``on_annotate`` to refuse a ``fully_shard`` call before it changes anything.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 if TYPE_CHECKING:
+    from ._mesh import MeshInfo
+    from ._policies import MixedPrecisionPolicy, OffloadPolicy
     from ._unit import Unit
 
-__all__ = ["CollectiveEvent", "CollectiveInfo", "CollectiveKind", "Events", "Observer", "UnitEvent"]
+__all__ = [
+    "Annotation",
+    "CollectiveEvent",
+    "CollectiveInfo",
+    "CollectiveKind",
+    "Events",
+    "Observer",
+    "UnitEvent",
+]
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 #: ``issue``: about to be launched; ``complete``: the backend finished it (from its
 #: thread where the work has a future, else at the wait); ``wait_begin``/``wait_end``.
 CollectiveEvent = Literal["issue", "complete", "wait_begin", "wait_end"]
 #: A unit's lazy init, forward and backward spans, a gather finished (``gathered``) or
-#: about to be freed (``resharding``), and the scheduler's prefetch decisions.
+#: about to be freed (``resharding``), the scheduler's prefetch decisions, and an
+#: extension unit's all-gather inputs packed, before the collective (``packed``).
 UnitEvent = Literal[
     "lazy_init",
+    "packed",
     "forward_begin",
     "forward_end",
     "backward_begin",
@@ -73,9 +88,31 @@ class CollectiveInfo:
         return self.output_numel * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class Annotation:
+    """One ``fully_shard`` call as the runtime resolved it, before it changes anything:
+    ``managed``, the modules whose parameters it manages; ``owners``, each parameter it
+    will shard with the (module, name) pairs that hold it."""
+
+    modules: tuple[nn.Module, ...]
+    managed: list[nn.Module]
+    ignored: set[nn.Parameter]
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]]
+    mesh_info: MeshInfo
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    shard_placement_fn: Any
+
+
 class Observer:
     """Subscribes to one root's runtime events (see [Note: runtime events]).
     Every method does nothing here: override the ones you need."""
+
+    def on_annotate(self, call: Annotation) -> None:
+        """A ``fully_shard`` call given this observer is about to change its modules."""
+
+    def on_root_init(self, units: Sequence[Unit]) -> None:
+        """The root's lazy init named and initialized its tree's ``units``."""
 
     def on_step(self, step: int) -> None:
         """A forward pass of the root began: ``step`` counts them from 1."""
@@ -93,14 +130,19 @@ class Observer:
         """A collective of the root's units was issued, completed or waited for."""
 
 
+_EVENT_METHODS = ("on_annotate", "on_root_init", "on_step", "on_unit", "on_memory", "on_collective")
+
+
 class Events:
     """One root's observers, in subscription order, and its step count. Each kind of
     event goes only to the observers that override its method (no cost elsewhere)."""
 
-    __slots__ = ("_seq", "observers", "on_collective", "on_memory", "on_step", "on_unit", "step")
+    __slots__ = ("_seq", "observers", "step", *_EVENT_METHODS)
 
     def __init__(self, observers: Iterable[Observer] = ()) -> None:
         self.observers: list[Observer] = []
+        self.on_annotate: tuple[Observer, ...] = ()
+        self.on_root_init: tuple[Observer, ...] = ()
         self.on_step: tuple[Observer, ...] = ()
         self.on_unit: tuple[Observer, ...] = ()
         self.on_memory: tuple[Observer, ...] = ()
@@ -126,7 +168,7 @@ class Events:
             self._split()
 
     def _split(self) -> None:
-        for name in ("on_step", "on_unit", "on_memory", "on_collective"):
+        for name in _EVENT_METHODS:
             default = getattr(Observer, name)
             chosen = tuple(o for o in self.observers if getattr(type(o), name) is not default)
             setattr(self, name, chosen)
@@ -135,6 +177,14 @@ class Events:
         """Takes over ``other``'s observers (a subtree annotated earlier)."""
         for observer in other.observers:
             self.add(observer)
+
+    def annotate(self, call: Annotation) -> None:
+        for observer in self.on_annotate:
+            observer.on_annotate(call)
+
+    def root_init(self, units: Sequence[Unit]) -> None:
+        for observer in self.on_root_init:
+            observer.on_root_init(units)
 
     def begin_step(self) -> None:
         self.step += 1

@@ -17,19 +17,18 @@ subclass. Its unit gathers per parameter, as FSDP2 does, not via the flat buffer
 * ``fsdp_should_release_all_gather_outputs_after_post_all_gather()``, if true,
   frees the outputs right after the rebuild.
 
-Plain parameters of such a unit are gathered the same way, padded and cast. The
-ranks compare what they gather at the unit's first all-gather, so hooks that
-disagree raise an error naming the parameter instead of hanging.
+Plain parameters of such a unit are gathered the same way, padded and cast. Each
+pack is an event (``packed``) before the collective: the checks of the public
+``fully_shard`` compare the ranks' inputs there, so hooks that disagree raise an
+error naming the parameter instead of hanging.
 """
 
 from __future__ import annotations
 
-import ast
 import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from . import _collectives, _compat
 from ._collectives import AllGather
@@ -104,7 +103,6 @@ class ExtensionGather:
     ) -> None:
         self.params = [_ParamGather(p) for p in params]
         self.mp_policy = mp_policy
-        self.checked = False
         # Of the last all-gather output; an estimate until the first one.
         self.nbytes = sum(world * p.chunk_numel * p.compute_dtype.itemsize for p in params)
         self.owns_output = False  # allocated here (torch.empty), not by a custom comm
@@ -148,13 +146,10 @@ class ExtensionGather:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Calls the pre-all-gather hooks and packs their inputs into this rank's row
         of a new all-gather output (from ``comm``); returns the output and the row."""
-        mesh, group, world = info.mesh, info.shard_group, info.shard_size
+        mesh, world = info.mesh, info.shard_size
         if mesh.ndim > 1:  # HSDP: the shard dim's mesh, as FSDP2 passes
             mesh = mesh[mesh.mesh_dim_names[-1]]  # type: ignore[index]
         inputs = [t for pg in self.params for t in self._inputs(pg, mesh)]
-        if not self.checked:
-            self._check_same_inputs(group, world)
-            self.checked = True
         dtypes = {t.dtype for t in inputs}
         dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.uint8
         if dtype.is_floating_point and dtype.itemsize == 1:  # float8: gloo has no such type
@@ -168,17 +163,6 @@ class ExtensionGather:
         torch.cat(pieces, out=send)
         self.nbytes = out.numel() * out.element_size()
         return out, send
-
-    def _check_same_inputs(self, group: dist.ProcessGroup, world: int) -> None:
-        if world == 1 or _compat.backend_name(group) == "fake":
-            return
-        from ._validation import compare_across_ranks  # imports the unit: import late
-
-        layout = [
-            (pg.param.fqn, [tuple(s) for s in pg.sizes], [str(d) for d in pg.dtypes])
-            for pg in self.params
-        ]
-        compare_across_ranks(repr(layout), group, _describe_difference)
 
     def copy_out(self, out: torch.Tensor, world: int) -> None:
         """Copies the gathered rows into each parameter's outputs and rebuilds the
@@ -234,17 +218,6 @@ class ExtensionGather:
         for pg in self.params:
             for t in (*pg.outputs, *pg.inner):
                 free_storage(t)
-
-
-def _describe_difference(mine: str, other: str) -> str:
-    a, b = ast.literal_eval(mine), ast.literal_eval(other)
-    for (name, sizes, dtypes), (_, other_sizes, other_dtypes) in zip(a, b):
-        if (sizes, dtypes) != (other_sizes, other_dtypes):
-            return (
-                f"parameter {name!r}: fsdp_pre_all_gather returned sizes {sizes} and dtypes "
-                f"{dtypes} on one rank but sizes {other_sizes} and dtypes {other_dtypes} on another"
-            )
-    return "the all-gather inputs differ"
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:

@@ -6,15 +6,16 @@ attaches the hooks, and mixes :class:`FSDPModule` into the module's class."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, overload
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, Shard
 
-from . import _shared, _validation
+from . import _shared
 from ._errors import FSDPValueError
-from ._fsdp_module import FSDPModule, fsdp_class_of
+from ._events import Annotation, Events, Observer
+from ._fsdp_module import fsdp_class_of
 from ._hooks import UnitState, state_of
 from ._mesh import (
     DataParallelMeshDims,
@@ -24,40 +25,12 @@ from ._mesh import (
     resolve_spmd_mesh_info,
     validate_reshard_after_forward,
 )
-from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, adopt_torch_policies
+from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._sharded_param import IGNORED_BY, REPLACED_BY, ShardedParam
 from ._state_dict import register_state_dict_hooks
 from ._unit import Unit
 
-__all__ = ["fully_shard"]
-
-
-@overload
-def fully_shard(
-    module: nn.Module,
-    *,
-    mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: DataParallelMeshDims | None = ...,
-) -> FSDPModule: ...
-
-
-@overload
-def fully_shard(
-    module: list[nn.Module],
-    *,
-    mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: DataParallelMeshDims | None = ...,
-) -> list[FSDPModule]: ...
+__all__ = ["describe_modules", "fully_shard"]
 
 
 def fully_shard(
@@ -70,53 +43,11 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
+    observers: Iterable[Observer] = (),
 ) -> Any:
-    """Shards ``module``'s parameters across the data-parallel ranks of ``mesh``.
-
-    Each call makes one *unit* of the parameters of ``module``'s subtree that no
-    earlier call on a submodule manages, so call it bottom-up (blocks first, then
-    the root). In place, each becomes an ``nn.Parameter`` wrapping a
-    :class:`DTensor` sharded on dim 0 (``(Replicate(), Shard(0))`` on a 2-D HSDP
-    mesh), so names, ``state_dict()`` keys and the module tree are unchanged, and
-    the module's class becomes a subclass of :class:`FSDPModule` and of its
-    original class. Build the optimizer after sharding.
-
-    A unit all-gathers its parameters with one collective before its forward,
-    frees them after forward if ``reshard_after_forward``, gathers them again for
-    backward, and reduce-scatters its gradients (averaged over the data-parallel
-    ranks) with one collective once its backward is done. The root waits for
-    every reduction before ``backward()`` returns.
-
-    Args:
-        module (Union[nn.Module, List[nn.Module]]): the module to shard, or several
-            modules to group as one unit (communicated together).
-        mesh (Optional[DeviceMesh]): a 1-D mesh shards over all of its ranks; a 2-D
-            mesh ``(replicate, shard)`` shards over dim 1 and replicates over dim 0
-            (HSDP). Its device type is the device parameters live on. Defaults to a
-            1-D mesh over the default process group on its backend's device.
-        reshard_after_forward (Optional[Union[bool, int]]): ``True`` frees the
-            unsharded parameters after forward; ``False`` keeps them until after
-            backward; an ``int`` N dividing the shard world size keeps 1/N of them,
-            so backward gathers within groups of N ranks (1 means ``False``, with a
-            warning); ``None`` means ``True`` except for the root.
-        shard_placement_fn (Optional[Callable[[nn.Parameter], Optional[Shard]]]):
-            chooses the sharded dim per parameter (``None`` means ``Shard(0)``); a
-            dim other than 0 must divide evenly. A ``ShardPlacementResult(placement,
-            mesh_info)`` shards the parameter over ``mesh_info.mesh`` instead
-            ([Note: per-parameter meshes]).
-        mp_policy (MixedPrecisionPolicy): mixed precision for this unit.
-        offload_policy (OffloadPolicy): :class:`CPUOffloadPolicy` keeps sharded
-            parameters, gradients and optimizer states in host memory.
-        ignored_params (Optional[Set[nn.Parameter]]): parameters left as they are:
-            not sharded, not moved, not reduced.
-        dp_mesh_dims (Optional[DataParallelMeshDims]): when given, ``mesh`` is the
-            full SPMD mesh (e.g. dims ``("dp", "tp")``) and every parameter a
-            DTensor on it, ``Replicate()`` on the data-parallel dims; parameters are
-            sharded over the dim named ``shard`` ([Note: dp_mesh_dims]).
-
-    Returns:
-        The same module (or list), now an :class:`FSDPModule`.
-    """
+    """FSDP2's ``fully_shard`` (documented on the public :func:`fsdp_compose.fully_shard`),
+    with ``observers`` subscribed to the new unit's events: each first sees the call
+    (``on_annotate``) before anything changes."""
     modules = _validate_modules(module)
     ignored = _validate_ignored_params(ignored_params)
     mesh = default_mesh() if mesh is None else mesh
@@ -126,6 +57,12 @@ def fully_shard(
         )
     if dp_mesh_dims is None:
         mesh_info = resolve_mesh_info(mesh)
+        if mesh.ndim == 2 and mesh.mesh_dim_names is None:  # FSDP2: an AssertionError
+            raise FSDPValueError(  # see [Note: FSDP2's exception types]
+                "Please init the 2D mesh for HSDP with mesh_dim_names specified: "
+                f"fully_shard got a 2-D mesh without mesh_dim_names ({mesh}); build it with "
+                'mesh_dim_names=("replicate", "shard") (dim 0 replicates, dim 1 shards).'
+            )
     else:  # a full SPMD mesh, see [Note: dp_mesh_dims]
         mesh_info = resolve_spmd_mesh_info(mesh, dp_mesh_dims)
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
@@ -135,14 +72,14 @@ def fully_shard(
             )
     reshard = validate_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
 
-    # [Note: atomic fully_shard] Everything that can fail (checks beyond FSDP2's
-    # included) runs before the module changes: shards are built aside and installed
+    # [Note: atomic fully_shard] Everything that can fail (the observers' checks of the
+    # call included) runs before the module changes: shards are built aside and installed
     # once all is valid, so a failed call leaves the module as it was for a retry.
     managed = _managed_modules(modules)
-    mp_policy, offload_policy = adopt_torch_policies(mp_policy, offload_policy)  # type: ignore[assignment]
     policies = (mp_policy, offload_policy, shard_placement_fn)
     owners = _managed_params(managed, ignored)
-    _validation.check_call(modules, managed, ignored, owners, mesh_info, policies)
+    events = Events(observers)
+    events.annotate(Annotation(modules, managed, ignored, owners, mesh_info, *policies))
     # Parameters another unit already sharded: borrowed ([Note: shared parameters]).
     borrowed = _shared.collect_borrowed(managed, ignored, mesh_info, mp_policy, offload_policy)
     units, sharded = _build_units(
@@ -150,7 +87,7 @@ def fully_shard(
     )
     unit_of = {id(p): u for u in units for p in u.params}
     # Validated: from here on the module changes.
-    unit_label = _validation.describe(modules)
+    unit_label = describe_modules(modules)
     _move_buffers(managed, mesh_info.device)
     for param in ignored & {p for m in managed for p in m._parameters.values()}:
         setattr(param, IGNORED_BY, unit_label)  # left plain on purpose, not forgotten
@@ -159,7 +96,7 @@ def fully_shard(
         sharded_param.mark_owned(unit_label)
         setattr(param, REPLACED_BY, unit_label)
     # (reshard_after_forward None: the root keeps its parameters)
-    state = UnitState(modules, units, mp_policy, reshard_after_forward is None)
+    state = UnitState(modules, units, mp_policy, reshard_after_forward is None, events)
     state.adopt_subtree_settings()
     for unit in units:
         register_state_dict_hooks(unit, state)
@@ -216,6 +153,11 @@ def _build_units(
     return units, sharded
 
 
+def describe_modules(modules: tuple[nn.Module, ...]) -> str:
+    """The class names of a ``fully_shard`` call's modules (its unit's label)."""
+    return ", ".join(type(m).__name__ for m in modules)
+
+
 def _validate_modules(module: object) -> tuple[nn.Module, ...]:
     candidates = (module,) if isinstance(module, nn.Module) else module
     if not isinstance(candidates, (list, tuple)):
@@ -227,6 +169,12 @@ def _validate_modules(module: object) -> tuple[nn.Module, ...]:
     for m in candidates:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__} in the list")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(
+                "fully_shard does not support containers that do not implement forward: "
+                f"fully_shard cannot annotate a {type(m).__name__} container (no hook would "
+                "run). Annotate its elements (e.g. each block) instead."
+            )
         if state_of(m) is not None:
             raise FSDPValueError(  # see [Note: FSDP2's exception types]
                 "Each distinct composable distributed API can only be applied to a module "

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from . import _compat, _env, _shared, _validation
+from . import _compat, _shared
 from ._events import Events
 from ._policies import MixedPrecisionPolicy
 from ._scheduler import Scheduler, ScheduleSettings
@@ -67,6 +67,7 @@ class UnitState:
         units: list[Unit],
         mp_policy: MixedPrecisionPolicy,
         auto_reshard_after_forward: bool,
+        events: Events,
     ) -> None:
         self.modules = modules
         self.own_units = units  # one per data-parallel mesh: [Note: per-parameter meshes]
@@ -78,7 +79,7 @@ class UnitState:
         self.root_state: UnitState | None = None
         self.all_states: list[UnitState] = []  # root only: every state in its tree
         # One object per tree (adopt_subtree_settings), with the tree's event list.
-        self.settings = ScheduleSettings(events=Events([_validation.USE_CHECKS]))
+        self.settings = ScheduleSettings(events=events)
         # Explicit prefetch lists of a call without parameters (else in unit.options).
         self.forward_prefetch: tuple[Unit, ...] = ()
         self.backward_prefetch: tuple[Unit, ...] = ()
@@ -160,10 +161,6 @@ class UnitState:
         if self.auto_reshard_after_forward:
             for unit in self.own_units:
                 unit.set_reshard_after_forward(False)
-        if _env.debug_collectives():
-            from ..debug import CollectiveChecks  # the user turned debug mode on
-
-            self.settings.events.add(CollectiveChecks())
         scheduler = Scheduler(units, self.settings)
         scheduler.shared = _shared.count_uses(units, states, root_module)
         for state in states:
@@ -172,7 +169,7 @@ class UnitState:
         self.all_states = states
         for unit in units:
             unit.lazy_init()
-        _validation.check_same_structure(units)
+        self.settings.events.root_init(units)
 
     def reset_iter_state(self) -> None:
         """Returns every unit of this root's tree to a clean sharded, idle state

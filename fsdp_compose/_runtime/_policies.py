@@ -4,11 +4,10 @@ validated on construction, so a bad policy fails where it is written."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
-from torch.distributed import fsdp as torch_fsdp
 
 __all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
 
@@ -95,25 +94,6 @@ class MixedPrecisionPolicy:
             )
         param_dtype = self.param_dtype if override is None else override
         return replace(self, param_dtype=param_dtype, param_dtype_override_fn=None)
-
-
-def adopt_torch_policies(mp_policy: object, offload_policy: object) -> tuple[object, object]:
-    """fsdp_compose's equivalents of ``torch.distributed.fsdp`` policies (so an FSDP2
-    program runs with only ``fully_shard``'s import changed); others are returned as is."""
-    if isinstance(mp_policy, torch_fsdp.MixedPrecisionPolicy):
-        values = {f.name: getattr(mp_policy, f.name) for f in fields(mp_policy)}
-        unknown = sorted(set(values) - {f.name for f in fields(MixedPrecisionPolicy)})
-        if unknown:
-            raise NotImplementedError(
-                f"torch {torch.__version__}'s MixedPrecisionPolicy has fields {unknown} that "
-                "this fsdp_compose does not know; use fsdp_compose.MixedPrecisionPolicy"
-            )
-        mp_policy = MixedPrecisionPolicy(**values)
-    if isinstance(offload_policy, torch_fsdp.CPUOffloadPolicy):
-        offload_policy = CPUOffloadPolicy(pin_memory=offload_policy.pin_memory)
-    elif type(offload_policy) is torch_fsdp.OffloadPolicy:
-        offload_policy = OffloadPolicy()
-    return mp_policy, offload_policy
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,7 @@ class Unit:
         # Made at lazy init (None: not initialized): the flat buffer, or the
         # per-parameter gather of units with all-gather extension parameters.
         self.buffer: FlatBuffer | None = None
-        self._extension: ExtensionGather | None = None
+        self.extension: ExtensionGather | None = None
         self._pending_gather: PendingCollective | None = None
         self._gather_output: torch.Tensor | None = None  # (world, row) while gathering
         self._gather_world = 0
@@ -170,7 +170,7 @@ class Unit:
     @property
     def unsharded_nbytes(self) -> int:
         """Bytes the unsharded parameters occupy (what the rate limiter budgets)."""
-        gather = self._extension or self.buffer
+        gather = self.extension or self.buffer
         assert gather is not None, f"unit {self.name!r}: unsharded_nbytes before lazy_init"
         return gather.nbytes
 
@@ -182,26 +182,51 @@ class Unit:
             f"unit {self.name!r} is {self.state.value}: reshard it (through the "
             "scheduler) before invalidating its layout"
         )
-        self._extension = self.buffer = None
+        self.extension = self.buffer = None
         for p in self.params:
             p.unsharded_param = None
 
     def lazy_init(self) -> None:
-        if self.buffer is not None or self._extension is not None:
+        if self.buffer is not None or self.extension is not None:
             return
         # Buffers and views made inside torch.inference_mode() (an evaluation first)
         # would be inference tensors, unusable for training ever after.
         with torch.inference_mode(False):
             for p in self.params:
                 p.resync_sharded_param()
+            self._check_placement()
             self.events.unit("lazy_init", self)
             self._init_dtypes()
             if any(p.extension for p in self.params):
                 world = self.mesh_info.shard_size
-                self._extension = ExtensionGather(self.params, self.mp_policy, world)
+                self.extension = ExtensionGather(self.params, self.mp_policy, world)
             else:
                 self.buffer = FlatBuffer(self.params, self.mesh_info, self.offload)
                 self._free_unsharded()
+
+    def _check_placement(self) -> None:
+        """FSDP2's check at lazy init: every shard materialized, on the mesh's
+        device (or the CPU, offloaded)."""
+        on_meta = [p.fqn for p in self.params if p.sharded_param.is_meta]
+        if on_meta:
+            raise RuntimeError(
+                f"fully_shard unit {self.name!r} has parameters on the meta device: {on_meta} "
+                "(never materialized, or moved there after fully_shard). Before the first "
+                "forward, call model.to_empty(device=...), then re-initialize them or load a "
+                "state dict."
+            )
+        expected = self.mesh_info.device
+        wrong = [
+            (p.fqn, str(p.local_shard.device))
+            for p in self.params
+            if p.local_shard.device.type != (p.offload_device or expected).type
+        ]
+        if wrong:
+            raise RuntimeError(
+                f"fully_shard unit {self.name!r} expects its sharded parameters on the mesh's "
+                f"device {expected}{' (or the CPU: offloaded)' if self.offload else ''}, found "
+                f"{wrong}. Build the mesh on the intended device instead of moving the module."
+            )
 
     def _init_dtypes(self) -> None:
         for p in self.params:
@@ -257,8 +282,9 @@ class Unit:
         shard = self._post_forward_shard if self.state is ShardState.PARTIALLY_SHARDED else None
         if shard is None:
             self._gathered_versions = [p.data_version() for p in self.params]
-        if self._extension is not None:
-            out, send = self._extension.pack(comm, info, self.name)
+        if self.extension is not None:
+            out, send = self.extension.pack(comm, info, self.name)
+            self.events.unit("packed", self)
         else:
             assert buffer is not None
             rank, row = info.shard_rank, buffer.row
@@ -293,7 +319,7 @@ class Unit:
         self._pending_gather = None
         out, self._gather_output = self._gather_output, None
         if out is not None:  # None: the parameters alias the shards
-            gather = self._extension or self.buffer
+            gather = self.extension or self.buffer
             assert gather is not None
             gather.copy_out(out, self._gather_world)
             self.events.unit("gathered", self)
@@ -362,7 +388,7 @@ class Unit:
         self.state = to
 
     def _free_unsharded(self) -> None:
-        if self._extension is not None:
-            self._extension.free()
+        if self.extension is not None:
+            self.extension.free()
         elif self.buffer is not None and not self.options.keep_unsharded_storage:
             self.buffer.free()

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
+from .._fully_shard import fully_shard
 from .._runtime._fsdp_module import FSDPModule
-from .._runtime._fully_shard import fully_shard
 from .._runtime._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._policy import ShardingPlan, WrapPolicy, resolve_plan
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from .. import _tool_compat
 from .._runtime import _compat
 from ._agree import DigestCache, Members, add_member, agree_and_prune
 from ._exchange import Layouts, ShardLayout
@@ -113,7 +114,7 @@ class _Job:
         else:
             state["variance"] = _compat.dtensor_from_local(
                 torch.zeros_like(self.grad, memory_format=torch.preserve_format),
-                _compat.dtensor_spec(p),
+                _tool_compat.dtensor_spec(p),
             )
 
     def first_phase(self) -> list[torch.Tensor]:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .. import _tool_compat
 from .._runtime import _compat
 from ._agree import Descriptor, check_agreement
 from ._exchange import ExchangePlan, ShardLayout, layout_of
@@ -154,7 +155,7 @@ def map_full_matrices(
             )
     return [
         _compat.dtensor_from_local(
-            out, _compat.dtensor_spec_with_dtype(_compat.dtensor_spec(t), out_dtype)
+            out, _compat.dtensor_spec_with_dtype(_tool_compat.dtensor_spec(t), out_dtype)
         )
         if isinstance(t, DTensor)
         else out

@@ -83,6 +83,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from .. import _tool_compat
 from .._runtime import _compat
 from ._agree import RoundOutcomes
 
@@ -150,7 +151,7 @@ class Layouts:
         return len(self._known)
 
     def of(self, p: DTensor, what: str) -> ShardLayout:
-        spec, local_shape = _compat.dtensor_spec(p), _compat.local_tensor(p).shape
+        spec, local_shape = _tool_compat.dtensor_spec(p), _compat.local_tensor(p).shape
         known = self._known.get(id(p))
         if known is None or known[0] is not spec or known[1] != local_shape:
             known = self._known[id(p)] = (spec, local_shape, layout_of(p, what))

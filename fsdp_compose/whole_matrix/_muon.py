@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import _tool_compat
 from .._runtime import _compat
 from .._runtime._sharded_param import SHARDED_BY
 from ._agree import DigestCache, Members, add_member, agree_and_prune
@@ -226,7 +227,7 @@ def _run(
         if "momentum_buffer" not in entry:
             entry["momentum_buffer"] = _compat.dtensor_from_local(
                 torch.zeros_like(grad, memory_format=torch.preserve_format),
-                _compat.dtensor_spec(dgrad),
+                _tool_compat.dtensor_spec(dgrad),
             )
         buf = _compat.local_tensor(entry["momentum_buffer"])
         buf.lerp_(grad, 1 - group["momentum"])

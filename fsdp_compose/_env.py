@@ -55,7 +55,7 @@ def seconds(name: str) -> float | None:
 
 def debug_collectives() -> bool:
     """``FSDP_COMPOSE_DEBUG_COLLECTIVES``: every root subscribes ``fsdp_compose.debug``'s
-    collective checks at its lazy init."""
+    collective checks at its lazy init (through the public ``fully_shard``'s checks)."""
     return flag("FSDP_COMPOSE_DEBUG_COLLECTIVES", False)
 
 
