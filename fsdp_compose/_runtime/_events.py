@@ -109,7 +109,8 @@ class Observer:
     Every method does nothing here: override the ones you need."""
 
     def on_annotate(self, call: Annotation) -> None:
-        """A ``fully_shard`` call given this observer is about to change its modules."""
+        """A ``fully_shard`` call given this observer (the runtime's ``observers=``, as
+        fsdp_compose's checks are) is about to change its modules; raising refuses it."""
 
     def on_root_init(self, units: Sequence[Unit]) -> None:
         """The root's lazy init named and initialized its tree's ``units``."""
