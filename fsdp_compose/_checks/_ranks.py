@@ -30,7 +30,8 @@ _DEFAULT_TIMEOUT_S = 600.0
 _CHECKED = "_fsdp_compose_inputs_checked"  # on an extension unit, after its first pack
 
 
-def _compared(group: Any) -> bool:
+def _compared(group: dist.ProcessGroup | None) -> bool:
+    """Whether ranks of ``group`` are compared: several of them, on a real backend."""
     return group is not None and group.size() > 1 and _tool_compat.backend_name(group) != "fake"
 
 
