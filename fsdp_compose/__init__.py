@@ -18,17 +18,23 @@ from ._fully_shard import fully_shard
 from ._grad_scaler import ShardedGradScaler
 from ._optim import enable_sharded_step
 from ._pipelining import PipelineStage
-from ._runtime._collectives import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
-from ._runtime._events import CollectiveInfo, Observer
-from ._runtime._fsdp_module import (
+from ._runtime import (
+    AllGather,
+    CollectiveInfo,
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    DefaultAllGather,
+    DefaultReduceScatter,
     FSDPModule,
     GradientReductionHandle,
+    MixedPrecisionPolicy,
+    Observer,
+    OffloadPolicy,
+    ReduceScatter,
     UnshardHandle,
     register_fsdp_forward_method,
     share_comm_ctx,
 )
-from ._runtime._mesh import DataParallelMeshDims
-from ._runtime._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 if TYPE_CHECKING:
     from . import debug, ft, plan, safetensors_io, subclass_checkpoint, trace, whole_matrix

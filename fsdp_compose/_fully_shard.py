@@ -17,11 +17,15 @@ import torch.nn as nn
 from torch.distributed import fsdp as torch_fsdp
 from torch.distributed.tensor import DeviceMesh, Shard
 
+from . import _runtime
 from ._checks import CHECKS
-from ._runtime import _fully_shard as _runtime
-from ._runtime._fsdp_module import FSDPModule
-from ._runtime._mesh import DataParallelMeshDims
-from ._runtime._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._runtime import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 
 __all__ = ["fully_shard"]
 

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from . import _runtime as runtime
 from . import _tool_compat
-from ._runtime import _compat
 
 __all__ = ["ShardedGradScaler"]
 
@@ -122,7 +122,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
                         raise ValueError("Attempting to unscale FP16 gradients.")
                     # The local shard shares storage with the DTensor: unscaling it
                     # in place unscales the gradient the optimizer will read.
-                    local = _compat.local_tensor(grad) if isinstance(grad, DTensor) else grad
+                    local = runtime.local_tensor(grad) if isinstance(grad, DTensor) else grad
                     if local.is_sparse:
                         if local.dtype == torch.float16:
                             # duplicates could overflow only once summed: check coalesced

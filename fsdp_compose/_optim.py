@@ -53,9 +53,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from . import _runtime as runtime
 from . import _tool_compat
-from ._runtime import _compat
-from ._runtime._sharded_param import SHARDED_BY
 
 #: A sharded update for one optimizer class: it updates the parameters it can
 #: (their states included) and returns them; torch's own ``step`` then skips them.
@@ -211,7 +210,7 @@ def _eligible(optimizer: torch.optim.Optimizer) -> bool:
         if group.get("differentiable", False):
             return False
         for p in group["params"]:
-            if isinstance(p, DTensor) and getattr(p, SHARDED_BY, None) is None:
+            if isinstance(p, DTensor) and runtime.owner_of(p) is None:
                 return False  # a DTensor that is not ours (e.g. tensor parallel only)
     return True
 
@@ -232,13 +231,13 @@ class _LocalSwap:
                 if not isinstance(p, DTensor):
                     local_params.append(p)
                     continue
-                local = _compat.local_tensor(p)
+                local = runtime.local_tensor(p)
                 grad = p.grad
-                local.grad = None if grad is None else _compat.local_tensor(grad)
+                local.grad = None if grad is None else runtime.local_tensor(grad)
                 old = state.pop(p, None)
                 if old is not None:
                     state[local] = {
-                        k: _compat.local_tensor(v) if isinstance(v, DTensor) else v
+                        k: runtime.local_tensor(v) if isinstance(v, DTensor) else v
                         for k, v in old.items()
                     }
                 self._entries.append((p, local, old))
@@ -266,12 +265,12 @@ def _as_state_of(p: DTensor, local: torch.Tensor, value: Any, old: dict[str, Any
         return value
     if old is not None:
         for previous in old.values():  # updated in place: the original DTensor
-            if isinstance(previous, DTensor) and _compat.local_tensor(previous) is value:
+            if isinstance(previous, DTensor) and runtime.local_tensor(previous) is value:
                 return previous
     if value.dim() > 0 and value.shape == local.shape:
         # Created like the parameter (zeros_like / clone of the gradient): the
         # DTensor path would have made a DTensor with the parameter's layout.
-        return _compat.dtensor_from_local(
-            value, _compat.dtensor_spec_with_dtype(_tool_compat.dtensor_spec(p), value.dtype)
+        return runtime.dtensor_from_local(
+            value, runtime.dtensor_spec_with_dtype(_tool_compat.dtensor_spec(p), value.dtype)
         )
     return value  # scalars such as ``step`` are plain tensors on both paths

@@ -20,8 +20,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ._runtime._fsdp_module import FSDPModule
-from ._runtime._sharded_param import IGNORED_BY, REPLACED_BY, SHARDED_BY
+from ._runtime import FSDPModule, is_ignored, owner_of, replaced_by
 
 __all__ = ["check_optimizer"]
 
@@ -67,22 +66,22 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> Remov
 
 def _findings(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[tuple[str, str]]:
     held = [p for group in optimizer.param_groups for p in group["params"]]
-    if not any(hasattr(p, SHARDED_BY) or hasattr(p, REPLACED_BY) for p in held):
+    if not any(owner_of(p) is not None or replaced_by(p) is not None for p in held):
         return []  # not an optimizer of fsdp_compose parameters
     found = []
-    replaced = [p for p in held if hasattr(p, REPLACED_BY)]
+    replaced = [p for p in held if replaced_by(p) is not None]
     if replaced:
         found.append(
             (
                 "replaced",
                 f"the optimizer holds {len(replaced)} parameter(s) that fully_shard("
-                f"{getattr(replaced[0], REPLACED_BY)}) replaced by sharded ones: they get no "
+                f"{replaced_by(replaced[0])}) replaced by sharded ones: they get no "
                 "gradient and are never trained. Build the optimizer after fully_shard, "
                 "from model.parameters().",
             )
         )
     own = {id(p) for p in model.parameters()}
-    foreign = [p for p in held if id(p) not in own and not hasattr(p, REPLACED_BY)]
+    foreign = [p for p in held if id(p) not in own and replaced_by(p) is None]
     if foreign:
         found.append(
             (
@@ -94,11 +93,7 @@ def _findings(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[tuple[
             )
         )
     if not isinstance(model, FSDPModule):
-        plain = [
-            p
-            for p in held
-            if id(p) in own and not hasattr(p, SHARDED_BY) and not hasattr(p, IGNORED_BY)
-        ]
+        plain = [p for p in held if id(p) in own and owner_of(p) is None and not is_ignored(p)]
         if plain and any(p.grad is not None for p in plain):
             found.append(
                 (

@@ -17,7 +17,7 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
-from ._runtime._fsdp_module import FSDPModule
+from ._runtime import FSDPModule
 
 __all__ = ["PipelineStage"]
 

@@ -57,9 +57,7 @@ import torch.nn as nn
 
 from . import _env, _tool_compat
 from ._optim_checks import check_optimizer
-from ._runtime._events import CollectiveEvent, CollectiveInfo, Observer, UnitEvent
-from ._runtime._fsdp_module import FSDPModule
-from ._runtime._unit import Unit
+from ._runtime import CollectiveEvent, CollectiveInfo, FSDPModule, Observer, Unit, UnitEvent
 
 __all__ = [
     "CollectiveChecks",

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor
 
-from ._runtime._fsdp_module import FSDPModule
+from ._runtime import FSDPModule
 
 if TYPE_CHECKING:
     from torchft.manager import Manager

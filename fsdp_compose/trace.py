@@ -40,9 +40,7 @@ from typing import Any, Literal, cast
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._runtime._events import CollectiveEvent, CollectiveInfo, Observer, UnitEvent
-from ._runtime._fsdp_module import FSDPModule
-from ._runtime._unit import Unit
+from ._runtime import CollectiveEvent, CollectiveInfo, FSDPModule, Observer, Unit, UnitEvent
 
 __all__ = ["Timeline", "merge_chrome_traces", "recording"]
 

@@ -298,10 +298,18 @@ def test_muon_checkpoint_resumes_at_another_world_size(tmp_path) -> None:
             )
 
 
+class _FakeOwner:
+    unit_label = "tp"
+    fqn = "tp"
+
+    def __init__(self, sharded_param: torch.Tensor) -> None:
+        self.sharded_param = sharded_param
+
+
 def _bad_input_job() -> dict:
     from torch.distributed.tensor import Shard
 
-    from fsdp_compose._runtime._sharded_param import SHARDED_BY
+    from fsdp_compose._runtime import _ownership
 
     model = _shard(_model())
     out: dict = {}
@@ -312,7 +320,9 @@ def _bad_input_job() -> dict:
     # A matrix sharded on columns, as tensor parallelism would leave it under fully_shard.
     mesh = next(model.parameters()).device_mesh
     tp = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(1)]))
-    setattr(tp, SHARDED_BY, "tp")
+    # recorded as a unit's sharded parameter, as the runtime records its own
+    owner = _FakeOwner(tp)
+    _ownership.record_sharded(tp, owner)  # type: ignore[arg-type]
     muon_params = [p for p in model.parameters() if p.ndim == 2]
     opt = enable_sharded_step(torch.optim.Muon([*muon_params, tp], lr=0.1))
     _set_grads(model, _model(), 0)

@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .. import _env
-from .._runtime._events import Annotation, Observer, UnitEvent
-from .._runtime._unit import Unit
+from .._runtime import Annotation, Observer, Unit, UnitEvent
 from ._arguments import check_annotation
 from ._ranks import check_same_inputs, check_same_structure
 from ._use import check_use

@@ -15,12 +15,17 @@ import weakref
 import torch
 import torch.nn as nn
 
-from .._runtime._events import Annotation
-from .._runtime._fully_shard import describe_modules
-from .._runtime._mesh import MeshInfo
-from .._runtime._policies import MixedPrecisionPolicy, OffloadPolicy
-from .._runtime._sharded_param import IGNORED_BY, REPLACED_BY, SHARDED_BY
-from .._runtime._shared import is_borrowed
+from .._runtime import (
+    Annotation,
+    MeshInfo,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    describe_modules,
+    ignored_by,
+    is_borrowed,
+    owner_of,
+    replaced_by,
+)
 
 __all__ = ["check_annotation"]
 
@@ -108,14 +113,14 @@ def _check_siblings(
             for name, p in module._parameters.items()
             if p is not None
             and p not in ignored
-            and getattr(p, SHARDED_BY, None) is not None
+            and owner_of(p) is not None
             and not is_borrowed(p, module, name)
         ]
         if not sharded:
             _claimed[module] = tuple(weakref.ref(t) for t in targets)
             continue
         name, p = sharded[0]
-        by = f"fully_shard({getattr(p, SHARDED_BY)})"
+        by = f"fully_shard({owner_of(p)})"
         where = f"parameter {name!r} of {type(module).__name__} is already sharded by {by}"
         earlier = [m for m in (r() for r in _claimed.get(module, ())) if m is not None]
         if not earlier or any(t is e or t in e.modules() for e in earlier for t in targets):
@@ -145,10 +150,10 @@ def _check_untied(
     params: dict[int, str] = {}
     for m in managed:
         for name, p in m._parameters.items():
-            if p is None or p in ignored or getattr(p, SHARDED_BY, None) is not None:
+            if p is None or p in ignored or owner_of(p) is not None:
                 continue
-            if getattr(p, IGNORED_BY, None) is not None:
-                earlier = f"fully_shard({getattr(p, IGNORED_BY)})"
+            if ignored_by(p) is not None:
+                earlier = f"fully_shard({ignored_by(p)})"
                 raise ValueError(
                     f"parameter {name!r} of {type(m).__name__} is in the ignored_params of "
                     f"{earlier}, and fully_shard({describe_modules(targets)}) finds it again "
@@ -159,8 +164,8 @@ def _check_untied(
     for m in managed:
         for name, b in m._buffers.items():
             alias = None if b is None else params.get(_alias_key(b))
-            if b is not None and getattr(b, REPLACED_BY, None) is not None:
-                alias = f"a parameter fully_shard({getattr(b, REPLACED_BY)}) sharded"
+            if b is not None and replaced_by(b) is not None:
+                alias = f"a parameter fully_shard({replaced_by(b)}) sharded"
             if alias is not None:
                 raise ValueError(
                     f"buffer {name!r} of {type(m).__name__} is (or shares storage with) {alias}: "

@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import _tool_compat
-from .._runtime._unit import Unit
+from .._runtime import Unit
 
 __all__ = ["check_same_inputs", "check_same_structure"]
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import warnings
 
-from .._runtime._events import UnitEvent
-from .._runtime._unit import Unit
+from .._runtime import Unit, UnitEvent
 
 __all__ = ["check_use"]
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, Shard
 
-from . import _shared
+from . import _ownership, _shared
 from ._errors import FSDPValueError
 from ._events import Annotation, Events, Observer
 from ._fsdp_module import fsdp_class_of
@@ -26,7 +26,7 @@ from ._mesh import (
     validate_reshard_after_forward,
 )
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._sharded_param import IGNORED_BY, REPLACED_BY, ShardedParam
+from ._sharded_param import ShardedParam
 from ._state_dict import register_state_dict_hooks
 from ._unit import Unit
 
@@ -89,12 +89,14 @@ def fully_shard(
     # Validated: from here on the module changes.
     unit_label = describe_modules(modules)
     _move_buffers(managed, mesh_info.device)
-    for param in ignored & {p for m in managed for p in m._parameters.values()}:
-        setattr(param, IGNORED_BY, unit_label)  # left plain on purpose, not forgotten
+    for module in managed:  # left plain on purpose, not forgotten
+        for name, param in module._parameters.items():
+            if param is not None and param in ignored:
+                _ownership.record_ignored(param, module, name, unit_label)
     for param, sharded_param in zip(owners, sharded):
         sharded_param.register(sharded_param.sharded_param)
         sharded_param.mark_owned(unit_label)
-        setattr(param, REPLACED_BY, unit_label)
+        _ownership.record_replaced(param, unit_label)
     # (reshard_after_forward None: the root keeps its parameters)
     state = UnitState(modules, units, mp_policy, reshard_after_forward is None, events)
     state.adopt_subtree_settings()

@@ -40,15 +40,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from . import _compat, _extensions
+from . import _compat, _extensions, _ownership
 from ._errors import FSDPValueError
 from ._mesh import MeshInfo
-
-SHARDED_BY = "_fsdp_compose_sharded_by"  # marks the sharded DTensor parameters we own
-NAMED_AS = "_fsdp_compose_named_as"  # its name under the root once known (lazy init)
-IGNORED_BY = "_fsdp_compose_ignored_by"  # on ignored_params: plain, reduced by the user
-# On an original parameter that fully_shard replaced, so misuse is caught where it happens.
-REPLACED_BY = "_fsdp_compose_replaced_by"
 
 
 class ShardedParam:
@@ -238,8 +232,7 @@ class ShardedParam:
         (``load_state_dict(assign=True)``, ``_apply`` without swap)."""
         current = self.registered()
         if current is self.sharded_param:
-            self.mark_owned()  # _apply swaps tensor contents, __dict__ included
-            return
+            return  # _apply swapped the tensor's contents: the same object, still recorded
         if not isinstance(current, DTensor) or current.shape != self.global_size:
             raise RuntimeError(
                 f"parameter {self.fqn!r} was replaced by {type(current).__name__}"
@@ -255,13 +248,11 @@ class ShardedParam:
         self.mark_owned()
 
     def mark_owned(self, unit_label: str | None = None) -> None:
-        """Marks the sharded parameter with the label of the unit owning it (read by
-        misuse checks, the local optimizer step) and its name (whole-matrix checks)."""
+        """Records the sharded parameter as owned by the unit labelled ``unit_label``
+        (the runtime's answer to ``owner_of``/``fqn_of``; see [Note: parameter records])."""
         if unit_label is not None:
             self.unit_label = unit_label
-        if self.unit_label is not None and getattr(self.sharded_param, SHARDED_BY, None) is None:
-            setattr(self.sharded_param, SHARDED_BY, self.unit_label)
-        setattr(self.sharded_param, NAMED_AS, self.fqn)
+        _ownership.record_sharded(self.sharded_param, self)
 
     def make_sharded_grad(self, local_grad: torch.Tensor) -> DTensor:
         spec = _compat.dtensor_spec_with_dtype(self.spec, local_grad.dtype)
@@ -339,7 +330,7 @@ def _subclass_attributes(param: torch.Tensor) -> dict[str, Any]:
     mro = type(param).__mro__
     if nn.Parameter not in mro[1:]:  # a plain parameter, or not an nn.Parameter subclass
         return {}
-    attributes = {k: v for k, v in vars(param).items() if not k.startswith("_fsdp_compose_")}
+    attributes = dict(vars(param))
     for cls in mro[: mro.index(nn.Parameter)]:
         for name, value in vars(cls).items():
             if isinstance(value, property) and not hasattr(torch.Tensor, name):

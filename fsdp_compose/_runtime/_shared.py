@@ -22,10 +22,12 @@ alive) are reduced again at the end of backward and added: never a lost gradient
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._mesh import MeshInfo
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -38,8 +40,14 @@ if TYPE_CHECKING:
 
 __all__ = ["SharedLink", "SharedUses", "collect_borrowed", "shared_link"]
 
-# Set on a replaced parameter and on its sharded DTensor: a later call finds the owner.
-_SHARED_AS = "_fsdp_compose_shared_as"
+# Weak references to a SharedLink's parts, found from the parameter a later call meets:
+# the replaced original (out of every module, so keyed weakly) or the sharded DTensor
+# (keyed by id and checked: a module's parameter must stay swappable, see
+# [Note: parameter records]). Nothing is set on the user's tensors, and a dropped model
+# takes its entries with it.
+_LinkRefs = tuple["weakref.ref[ShardedParam]", "weakref.ref[Unit]", "weakref.ref[UnitState]"]
+_by_original: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_by_sharded: dict[int, _LinkRefs] = {}
 
 
 class SharedLink(NamedTuple):
@@ -54,8 +62,14 @@ def shared_link(param: nn.Parameter, module: nn.Module, name: str) -> SharedLink
     """The owner of ``param`` if ``module.<name>`` shares a parameter that another
     unit already sharded, else None (also under one of its own owners: that is a
     ``fully_shard`` applied top-down, which the caller reports)."""
-    link: SharedLink | None = getattr(param, _SHARED_AS, None)
-    if link is None or any(m is module and n == name for m, n in link.param.owners):
+    refs = _by_original.get(param) or _by_sharded.get(id(param))
+    parts = None if refs is None else tuple(ref() for ref in refs)
+    if parts is None or any(part is None for part in parts):
+        return None
+    link = SharedLink(*parts)  # type: ignore[arg-type]
+    if param is not link.param.sharded_param and param not in _by_original:
+        return None  # a reused id
+    if any(m is module and n == name for m, n in link.param.owners):
         return None
     return link
 
@@ -193,9 +207,15 @@ def install(
     DTensor) for later borrowers, and makes ``state`` a borrower of the owner units
     in ``borrowed``, registering their parameters under its modules (the tie is kept)."""
     for original, param, unit in replaced:
-        link = SharedLink(param, unit, state)
-        setattr(original, _SHARED_AS, link)
-        setattr(param.sharded_param, _SHARED_AS, link)
+        key = id(param.sharded_param)
+
+        def drop(ref: weakref.ref[ShardedParam], key: int = key) -> None:
+            if _by_sharded.get(key, (None,))[0] is ref:
+                del _by_sharded[key]
+
+        refs = (weakref.ref(param, drop), weakref.ref(unit), weakref.ref(state))
+        _by_original[original] = refs
+        _by_sharded[key] = refs
     for link, pairs in borrowed.items():
         sp = link.param
         sp.owners.extend(pairs)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._runtime._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .._runtime import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._estimate import OPTIMIZERS, _check_mesh, estimate
 from ._planner import CostModel, plan_to_budget
 from ._units import budget_text, format_count, parse_bytes

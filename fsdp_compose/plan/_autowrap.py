@@ -12,8 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
 from .._fully_shard import fully_shard
-from .._runtime._fsdp_module import FSDPModule
-from .._runtime._policies import MixedPrecisionPolicy, OffloadPolicy
+from .._runtime import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from ._policy import ShardingPlan, WrapPolicy, resolve_plan
 
 __all__ = ["auto_wrap"]

@@ -57,8 +57,7 @@ from typing import Any
 
 from torch import nn
 
-from .._runtime._mesh import validate_reshard_after_forward
-from .._runtime._policies import MixedPrecisionPolicy, OffloadPolicy
+from .._runtime import MixedPrecisionPolicy, OffloadPolicy, validate_reshard_after_forward
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 from ._profile import ROOT, ModelProfile, ModuleProfile, StepFn, default_step, profile_model
 from ._replay import simulate

@@ -43,7 +43,7 @@ from typing import Any
 
 from torch import nn
 
-from .._runtime._policies import MixedPrecisionPolicy, OffloadPolicy
+from .._runtime import MixedPrecisionPolicy, OffloadPolicy
 from ._estimate import MemoryEstimate, _check_mesh, estimate, format_bytes, parse_bytes
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 from ._profile import ROOT, StepFn, default_step, profile_model
@@ -578,7 +578,7 @@ def _suggest(
             "reduce the micro-batch or sequence length"
         )
     if device == "cuda" and type(offload).__name__ != "CPUOffloadPolicy":
-        from .._runtime._policies import CPUOffloadPolicy
+        from .._runtime import CPUOffloadPolicy
 
         shape = (replicate, shard) if replicate > 1 else (shard,)
         peak, cap = _min_peak(model, base, shape, CPUOffloadPolicy(), common, caps)

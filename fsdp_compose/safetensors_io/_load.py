@@ -291,7 +291,7 @@ def _default_device(targets: list[Target]) -> torch.device:
 def _invalidate_units(module: nn.Module) -> None:
     # fsdp_compose units reshard, and re-derive their buffers from the (new)
     # sharded parameters at their next use.
-    from .._runtime._hooks import state_of
+    from .._runtime import state_of
 
     for m in module.modules():
         state = state_of(m)

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from .. import _runtime as runtime
 from .. import _tool_compat
-from .._runtime import _compat
 from ._agree import DigestCache, Members, add_member, agree_and_prune
 from ._exchange import Layouts, ShardLayout
 from ._muon import PLAN_CACHE_SIZE, _ours
@@ -86,9 +86,9 @@ class _Job:
         layout: ShardLayout,
     ) -> None:
         self.group, self.p, self.layout = group, p, layout
-        self.param = _compat.local_tensor(p)
+        self.param = runtime.local_tensor(p)
         assert isinstance(p.grad, DTensor)  # a parameter sharded by fully_shard
-        grad = _compat.local_tensor(p.grad)
+        grad = runtime.local_tensor(p.grad)
         self.grad = -grad if group["maximize"] else grad
         self.state = optimizer.state[p]
         self.rows_sharded = p.ndim == 2 and layout.world > 1  # column statistics cross ranks
@@ -112,7 +112,7 @@ class _Job:
                 local_col = [*self.grad.shape[:-2], 1, p.shape[-1]]
                 state["col_var"] = _state_like(p, self.grad.new_zeros(local_col), col_shape)
         else:
-            state["variance"] = _compat.dtensor_from_local(
+            state["variance"] = runtime.dtensor_from_local(
                 torch.zeros_like(self.grad, memory_format=torch.preserve_format),
                 _tool_compat.dtensor_spec(p),
             )
@@ -125,7 +125,7 @@ class _Job:
         self.one_minus_beta2 = self.step ** self.group["beta2_decay"]
         sums = [self.param.double().square().sum().reshape(1)]
         if self.p.ndim > 1:
-            row_var = _compat.local_tensor(state["row_var"])
+            row_var = runtime.local_tensor(state["row_var"])
             row_mean = torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1))
             row_var.lerp_(row_mean, self.one_minus_beta2)
             if self.rows_sharded:
@@ -144,8 +144,8 @@ class _Job:
         if group["weight_decay"] != 0:
             self.param.mul_(1 - lr * group["weight_decay"])
         if self.p.ndim > 1:
-            row_var = _compat.local_tensor(state["row_var"])
-            col_var = _compat.local_tensor(state["col_var"])
+            row_var = runtime.local_tensor(state["row_var"])
+            col_var = runtime.local_tensor(state["col_var"])
             if self.rows_sharded:
                 m = self.p.shape[0]
                 col_var.lerp_(
@@ -158,7 +158,7 @@ class _Job:
                 row_mean = row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1)
             estimate = (row_var @ col_var).div_(row_mean)
         else:
-            variance = _compat.local_tensor(state["variance"])
+            variance = runtime.local_tensor(state["variance"])
             variance.lerp_(grad * grad, self.one_minus_beta2)
             estimate = variance.clone()
         self.update = estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad)

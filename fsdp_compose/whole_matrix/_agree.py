@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .._runtime._sharded_param import NAMED_AS, SHARDED_BY
+from .._runtime import fqn_of, owner_of
 
 if TYPE_CHECKING:  # _exchange imports this module
     from ._exchange import Layouts, ShardLayout
@@ -101,8 +101,8 @@ def check_optimizer_agreement(
             if names is not None and pi < len(names):
                 name = str(names[pi])
             else:  # the runtime's name for it (see the note above)
-                name = str(getattr(p, NAMED_AS, ""))
-            label = str(getattr(p, SHARDED_BY, ""))
+                name = fqn_of(p) or ""
+            label = owner_of(p) or ""
             position = f"param_groups[{gi}]['params'][{pi}]"
             out.append((position, name, label, tuple(p.shape), str(p.dtype), has_grad))
         return out

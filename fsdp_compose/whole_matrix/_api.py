@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .. import _runtime as runtime
 from .. import _tool_compat
-from .._runtime import _compat
 from ._agree import Descriptor, check_agreement
 from ._exchange import ExchangePlan, ShardLayout, layout_of
 
@@ -124,7 +124,7 @@ def map_full_matrices(
     for plan, idx in plans:  # the same list on every rank, before any data moves
         if plan.layout.group is not None and plan.layout.world > 1:
             _check_same_matrices(plan.layout.group, matrices, idx)
-    locals_ = [_compat.local_tensor(t) if isinstance(t, DTensor) else t for t in matrices]
+    locals_ = [runtime.local_tensor(t) if isinstance(t, DTensor) else t for t in matrices]
     outputs = [torch.empty(x.shape, dtype=out_dtype, device=x.device) for x in locals_]
     for plan, idx in plans:
 
@@ -154,8 +154,8 @@ def map_full_matrices(
                 describe=lambda k: f"matrices[{idx[k]}]",  # noqa: B023 - run returns first
             )
     return [
-        _compat.dtensor_from_local(
-            out, _compat.dtensor_spec_with_dtype(_tool_compat.dtensor_spec(t), out_dtype)
+        runtime.dtensor_from_local(
+            out, runtime.dtensor_spec_with_dtype(_tool_compat.dtensor_spec(t), out_dtype)
         )
         if isinstance(t, DTensor)
         else out

@@ -83,8 +83,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from .. import _runtime as runtime
 from .. import _tool_compat
-from .._runtime import _compat
 from ._agree import RoundOutcomes
 
 
@@ -129,7 +129,7 @@ def layout_of(t: torch.Tensor, what: str) -> ShardLayout:
     dim = sharded[0]
     layout = ShardLayout(mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim))
     start, end = layout.rows(layout.rank, t.shape[0])
-    local = _compat.local_tensor(t)
+    local = runtime.local_tensor(t)
     if tuple(local.shape) != (end - start, *t.shape[1:]):
         raise ValueError(
             f"fsdp_compose: {what} holds a local shard of shape {tuple(local.shape)} where rows "
@@ -151,7 +151,7 @@ class Layouts:
         return len(self._known)
 
     def of(self, p: DTensor, what: str) -> ShardLayout:
-        spec, local_shape = _tool_compat.dtensor_spec(p), _compat.local_tensor(p).shape
+        spec, local_shape = _tool_compat.dtensor_spec(p), runtime.local_tensor(p).shape
         known = self._known.get(id(p))
         if known is None or known[0] is not spec or known[1] != local_shape:
             known = self._known[id(p)] = (spec, local_shape, layout_of(p, what))

@@ -42,9 +42,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import _runtime as runtime
 from .. import _tool_compat
-from .._runtime import _compat
-from .._runtime._sharded_param import SHARDED_BY
 from ._agree import DigestCache, Members, add_member, agree_and_prune
 from ._exchange import BufferPool, ExchangePlan, Layouts, ShardLayout
 
@@ -151,7 +150,7 @@ def adjusted_lr(lr: Any, adjust_lr_fn: str | None, shape: tuple[int, ...]) -> An
 
 
 def _ours(p: torch.Tensor) -> bool:
-    return isinstance(p, DTensor) and getattr(p, SHARDED_BY, None) is not None
+    return isinstance(p, DTensor) and runtime.owner_of(p) is not None
 
 
 def _check_group(group: dict[str, Any]) -> None:
@@ -222,14 +221,14 @@ def _run(
         group, p, _ = jobs[i]
         dgrad = p.grad
         assert isinstance(dgrad, DTensor)  # checked by muon_step
-        grad = _compat.local_tensor(dgrad)
+        grad = runtime.local_tensor(dgrad)
         entry = state[p]
         if "momentum_buffer" not in entry:
-            entry["momentum_buffer"] = _compat.dtensor_from_local(
+            entry["momentum_buffer"] = runtime.dtensor_from_local(
                 torch.zeros_like(grad, memory_format=torch.preserve_format),
                 _tool_compat.dtensor_spec(dgrad),
             )
-        buf = _compat.local_tensor(entry["momentum_buffer"])
+        buf = runtime.local_tensor(entry["momentum_buffer"])
         buf.lerp_(grad, 1 - group["momentum"])
         return group, grad, buf
 
@@ -262,7 +261,7 @@ def _run(
         lr = group["lr"]
         if isinstance(lr, torch.Tensor) and lr.dim() != 0:
             lr = lr.squeeze()
-        local = _compat.local_tensor(p)
+        local = runtime.local_tensor(p)
         local.mul_(1 - lr * group["weight_decay"])
         local.add_(rows, alpha=-adjusted_lr(lr, group.get("adjust_lr_fn"), tuple(p.shape)))
 
@@ -273,7 +272,7 @@ def _run(
             start, end = layout.rows(layout.rank, p.shape[0])
             if start == end and layout.world > 1:
                 momentum(i)
-        device = _compat.local_tensor(jobs[0][1]).device
+        device = runtime.local_tensor(jobs[0][1]).device
         plan.run(
             fill,
             compute,
