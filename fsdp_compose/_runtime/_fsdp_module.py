@@ -248,7 +248,8 @@ class FSDPModule:
     ) -> None:
         """Sets whether parameters without a gradient on this rank join the
         reduce-scatter as zeros, so that ranks using different parameters (MoE,
-        conditional branches) issue the same collective."""
+        conditional branches) issue the same collective; like DDP's
+        ``find_unused_parameters``."""
         self._configure(recurse, reduce_scatter_unused_params=reduce_scatter_unused_params)
 
     def set_all_reduce_hook(

@@ -158,7 +158,8 @@ def fully_shard(
 
     # [Note: atomic fully_shard] Everything that can fail (the observers' checks of the
     # call included) runs before the module changes: shards are built aside and installed
-    # once all is valid, so a failed call leaves the module as it was for a retry.
+    # once every parameter and unit is valid, so a failed call leaves the module as it
+    # was, and a retry (with the fix the error names) starts from a clean module.
     managed = _managed_modules(modules)
     policies = (mp_policy, offload_policy, shard_placement_fn)
     owners = _managed_params(managed, ignored)
@@ -329,7 +330,8 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
 # ``shard_placement_fn`` may return FSDP2's ``ShardPlacementResult`` (a placement and a
 # torch ``FSDPMeshInfo``) to shard a parameter on its own mesh (e.g. MoE experts on an
 # expert-data-parallel mesh). The call then makes one unit per mesh, all owned by its
-# ``UnitState``, whose hooks issue every unit's collectives before any wait (overlap).
+# ``UnitState``, whose hooks gather and reduce them together: every unit's collective
+# is issued before any is waited on, so that the meshes' collectives overlap.
 
 
 def _param_mesh(torch_mesh_info: Any, where: str, meshes: dict[Any, MeshInfo]) -> MeshInfo:

@@ -229,7 +229,8 @@ class UnitState:
         assert scheduler is not None
         with _compat.profiler_label("pre_forward", self.name):
             if _compat.inside_backward():
-                # Activation checkpointing's recompute: parameters present, no new forward.
+                # Activation checkpointing recomputes this forward inside backward: the
+                # parameters must be present, but this is not a new forward pass.
                 for used in [*self.own_units, *self.borrowed]:
                     scheduler.memory.require(used)
                 return self._cast_inputs(args, kwargs)

@@ -2,15 +2,22 @@
 hooks report (``pre_forward`` ... ``finalize_backward``) into unit operations.
 
 * **Prefetch.** Unit k's forward issues the all-gathers of the next ``forward_depth``
-  units of the previous forward's order; backward walks the last post-forward order
-  in reverse, from its end at every backward pass. A changed order costs an unused
-  prefetch, freed at the end of forward. Explicit lists replace this.
+  units of the previous forward's order, so that they run (on gloo's threads, or an
+  all-gather stream) while unit k computes. Backward walks the last complete
+  forward's post-forward order in reverse, from its end at every backward pass
+  (pipeline microbatches, accumulation over graphs kept alive). A changed order
+  (conditional modules) costs an unused prefetch, freed at the end of forward.
+  Explicit lists (``set_modules_to_forward_prefetch``) replace the implicit choice.
 * **Rate limiter.** ``max_unsharded_bytes`` bounds the unsharded parameter bytes
   allocated or in flight: a prefetch waits for a unit to free its parameters; a
   unit needed *now* is always gathered.
-* **Reductions.** A unit's reduce-scatter is issued when its backward ends; the
-  previous one is completed first, so one unit's full-size gradient buffers exist
-  at a time. ``finalize_backward`` completes all before ``backward()`` returns.
+* **Reductions.** A unit's reduce-scatter is issued when its backward ends and
+  overlaps the backward of the units before it; the previous one is completed
+  first, so one unit's full-size gradient buffers exist at a time.
+  ``finalize_backward`` (queued on the autograd engine by the first backward hook)
+  completes all before ``backward()`` returns.
+* **Step state.** The root's step is a :class:`TrainingState`, asserted at every
+  change ([Note: step state]).
 
 Every decision depends only on the program order of hook calls, the same on every
 rank: all ranks issue the same collectives in the same order.
@@ -280,7 +287,8 @@ class Scheduler:
             self.memory.issue(unit)
         for unit in gather:
             for target in self._prefetch_targets(unit, backward=True):
-                # As in FSDP2, a unit set not to unshard in backward is not prefetched.
+                # As in FSDP2, a unit set not to unshard in backward is not prefetched
+                # there either (its backward does not need its parameters).
                 if target not in units and target.options.unshard_in_backward:
                     self.memory.prefetch(target)
         for unit in gather:
@@ -363,11 +371,13 @@ class Scheduler:
         else:
             reducer.accumulate_unsharded_grads()
         if options.reshard_after_backward:
-            # Free the parameters before the reduction allocates its buffers (never both).
+            # Gradients are separate tensors: free the parameters before the reduction
+            # allocates its buffers, so that the two never coexist.
             self.memory.reshard(unit)
         if params:
-            # Complete earlier reduce-scatters first (bounds full-size gradient buffers),
-            # except at the end of backward: nothing is left to overlap.
+            # Complete earlier reduce-scatters first (bounds full-size gradient buffers;
+            # they had this unit's backward to finish), except at the end of backward:
+            # nothing is left to overlap, so the last ones run together.
             if drain and not at_end:
                 while len(self._scattering) >= self.settings.max_inflight_reductions:
                     self._scattering.pop(0).advance()

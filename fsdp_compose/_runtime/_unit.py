@@ -243,8 +243,9 @@ class Unit:
     def lazy_init(self) -> None:
         if self.buffer is not None or self.extension is not None:
             return
-        # Buffers and views made inside torch.inference_mode() (an evaluation first)
-        # would be inference tensors, unusable for training ever after.
+        # The buffers and views made here outlive this call: made inside
+        # torch.inference_mode() (an evaluation first), they would be inference
+        # tensors, unusable for training ever after.
         with torch.inference_mode(False):
             for p in self.params:
                 p.resync_sharded_param()
