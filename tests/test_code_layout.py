@@ -10,9 +10,11 @@ library registers nothing process-wide.
 from __future__ import annotations
 
 import ast
+import io
 import os
 import subprocess
 import sys
+import tokenize
 from collections.abc import Iterator
 
 import pytest
@@ -26,7 +28,7 @@ from fsdp_compose import Observer, fully_shard
 
 PACKAGE = os.path.dirname(fsdp_compose.__file__)
 TOOLS = ("debug", "ft", "plan", "safetensors_io", "subclass_checkpoint", "trace", "whole_matrix")
-RUNTIME_LINE_LIMIT = 4500
+RUNTIME_CODE_LINE_LIMIT = 3300  # FSDP2's _fully_shard/ has 3,885
 FILE_LINE_LIMIT = 600
 FUNCTION_LINE_LIMIT = 80
 
@@ -101,10 +103,61 @@ def test_no_file_over_the_limit() -> None:
     assert not over, over
 
 
-def test_runtime_line_count() -> None:
-    """Everything FSDP2 does, counted: the ``_runtime`` subpackage as a whole."""
-    total = sum(_lines(p) for _, p in _runtime())
-    assert total <= RUNTIME_LINE_LIMIT, f"the runtime is {total} lines, over {RUNTIME_LINE_LIMIT}"
+_NOT_CODE = {
+    tokenize.COMMENT,
+    tokenize.NL,
+    tokenize.NEWLINE,
+    tokenize.INDENT,
+    tokenize.DEDENT,
+    tokenize.ENDMARKER,
+}
+
+
+def code_lines(source: str) -> int:
+    """The lines of ``source`` that carry code: those holding a token other than a
+    comment or a line break, less the lines of module, class and function
+    docstrings. Blank lines, comments and docstrings are free; a string that is an
+    expression's value (an error message) is code on every line it spans."""
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))  # type: ignore[operator]
+    lines: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in _NOT_CODE:
+            lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines - docstrings)
+
+
+def test_code_lines_counts_code_only() -> None:
+    source = (
+        '"""Module doc.\n\nMore."""\n\n# a comment\n'
+        "def f(x):\n"
+        '    """Doc."""\n'
+        "    y = (x +  # why\n"
+        "         1)\n"
+        "\n"
+        '    raise ValueError("a"\n'
+        '                     "b")\n'
+    )
+    assert code_lines(source) == 5  # def, the two lines of y, the two of the raise
+
+
+def test_runtime_code_line_budget() -> None:
+    """Everything FSDP2 does, counted in code lines: the ``_runtime`` subpackage as a
+    whole. Explanations cost nothing, so they are never what keeps it in budget."""
+    total = 0
+    for _, path in _runtime():
+        with open(path) as f:
+            total += code_lines(f.read())
+    limit = RUNTIME_CODE_LINE_LIMIT
+    assert total <= limit, f"the runtime is {total} code lines, over {limit}"
 
 
 def _long_functions() -> list[tuple[str, str, int]]:

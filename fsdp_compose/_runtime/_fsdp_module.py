@@ -21,7 +21,7 @@ from ._events import Observer
 from ._hooks import UnitState, state_of
 from ._mesh import separate_reduce_scatter_group
 from ._scheduler import Scheduler
-from ._unit import ShardState, Unit
+from ._unit import TrainingState, Unit
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -32,6 +32,9 @@ __all__ = [
     "register_fsdp_forward_method",
     "share_comm_ctx",
 ]
+
+# Steps in which FSDPModule.finalize_backward cannot run: a forward or backward pass is on.
+_IN_PASS = (TrainingState.FORWARD, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
 # The FSDP subclass made for each annotated class (by fsdp_class_of).
 _fsdp_classes: dict[type, type] = {}
@@ -147,7 +150,7 @@ class FSDPModule:
         scheduler = state.scheduler
         if state.is_root is None or scheduler is None:
             return GradientReductionHandle(None) if async_op else None
-        if scheduler.reduction_pending:
+        if scheduler.training_state is TrainingState.REDUCTION_PENDING:
             raise RuntimeError(
                 "The previous gradient reduction must be waited on before finalizing backward again"
             )
@@ -159,7 +162,7 @@ class FSDPModule:
                 "FSDP finalize_backward requires manual backward finalization. Call "
                 "set_manual_backward_finalization(True) before forward"
             )
-        if state._finalize_queued or scheduler.backward_active:
+        if scheduler.training_state in _IN_PASS:
             raise RuntimeError("FSDP finalize_backward must be called after backward completes")
         partial = next((u for u in scheduler.units if u.reducer.partial_sums), None)
         if partial is not None:
@@ -203,12 +206,7 @@ class FSDPModule:
             raise ValueError(f"reshard_after_forward must be a bool here, got {kind}")
         modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
         for module in (m for m in modules if isinstance(m, FSDPModule)):
-            state = module._fsdp_state()
-            state.auto_reshard_after_forward = False
-            for unit in state.own_units:
-                if unit.state is ShardState.PARTIALLY_SHARDED:
-                    state.reshard(unit)
-                unit.set_reshard_after_forward(reshard_after_forward)
+            module._fsdp_state().set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -250,7 +248,8 @@ class FSDPModule:
     ) -> None:
         """Sets whether parameters without a gradient on this rank join the
         reduce-scatter as zeros, so that ranks using different parameters (MoE,
-        conditional branches) issue the same collective."""
+        conditional branches) issue the same collective; like DDP's
+        ``find_unused_parameters``."""
         self._configure(recurse, reduce_scatter_unused_params=reduce_scatter_unused_params)
 
     def set_all_reduce_hook(
@@ -386,7 +385,7 @@ class FSDPModule:
         self._configure(False, **{which: targets})
         state = self._fsdp_state()
         if not state.own_units:
-            setattr(state, which, targets)
+            state.set_prefetch(which, targets)
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Conversions (.to(), to_empty(), .half()) must see the sharded parameters;
@@ -428,7 +427,8 @@ class GradientReductionHandle:
         scheduler, self._scheduler = self._scheduler, None
         if scheduler is None:
             return
-        if scheduler.resets != self._resets or not scheduler.reduction_pending:
+        pending = scheduler.training_state is TrainingState.REDUCTION_PENDING
+        if scheduler.resets != self._resets or not pending:
             raise RuntimeError("This gradient reduction handle was invalidated")
         scheduler.complete_manual_reductions()
 

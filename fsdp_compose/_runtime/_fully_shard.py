@@ -6,7 +6,7 @@ attaches the hooks, and mixes :class:`FSDPModule` into the module's class."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.nn as nn
@@ -15,7 +15,7 @@ from torch.distributed.tensor import DeviceMesh, Shard
 from . import _ownership, _shared
 from ._errors import FSDPValueError
 from ._events import Annotation, Events, Observer
-from ._fsdp_module import fsdp_class_of
+from ._fsdp_module import FSDPModule, fsdp_class_of
 from ._hooks import UnitState, state_of
 from ._mesh import (
     DataParallelMeshDims,
@@ -33,6 +33,36 @@ from ._unit import Unit
 __all__ = ["describe_modules", "fully_shard"]
 
 
+@overload
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
+    observers: Iterable[Observer] = ...,
+) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
+    observers: Iterable[Observer] = ...,
+) -> list[FSDPModule]: ...
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -45,9 +75,63 @@ def fully_shard(
     dp_mesh_dims: DataParallelMeshDims | None = None,
     observers: Iterable[Observer] = (),
 ) -> Any:
-    """FSDP2's ``fully_shard`` (documented on the public :func:`fsdp_compose.fully_shard`),
-    with ``observers`` subscribed to the new unit's events: each first sees the call
-    (``on_annotate``) before anything changes."""
+    """Shards ``module``'s parameters across the data-parallel ranks of ``mesh``.
+
+    Each call makes one *unit* of the parameters of ``module``'s subtree that no
+    earlier call on a submodule manages, so call it bottom-up (blocks first, then
+    the root). In place, each becomes an ``nn.Parameter`` wrapping a
+    :class:`DTensor` sharded on dim 0 (``(Replicate(), Shard(0))`` on a 2-D HSDP
+    mesh), so names, ``state_dict()`` keys and the module tree are unchanged, and
+    the module's class becomes a subclass of :class:`FSDPModule` and of its
+    original class. Build the optimizer after sharding.
+
+    A unit all-gathers its parameters with one collective before its forward,
+    frees them after forward if ``reshard_after_forward``, gathers them again for
+    backward, and reduce-scatters its gradients (averaged over the data-parallel
+    ranks) with one collective once its backward is done. The root waits for
+    every reduction before ``backward()`` returns.
+
+    ``fsdp_compose.fully_shard`` is this function with fsdp_compose's checks beyond
+    FSDP2's subscribed before ``observers`` ([Note: checks beyond FSDP2]), and
+    accepts torch's own policy objects (``torch.distributed.fsdp``'s
+    ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``) in place of
+    fsdp_compose's, so that an FSDP2 program runs with only its ``fully_shard``
+    import changed.
+
+    Args:
+        module (Union[nn.Module, List[nn.Module]]): the module to shard, or several
+            modules to group as one unit (communicated together).
+        mesh (Optional[DeviceMesh]): a 1-D mesh shards over all of its ranks; a 2-D
+            mesh ``(replicate, shard)`` shards over dim 1 and replicates over dim 0
+            (HSDP). Its device type is the device parameters live on. Defaults to a
+            1-D mesh over the default process group on its backend's device.
+        reshard_after_forward (Optional[Union[bool, int]]): ``True`` frees the
+            unsharded parameters after forward; ``False`` keeps them until after
+            backward; an ``int`` N dividing the shard world size keeps 1/N of them,
+            so backward gathers within groups of N ranks (1 means ``False``, with a
+            warning); ``None`` means ``True`` except for the root.
+        shard_placement_fn (Optional[Callable[[nn.Parameter], Optional[Shard]]]):
+            chooses the sharded dim per parameter (``None`` means ``Shard(0)``); a
+            dim other than 0 must divide evenly. A ``ShardPlacementResult(placement,
+            mesh_info)`` shards the parameter over ``mesh_info.mesh`` instead
+            ([Note: per-parameter meshes]).
+        mp_policy (MixedPrecisionPolicy): mixed precision for this unit.
+        offload_policy (OffloadPolicy): :class:`CPUOffloadPolicy` keeps sharded
+            parameters, gradients and optimizer states in host memory.
+        ignored_params (Optional[Set[nn.Parameter]]): parameters left as they are:
+            not sharded, not moved, not reduced.
+        dp_mesh_dims (Optional[DataParallelMeshDims]): when given, ``mesh`` is the
+            full SPMD mesh (e.g. dims ``("dp", "tp")``) and every parameter a
+            DTensor on it, ``Replicate()`` on the data-parallel dims; parameters are
+            sharded over the dim named ``shard`` ([Note: dp_mesh_dims]).
+        observers (Iterable[Observer]): beyond FSDP2: :class:`fsdp_compose.Observer`
+            objects subscribed to the new unit's events (the whole tree's once a
+            root runs forward); each first sees the call (``on_annotate``) before
+            anything changes, and may refuse it by raising.
+
+    Returns:
+        The same module (or list), now an :class:`FSDPModule`.
+    """
     modules = _validate_modules(module)
     ignored = _validate_ignored_params(ignored_params)
     mesh = default_mesh() if mesh is None else mesh
@@ -74,7 +158,8 @@ def fully_shard(
 
     # [Note: atomic fully_shard] Everything that can fail (the observers' checks of the
     # call included) runs before the module changes: shards are built aside and installed
-    # once all is valid, so a failed call leaves the module as it was for a retry.
+    # once every parameter and unit is valid, so a failed call leaves the module as it
+    # was, and a retry (with the fix the error names) starts from a clean module.
     managed = _managed_modules(modules)
     policies = (mp_policy, offload_policy, shard_placement_fn)
     owners = _managed_params(managed, ignored)
@@ -83,7 +168,7 @@ def fully_shard(
     # Parameters another unit already sharded: borrowed ([Note: shared parameters]).
     borrowed = _shared.collect_borrowed(managed, ignored, mesh_info, mp_policy, offload_policy)
     units, sharded = _build_units(
-        modules, owners, mesh_info, reshard, reshard_after_forward, policies
+        modules, owners, mesh_info, reshard, reshard_after_forward, policies, events
     )
     unit_of = {id(p): u for u in units for p in u.params}
     # Validated: from here on the module changes.
@@ -116,9 +201,11 @@ def _build_units(
     reshard: bool | int,
     reshard_after_forward: bool | int | None,
     policies: tuple[MixedPrecisionPolicy, OffloadPolicy, Any],
+    events: Events,
 ) -> tuple[list[Unit], list[ShardedParam]]:
-    """The call's sharded parameters (in ``owners``' order) and its units: one per
-    data-parallel mesh, see [Note: per-parameter meshes]. Nothing is installed."""
+    """The call's sharded parameters (in ``owners``' order) and its units, reporting
+    to ``events``: one per data-parallel mesh, see [Note: per-parameter meshes].
+    Nothing is installed."""
     mp_policy, offload_policy, shard_placement_fn = policies
     device = mesh_info.device
     offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
@@ -148,6 +235,7 @@ def _build_units(
             else validate_reshard_after_forward(reshard_after_forward, info.shard_size),
             mp_policy,
             offload_policy,
+            events,
         )
         for info, group in groups.items()
         if group
@@ -244,7 +332,8 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
 # ``shard_placement_fn`` may return FSDP2's ``ShardPlacementResult`` (a placement and a
 # torch ``FSDPMeshInfo``) to shard a parameter on its own mesh (e.g. MoE experts on an
 # expert-data-parallel mesh). The call then makes one unit per mesh, all owned by its
-# ``UnitState``, whose hooks issue every unit's collectives before any wait (overlap).
+# ``UnitState``, whose hooks gather and reduce them together: every unit's collective
+# is issued before any is waited on, so that the meshes' collectives overlap.
 
 
 def _param_mesh(torch_mesh_info: Any, where: str, meshes: dict[Any, MeshInfo]) -> MeshInfo:

@@ -22,7 +22,7 @@ from . import _compat, _shared
 from ._events import Events
 from ._policies import MixedPrecisionPolicy
 from ._scheduler import Scheduler, ScheduleSettings
-from ._unit import Unit
+from ._unit import ShardState, TrainingState, Unit
 
 _STATE_ATTR = "_fsdp_compose_state"
 
@@ -86,10 +86,13 @@ class UnitState:
         # Units whose parameters this call's modules share ([Note: shared parameters]).
         self.borrowed: list[Unit] = []
         self.name = type(modules[0]).__name__  # the module's FQN once the root knows it
+        # Not a step state (that is the scheduler's): whether this state's pre-forward
+        # opened the root's FORWARD step, so that its post-forward closes it. The first
+        # fully_shard module to run forward does (the root, or a submodule run alone).
         self._began_forward = False
-        self._finalize_queued = False
         self._pending_modules: set[nn.Module] = set()  # grouped units: not yet run this pass
-        # Forwards inside a register_fsdp_forward_method method neither gather nor free.
+        # Re-entrancy guards, not step states: forwards inside a method registered with
+        # register_fsdp_forward_method neither gather nor free (the method's call did).
         self._in_registered_method = False
         self._nested_forwards = 0
         self._cast_inputs_to = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
@@ -104,13 +107,40 @@ class UnitState:
         for module in self.modules:
             for sub in module.modules():
                 state = state_of(sub)
-                if state is None:
-                    continue
-                if state.settings is not self.settings:
+                if state is not None and state.settings is not self.settings:
                     self.settings.adopt(state.settings)
-                    state.settings = self.settings
-                for unit in state.own_units:
-                    unit.events = self.settings.events
+                    state.attach(self.settings)
+
+    def attach(self, settings: ScheduleSettings) -> None:
+        """Joins the tree whose settings (and event list) are ``settings``: called by
+        the state of an enclosing ``fully_shard`` call, or the root at lazy init."""
+        assert self.scheduler is None or self.scheduler.training_state is TrainingState.IDLE, (
+            f"{self.name!r} joins another tree in the middle of a step"
+        )
+        self.settings = settings
+        for unit in self.own_units:
+            unit.attach(settings.events)
+
+    def set_reshard_after_forward(self, value: bool) -> None:
+        """``FSDPModule.set_reshard_after_forward`` on this call's units: the user's
+        value replaces the root's automatic ``False`` too."""
+        self.auto_reshard_after_forward = False
+        for unit in self.own_units:
+            if unit.state is ShardState.PARTIALLY_SHARDED:
+                self.reshard(unit)  # (a unit changes its setting only while resharded)
+            unit.set_reshard_after_forward(value)
+
+    def set_prefetch(self, which: str, units: tuple[Unit, ...]) -> None:
+        """Sets the explicit prefetch list ``which`` ("forward_prefetch" or
+        "backward_prefetch") of a call without parameters of its own."""
+        setattr(self, which, units)
+
+    def join_root(self, root: UnitState, scheduler: Scheduler, name: str) -> None:
+        """Becomes part of ``root``'s tree (``name``: the module's FQN), driven by its
+        ``scheduler``: the explicit wiring step of the root's lazy init."""
+        assert self.is_root is None or self is root, f"{name!r} already belongs to a root"
+        self.is_root = self is root
+        self.scheduler, self.root_state, self.name = scheduler, root, name
 
     def reshard(self, unit: Unit) -> None:
         """Reshards ``unit`` through the scheduler (none before the first forward)."""
@@ -130,30 +160,27 @@ class UnitState:
                 "fully_shard on their common parent too, and run forward through it."
             )
         root_module = self.modules[0]
-        states: list[UnitState] = []
+        named: dict[UnitState, str] = {}  # the tree's states (module pre-order), by FQN
         for name, module in root_module.named_modules():
             state = state_of(module)
-            if state is None or state in states:
+            if state is None or state in named:
                 if state is not None and name:
                     for unit in state.own_units:
                         unit.name += f", {name}"  # a grouped unit's further modules
                 continue
-            state.name = name or "root"
-            if state is not self:
-                if state.is_root is not None:
-                    raise RuntimeError(
-                        f"fully_shard module {name!r} already ran forward on its own (as a "
-                        f"root) before its parent {type(root_module).__name__}. Run the first "
-                        "forward through the outermost fully_shard module."
-                    )
-                state.is_root = False
+            if state is not self and state.is_root is not None:
+                raise RuntimeError(
+                    f"fully_shard module {name!r} already ran forward on its own (as a "
+                    f"root) before its parent {type(root_module).__name__}. Run the first "
+                    "forward through the outermost fully_shard module."
+                )
+            named[state] = name or "root"
             for i, unit in enumerate(state.own_units):
                 # A further mesh's unit is named after its mesh (the same on every rank).
                 dims = unit.mesh_info.mesh.mesh_dim_names
                 mesh = ",".join(dims) if dims else f"mesh of {unit.mesh_info.shard_size}"
                 unit.name = (name or "root") + (f" [{mesh}]" if i else "")
-            states.append(state)
-        self.is_root = True
+        states = list(named)
         names = {id(p): name for name, p in root_module.named_parameters()}  # first name of each
         units = [unit for state in states for unit in state.own_units]
         for p in (p for unit in units for p in unit.params):
@@ -161,11 +188,12 @@ class UnitState:
         if self.auto_reshard_after_forward:
             for unit in self.own_units:
                 unit.set_reshard_after_forward(False)
-        scheduler = Scheduler(units, self.settings)
-        scheduler.shared = _shared.count_uses(units, states, root_module)
-        for state in states:
-            state.scheduler = scheduler
-            state.root_state = self
+        # States annotated after this one (top-down) join its settings now.
+        self.adopt_subtree_settings()
+        shared = _shared.count_uses(units, states, root_module)
+        scheduler = Scheduler(units, self.settings, shared)
+        for state, name in named.items():
+            state.join_root(self, scheduler, name)
         self.all_states = states
         for unit in units:
             unit.lazy_init()
@@ -186,7 +214,6 @@ class UnitState:
             state._pending_modules.clear()
             state._began_forward = False
             state._nested_forwards = 0
-        self._finalize_queued = False
 
     # -- forward ---------------------------------------------------------
 
@@ -202,7 +229,8 @@ class UnitState:
         assert scheduler is not None
         with _compat.profiler_label("pre_forward", self.name):
             if _compat.inside_backward():
-                # Activation checkpointing's recompute: parameters present, no new forward.
+                # Activation checkpointing recomputes this forward inside backward: the
+                # parameters must be present, but this is not a new forward pass.
                 for used in [*self.own_units, *self.borrowed]:
                     scheduler.memory.require(used)
                 return self._cast_inputs(args, kwargs)
@@ -212,7 +240,7 @@ class UnitState:
                     "finish (an exception inside forward?). Call reset_iter_state() on the root "
                     "module after catching the exception."
                 )
-            if not scheduler.forward_active:
+            if scheduler.training_state is not TrainingState.FORWARD:
                 scheduler.begin_forward()  # (may refuse: then no forward began)
                 self._began_forward = True
                 # Inputs follow the parameters to their accelerator.
@@ -323,12 +351,10 @@ class UnitState:
 
     @torch.compiler.disable
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        root, scheduler = self.root_state, self.scheduler
-        assert root is not None and scheduler is not None
+        scheduler = self.scheduler
+        assert scheduler is not None
         with _compat.profiler_label("pre_backward", self.name):
-            if not root._finalize_queued:
-                root._finalize_queued = True
-                _compat.queue_end_of_backward_callback(root._finalize_backward)
+            self._begin_backward()
             if self.unit is not None:
                 scheduler.pre_backward(*self.own_units)
             elif self.backward_prefetch:
@@ -341,19 +367,25 @@ class UnitState:
         scheduler = self.scheduler
         assert scheduler is not None
         with _compat.profiler_label("post_backward", self.name):
+            # (usually after a pre-backward; else this is the first hook of the backward)
+            self._begin_backward()
             if self.unit is not None:
                 scheduler.post_backward(*self.own_units)
             if self.borrowed:
                 scheduler.return_backward(self.borrowed)
 
+    def _begin_backward(self) -> None:
+        # The first hook of a backward pass queues its end: every reduction completes
+        # before backward() returns, as in FSDP2.
+        assert self.scheduler is not None
+        if self.scheduler.begin_backward():
+            _compat.queue_end_of_backward_callback(self._finalize_backward)
+
     @torch.compiler.disable
     def _finalize_backward(self) -> None:
-        try:
-            assert self.scheduler is not None
-            with _compat.profiler_label("finalize_backward"):
-                self.scheduler.finalize_backward()
-        finally:
-            self._finalize_queued = False
+        assert self.scheduler is not None
+        with _compat.profiler_label("finalize_backward"):
+            self.scheduler.finalize_backward()
 
     def units_in_subtree(self, recurse: bool) -> list[Unit]:
         """This state's unit, and with ``recurse`` those of every state below it."""

@@ -2,15 +2,22 @@
 hooks report (``pre_forward`` ... ``finalize_backward``) into unit operations.
 
 * **Prefetch.** Unit k's forward issues the all-gathers of the next ``forward_depth``
-  units of the previous forward's order; backward walks the last post-forward order
-  in reverse, from its end at every backward pass. A changed order costs an unused
-  prefetch, freed at the end of forward. Explicit lists replace this.
+  units of the previous forward's order, so that they run (on gloo's threads, or an
+  all-gather stream) while unit k computes. Backward walks the last complete
+  forward's post-forward order in reverse, from its end at every backward pass
+  (pipeline microbatches, accumulation over graphs kept alive). A changed order
+  (conditional modules) costs an unused prefetch, freed at the end of forward.
+  Explicit lists (``set_modules_to_forward_prefetch``) replace the implicit choice.
 * **Rate limiter.** ``max_unsharded_bytes`` bounds the unsharded parameter bytes
   allocated or in flight: a prefetch waits for a unit to free its parameters; a
   unit needed *now* is always gathered.
-* **Reductions.** A unit's reduce-scatter is issued when its backward ends; the
-  previous one is completed first, so one unit's full-size gradient buffers exist
-  at a time. ``finalize_backward`` completes all before ``backward()`` returns.
+* **Reductions.** A unit's reduce-scatter is issued when its backward ends and
+  overlaps the backward of the units before it; the previous one is completed
+  first, so one unit's full-size gradient buffers exist at a time.
+  ``finalize_backward`` (queued on the autograd engine by the first backward hook)
+  completes all before ``backward()`` returns.
+* **Step state.** The root's step is a :class:`TrainingState`, asserted at every
+  change ([Note: step state]).
 
 Every decision depends only on the program order of hook calls, the same on every
 rank: all ranks issue the same collectives in the same order.
@@ -29,7 +36,7 @@ from ._events import Events
 from ._reduce import PendingReduction
 from ._sharded_param import ShardedParam
 from ._shared import SharedUses
-from ._unit import Phase, ShardState, Unit
+from ._unit import ROOT_STEPS, ShardState, TrainingState, Unit, check_step
 
 logger = logging.getLogger("fsdp_compose")
 
@@ -122,19 +129,28 @@ class RateLimiter:
 
 
 class Scheduler:
-    """Coordinates ``units`` (one root's tree, module pre-order) with ``settings``."""
+    """Coordinates ``units`` (one root's tree, module pre-order) with ``settings``
+    (whose event list the units already report to) and ``shared``, the use counts
+    of the units other modules borrow ([Note: shared parameters]; None if none)."""
 
-    def __init__(self, units: list[Unit], settings: ScheduleSettings | None = None) -> None:
+    def __init__(
+        self,
+        units: list[Unit],
+        settings: ScheduleSettings | None = None,
+        shared: SharedUses | None = None,
+    ) -> None:
         self.units = units
         self.settings = settings if settings is not None else ScheduleSettings()
         self.events = self.settings.events  # shared with its units
-        for unit in units:
-            unit.events = self.events
-        self.forward_active = self.backward_active = False
-        # The backward iteration's finalization mode, fixed at its first backward
-        # until it is finalized or reset (None: no iteration in progress).
+        strays = [unit.name for unit in units if unit.events is not self.events]
+        assert not strays, f"units {strays} report to another tree's events than their root's"
+        self.shared = shared
+        self.training_state = TrainingState.IDLE  # the root's step: [Note: step state]
+        # Not a step state: the finalization mode of the backward iteration in progress,
+        # fixed at its first backward until it is finalized or reset (None: none in
+        # progress). An iteration spans several forward/backward passes when gradients
+        # are accumulated, so the mode outlives each pass's states.
         self.manual_finalization: bool | None = None
-        self.reduction_pending = False  # a finalize_backward(async_op=True) not waited on
         self._awaiting_finalize: list[Unit] = []  # manual mode: post-backward deferred
         self.resets = 0  # reset() calls: a GradientReductionHandle from before is invalid
 
@@ -146,8 +162,10 @@ class Scheduler:
         self._backward_cursor = 0
         self._reductions: list[PendingReduction] = []  # not yet handed to .grad
         self._scattering: list[PendingReduction] = []  # reduce-scatter not yet waited
-        self.shared: SharedUses | None = None  # [Note: shared parameters], if any
         self.memory = RateLimiter(units, self.settings)  # every later shard-state change
+
+    def _enter(self, to: TrainingState) -> None:
+        self.training_state = check_step(ROOT_STEPS, "the root", self.training_state, to)
 
     @property
     def step(self) -> int:
@@ -163,16 +181,17 @@ class Scheduler:
 
     def begin_forward(self) -> None:
         """Called once per iteration, by the first unit state to run forward."""
-        if self.reduction_pending:
+        state = self.training_state
+        if state is TrainingState.REDUCTION_PENDING:
             raise RuntimeError("The previous gradient reduction must be waited on before forward")
-        if self.backward_active:
+        if state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             raise RuntimeError(
                 "fsdp_compose: a new forward started but the previous backward never finished "
                 "(an exception inside backward?), so gradients were not reduced. Call "
                 "reset_iter_state() on the root module after catching the exception."
             )
         self._complete_reductions()
-        self.forward_active = True
+        self._enter(TrainingState.FORWARD)
         self.events.begin_step()
         if self._forward_order:
             self._prev_forward_order = self._forward_order
@@ -189,7 +208,7 @@ class Scheduler:
         """``units``: one unit, or one call's units (one per mesh, [Note: per-parameter
         meshes]), whose all-gathers are all issued before any wait."""
         for unit in units:
-            unit.phase = Phase.FORWARD
+            unit.enter(TrainingState.FORWARD)
             self._forward_order.append(unit)
             unit.lazy_init()  # adopts parameters replaced since (load_state_dict(assign=True))
             if self.shared is not None:
@@ -206,7 +225,7 @@ class Scheduler:
     def post_forward(self, unit: Unit) -> None:
         self.events.unit("forward_end", unit)
         self._end_forward_use(unit)
-        unit.phase = Phase.IDLE
+        unit.enter(TrainingState.IDLE)
 
     def borrow_forward(self, units: list[Unit]) -> None:
         """A module sharing the parameters of (owner) ``units`` starts its forward."""
@@ -234,7 +253,9 @@ class Scheduler:
 
     def end_forward(self) -> None:
         """Called by the state that began the forward, after its post-forward."""
-        self.forward_active = False
+        # A manual finalization in progress (gradient accumulation) goes on waiting.
+        awaiting = TrainingState.AWAITING_FINALIZE if self.manual_finalization else None
+        self._enter(awaiting or TrainingState.IDLE)
         self.memory.deferred.clear()
         no_backward = not torch.is_grad_enabled()
         if self.shared is not None:
@@ -256,18 +277,18 @@ class Scheduler:
 
     def pre_backward(self, *units: Unit) -> None:
         """A gradient of a forward output of ``units`` (as in :meth:`pre_forward`) is ready."""
-        units = tuple(u for u in units if u.phase is not Phase.PRE_BACKWARD)
+        units = tuple(u for u in units if u.training_state is not TrainingState.PRE_BACKWARD)
         if not units:
             return
-        self._note_backward()
         for unit in units:
-            unit.phase = Phase.PRE_BACKWARD
+            unit.enter(TrainingState.PRE_BACKWARD)
         gather = [u for u in units if u.options.unshard_in_backward]
         for unit in gather:
             self.memory.issue(unit)
         for unit in gather:
             for target in self._prefetch_targets(unit, backward=True):
-                # As in FSDP2, a unit set not to unshard in backward is not prefetched.
+                # As in FSDP2, a unit set not to unshard in backward is not prefetched
+                # there either (its backward does not need its parameters).
                 if target not in units and target.options.unshard_in_backward:
                     self.memory.prefetch(target)
         for unit in gather:
@@ -278,7 +299,6 @@ class Scheduler:
     def borrow_backward(self, units: list[Unit]) -> None:
         """A borrower of ``units`` starts its backward: unshard them (even if not
         ``unshard_in_backward``)."""
-        self._note_backward()
         for unit in units:
             self.memory.require(unit)
 
@@ -287,12 +307,16 @@ class Scheduler:
         for unit in units:
             self.post_backward(unit)
 
-    def _note_backward(self) -> None:
-        if not self.backward_active:
-            self.backward_active = True
-            if self.manual_finalization is None:
-                self.manual_finalization = self.settings.manual_backward_finalization
-            self._backward_cursor = len(self._backward_order)
+    def begin_backward(self) -> bool:
+        """Backward reached a unit of this root: returns whether this is the first
+        time in this backward pass (the caller then queues :meth:`finalize_backward`)."""
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return False
+        self._enter(TrainingState.PRE_BACKWARD)
+        if self.manual_finalization is None:
+            self.manual_finalization = self.settings.manual_backward_finalization
+        self._backward_cursor = len(self._backward_order)
+        return True
 
     def _prefetch_targets(self, unit: Unit, *, backward: bool) -> Sequence[Unit]:
         explicit = unit.options.backward_prefetch if backward else unit.options.forward_prefetch
@@ -337,9 +361,9 @@ class Scheduler:
         # (a shared unit waits for the backward of its other uses: [Note: shared parameters])
 
     def _post_backward(self, unit: Unit, *, at_end: bool, drain: bool = True) -> None:
-        if unit.phase is Phase.PRE_BACKWARD:
+        if unit.training_state is TrainingState.PRE_BACKWARD:
             self.events.unit("backward_end", unit)
-        unit.phase = Phase.POST_BACKWARD
+        unit.enter(TrainingState.POST_BACKWARD)
         options, reducer = unit.options, unit.reducer
         params: list[ShardedParam] = []
         if options.requires_gradient_sync:
@@ -347,11 +371,13 @@ class Scheduler:
         else:
             reducer.accumulate_unsharded_grads()
         if options.reshard_after_backward:
-            # Free the parameters before the reduction allocates its buffers (never both).
+            # Gradients are separate tensors: free the parameters before the reduction
+            # allocates its buffers, so that the two never coexist.
             self.memory.reshard(unit)
         if params:
-            # Complete earlier reduce-scatters first (bounds full-size gradient buffers),
-            # except at the end of backward: nothing is left to overlap.
+            # Complete earlier reduce-scatters first (bounds full-size gradient buffers;
+            # they had this unit's backward to finish), except at the end of backward:
+            # nothing is left to overlap, so the last ones run together.
             if drain and not at_end:
                 while len(self._scattering) >= self.settings.max_inflight_reductions:
                     self._scattering.pop(0).advance()
@@ -365,12 +391,13 @@ class Scheduler:
         """End of ``backward()``: reduce what is left and hand gradients over (in
         manual mode, what is left waits for :meth:`finalize_manually`)."""
         manual = bool(self.manual_finalization)
+        self._enter(TrainingState.POST_BACKWARD)
         try:
             for unit in reversed(self.units):
                 if (
-                    unit.phase is not Phase.POST_BACKWARD
+                    unit.training_state is not TrainingState.POST_BACKWARD
                     and (
-                        unit.phase is Phase.PRE_BACKWARD
+                        unit.training_state is TrainingState.PRE_BACKWARD
                         or unit.state is not ShardState.SHARDED
                         or unit.reducer.has_unsharded_grads()
                     )
@@ -390,11 +417,11 @@ class Scheduler:
                 self.manual_finalization = None
         finally:
             for unit in self.units:
-                unit.phase = Phase.IDLE
+                unit.enter(TrainingState.IDLE)
             self.memory.deferred.clear()
             if self.shared is not None:
                 self.shared.end_backward_pass()
-            self.backward_active = False
+            self._enter(TrainingState.AWAITING_FINALIZE if manual else TrainingState.IDLE)
 
     def finalize_manually(self, *, wait: bool) -> None:
         """``FSDPModule.finalize_backward``: runs the deferred post-backwards (and those
@@ -405,15 +432,16 @@ class Scheduler:
                 self._post_backward(unit, at_end=True)
             elif unit.options.reshard_after_backward:
                 self.memory.reshard(unit)
-            unit.phase = Phase.IDLE
-        self.reduction_pending = not wait
+            unit.enter(TrainingState.IDLE)
         if wait:
             self.complete_manual_reductions()
+        else:
+            self._enter(TrainingState.REDUCTION_PENDING)
 
     def complete_manual_reductions(self) -> None:
         """Completes :meth:`finalize_manually`'s reductions; the backward iteration ends."""
         self._complete_reductions()
-        self.reduction_pending = False
+        self._enter(TrainingState.IDLE)
         self.manual_finalization = None
 
     def _complete_reductions(self) -> None:
@@ -441,7 +469,7 @@ class Scheduler:
                 failures.append(str(exc))
                 unit.abandon_gather()
                 self.memory.reshard(unit)
-            unit.phase = Phase.IDLE
+            unit.enter(TrainingState.IDLE)
         if self.shared is not None:
             self.shared.reset()
         if failures:
@@ -451,7 +479,7 @@ class Scheduler:
                 failures[0],
             )
         self.memory.deferred.clear()
-        self.forward_active = self.backward_active = False
+        self.training_state = TrainingState.IDLE  # from any state: this is the recovery path
         self._forward_order, self._post_forward_order = [], []
-        self.manual_finalization, self.reduction_pending, self._awaiting_finalize = None, False, []
+        self.manual_finalization, self._awaiting_finalize = None, []
         self.resets += 1

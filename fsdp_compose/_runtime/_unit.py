@@ -29,7 +29,7 @@ from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reduce import GradientReducer
 from ._sharded_param import ShardedParam
 
-__all__ = ["Phase", "ShardState", "Unit", "UnitOptions"]
+__all__ = ["ShardState", "TrainingState", "Unit", "UnitOptions", "check_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +71,55 @@ _TRANSITIONS = {
 }
 
 
-class Phase(Enum):
-    """What the unit is doing in the current step."""
+class TrainingState(Enum):
+    """Where a unit, or its root's step, is in the training step: FSDP2's
+    ``TrainingState``, plus the two states of manual finalization (the root's only)."""
 
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
-    POST_BACKWARD = "post_backward"
+    IDLE = "idle"  # between forward and backward, or between steps
+    FORWARD = "forward"  # from pre-forward to post-forward
+    PRE_BACKWARD = "pre_backward"  # backward running: gradients being computed
+    POST_BACKWARD = "post_backward"  # a unit: gradients handed to its reducer; a root: finalizing
+    # Manual finalization (FSDPModule.set_manual_backward_finalization): backward is done
+    # and its reductions wait for FSDPModule.finalize_backward, across later forwards too.
+    AWAITING_FINALIZE = "awaiting_finalize"
+    REDUCTION_PENDING = "reduction_pending"  # finalize_backward(async_op=True) not waited on
+
+
+# [Note: step state]
+# A unit and its root's scheduler each hold a TrainingState, changed only through
+# ``check_step`` against one of the tables below: a hook arriving in an order the
+# runtime does not expect is reported at once, naming the unit (or root) and both
+# states, instead of surfacing later as a hang or a lost gradient. A unit may run
+# backward more than once per step (a module called twice in forward: PRE_BACKWARD
+# again after POST_BACKWARD), and finalization reaches units whose backward never
+# ran (IDLE -> POST_BACKWARD), or none (IDLE -> IDLE). The root's step adds manual
+# finalization: backward ends in AWAITING_FINALIZE (and forward passes that accumulate
+# more gradients return to it) while ``FSDPModule.finalize_backward`` has not run, and
+# an asynchronous finalize stays REDUCTION_PENDING until its handle is waited on.
+# ``Scheduler.reset`` (``reset_iter_state``) returns every state to IDLE from anywhere.
+_S = TrainingState
+# From each state, the states a unit may go to next; then those of the root's step.
+UNIT_STEPS = {
+    _S.IDLE: (_S.IDLE, _S.FORWARD, _S.PRE_BACKWARD, _S.POST_BACKWARD),
+    _S.FORWARD: (_S.IDLE,),
+    _S.PRE_BACKWARD: (_S.POST_BACKWARD, _S.IDLE),
+    _S.POST_BACKWARD: (_S.PRE_BACKWARD, _S.POST_BACKWARD, _S.IDLE),
+}
+ROOT_STEPS = {
+    _S.IDLE: (_S.IDLE, _S.FORWARD, _S.PRE_BACKWARD, _S.REDUCTION_PENDING),
+    _S.FORWARD: (_S.IDLE, _S.AWAITING_FINALIZE),
+    _S.PRE_BACKWARD: (_S.POST_BACKWARD,),
+    _S.POST_BACKWARD: (_S.IDLE, _S.AWAITING_FINALIZE),
+    _S.AWAITING_FINALIZE: (_S.FORWARD, _S.PRE_BACKWARD, _S.IDLE, _S.REDUCTION_PENDING),
+    _S.REDUCTION_PENDING: (_S.IDLE,),
+}
+
+
+def check_step(table: dict[_S, tuple[_S, ...]], who: str, current: _S, to: _S) -> _S:
+    """Returns ``to`` if ``table`` allows ``current -> to``; else raises an
+    ``AssertionError`` naming ``who``: a bug in the runtime ([Note: step state])."""
+    assert to in table[current], f"fsdp_compose: {who} went from {current.name} to {to.name}"
+    return to
 
 
 class Unit:
@@ -92,6 +134,7 @@ class Unit:
         reshard_after_forward: bool | int,
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
+        events: Events,
     ) -> None:
         self.params = params
         self.modules = modules
@@ -104,9 +147,10 @@ class Unit:
         self.name = type(modules[0]).__name__  # refined to the module's FQN at lazy init
         self.options = UnitOptions()
         self.state = ShardState.SHARDED
-        self.phase = Phase.IDLE
-        # The root's event list (and step count), shared by its tree's units.
-        self.events = Events()
+        self.training_state = TrainingState.IDLE  # [Note: step state]
+        # The tree's event list (and step count), shared by its units: the call's own
+        # until an enclosing fully_shard call adopts it (attach).
+        self.events = events
         self.reducer = GradientReducer(self)
         self.reduce_dtype: torch.dtype | None = None  # set at lazy init
         # With reshard_after_forward=N: the N-rank group backward gathers in.
@@ -127,6 +171,16 @@ class Unit:
         self._gathered_versions: list[int] = []
 
     # -- configuration ---------------------------------------------------
+
+    def attach(self, events: Events) -> None:
+        """Reports to ``events`` from now on: those of the tree that an enclosing
+        ``fully_shard`` call (or the root's lazy init) made this unit part of."""
+        assert self.training_state is TrainingState.IDLE, f"unit {self.name!r} is in a step"
+        self.events = events
+
+    def enter(self, to: TrainingState) -> None:
+        """Moves this unit to training state ``to`` ([Note: step state])."""
+        self.training_state = check_step(UNIT_STEPS, f"unit {self.name!r}", self.training_state, to)
 
     def configure(self, **changes: Any) -> None:
         """Replaces the named :class:`UnitOptions` fields (but not
@@ -189,8 +243,9 @@ class Unit:
     def lazy_init(self) -> None:
         if self.buffer is not None or self.extension is not None:
             return
-        # Buffers and views made inside torch.inference_mode() (an evaluation first)
-        # would be inference tensors, unusable for training ever after.
+        # The buffers and views made here outlive this call: made inside
+        # torch.inference_mode() (an evaluation first), they would be inference
+        # tensors, unusable for training ever after.
         with torch.inference_mode(False):
             for p in self.params:
                 p.resync_sharded_param()
