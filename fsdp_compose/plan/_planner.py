@@ -354,14 +354,15 @@ def _explain(
             reason += (
                 f"; one as fast with the same bytes sent and a lower peak does not fit ({over})"
             )
-    ties = [o for o in fitting[1:] if o.step.step_s == chosen.step.step_s]
+    same = sum(o.key == chosen.key for o in fitting[1:])
+    ties = [o for o in fitting[1:] if o.step.step_s == chosen.step.step_s and o.key != chosen.key]
     if ties:  # the ranking's tie-breaks decided: say which
         by_bytes = any(o.comm_bytes != chosen.comm_bytes for o in ties)
-        reason += (
-            f"; it ties on step time with {len(ties)} other(s) and "
-            + ("sends the fewest bytes" if by_bytes else "has the lowest peak")
-            + (" (then the lowest peak)" if by_bytes and len(ties) > 1 else "")
+        reason += f"; it ties on step time with {len(ties)} other(s) and " + (
+            "sends the fewest bytes" if by_bytes else "has the lowest peak"
         )
+    if same:
+        reason += f"; {same} other candidate(s) predict the same (the first searched is shown)"
     runner_up = None
     for other in fitting[1:]:
         if other.key != chosen.key:
