@@ -190,7 +190,7 @@ def plan_to_budget(
     search = _Search(model, caps, host_cap, cost, shape, offload_policy, common)
     scored = search.run(candidates, progress)
     fitting = sorted((s for s in scored if s.fits), key=lambda s: s.key)
-    result = {
+    result: dict[str, Any] = {
         "candidates": len(candidates),
         "requested_bytes": given,
         "cost": cost,
