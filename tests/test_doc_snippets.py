@@ -5,6 +5,10 @@ before its opening fence is an HTML comment (invisible on GitHub) of the form::
 
     <!-- doctest: ranks=2 setup=gpt then=train -->
 
+* ``name=NAME`` names a visible block (a setup the reader copies) and ``setup=@NAME``
+  runs it before the block, as shown; ``setup=@a+@b+gpt`` chains visible blocks of the
+  same file and hidden setups in order. A named block, or a chain with a visible one, runs as a
+  script: its ``init_process_group`` is a no-op here.
 * ``setup=a|b`` runs the block once with each setup; ``hf_llama`` and ``hf_gpt2``
   write a tiny randomly initialised Hugging Face model to ``pretrained_dir`` and
   define its ``config``.
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,20 +115,36 @@ assert bool(torch.isfinite(loss)), loss
 }
 
 
-def _snippets() -> list[tuple[str, dict[str, str], str]]:
+def _snippets() -> list[tuple[str, dict[str, str], str, str]]:
+    """(where, options, setup code, block code) of every block to run."""
     found = []
     for path in _DOCS:
         text = path.read_text()
+        blocks = []
+        named: dict[str, str] = {}
         for match in _MARKED.finditer(text):
             opts = dict(item.split("=", 1) for item in match["opts"].split())
-            unknown = set(opts) - {"ranks", "setup", "then"}
+            unknown = set(opts) - {"ranks", "setup", "then", "name"}
             assert not unknown, f"{path.name}: unknown doctest option(s) {unknown}"
+            if "name" in opts:
+                assert opts["name"] not in named, f"{path.name}: two blocks named {opts['name']}"
+                named[opts["name"]] = match["code"]
             line = text.count("\n", 0, match.start()) + 2  # the opening fence
+            blocks.append((line, opts, match["code"]))
+        for line, opts, code in blocks:
             for setup in opts.get("setup", "none").split("|"):  # a|b: run once with each
                 name = f"{path.name}:{line}" + (
                     f"[{setup}]" if "|" in opts.get("setup", "") else ""
                 )
-                found.append((name, {**opts, "setup": setup}, match["code"]))
+                parts = []
+                for item in setup.split("+"):
+                    if item.startswith("@"):
+                        assert item[1:] in named, f"{name}: no block named {item[1:]}"
+                        parts.append(named[item[1:]])
+                    elif item != "script":
+                        parts.append(_SETUPS[item])
+                visible = setup == "script" or "@" in setup or "name" in opts
+                found.append((name, {**opts, "script": str(visible)}, "".join(parts), code))
     return found
 
 
@@ -133,6 +154,8 @@ def _run_snippet(setup: str, code: str, then: str, workdir: str, script: bool = 
     rank's process group is already up)."""
     import torch.distributed as dist
 
+    if str(_ROOT) not in sys.path:  # the README's setup imports examples.gpt, as from a clone
+        sys.path.append(str(_ROOT))
     previous = os.getcwd()
     saved = dist.init_process_group, dist.destroy_process_group
     if script:
@@ -175,10 +198,13 @@ def test_every_python_block_is_run_or_points_to_a_runnable_file() -> None:
     assert not missing, f"fragments pointing to files that do not exist: {missing}"
 
 
-@pytest.mark.parametrize("where,opts,code", _FOUND, ids=[w for w, _, _ in _FOUND])
-def test_doc_snippet_runs(where: str, opts: dict[str, str], code: str, tmp_path: Path) -> None:
-    script = opts.get("setup") == "script"
-    setup = "" if script else _SETUPS[opts.get("setup", "none")]
+@pytest.mark.parametrize(
+    "where,opts,setup,code", _FOUND, ids=[w for w, _, _, _ in _FOUND]
+)
+def test_doc_snippet_runs(
+    where: str, opts: dict[str, str], setup: str, code: str, tmp_path: Path
+) -> None:
+    script = opts["script"] == "True"
     then = _THENS[opts.get("then", "none")]
     ranks = int(opts.get("ranks", "2"))
     run_distributed(_run_snippet, ranks, setup, code, then, str(tmp_path), script)

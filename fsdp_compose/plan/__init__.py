@@ -13,9 +13,11 @@ This subpackage uses the core through its public API; the core never imports it.
 """
 
 from ._autowrap import auto_wrap
+from ._cost import CostModel, StepCost
 from ._estimate import MemoryEstimate, estimate
-from ._planner import CostModel, PlanResult, plan_to_budget
+from ._planner import plan_to_budget
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
+from ._result import PlanResult
 from ._units import format_bytes, parse_bytes
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "MemoryEstimate",
     "PlanResult",
     "ShardingPlan",
+    "StepCost",
     "UnitPlan",
     "WrapPolicy",
     "auto_wrap",

@@ -6,6 +6,8 @@ CONFIG is a Hugging Face ``config.json`` (or a folder holding one), or a Python
 factory ``package.module:function`` returning an ``nn.Module``. The model is
 built on the meta device: no weights are materialized and no ranks launched.
 
+Runs longer than a few seconds report their progress on stderr.
+
 Exit status: 0 when the plan fits (or no --budget was given), 1 when nothing
 fits the budget, 2 for bad input (options, config, factory).
 """
@@ -16,17 +18,23 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
 import os
 import sys
-from typing import Any
+import time
+from typing import Any, TextIO
 
 import torch
 from torch import nn
 
 from .._runtime import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._estimate import OPTIMIZERS, _check_mesh, estimate
-from ._planner import CostModel, plan_to_budget
-from ._units import budget_text, format_count, parse_bytes
+from ._cost import CostModel
+from ._estimate import OPTIMIZERS, MemoryEstimate, _check_mesh, estimate
+from ._planner import plan_to_budget
+from ._policy import resolve_plan
+from ._profile import profile_model
+from ._result import PlanResult
+from ._units import budget_text, format_bytes, format_count, parse_bytes
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -126,11 +134,21 @@ def _mesh(text: str) -> tuple[int, ...]:
     return dims
 
 
+_SIZE_UNITS = "B, KiB, MiB, GiB, TiB (binary) or KB, MB, GB, TB (decimal)"
+
+
 def _size(text: str) -> str:
+    """A size with a unit: a bare number is refused (``80`` is more likely 80 GiB
+    than 80 bytes)."""
+    stripped = text.strip()
+    if stripped and not stripped[-1].isalpha():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no unit; write e.g. 80GiB or 80GB (units: {_SIZE_UNITS})"
+        )
     try:
         parse_bytes(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(f"{exc} (units: {_SIZE_UNITS})") from None
     return text
 
 
@@ -221,6 +239,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes/s per rank (planner; default per --device)",
     )
     p.add_argument(
+        "--host-budget",
+        type=_size,
+        default=None,
+        help="host memory per rank the offloaded state may take, e.g. 128GiB (with --offload)",
+    )
+    p.add_argument(
+        "--host-bandwidth",
+        type=_rate,
+        default=None,
+        help="bytes/s of host-device copies per rank, each way (planner, with --offload; "
+        "default 25e9)",
+    )
+    p.add_argument(
+        "--host-optimizer-rate",
+        type=_rate,
+        default=None,
+        help="bytes/s of offloaded state the host optimizer step goes through per rank "
+        "(planner, with --offload; default 10e9)",
+    )
+    p.add_argument(
         "--overlap",
         type=float,
         default=None,
@@ -253,13 +291,15 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
             ("flop_rate", args.flop_rate),
             ("bandwidth", args.bandwidth),
             ("overlap", args.overlap),
+            ("host_bandwidth", args.host_bandwidth),
+            ("host_optimizer_rate", args.host_optimizer_rate),
         )
         if v is not None
     }
     if not given:
         return default
     flags = ", ".join("--" + k.replace("_", "-") for k in given)
-    rest = f"; the rest {default.source}" if len(given) < 3 else ""
+    rest = f"; the rest {default.source}" if len(given) < 5 else ""
     return dataclasses.replace(default, **given, source=f"given: {flags}{rest}")
 
 
@@ -269,46 +309,43 @@ def _policy(text: str | None) -> Any:
     return int(text) if text.isdigit() else [s.strip() for s in text.split(",") if s.strip()]
 
 
+class _Progress:
+    """Progress lines on stderr, once a run has taken more than ``after`` seconds
+    (short runs print nothing), at most one every ``every`` seconds."""
+
+    def __init__(self, after: float = 2.0, every: float = 2.0, stream: TextIO | None = None):
+        self.start = time.monotonic()
+        self.after, self.every, self.stream = after, every, stream
+        self.last = -math.inf
+
+    def stage(self, text: str) -> None:
+        self._say(text, force=True)
+
+    def __call__(self, done: int, total: int) -> None:
+        self._say(f"{done}/{total} candidates evaluated", force=done == total)
+
+    def _say(self, text: str, force: bool) -> None:
+        now = time.monotonic()
+        if now - self.start < self.after or (not force and now - self.last < self.every):
+            return
+        self.last = now
+        stream = self.stream or sys.stderr  # looked up late: tests capture sys.stderr
+        print(f"plan: {text} ({now - self.start:.0f} s)", file=stream, flush=True)
+
+
 def _run(args: argparse.Namespace) -> int:
     for name in ("world_size", "batch", "seq"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive int")
-    _check_mesh(args.world_size, args.mesh_shape)  # before the (slow) model build
-    model = load_model(args.config, _DTYPES[args.dtype])
-    mp = MixedPrecisionPolicy(
-        param_dtype=_DTYPES[args.param_dtype] if args.param_dtype else None,
-        reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
-    )
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=False) if args.offload else OffloadPolicy()
-    common: dict[str, Any] = {
-        "batch": args.batch,
-        "seq": args.seq,
-        "world_size": args.world_size,
-        "mesh_shape": args.mesh_shape,
-        "policy": _policy(args.policy),
-        "mp_policy": mp,
-        "offload_policy": offload,
-        "optimizer": args.optimizer,
-        "device": args.device,
-        "set_to_none": args.set_to_none,
-    }
-    est = estimate(
-        model,
-        reshard_after_forward=args.reshard,
-        prefetch_depth=args.prefetch,
-        activation_checkpointing=True if args.checkpointing else None,
-        **common,
-    )
-    result = None
-    if args.budget is not None:
-        result = plan_to_budget(
-            model,
-            args.budget,
-            activation_checkpointing=not args.no_checkpointing_in_plan,
-            cost=_cost_model(args),
-            headroom=args.headroom,
-            **common,
+    if args.host_budget is not None and (args.budget is None or not args.offload):
+        raise UsageError(
+            "--host-budget bounds the offloaded state: give it with --offload and --budget"
         )
+    _check_mesh(args.world_size, args.mesh_shape)  # before the (slow) model build
+    progress = _Progress()
+    model = load_model(args.config, _DTYPES[args.dtype])
+    progress.stage("model built on the meta device")
+    est, result = _predict(args, model, progress)
     params = sum(p.numel() for p in model.parameters())
     budget = None if args.budget is None else budget_text(args.budget)
     if args.json:
@@ -328,9 +365,65 @@ def _run(args: argparse.Namespace) -> int:
     print(est.table())
     if result is not None:
         print()
-        print(f"plan for a budget of {budget} per rank:")
+        host = (
+            ""
+            if args.host_budget is None
+            else f" ({format_bytes(parse_bytes(args.host_budget))} of host memory)"
+        )
+        print(f"plan for a budget of {budget} per rank{host}:")
         print(result.table())
     return 0 if result is None or result.fits else 1
+
+
+def _predict(
+    args: argparse.Namespace, model: nn.Module, progress: _Progress
+) -> tuple[MemoryEstimate, PlanResult | None]:
+    """The estimate of the plan the options describe, and the plan for --budget
+    (one profile of the model serves both)."""
+    mp = MixedPrecisionPolicy(
+        param_dtype=_DTYPES[args.param_dtype] if args.param_dtype else None,
+        reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
+    )
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=False) if args.offload else OffloadPolicy()
+    policy = _policy(args.policy)
+    leaves = [m for u in resolve_plan(model, policy).units[:-1] for m in u.modules]
+    profile = profile_model(
+        model, leaves, batch=args.batch, seq=args.seq, compute_dtype=mp.param_dtype
+    )
+    progress.stage("model profiled")
+    common: dict[str, Any] = {
+        "batch": args.batch,
+        "seq": args.seq,
+        "world_size": args.world_size,
+        "mesh_shape": args.mesh_shape,
+        "policy": policy,
+        "mp_policy": mp,
+        "offload_policy": offload,
+        "optimizer": args.optimizer,
+        "device": args.device,
+        "set_to_none": args.set_to_none,
+        "profile": profile,
+    }
+    est = estimate(
+        model,
+        reshard_after_forward=args.reshard,
+        prefetch_depth=args.prefetch,
+        activation_checkpointing=True if args.checkpointing else None,
+        **common,
+    )
+    if args.budget is None:
+        return est, None
+    result = plan_to_budget(
+        model,
+        args.budget,
+        activation_checkpointing=not args.no_checkpointing_in_plan,
+        cost=_cost_model(args),
+        headroom=args.headroom,
+        host_budget=args.host_budget,
+        progress=progress,
+        **common,
+    )
+    return est, result
 
 
 if __name__ == "__main__":

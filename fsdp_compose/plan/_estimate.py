@@ -93,6 +93,7 @@ class UnitEstimate:
     all_gather_bytes: int  # sent per step (forward + backward re-gather)
     backward_gather_bytes: int  # of which the backward re-gather
     reduce_bytes: int  # sent per step (reduce-scatter + HSDP all-reduce)
+    grad_bytes: int = 0  # sharded gradients (own dtype)
 
 
 @dataclass(frozen=True)
@@ -336,6 +337,7 @@ def estimate(
                 u.ag_send,
                 u.ag_backward,
                 u.reduce_send,
+                u.grads,
             )
             for u in units
         ),

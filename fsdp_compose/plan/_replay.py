@@ -58,10 +58,12 @@ class _Replay:
         self.forward = units[1:]
         self.index = {id(u): i for i, u in enumerate(self.forward)}
         self.next_key = 0  # the trace numbers its storages in allocation order
-        self.held: dict[str, int] = {}
+        self.held: dict[str, int] = {}  # unit name -> unsharded bytes it holds
+        self.held_bytes = 0  # their sum (kept as it changes: the replay marks every event)
         self.live: dict[int, int] = {}  # trace storage -> bytes
         self.live_bytes = 0  # their sum
         self.grads: dict[str, set[int]] = {}  # unit name -> its live gradient storages
+        self.grad_units: dict[int, list[str]] = {}  # the reverse: storage -> unit names
         self.grad_bytes = 0
         self.pending = 0  # the reduce-scatter in flight
         self.stash: dict[str, dict[int, int]] = {}  # checkpointed unit -> saved tensors
@@ -72,19 +74,24 @@ class _Replay:
         self.mark()
 
     def mark(self, extra_comm: int = 0) -> None:
-        terms = {
-            "unsharded": sum(self.held.values()) + self.grad_bytes,
-            "activations": self.live_bytes - self.grad_bytes,
-            "comm_buffers": self.pending + extra_comm,
-        }
-        total = sum(terms.values())
-        if total > self.best[0]:
+        total = self.held_bytes + self.live_bytes + self.pending + extra_comm
+        if total > self.best[0]:  # the terms only when needed: this runs at every event
+            terms = {
+                "unsharded": self.held_bytes + self.grad_bytes,
+                "activations": self.live_bytes - self.grad_bytes,
+                "comm_buffers": self.pending + extra_comm,
+            }
             self.best = (total, self.where, terms)
 
+    def hold(self, name: str, nbytes: int) -> None:
+        """Sets what unit ``name`` holds unsharded."""
+        self.held_bytes += nbytes - self.held.get(name, 0)
+        self.held[name] = nbytes
+
     def gather_forward(self, u: UnitBuffers, index: int) -> None:
-        self.held[u.name] = u.unsharded
+        self.hold(u.name, u.unsharded)
         for nxt in self.forward[index : index + self.depth]:
-            self.held[nxt.name] = nxt.unsharded
+            self.hold(nxt.name, nxt.unsharded)
 
     def apply(self, event: tuple[Any, ...]) -> None:
         kind = event[0]
@@ -99,6 +106,7 @@ class _Replay:
             u = self.unit_of.get(event[1], self.units[0])
             if event[2] is not None and event[2] not in self.grads.setdefault(u.name, set()):
                 self.grads[u.name].add(event[2])
+                self.grad_units.setdefault(event[2], []).append(u.name)
                 self.grad_bytes += self.live.get(event[2], 0)
         elif kind == "loss":
             self.where = "backward, loss"
@@ -109,10 +117,9 @@ class _Replay:
     def _free(self, key: int) -> None:
         nbytes = self.live.pop(key, 0)
         self.live_bytes -= nbytes
-        for keys in self.grads.values():
-            if key in keys:
-                keys.discard(key)
-                self.grad_bytes -= nbytes
+        for name in self.grad_units.pop(key, ()):
+            self.grads[name].discard(key)
+            self.grad_bytes -= nbytes
 
     def _pre_forward(self, u: UnitBuffers) -> None:
         self.where = f"forward {u.name}"
@@ -122,7 +129,7 @@ class _Replay:
         self.mark()
 
     def _post_forward(self, u: UnitBuffers) -> None:
-        self.held[u.name] = u.kept_after_forward()
+        self.hold(u.name, u.kept_after_forward())
         if u.checkpoint:  # keep only the output (the unit's newest live storage)
             mine = sorted(k for k in self.live if k >= self.begun.get(u.name, 0))
             self.stash[u.name] = {k: self.live.pop(k) for k in mine[:-1]}
@@ -131,11 +138,11 @@ class _Replay:
     def _pre_backward(self, u: UnitBuffers) -> None:
         self.finish_backward(u)
         self.where = f"backward {u.name}"
-        self.held[u.name] = u.unsharded
+        self.hold(u.name, u.unsharded)
         if id(u) in self.index:  # prefetch the units whose backward comes next
             i = self.index[id(u)]
             for prev in reversed(self.forward[max(0, i - self.depth) : i]):
-                self.held[prev.name] = max(self.held.get(prev.name, 0), prev.unsharded)
+                self.hold(prev.name, max(self.held.get(prev.name, 0), prev.unsharded))
         recomputed = self.stash.pop(u.name, {})
         self.live.update(recomputed)
         self.live_bytes += sum(recomputed.values())
@@ -149,7 +156,7 @@ class _Replay:
 
     def finish(self, u: UnitBuffers) -> None:
         """``u``'s post-backward: reshard, pack its gradients for the reduction."""
-        self.held[u.name] = 0
+        self.hold(u.name, 0)
         self.where = f"reduce {u.name}"
         self.mark(extra_comm=u.rs_buffers)
         for key in list(self.grads.get(u.name, ())):

@@ -1,0 +1,197 @@
+"""The planner's answer, as data and as the text the command line prints."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._cost import CostModel, StepCost
+from ._estimate import MemoryEstimate
+from ._policy import ShardingPlan
+from ._units import describe_choice, elide_rows, format_bytes
+
+__all__ = ["PlanResult"]
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The planner's answer.
+
+    Attributes:
+        fits: whether some candidate fits the budget (and the host budget).
+        plan: the chosen plan (``None`` when nothing fits); apply it with
+            ``auto_wrap(model, plan=result.plan, ...)``.
+        estimate: the chosen plan's estimate (when nothing fits: the plan
+            with the smallest peak).
+        budget_bytes: what the plan's estimate was held to: the budget less the
+            headroom (of the chosen plan, or of the closest when nothing fits).
+        step_time_s, exposed_comm_s: the cost model's prediction for the plan.
+        candidates: how many candidates were evaluated.
+        shortfall_bytes: how much more device memory per rank the smallest
+            candidate needs (0 when it fits).
+        suggestions: what would fit when nothing does.
+        choice: the chosen candidate's search coordinates.
+        requested_bytes: the budget as given.
+        headroom: the fraction of it left free (``budget_bytes`` is the rest).
+        cost: the cost model the step times come from (``cost.source`` says whose).
+        reason: one line on why this plan was chosen, from the compared numbers.
+        runner_up: the next best plan that fits (``choice``, ``peak_bytes``,
+            ``step_time_s``, ``comm_bytes``, and ``versus``: how it compares),
+            or ``None``.
+        step: the chosen plan's step time in parts (``None`` when nothing fits).
+        host_bytes: host memory per rank the offloaded state needs (0 without
+            offload).
+        host_budget_bytes: the host memory per rank allowed (``None``: not checked).
+    """
+
+    fits: bool
+    plan: ShardingPlan | None
+    estimate: MemoryEstimate
+    budget_bytes: int
+    step_time_s: float
+    exposed_comm_s: float
+    candidates: int
+    shortfall_bytes: int = 0
+    suggestions: tuple[str, ...] = ()
+    choice: dict[str, Any] = field(default_factory=dict)
+    requested_bytes: int = 0
+    headroom: float = 0.0
+    cost: CostModel = field(default_factory=CostModel)
+    reason: str = ""
+    runner_up: dict[str, Any] | None = None
+    step: StepCost | None = None
+    host_bytes: int = 0
+    host_budget_bytes: int | None = None
+
+    def _held_to(self) -> str:
+        if not self.headroom:
+            return format_bytes(self.budget_bytes)
+        return (
+            f"{format_bytes(self.budget_bytes)} ({format_bytes(self.requested_bytes)} less "
+            f"the headroom of {self.headroom:g})"
+        )
+
+    def _host_over(self) -> bool:
+        return self.host_budget_bytes is not None and self.host_bytes > self.host_budget_bytes
+
+    def _host_line(self) -> str:
+        budget = (
+            ""
+            if self.host_budget_bytes is None
+            else f" of a host budget of {format_bytes(self.host_budget_bytes)}"
+        )
+        line = f"host memory per rank {format_bytes(self.host_bytes)}{budget} (the offloaded state)"
+        if self.step is not None:
+            s = self.step
+            line += (
+                f"; per step {format_bytes(s.host_to_device_bytes)} host-to-device and "
+                f"{format_bytes(s.device_to_host_bytes)} device-to-host "
+                f"({s.host_copy_s * 1e3:.1f} ms of copies, hidden behind compute as far as "
+                "the schedule allows)"
+            )
+        return line
+
+    def table(self) -> str:
+        """The plan (or the "does not fit" report) as text."""
+        lines = []
+        offload = bool(self.estimate.config.get("offload"))
+        if not self.fits:
+            if self._host_over():
+                assert self.host_budget_bytes is not None
+                lines.append(
+                    f"DOES NOT FIT: the offloaded state needs {format_bytes(self.host_bytes)} of "
+                    f"host memory per rank, {format_bytes(self.host_bytes - self.host_budget_bytes)} "
+                    f"more than the host budget of {format_bytes(self.host_budget_bytes)}."
+                )
+            else:
+                lines.append(
+                    f"DOES NOT FIT: the smallest plan needs "
+                    f"{format_bytes(self.estimate.peak_bytes_per_rank)} per rank, "
+                    f"{format_bytes(self.shortfall_bytes)} more than the budget of "
+                    f"{self._held_to()}."
+                )
+            lines += [f"  - {s}" for s in self.suggestions]
+            return "\n".join(lines)
+        assert self.plan is not None and self.step is not None
+        lines.append(f"plan: {len(self.plan.units)} units, {describe_choice(self.choice)}")
+        step = (
+            f"step {self.step_time_s * 1e3:.1f} ms: compute {self.step.compute_s * 1e3:.1f} ms, "
+            f"exposed communication {self.exposed_comm_s * 1e3:.1f} ms"
+        )
+        if offload:
+            step += f", host optimizer step {self.step.host_optimizer_s * 1e3:.1f} ms"
+        lines.append(
+            f"predicted peak {format_bytes(self.estimate.peak_bytes_per_rank)} of "
+            f"{self._held_to()}; {step}"
+        )
+        if offload:
+            lines.append(self._host_line())
+        lines.append(self.cost.describe(offload))
+        lines.append(f"why: {self.reason}")
+        if self.runner_up is not None:
+            ru = self.runner_up
+            lines.append(
+                f"runner-up: {describe_choice(ru['choice'])}; peak {format_bytes(ru['peak_bytes'])}, "
+                f"step {ru['step_time_s'] * 1e3:.1f} ms ({ru['versus']})"
+            )
+        lines += self._unit_rows()
+        return "\n".join(lines)
+
+    def _unit_rows(self) -> list[str]:
+        rows: list[tuple[str, ...]] = [
+            ("unit", "reshard_after_forward", "checkpoint", "params/rank", "unsharded", "sent/step")
+        ]
+        for u in self.estimate.units:
+            rows.append(
+                (
+                    u.name,
+                    str(u.reshard_after_forward),
+                    "yes" if u.checkpoint else "no",
+                    format_bytes(u.sharded_bytes),
+                    format_bytes(u.unsharded_bytes),
+                    format_bytes(u.all_gather_bytes + u.reduce_bytes),
+                )
+            )
+        rows = elide_rows(rows)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        return ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (``null`` where a value does not apply)."""
+        return {
+            "fits": self.fits,
+            "budget_bytes": self.budget_bytes,
+            "requested_bytes": self.requested_bytes,
+            "headroom": self.headroom,
+            "step_time_s": None if math.isnan(self.step_time_s) else self.step_time_s,
+            "exposed_comm_s": None if math.isnan(self.exposed_comm_s) else self.exposed_comm_s,
+            "step": None if self.step is None else self.step.to_dict(),
+            "host_bytes": self.host_bytes,
+            "host_budget_bytes": self.host_budget_bytes,
+            "cost": self.cost.to_dict(),
+            "reason": self.reason,
+            "runner_up": self.runner_up,
+            "candidates": self.candidates,
+            "shortfall_bytes": self.shortfall_bytes,
+            "suggestions": list(self.suggestions),
+            "choice": self.choice,
+            "plan": None
+            if self.plan is None
+            else {
+                "prefetch_depth": self.plan.prefetch_depth,
+                "units": [
+                    {
+                        "modules": list(u.modules),
+                        "reshard_after_forward": u.reshard_after_forward,
+                        "checkpoint": u.checkpoint,
+                    }
+                    for u in self.plan.units
+                ],
+            },
+            "estimate": self.estimate.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
