@@ -190,7 +190,7 @@ class UnitState:
 
     # -- forward ---------------------------------------------------------
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -240,7 +240,7 @@ class UnitState:
                 args, kwargs = self._register_post_backward(args, kwargs)
             return args, kwargs
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self._nested_forwards:
             self._nested_forwards -= 1
@@ -321,7 +321,7 @@ class UnitState:
                 tensor.register_hook(self._pre_backward)
         return output
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def _pre_backward(self, grad: torch.Tensor) -> None:
         root, scheduler = self.root_state, self.scheduler
         assert root is not None and scheduler is not None
@@ -336,7 +336,7 @@ class UnitState:
             if self.borrowed:
                 scheduler.borrow_backward(self.borrowed)
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def post_backward(self) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
@@ -346,7 +346,7 @@ class UnitState:
             if self.borrowed:
                 scheduler.return_backward(self.borrowed)
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def _finalize_backward(self) -> None:
         try:
             assert self.scheduler is not None
