@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from ._fully_shard import fully_shard
 from ._grad_scaler import ShardedGradScaler
 from ._optim import enable_sharded_step
-from ._pipelining import PipelineStage
 from ._runtime import (
     AllGather,
     CollectiveInfo,
@@ -38,6 +37,7 @@ from ._runtime import (
 
 if TYPE_CHECKING:
     from . import debug, ft, plan, safetensors_io, subclass_checkpoint, trace, whole_matrix
+    from ._pipelining import PipelineStage
     from .plan import auto_wrap
 
 __version__ = "0.1.0"
@@ -51,6 +51,8 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f"{__name__}.{name}")
     if name == "auto_wrap":
         return importlib.import_module(f"{__name__}.plan").auto_wrap
+    if name == "PipelineStage":  # torch.distributed.pipelining imports torch._dynamo
+        return importlib.import_module(f"{__name__}._pipelining").PipelineStage
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

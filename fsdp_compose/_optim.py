@@ -1,19 +1,18 @@
 """Optimizer steps on the local shards: the same update, without DTensor dispatch.
 
 [Note: local optimizer steps]
-The optimizer holds sharded ``DTensor`` parameters, so each of its elementwise
-ops (``mul_``, ``lerp_``, ``addcdiv_``, ...) goes through DTensor's Python
-dispatch: about 30 us per op on the CPU, ten times the op itself for small
-tensors, or some 40 ms per step for a 17M-parameter GPT with AdamW. torch's
-FSDP2 pays that on every step. For optimizers whose update is elementwise per
-parameter (SGD, Adam, AdamW, ...), updating the DTensors is exactly updating
-their local tensors (every rank holds a different shard or an identical replica;
-no op mixes elements of different positions), so fsdp_compose runs ``step()``
-on the local tensors: parameters, gradients and optimizer states are swapped for
-their local tensors for the duration of the step and swapped back afterwards
-(``try/finally``). State created by the step (the first one) is wrapped into
-DTensors laid out like its parameter, exactly as the DTensor path creates it, so
-``optimizer.state_dict()``, ``torch.distributed.checkpoint`` and
+The optimizer holds sharded ``DTensor`` parameters, so each of its elementwise ops
+(``mul_``, ``lerp_``, ``addcdiv_``, ...) goes through DTensor's Python dispatch,
+which on the CPU costs several times the op itself for small tensors (BENCHMARKS.md,
+"Hot-path overhead"). torch's FSDP2 pays that on every step. For optimizers whose
+update is elementwise per parameter (SGD, Adam, AdamW, ...), updating the DTensors
+is exactly updating their local tensors (every rank holds a different shard or an
+identical replica; no op mixes elements of different positions), so fsdp_compose
+runs ``step()`` on the local tensors: parameters, gradients and optimizer states are
+swapped for their local tensors for the duration of the step and swapped back
+afterwards (``try/finally``). State created by the step (the first one) is wrapped
+into DTensors laid out like its parameter, exactly as the DTensor path creates it,
+so ``optimizer.state_dict()``, ``torch.distributed.checkpoint`` and
 ``get_state_dict`` see the same objects either way; results are bit-identical.
 
 It applies only where that equivalence holds: the optimizer's class is exactly

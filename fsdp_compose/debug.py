@@ -39,8 +39,8 @@ waits longer than the collective itself would), or for one model in code::
 for an optimizer built before ``fully_shard``, a forgotten root annotation, or
 gradient synchronization left off (see [Note: optimizer checks are opt-in warnings]).
 
-Cost: each collective waits for a store round trip with every rank of its group
-(about 0.1-1 ms on one host), and the wait makes communication synchronous with
+Cost: each collective waits for a store round trip with every rank of its group,
+and the wait makes communication synchronous with
 the training thread, so overlap is lost. Use it to diagnose, not to train.
 """
 

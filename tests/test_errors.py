@@ -1,4 +1,5 @@
-"""Bad input gets a clear, prompt exception (type and message asserted)."""
+"""Bad input gets a clear, prompt exception (type and message asserted), of
+the type torch's FSDP2 raises for the same input."""
 
 from __future__ import annotations
 
@@ -8,10 +9,17 @@ import pytest
 import torch
 import torch.nn as nn
 from dist_utils import run_distributed
+from torch.distributed import fsdp as torch_fsdp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp._fully_shard import _fsdp_common
 from torch.distributed.tensor import Shard
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
+
+# FSDP2 features newer than torch 2.11 (the oldest release supported): where the
+# installed torch lacks them, the comparisons with torch's own fully_shard are left out.
+TORCH_HAS_DP_MESH_DIMS = hasattr(torch_fsdp, "DataParallelMeshDims")
+TORCH_HAS_PLACEMENT_RESULT = hasattr(_fsdp_common, "ShardPlacementResult")
 
 
 def test_no_process_group() -> None:
@@ -154,3 +162,131 @@ def test_bad_input_errors() -> None:
     for results in run_distributed(_errors_job, 2):
         failures = {k: v for k, v in results.items() if v != "ok"}
         assert not failures, failures
+
+
+# -- FSDP2's exception types --------------------------------------------------
+
+
+def _refusal_cases(shard) -> dict:
+    """name -> a function taking ``fully_shard`` and making it refuse something."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    def _mesh(shape: tuple[int, ...]):
+        return init_device_mesh("cpu", shape)
+
+    def twice(fs):
+        m = nn.Linear(4, 4)
+        fs(m)
+        fs(m)
+
+    def deepcopy(fs):
+        import copy
+
+        copy.deepcopy(fs(nn.Linear(4, 4)))
+
+    def reshard_not_bool(fs):
+        fs(nn.Linear(4, 4)).set_reshard_after_forward(1)
+
+    cases = {
+        "uneven_dim1": lambda fs: fs(nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(1)),
+        "dim_out_of_range": lambda fs: fs(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)),
+        "not_a_shard": lambda fs: fs(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate()),
+        "twice": twice,
+        "deepcopy": deepcopy,
+        "scalar": lambda fs: fs(_Scalar()),
+        "non_contiguous": lambda fs: fs(_non_contiguous()),
+        "container": lambda fs: fs(nn.ModuleList([nn.Linear(2, 2)])),
+        "reshard_int": lambda fs: fs(nn.Linear(4, 4), reshard_after_forward=3),
+        "reshard_not_bool": reshard_not_bool,
+        "mesh_3d": lambda fs: fs(nn.Linear(4, 4), mesh=shard),
+        "mesh_2d_unnamed": lambda fs: fs(nn.Linear(4, 4), mesh=_mesh((1, 2))),
+    }
+    if TORCH_HAS_PLACEMENT_RESULT:
+        cases["result_not_a_shard"] = lambda fs: fs(
+            nn.Linear(4, 4),
+            shard_placement_fn=lambda p: _fsdp_common.ShardPlacementResult(
+                Replicate(), _fsdp_common.FSDPMeshInfo(_mesh((2,)), shard_mesh_dim=0)
+            ),
+        )
+    if TORCH_HAS_DP_MESH_DIMS:
+        cases.update(_spmd_refusal_cases())
+    return cases
+
+
+def _spmd_refusal_cases() -> dict:
+    """Refusals of ``dp_mesh_dims`` (a full (dp, tp) mesh of 2 x 1 ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fsdp_compose import DataParallelMeshDims
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    dims = DataParallelMeshDims(shard="dp")
+
+    def spmd_linear() -> nn.Linear:
+        m = nn.Linear(4, 4)
+        for name, p in list(m.named_parameters()):
+            setattr(
+                m,
+                name,
+                nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate(), Replicate()])),
+            )
+        return m
+
+    return {
+        "spmd_plain_param": lambda fs: fs(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=dims),
+        "spmd_unknown_dim": lambda fs: fs(
+            spmd_linear(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp")
+        ),
+        "spmd_reshard_int": lambda fs: fs(
+            spmd_linear(), mesh=mesh, dp_mesh_dims=dims, reshard_after_forward=2
+        ),
+    }
+
+
+def _non_contiguous() -> nn.Linear:
+    m = nn.Linear(4, 6)
+    m.weight = nn.Parameter(torch.randn(4, 6).t())
+    return m
+
+
+class _Scalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(1.0))
+
+
+def _exception_types_job() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh_3d = init_device_mesh("cpu", (1, 1, 2))
+    out = {}
+    for name, case in _refusal_cases(mesh_3d).items():
+        caught = []
+        for fs in (torch_fully_shard, fully_shard):
+            try:
+                case(fs)
+                caught.append(None)
+            except Exception as exc:  # noqa: BLE001 - compared below
+                caught.append(exc)
+        theirs, ours = caught
+        out[name] = (
+            type(theirs).__name__ if theirs is not None else None,
+            type(ours).__name__ if ours is not None else None,
+            theirs is not None and isinstance(ours, type(theirs)),
+        )
+    return out
+
+
+def test_refusals_raise_fsdp2_exception_types() -> None:
+    # Each refusal is made by torch's FSDP2 and by fsdp_compose on the same input:
+    # fsdp_compose's exception must be an instance of FSDP2's type.
+    for r in run_distributed(_exception_types_job, 2):
+        for name, (theirs, ours, ok) in r.items():
+            if (name, theirs, ours) == ("not_a_shard", "AttributeError", "ValueError"):
+                # torch 2.11's FSDP2 fails reading Replicate().dim; 2.13+ raise ValueError
+                assert not TORCH_HAS_PLACEMENT_RESULT
+                continue
+            assert ok, f"{name}: FSDP2 raises {theirs}, fsdp_compose {ours}"

@@ -14,7 +14,7 @@
 # Environment:
 #   TORCH_INDEX_URL  index to install torch from (default: pip's configured index;
 #                    https://download.pytorch.org/whl/cpu gives the small CPU builds)
-#   PYTEST_ARGS      what to run (default: "-q tests"); e.g. "-q tests/test_api.py"
+#   PYTEST_ARGS      what to run (default: "-q tests"); e.g. "-q tests/test_public_names.py"
 #   PYTHON           interpreter for the environments (default: python3)
 #
 # A machine-wide pip constraint that caps torch (pip config list shows it) also

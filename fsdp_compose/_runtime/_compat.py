@@ -5,6 +5,7 @@ or without a public equivalent). fsdp_compose declares ``torch>=2.11`` (exercise
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,16 +52,24 @@ def strided_shard(dim: int, split_factor: int) -> Placement:
     return _StridedShard(dim, split_factor=split_factor)
 
 
-_spmd_meshes: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] = {}
+# Weak values: an entry lives as long as someone (a unit's mesh info, a parameter's
+# DTensor spec) holds the concatenated mesh, and goes with the model that uses it.
+_spmd_meshes: weakref.WeakValueDictionary[tuple[Any, ...], DeviceMesh] = (
+    weakref.WeakValueDictionary()
+)
 
 
 def concatenate_meshes(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
     """The mesh with ``outer``'s dims then ``inner``'s (e.g. dp then tp; sub-meshes of
     one root mesh), as FSDP2 builds it; cached so a layout's parameters share one mesh."""
-    key = (id(outer), id(inner))
-    if key not in _spmd_meshes:  # (outer and inner kept alive: their ids are not reused)
-        _spmd_meshes[key] = (outer, inner, DeviceMesh._concatenate([outer, inner]))
-    return _spmd_meshes[key][2]
+    # Keyed by value (DeviceMesh compares layout and ranks; the group names tell apart
+    # meshes over process groups created again): a sub-mesh sliced again from the same
+    # root mesh (a new object each time) finds the same concatenated mesh.
+    key = (outer, inner, tuple(outer._dim_group_names), tuple(inner._dim_group_names))
+    mesh = _spmd_meshes.get(key)
+    if mesh is None:
+        mesh = _spmd_meshes[key] = DeviceMesh._concatenate([outer, inner])
+    return mesh
 
 
 def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:

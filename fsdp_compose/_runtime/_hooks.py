@@ -217,7 +217,7 @@ class UnitState:
 
     # -- forward ---------------------------------------------------------
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -268,7 +268,7 @@ class UnitState:
                 args, kwargs = self._register_post_backward(args, kwargs)
             return args, kwargs
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self._nested_forwards:
             self._nested_forwards -= 1
@@ -349,7 +349,7 @@ class UnitState:
                 tensor.register_hook(self._pre_backward)
         return output
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def _pre_backward(self, grad: torch.Tensor) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
@@ -362,7 +362,7 @@ class UnitState:
             if self.borrowed:
                 scheduler.borrow_backward(self.borrowed)
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def post_backward(self) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
@@ -381,7 +381,7 @@ class UnitState:
         if self.scheduler.begin_backward():
             _compat.queue_end_of_backward_callback(self._finalize_backward)
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def _finalize_backward(self) -> None:
         assert self.scheduler is not None
         with _compat.profiler_label("finalize_backward"):

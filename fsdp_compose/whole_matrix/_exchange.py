@@ -10,11 +10,11 @@ on one *owner* rank of the shard group:
 * Owners are chosen by longest-processing-time-first on the cost ``m·n·min(m, n)``
   (the flops of a Newton–Schulz iteration) plus, for a tall matrix, the extra
   passes of its transposed view (:data:`TALL_EXTRA` per element), the same on
-  every rank because it depends on shapes only. Without that term, LPT gave
-  every tall ``(4d, d)`` matrix of the benchmark GPT to rank 0 and every wide
-  ``(d, 4d)`` one to rank 1 (equal flops, ties to the lowest rank): rank 0
-  spent 7-10 ms more CPU per step (about 0.85 ms per tall matrix: a strided
-  first iteration and a transposed copy of the result).
+  every rank because it depends on shapes only. Without that term, LPT gives
+  every tall ``(4d, d)`` matrix of a transformer to one rank and every wide
+  ``(d, 4d)`` one to another (equal flops, ties to the lowest rank), and the
+  first does more work: a strided first iteration and a transposed copy of
+  each result.
 * Matrices move in *rounds*: round ``b`` holds every owner's next matrices
   (heaviest first), up to ``ROUND_NUMEL`` elements per owner (at least one
   matrix). One ``all_to_all_single`` gathers the round's matrices, each to its
@@ -30,8 +30,7 @@ on one *owner* rank of the shard group:
   send buffer, except where those rows form one block of a round's only
   matrix (this rank's rows first or last, as always at ``W=2``): then the
   block of the full matrix *is* the receive buffer and the block of the
-  result the send buffer. Measured on gloo at ``W=2``, this cut 2-4 ms of CPU
-  per rank from a 25-110 ms step against concatenating every piece.
+  result the send buffer, which saves copies against concatenating every piece.
 * The gather of round ``b+1`` is posted before round ``b``'s is waited for (its
   rows are written while round ``b``'s travel) and is in flight while the owner
   computes round ``b``; the return of round ``b`` is in flight while it computes
@@ -52,19 +51,16 @@ on one *owner* rank of the shard group:
   the Gram matrix and its polynomial, ``min(m, n)²`` each, and the next
   iterate, ``m·n``). Buffers are reused from step to step (see [Note:
   exchange buffers are reused]): between steps a rank keeps at most ``9·R``
-  elements of them (the pool's limit; the benchmark GPT's step uses 11.6 M
-  elements, 22 MiB, against its ``9·R`` = 18.6 M), and during a step the
-  pool's free buffers come on top of the live ones above (at most ``9·R`` more;
-  in steady state a step takes back what the previous one gave).
-* Measured alternatives (gloo, ``W=2``, 1 thread per rank): one matrix per
-  owner and round with no copy at all (every receive buffer a full matrix)
-  took about 10% more CPU and wall time on the GPT benchmark (18 rounds
-  instead of 8) than these rounds: a collective costs more than the copies it
-  saves. Point-to-point
-  ``isend``/``irecv`` straight into each matrix's row blocks cost 20-30% more
-  process CPU (more messages and wake-ups; ``send`` on the calling thread waits
-  on gloo's I/O thread). Smaller rounds (``2^18``, ``2^19``) were no faster:
-  on two busy cores the overlap saves less than the extra collectives cost.
+  elements of them (the pool's limit, which a step's buffers fit in), and
+  during a step the pool's free buffers come on top of the live ones above
+  (at most ``9·R`` more; in steady state a step takes back what the previous
+  one gave).
+* Why rounds of this size: on gloo a collective costs more than the copies it
+  saves, so these rounds beat one matrix per owner and round with no copy at
+  all (more rounds), point-to-point ``isend``/``irecv`` straight into each
+  matrix's row blocks (more messages and wake-ups; ``send`` on the calling
+  thread waits on gloo's I/O thread) and smaller rounds (the overlap saves less
+  than the extra collectives cost). BENCHMARKS.md has the measurements.
 * HSDP: owners are chosen within each shard group; every replica group repeats
   the same work on its identical data, which costs no communication across
   replicas (the alternative, splitting the owners over all ranks, would need the
@@ -139,7 +135,7 @@ def layout_of(t: torch.Tensor, what: str) -> ShardLayout:
 
 
 class Layouts:
-    """Parameters' layouts, each worked out (mesh lookups, about 50 us a matrix)
+    """Parameters' layouts, each worked out (mesh lookups: too slow for every step)
     once per parameter and spec: a DTensor's spec is replaced, not mutated, when
     its mesh, placements or shape change. Holds one entry per parameter seen
     (by id), pruned to the parameters of the latest :meth:`prune`."""
@@ -487,9 +483,8 @@ class BufferPool:
     rows, and Newton–Schulz's Gram matrix, polynomial and iterates) in the same
     sizes. Freshly allocated on the CPU, a buffer of a few hundred KiB or more
     comes from ``mmap`` or from heap memory that ``malloc`` gave back to the
-    system after the previous step, and is paid for again in page faults: on
-    the square benchmark some ranks took 700-1,100 minor faults per step (about
-    4 MiB), others none, depending on the heap's layout. Taken from this pool,
+    system after the previous step, and is paid for again in page faults on
+    some ranks, depending on the heap's layout. Taken from this pool,
     a buffer is one the previous step used. A buffer goes back to the pool only
     once nothing reads or writes it any more (after the collective that used it
     has been waited for; a full matrix only where the caller says its

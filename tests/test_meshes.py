@@ -1,18 +1,24 @@
-"""FSDP2 settings real clients use: communication-allocator settings,
-FSDP2's exception types, ``dp_mesh_dims`` on a full SPMD mesh."""
+"""Meshes: ``dp_mesh_dims`` on a full SPMD mesh (FSDP, HSDP, with tensor parallel)
+against one process and torch's FSDP2, per-parameter meshes (MoE experts on an
+expert-data-parallel mesh), and the data-parallel mesh fully_shard builds, shared by
+the units of one layout and released with the model."""
 
 from __future__ import annotations
 
-import logging
+import gc
+import weakref
 
 import pytest
 import torch
+import torch.nn as nn
 from dist_utils import run_distributed
-from torch import nn
+from helpers import fake_process_group
 from torch.distributed import fsdp as torch_fsdp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp._fully_shard import _fsdp_common
+from torch.distributed.tensor import Replicate, distribute_tensor
 
-from fsdp_compose import fully_shard
+from fsdp_compose import DataParallelMeshDims, fully_shard
 
 # FSDP2 features newer than torch 2.11 (the oldest release supported): where the
 # installed torch lacks them, the comparisons with torch's own fully_shard are left out.
@@ -20,195 +26,31 @@ TORCH_HAS_DP_MESH_DIMS = hasattr(torch_fsdp, "DataParallelMeshDims")
 TORCH_HAS_PLACEMENT_RESULT = hasattr(_fsdp_common, "ShardPlacementResult")
 
 
-def _mlp(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def _train(model: nn.Module, steps: int = 2) -> list[float]:
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.manual_seed(1 + torch.distributed.get_rank())
-    losses = []
-    for _ in range(steps):
-        loss = model(torch.randn(4, 8)).square().mean()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _comm_allocator_job() -> dict:
-    records: list[logging.LogRecord] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    handler = Collect(level=logging.WARNING)
-    logger = logging.getLogger("fsdp_compose")
-    logger.addHandler(handler)
-    try:
-        plain = _mlp()
-        fully_shard(plain[0])
-        fully_shard(plain)
-        tuned = _mlp()
-        fully_shard(tuned[0])
-        fully_shard(tuned)
-        for _ in range(2):  # a second call on the same or another module adds no note
-            tuned.set_symm_mem_for_comm()
-            tuned[0].set_allocate_memory_from_process_group_for_comm(True)
-        tuned.set_allocate_memory_from_process_group_for_comm(False)  # the default: silent
-        errors = []
-        for call in (
-            lambda: tuned.set_symm_mem_for_comm("NVSHMEM"),
-            lambda: tuned.set_allocate_memory_from_process_group_for_comm(1),  # type: ignore[arg-type]
-        ):
-            try:
-                call()
-            except (TypeError, ValueError) as exc:
-                errors.append(type(exc).__name__)
-        return {
-            "notes": [r.getMessage() for r in records],
-            "errors": errors,
-            "same": _train(plain) == _train(tuned),
-        }
-    finally:
-        logger.removeHandler(handler)
-
-
-def test_comm_allocator_settings_accepted_with_one_note() -> None:
-    for r in run_distributed(_comm_allocator_job, 2):
-        assert r["same"]
-        assert r["errors"] == ["ValueError", "TypeError"]
-        assert len(r["notes"]) == 2, r["notes"]
-        assert "set_symm_mem_for_comm()" in r["notes"][0] and "gloo/CPU" in r["notes"][0]
-        assert "set_allocate_memory_from_process_group_for_comm(True)" in r["notes"][1]
-
-
-def _refusal_cases(shard) -> dict:
-    """name -> a function taking ``fully_shard`` and making it refuse something."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-
-    def _mesh(shape: tuple[int, ...]):
-        return init_device_mesh("cpu", shape)
-
-    def twice(fs):
-        m = nn.Linear(4, 4)
-        fs(m)
-        fs(m)
-
-    def deepcopy(fs):
-        import copy
-
-        copy.deepcopy(fs(nn.Linear(4, 4)))
-
-    def reshard_not_bool(fs):
-        fs(nn.Linear(4, 4)).set_reshard_after_forward(1)
-
-    cases = {
-        "uneven_dim1": lambda fs: fs(nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(1)),
-        "dim_out_of_range": lambda fs: fs(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)),
-        "not_a_shard": lambda fs: fs(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate()),
-        "twice": twice,
-        "deepcopy": deepcopy,
-        "scalar": lambda fs: fs(_Scalar()),
-        "non_contiguous": lambda fs: fs(_non_contiguous()),
-        "container": lambda fs: fs(nn.ModuleList([nn.Linear(2, 2)])),
-        "reshard_int": lambda fs: fs(nn.Linear(4, 4), reshard_after_forward=3),
-        "reshard_not_bool": reshard_not_bool,
-        "mesh_3d": lambda fs: fs(nn.Linear(4, 4), mesh=shard),
-        "mesh_2d_unnamed": lambda fs: fs(nn.Linear(4, 4), mesh=_mesh((1, 2))),
-    }
-    if TORCH_HAS_PLACEMENT_RESULT:
-        cases["result_not_a_shard"] = lambda fs: fs(
-            nn.Linear(4, 4),
-            shard_placement_fn=lambda p: _fsdp_common.ShardPlacementResult(
-                Replicate(), _fsdp_common.FSDPMeshInfo(_mesh((2,)), shard_mesh_dim=0)
-            ),
-        )
-    if TORCH_HAS_DP_MESH_DIMS:
-        cases.update(_spmd_refusal_cases())
-    return cases
-
-
-def _spmd_refusal_cases() -> dict:
-    """Refusals of ``dp_mesh_dims`` (a full (dp, tp) mesh of 2 x 1 ranks)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
-    from fsdp_compose import DataParallelMeshDims
-
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
-    dims = DataParallelMeshDims(shard="dp")
-
-    def spmd_linear() -> nn.Linear:
-        m = nn.Linear(4, 4)
-        for name, p in list(m.named_parameters()):
-            setattr(
-                m,
-                name,
-                nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate(), Replicate()])),
-            )
-        return m
-
-    return {
-        "spmd_plain_param": lambda fs: fs(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=dims),
-        "spmd_unknown_dim": lambda fs: fs(
-            spmd_linear(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp")
-        ),
-        "spmd_reshard_int": lambda fs: fs(
-            spmd_linear(), mesh=mesh, dp_mesh_dims=dims, reshard_after_forward=2
-        ),
-    }
-
-
-def _non_contiguous() -> nn.Linear:
-    m = nn.Linear(4, 6)
-    m.weight = nn.Parameter(torch.randn(4, 6).t())
+def _spmd_linear(mesh: DeviceMesh) -> nn.Linear:
+    """A linear layer whose parameters are replicated DTensors on all of ``mesh``."""
+    m = nn.Linear(4, 4)
+    for name, p in list(m.named_parameters()):
+        placements = [Replicate()] * mesh.ndim
+        setattr(m, name, nn.Parameter(distribute_tensor(p.detach(), mesh, placements)))
     return m
 
 
-class _Scalar(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.s = nn.Parameter(torch.tensor(1.0))
+def test_dp_mesh_shared_by_units_and_released_with_the_model() -> None:
+    # HSDP over (r, s) of an (r, s, tp) mesh: fully_shard concatenates the r and s
+    # sub-meshes into one data-parallel mesh.
+    from fsdp_compose._runtime import _compat
 
-
-def _exception_types_job() -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    mesh_3d = init_device_mesh("cpu", (1, 1, 2))
-    out = {}
-    for name, case in _refusal_cases(mesh_3d).items():
-        caught = []
-        for fs in (torch_fully_shard, fully_shard):
-            try:
-                case(fs)
-                caught.append(None)
-            except Exception as exc:  # noqa: BLE001 - compared below
-                caught.append(exc)
-        theirs, ours = caught
-        out[name] = (
-            type(theirs).__name__ if theirs is not None else None,
-            type(ours).__name__ if ours is not None else None,
-            theirs is not None and isinstance(ours, type(theirs)),
-        )
-    return out
-
-
-def test_refusals_raise_fsdp2_exception_types() -> None:
-    # Each refusal is made by torch's FSDP2 and by fsdp_compose on the same input:
-    # fsdp_compose's exception must be an instance of FSDP2's type.
-    for r in run_distributed(_exception_types_job, 2):
-        for name, (theirs, ours, ok) in r.items():
-            if (name, theirs, ours) == ("not_a_shard", "AttributeError", "ValueError"):
-                # torch 2.11's FSDP2 fails reading Replicate().dim; 2.13+ raise ValueError
-                assert not TORCH_HAS_PLACEMENT_RESULT
-                continue
-            assert ok, f"{name}: FSDP2 raises {theirs}, fsdp_compose {ours}"
+    dims = DataParallelMeshDims(shard="s", replicate="r")
+    with fake_process_group(8, 3):
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("r", "s", "tp"))
+        units = [fully_shard(_spmd_linear(mesh), mesh=mesh, dp_mesh_dims=dims) for _ in range(2)]
+        built = list(_compat._spmd_meshes.values())
+        assert len(built) == 1, built  # one mesh for both units, though each sliced anew
+        dp_mesh = weakref.ref(built[0])
+        del units, built, mesh
+        gc.collect()
+        assert dp_mesh() is None, "the mesh cache keeps a dropped model's mesh alive"
+        assert len(_compat._spmd_meshes) == 0
 
 
 def _max_diff(model: nn.Module, ref: nn.Module, *, grads: bool = False) -> float:
