@@ -15,7 +15,9 @@ Two transports: :class:`CollectiveExchange` issues the tool's collectives throug
 the runtime ([Note: tools' collectives]): a one-integer all-reduce, then only on
 failure an object gather. :class:`StoreExchange` goes through the job's key-value
 store, so that the checks and debug mode, which must issue exactly FSDP2's
-collectives, communicate without any. Its rounds are numbered per topic and
+collectives, communicate without any: each rank publishes its value, waits for
+every other rank's and reads them all (three store requests a round; a rank
+that waits on a single rank and a barrier instead costs several store polls). Its rounds are numbered per topic and
 group of ranks in a table of the default process group of the rank (a weak map,
 so a new process group starts from zero and each threaded rank counts its own):
 two roots on one group number their rounds together and never collide.
@@ -126,25 +128,18 @@ class StoreExchange:
         return not self.same(str(int(flag))) or flag
 
     def same(self, value: Any) -> bool:
-        """One round: publishes ``str(value)``, compares it with the first rank's."""
+        """One round: publishes ``str(value)``, reads every rank's."""
         mine, ranks, me = str(value), self._ranks, dist.get_rank()
         counts = _rounds.setdefault(dist.group.WORLD, {})
         self.round = n = counts.get((self.topic, me, ranks), 0)
         counts[(self.topic, me, ranks)] = n + 1
         store, key = _default_store(), self._key(n)
         store.set(f"{key}{me}", mine)
-        self._wait(store, key, [ranks[0]])
-        reference = store.get(f"{key}{ranks[0]}").decode()
-        store.add(f"{key}differ", int(reference != mine))
-        if store.add(f"{key}arrived", 1) == len(ranks):
-            store.set(f"{key}done", "1")
-        self._wait(store, key, ["done"])
-        self._forget(store, n - 2)  # every rank is past that round
-        if store.add(f"{key}differ", 0) == 0:
-            self._values = (mine, [mine] * len(ranks))
-            return True
-        self._values = (mine, [store.get(f"{key}{r}").decode() for r in ranks])
-        return False
+        self._wait(store, key, [r for r in ranks if r != me])
+        values = [v.decode() for v in store.multi_get([f"{key}{r}" for r in ranks])]
+        self._forget(store, key=self._key(n - 1))  # every rank has read it: it published n
+        self._values = (mine, values)
+        return all(v == values[0] for v in values)
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``str(obj)``: the latest round's values when ``obj`` is what
@@ -168,15 +163,12 @@ class StoreExchange:
                 missing,
             ) from exc
 
-    def _forget(self, store: dist.Store, n: int) -> None:
-        """Deletes round ``n``'s keys (the store stays small over a long run)."""
-        if n < 0 or not self._deletes:
+    def _forget(self, store: dist.Store, key: str) -> None:
+        """Deletes this rank's value of a round (the store stays small over a run)."""
+        if not self._deletes or key.endswith("/-1/"):
             return
-        key, me = self._key(n), dist.get_rank()
-        names = [me] + (["differ", "arrived", "done"] if me == self._ranks[0] else [])
         try:
-            for name in names:
-                store.delete_key(f"{key}{name}")
+            store.delete_key(f"{key}{dist.get_rank()}")
         except (RuntimeError, NotImplementedError):  # a store without deletes
             self._deletes = False
 
