@@ -82,11 +82,10 @@ def collective_calls(source: str) -> list[str]:
         if not isinstance(node, ast.Call):
             continue
         func = node.func
-        if isinstance(func, ast.Name) and func.id in functions:
+        imported = isinstance(func, ast.Name) and func.id in functions
+        attribute = isinstance(func, ast.Attribute) and _is_collective(func.attr)
+        if imported or (attribute and _dotted(func.value) in modules):  # type: ignore[attr-defined]
             found.append(ast.unparse(node))
-        elif isinstance(func, ast.Attribute) and _is_collective(func.attr):
-            if _dotted(func.value) in modules:
-                found.append(ast.unparse(node))
     return found
 
 
