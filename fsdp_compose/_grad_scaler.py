@@ -138,11 +138,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 for grads in by_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale)
                 found_per_device[device] = found
-            self._agree_on_found_inf(found_per_device, found_inf.device)
+            self._agree_on_found_inf(optimizer, found_per_device, found_inf.device)
         return found_per_device
 
     def _agree_on_found_inf(
-        self, found_per_device: dict[torch.device, torch.Tensor], scale_device: torch.device
+        self,
+        optimizer: torch.optim.Optimizer,
+        found_per_device: dict[torch.device, torch.Tensor],
+        scale_device: torch.device,
     ) -> None:
         """Replaces every rank's per-device flags by the max over all ranks.
 
@@ -155,7 +158,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
         flag = torch.zeros((), dtype=torch.float32, device=device)
         for found in found_per_device.values():
             flag += found.to(device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        # Through the runtime (see [Note: tools' collectives]), reported to the root
+        # of the optimizer's first sharded parameter, if any.
+        owner = next(
+            (p for g in optimizer.param_groups for p in g["params"] if runtime.owner_of(p)), None
+        )
+        runtime.ToolCollectives("grad_scaler.found_inf", group, owner=owner).all_reduce(flag, "max")
         for found in found_per_device.values():
             found.copy_(flag)
 

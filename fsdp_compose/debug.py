@@ -4,9 +4,11 @@ The most expensive distributed failure is a hang: one rank takes a different
 branch (a conditional module, an uneven number of batches), issues a different
 all-gather, and every rank waits forever -- or, worse, two units of the same size
 silently exchange each other's data. In debug mode every collective fsdp_compose
-issues first publishes a fingerprint (unit, kind, sizes, dtype, step) through the
-process group's key-value store and compares it with the fingerprints of the other
-ranks of its group *before* the payload moves. On a mismatch every rank raises
+issues for the model (the tools' too: a Muon exchange, a safetensors export, named
+by their operation, e.g. ``all_to_all for muon.exchange``) first publishes a
+fingerprint (unit, kind, sizes, dtype, step) through the process group's key-value
+store and compares it with the fingerprints of the other ranks of its group
+*before* the payload moves. On a mismatch every rank raises
 (as long as the store outlives the ranks, as under torchrun; a store hosted by
 rank 0, ``init_method="tcp://..."``, disappears when rank 0 exits after raising,
 and a rank still reading it then fails with ``DistNetworkError`` instead)::
@@ -48,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import cast
 
 import torch
@@ -57,7 +58,17 @@ import torch.nn as nn
 
 from . import _env, _tool_compat
 from ._optim_checks import check_optimizer
-from ._runtime import CollectiveEvent, CollectiveInfo, FSDPModule, Observer, Unit, UnitEvent
+from ._runtime import (
+    CollectiveEvent,
+    CollectiveInfo,
+    FSDPModule,
+    Observer,
+    RanksMissing,
+    StoreExchange,
+    Unit,
+    UnitEvent,
+    raise_unless_same,
+)
 
 __all__ = [
     "CollectiveChecks",
@@ -67,9 +78,6 @@ __all__ = [
 ]
 
 _FALLBACK_TIMEOUT_S = 60.0  # where torch does not expose a group's timeout
-# The next fingerprint's number per (rank, group), shared by every root of the
-# rank (keyed by rank too: in a threaded process group every rank is a thread).
-_seq: dict[tuple[int, tuple[int, ...]], int] = {}
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -90,7 +98,6 @@ class CollectiveChecks(Observer):
 
     def __init__(self, timeout: float | None = None) -> None:
         self.timeout = _env.debug_timeout() if timeout is None else timeout
-        self._delete_supported = True
         self._no_grad: dict[str, list[str]] = {}  # unit name -> its parameters without one
 
     def on_unit(self, event: UnitEvent, unit: Unit) -> None:
@@ -108,9 +115,8 @@ class CollectiveChecks(Observer):
         if event == "issue":
             no_grad = self._no_grad.pop(info.label, None) if info.kind == "reduce_scatter" else None
             detail = f", no gradient here: {no_grad}" if no_grad else ""
-            self._check(
-                info.kind, info.label, info.group, info.input_numel, info.dtype, info.step, detail
-            )
+            numel = info.agreed_numel  # a tool's all-to-all: its total over the ranks
+            self._check(info.kind, info.label, info.group, numel, info.dtype, info.step, detail)
 
     def _check(
         self,
@@ -123,54 +129,47 @@ class CollectiveChecks(Observer):
         detail: str = "",
     ) -> None:
         ranks = tuple(dist.get_process_group_ranks(group))
-        # Numbered per group across every root of this process: the store keys of
-        # two roots on one group must not collide.
-        me = dist.get_rank()
-        seq = _seq.get((me, ranks), 0)
-        _seq[(me, ranks)] = seq + 1
-        store = _tool_compat.default_store()
-        group_key = "-".join(map(str, ranks))
-        prefix = f"fsdp_compose/fingerprint/{group_key}/{seq}/"
-        dtype_name = str(dtype).replace("torch.", "")
-        mine = f"{kind} for {label} ({numel} x {dtype_name}, step {step}{detail})"
-        store.set(prefix + str(me), mine)
-        others = [r for r in ranks if r != me]
         timeout = self.timeout
         if timeout is None:
             timeout = _tool_compat.process_group_timeout(group) or _FALLBACK_TIMEOUT_S
+        # Numbered per group of ranks across every root of the rank (the runtime's
+        # store exchange): the keys of two roots on one group never collide.
+        exchange = StoreExchange("fingerprint", ranks, timeout)
+        dtype_name = str(dtype).replace("torch.", "")
+        mine = f"{kind} for {label} ({numel} x {dtype_name}, step {step}{detail})"
+        me = dist.get_rank()
         try:
-            store.wait([prefix + str(r) for r in others], timedelta(seconds=timeout))
-        except RuntimeError as exc:
-            missing = [r for r in others if not store.check([prefix + str(r)])]
+            raise_unless_same(
+                mine,
+                exchange,
+                lambda seen: _mismatch(list(ranks), exchange.round, seen),
+                error_type=CollectiveMismatchError,
+            )
+        except RanksMissing as exc:
+            seq = exchange.round
             raise CollectiveMismatchError(
                 f"fsdp_compose: rank {me} issued {mine} as collective #{seq} on group "
-                f"{list(ranks)}, but ranks {missing} issued no collective #{seq} within "
+                f"{list(ranks)}, but ranks {exc.missing} issued no collective #{seq} within "
                 f"{timeout:.0f}s. They may have stopped early (an uneven number of "
                 "batches), crashed, taken a branch without this unit, or be blocked elsewhere."
             ) from exc
-        seen = {r: store.get(prefix + str(r)).decode() for r in others}
-        seen[me] = mine
-        if self._delete_supported and seq >= 2:
-            # Everyone has read collective seq-2's keys before publishing seq-1's.
-            try:
-                store.delete_key(f"fsdp_compose/fingerprint/{group_key}/{seq - 2}/{me}")
-            except RuntimeError:
-                self._delete_supported = False
-        if len(set(seen.values())) > 1:
-            lines = "\n".join(f"  rank {r} issued {seen[r]}" for r in sorted(seen))
-            hint = (
-                "Parameters of one unit have gradients on some ranks only (e.g. an MoE expert "
-                "that got no tokens on some ranks): call set_reduce_scatter_unused_params(True) "
-                "on the model, so that every rank reduces them (zeros where unused)."
-                if any("no gradient here" in v for v in seen.values())
-                else "The ranks ran different units or a different number of steps (e.g. a "
-                "data-dependent branch taken on some ranks only). Every rank must run the same "
-                "fully_shard units in the same order."
-            )
-            raise CollectiveMismatchError(
-                f"fsdp_compose collective mismatch on group {list(ranks)} (collective #{seq}):\n"
-                f"{lines}\n{hint}"
-            )
+
+
+def _mismatch(ranks: list[int], seq: int, seen: list[str]) -> str:
+    """The error naming what each rank of ``ranks`` issued as collective ``seq``."""
+    lines = "\n".join(f"  rank {r} issued {v}" for r, v in zip(ranks, seen))
+    hint = (
+        "Parameters of one unit have gradients on some ranks only (e.g. an MoE expert "
+        "that got no tokens on some ranks): call set_reduce_scatter_unused_params(True) "
+        "on the model, so that every rank reduces them (zeros where unused)."
+        if any("no gradient here" in v for v in seen)
+        else "The ranks ran different units or a different number of steps (e.g. a "
+        "data-dependent branch taken on some ranks only). Every rank must run the same "
+        "fully_shard units in the same order."
+    )
+    return (
+        f"fsdp_compose collective mismatch on group {ranks} (collective #{seq}):\n{lines}\n{hint}"
+    )
 
 
 @contextlib.contextmanager

@@ -7,7 +7,8 @@ events]); while subscribed it records:
   time the training thread *waited* for a collective (``wait: all_gather layers.3``);
 * on one **communication** track per collective kind: each collective from the
   moment it was issued to the moment it completed (reported by the backend's own
-  thread on gloo; at the wait on accelerators);
+  thread on gloo; on accelerators, from device events: how long it ran on its
+  stream); the tools' collectives too (a Muon exchange, a safetensors export);
 * the unsharded parameter bytes held (a counter), and prefetch decisions.
 
 Usage::
@@ -45,7 +46,15 @@ from ._runtime import CollectiveEvent, CollectiveInfo, FSDPModule, Observer, Uni
 __all__ = ["Timeline", "merge_chrome_traces", "recording"]
 
 _COMPUTE_TID = 0
-_COMM_TIDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
+_COMM_TIDS = {
+    "all_gather": 1,
+    "reduce_scatter": 2,
+    "all_reduce": 3,
+    "all_to_all": 4,  # the tools' (see [Note: tools' collectives])
+    "all_gather_object": 5,
+    "broadcast_object": 6,
+    "send_recv": 7,
+}
 _SPANS = {
     "forward_begin": ("forward", True),
     "forward_end": ("forward", False),
@@ -87,7 +96,9 @@ class Timeline(Observer):
         """Seconds the training thread spent waiting on collectives, per step.
 
         A step starts when the root's forward begins. Time waited is communication
-        that computation did not hide.
+        that computation did not hide. On an accelerator, where the host does not
+        wait, it is the time the waiting stream stalled until the collective
+        finished, from device events (complete once the recording ends).
         """
         with self._lock:
             return {step: us / 1e6 for step, us in sorted(self._exposed.items())}
@@ -155,23 +166,28 @@ class Timeline(Observer):
         if event == "issue":
             self._issued[info.seq] = now
         elif event == "complete":
+            # On an accelerator, the device's time (see [Note: device times]).
             start = self._issued.pop(info.seq, now)
+            dur = now - start if info.duration_s is None else info.duration_s * 1e6
             args = {"unit": info.label, "bytes": info.input_bytes, "group_size": info.group_size}
             self._append(
                 {"name": f"{info.kind} {info.label}", "cat": info.kind, "ph": "X", "ts": start}
-                | {"dur": now - start, "tid": _COMM_TIDS[info.kind]}
+                | {"dur": dur, "tid": _COMM_TIDS.get(info.kind, _COMPUTE_TID)}
                 | {"args": args | {"dtype": str(info.dtype), "step": self._step}}
             )
         elif event == "wait_begin":
             self._wait_started[info.seq] = now
         elif event == "wait_end":
             start = self._wait_started.pop(info.seq, now)
+            # On an accelerator, reported later: the stall of the waiting stream.
+            step = self._step if info.waited_s is None else info.step
+            dur = now - start if info.waited_s is None else info.waited_s * 1e6
             with self._lock:
-                self._exposed[self._step] += now - start
+                self._exposed[step] += dur
             self._append(
                 {"name": f"wait {info.kind} {info.label}", "cat": "wait", "ph": "X", "ts": start}
-                | {"dur": now - start, "tid": _COMPUTE_TID}
-                | {"args": {"unit": info.label, "kind": info.kind, "step": self._step}}
+                | {"dur": dur, "tid": _COMPUTE_TID}
+                | {"args": {"unit": info.label, "kind": info.kind, "step": step}}
             )
 
 

@@ -333,9 +333,75 @@ def _safetensors(device_type: str, size: str, folder: str) -> dict[str, Any]:
     }
 
 
+def _intervals_exposed(comm: list[tuple[float, float]], busy: list[tuple[float, float]]) -> float:
+    """Time (same unit as the intervals) of ``comm`` covered by no ``busy`` interval."""
+    exposed = 0.0
+    for start, end in comm:
+        cursor, hidden = start, 0.0
+        for b0, b1 in sorted(busy):
+            lo, hi = max(b0, cursor), min(b1, end)
+            if hi > lo:
+                hidden += hi - lo
+                cursor = hi
+        exposed += (end - start) - hidden
+    return exposed
+
+
+def _exposed_communication(device_type: str, size: str, steps: int) -> dict[str, Any]:
+    """``trace.exposed_communication()`` against the profiler's view of overlap: the
+    time of communication kernels (NCCL, or the copies of a gloo collective on a
+    side stream) that no compute kernel on another stream overlaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fsdp_compose import trace
+
+    device = _device(device_type)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(**vars(PRESETS[size]))
+    torch.manual_seed(0)
+    model = _sharded(GPT(cfg).to(device), _mesh(device_type))
+    batches = _batches(cfg, device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
+    with profile(activities=activities) as prof, trace.recording(model) as timeline:
+        for step in range(steps):
+            x, y = batches(step)
+            loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+    ours = sum(timeline.exposed_communication().values())
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    comm = [e for e in kernels if "nccl" in e.name.lower()]
+    compute = [e for e in kernels if e not in comm and "memcpy" not in e.name.lower()]
+    theirs = (
+        _intervals_exposed(
+            [(e.time_range.start, e.time_range.end) for e in comm],
+            [(e.time_range.start, e.time_range.end) for e in compute],
+        )
+        / 1e6
+    )  # microseconds
+    durations = [
+        e["dur"] for e in timeline.events() if e.get("cat") in ("all_gather", "reduce_scatter")
+    ]
+    compared = bool(comm)
+    close = abs(ours - theirs) <= max(0.5 * max(ours, theirs), 2e-3)
+    return {
+        "timeline_exposed_s": round(ours, 6),
+        "profiler_exposed_s": round(theirs, 6) if compared else None,
+        "profiler_comm_kernels": len(comm),
+        "timeline_collectives": len(durations),
+        "ok": ours >= 0.0 and all(d >= 0 for d in durations) and (close or not compared),
+    }
+
+
 def features_job(device_type: str, size: str, steps: int, folder: str) -> dict[str, Any]:
-    """Sharded Muon, a tied embedding/LM head in separate units, safetensors into shards."""
+    """Sharded Muon, a tied embedding/LM head in separate units, safetensors into shards,
+    the timeline's exposed communication against the profiler's."""
     results: dict[str, Any] = {"world": dist.get_world_size()}
+    guarded(
+        results,
+        "exposed_communication",
+        lambda: _exposed_communication(device_type, size, steps),
+    )
     guarded(results, "muon_sharded_step", lambda: _muon(device_type, size, steps))
     guarded(results, "tied_embedding_separate_units", lambda: _tied(device_type, size, steps))
     guarded(

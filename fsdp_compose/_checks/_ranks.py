@@ -11,21 +11,16 @@ through the store, not a collective, so torch's tools count exactly FSDP2's.
 from __future__ import annotations
 
 import ast
-import hashlib
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from .. import _tool_compat
-from .._runtime import Unit
+from .._runtime import StoreExchange, Unit
 
 __all__ = ["check_same_inputs", "check_same_structure"]
 
-# Per (check, rank, group): _compare's exchanges so far, the same on every rank (the keys
-# must match). Keyed by rank too: in a threaded process group, ranks are threads.
-_exchanges: dict[tuple[str, int, tuple[int, ...]], int] = {}
 _DEFAULT_TIMEOUT_S = 600.0
 _CHECKED = "_fsdp_compose_inputs_checked"  # on an extension unit, after its first pack
 
@@ -104,26 +99,19 @@ def _compare(
     group: dist.ProcessGroup,
     explain: Callable[[str, str], str],
 ) -> str | None:
-    """Exchanges ``description`` among ``ranks`` through the job's store (no
-    collective, so torch's tools count exactly FSDP2's). None if every rank's is
-    the same, else (on every rank) which ranks differ from the first, and how."""
-    store, me = _tool_compat.default_store(), dist.get_rank()
-    done = _exchanges.get((what, me, ranks), 0)
-    _exchanges[(what, me, ranks)] = done + 1
-    key = f"fsdp_compose/{what}/{done}/{hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]}/"
-    timeout = timedelta(seconds=_tool_compat.process_group_timeout(group) or _DEFAULT_TIMEOUT_S)
-    store.set(f"{key}{me}", description)
-    store.wait([f"{key}{ranks[0]}"], timeout)
-    reference = store.get(f"{key}{ranks[0]}").decode()
-    store.add(f"{key}differ", int(reference != description))
-    if store.add(f"{key}arrived", 1) == len(ranks):
-        store.set(f"{key}done", "1")
-    store.wait([f"{key}done"], timeout)
-    if store.add(f"{key}differ", 0) == 0:
+    """Exchanges ``description`` among ``ranks`` through the job's store (the
+    runtime's store exchange: no collective, so torch's tools count exactly
+    FSDP2's). None if every rank's is the same, else (on every rank) which ranks
+    differ from the first, and how."""
+    timeout = _tool_compat.process_group_timeout(group) or _DEFAULT_TIMEOUT_S
+    exchange = StoreExchange(what, ranks, timeout)
+    if exchange.same(description):
         return None
-    others = {r: store.get(f"{key}{r}").decode() for r in ranks}
+    others = dict(zip(ranks, exchange.gather(description)))
+    reference = others[ranks[0]]
     differ = [r for r in ranks if others[r] != reference]
     detail = explain(reference, others[differ[0]])
+    me = dist.get_rank()
     return f"ranks {differ} differ from rank {ranks[0]} ({detail}; rank {me} is this one)"
 
 

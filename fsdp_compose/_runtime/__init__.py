@@ -11,13 +11,37 @@ API in ``fsdp_compose/__init__.py``, the checks, the tools, the optimizers): the
 import the names below and nothing from a ``_runtime._*`` submodule
 (``tests/test_code_layout.py`` enforces it). What they may ask is here too: which
 call owns a parameter (``owner_of``, ``fqn_of``, ``is_ignored``; see
-[Note: parameter records]), never an attribute read from or written on a tensor.
+[Note: parameter records]), never an attribute read from or written on a tensor;
+which collectives they may issue and how (``ToolCollectives``, found for a
+parameter's or module's root; see [Note: tools' collectives]), and how their ranks
+agree or all raise (``agree_or_raise``; see [Note: all ranks agree or all raise]).
 The runtime, in turn, imports nothing outside itself.
 """
 
-from ._collectives import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
+from ._agree import (
+    CollectiveExchange,
+    Exchange,
+    RanksMissing,
+    StoreExchange,
+    agree_or_raise,
+    raise_unless_same,
+)
+from ._collectives import (
+    AllGather,
+    DefaultAllGather,
+    DefaultReduceScatter,
+    PendingCollective,
+    ReduceScatter,
+)
 from ._compat import dtensor_from_local, dtensor_spec_with_dtype, local_tensor, profiler_label
-from ._events import Annotation, CollectiveEvent, CollectiveInfo, Observer, UnitEvent
+from ._events import (
+    Annotation,
+    CollectiveEvent,
+    CollectiveInfo,
+    CollectiveKind,
+    Observer,
+    UnitEvent,
+)
 from ._fsdp_module import (
     FSDPModule,
     GradientReductionHandle,
@@ -31,6 +55,7 @@ from ._mesh import DataParallelMeshDims, MeshInfo, validate_reshard_after_forwar
 from ._ownership import fqn_of, ignored_by, is_ignored, owner_of, replaced_by
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._shared import is_borrowed
+from ._tool_collectives import ToolCollectives, events_for
 from ._unit import Unit
 
 __all__ = [
@@ -38,23 +63,32 @@ __all__ = [
     "Annotation",
     "CPUOffloadPolicy",
     "CollectiveEvent",
+    "CollectiveExchange",
     "CollectiveInfo",
+    "CollectiveKind",
     "DataParallelMeshDims",
     "DefaultAllGather",
     "DefaultReduceScatter",
+    "Exchange",
     "FSDPModule",
     "GradientReductionHandle",
     "MeshInfo",
     "MixedPrecisionPolicy",
     "Observer",
     "OffloadPolicy",
+    "PendingCollective",
+    "RanksMissing",
     "ReduceScatter",
+    "StoreExchange",
+    "ToolCollectives",
     "Unit",
     "UnitEvent",
     "UnshardHandle",
+    "agree_or_raise",
     "describe_modules",
     "dtensor_from_local",
     "dtensor_spec_with_dtype",
+    "events_for",
     "fqn_of",
     "fully_shard",
     "ignored_by",
@@ -63,6 +97,7 @@ __all__ = [
     "local_tensor",
     "owner_of",
     "profiler_label",
+    "raise_unless_same",
     "register_fsdp_forward_method",
     "replaced_by",
     "share_comm_ctx",

@@ -12,6 +12,7 @@ of its output. Collectives are asynchronous, on a side stream on accelerators; t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -151,12 +152,14 @@ class PendingCollective:
     _stream_wait: Callable[[], None] | None = None
     _complete_at_wait: bool = True
     _done: bool = False
+    _timing: _DeviceTiming | None = None
 
     def wait(self) -> None:
         if self._done:
             return
         events, info = self._events, self._info
         if events is not None and info is not None:
+            events.report_deferred()
             events.collective("wait_begin", info)
         if self._work is not None:
             try:
@@ -167,12 +170,54 @@ class PendingCollective:
         if self._stream_wait is not None:
             self._stream_wait()
         if events is not None and info is not None:
-            if self._complete_at_wait:
-                events.collective("complete", info)
-            events.collective("wait_end", info)
+            if self._timing is not None:  # reported once the device has passed the wait
+                events.defer(self._timing.report)
+            else:
+                if self._complete_at_wait:
+                    events.collective("complete", info)
+                events.collective("wait_end", info)
         self._done = True
-        self._work = self._stream_wait = self._events = None
+        self._work = self._stream_wait = self._events = self._timing = None
         self._tensors = ()
+
+
+class _DeviceTiming:
+    """When a collective on a side stream ran, and how long the stream that waits
+    for it stalled, from device events.
+
+    [Note: device times]
+    On an accelerator the host's ``wait()`` only queues a wait on the current
+    stream, so the host's clock says nothing about the collective. While an
+    observer listens, the launch records timing events on the side stream before
+    (``start``: the stream could begin it) and after the collective (``end``), and
+    the wait one on the waiting stream (``reached``) before it waits. Once the
+    device has passed both ``end`` and ``reached``, ``complete`` carries
+    ``duration_s = end - start`` and ``wait_end`` carries
+    ``waited_s = max(0, end - reached)``: the time the waiting stream really
+    stalled. The two events are queued on the root's :class:`Events` and reported
+    without blocking at its next collective, or waiting for the device when an
+    observer unsubscribes (the timeline has them all when its recording ends).
+    """
+
+    __slots__ = ("end", "events", "info", "reached", "start")
+
+    def __init__(self, module: Any, stream: Any, events: Events, info: CollectiveInfo) -> None:
+        self.events, self.info = events, info
+        self.start, self.end = module.Event(enable_timing=True), module.Event(enable_timing=True)
+        self.reached = module.Event(enable_timing=True)
+        self.start.record(stream)
+
+    def report(self, block: bool) -> bool:
+        for event in (self.end, self.reached):
+            if not event.query():
+                if not block:
+                    return False
+                event.synchronize()
+        ran = self.start.elapsed_time(self.end) / 1e3  # milliseconds
+        waited = max(0.0, ran - self.start.elapsed_time(self.reached) / 1e3)
+        self.events.collective("complete", dataclasses.replace(self.info, duration_s=ran))
+        self.events.collective("wait_end", dataclasses.replace(self.info, waited_s=waited))
+        return True
 
 
 #: Complete when issued (one-rank groups): waiting on it does nothing.
@@ -217,6 +262,7 @@ def launch(
     stream), labelled for the profiler and reported to ``events``."""
     info = None
     if events.on_collective:
+        events.report_deferred()
         custom = comm is not None and not isinstance(comm, _DefaultAllocation)
         numels = (input.numel(), output.numel())
         info = CollectiveInfo(
@@ -224,6 +270,7 @@ def launch(
         )
         events.collective("issue", info)  # an observer may refuse it by raising
     on_cpu = output.device.type == "cpu"
+    timing = None
     with _compat.profiler_label(kind, label):
         try:
             if on_cpu:
@@ -232,6 +279,8 @@ def launch(
                 device, module = output.device, getattr(torch, output.device.type)
                 stream = _side_stream(device, kind == "all_gather")
                 stream.wait_stream(module.current_stream(device))
+                if info is not None:  # see [Note: device times]
+                    timing = _DeviceTiming(module, stream, events, info)
                 with module.stream(stream):
                     work = _issue(kind, comm, output, input, group)
         except RuntimeError as exc:
@@ -239,12 +288,20 @@ def launch(
             raise
     what = (kind, label, events.step)
     if not on_cpu:
-        event = stream.record_event()
+        if timing is not None:
+            event = timing.end
+            event.record(stream)
+        else:
+            event = stream.record_event()
 
         def stream_wait() -> None:
-            module.current_stream(device).wait_event(event)
+            current = module.current_stream(device)
+            if timing is not None:
+                timing.reached.record(current)
+            current.wait_event(event)
 
-        return PendingCollective(None, events, info, what, (input, output), stream_wait)
+        tensors = (input, output)
+        return PendingCollective(None, events, info, what, tensors, stream_wait, _timing=timing)
     complete_at_wait = info is None or not _reports_completion(work, events, info)
     return PendingCollective(work, events, info, what, (input, output), None, complete_at_wait)
 
@@ -265,3 +322,45 @@ def all_reduce(tensor: torch.Tensor, group: Group, label: str, events: Events) -
     """Sums ``tensor`` in place over ``group`` (HSDP's replicate all-reduce)."""
     flat = _real_view(tensor)
     return launch("all_reduce", None, flat, flat, group, label, events)
+
+
+def launch_tool(
+    kind: CollectiveKind,
+    label: str,
+    group: Group,
+    events: Events | None,
+    issue: Callable[[], dist.Work | None],
+    numels: tuple[int, int],
+    dtype: torch.dtype,
+    *,
+    blocking: bool,
+    op: str = "",
+    total_numel: int | None = None,
+) -> PendingCollective:
+    """Issues a tool's collective (see [Note: tools' collectives]): ``issue()`` makes
+    the torch.distributed call on the current stream, as the tool would alone,
+    ``blocking`` (it returns when done) or not (it returns its work); labelled for
+    the profiler and reported to ``events``, the observers of the root whose
+    parameters it serves (``None``: no root, nothing reported)."""
+    info = None
+    if events is not None and events.on_collective:
+        events.report_deferred()
+        step, seq = events.step, events.next_seq()
+        info = CollectiveInfo(kind, label, group, *numels, dtype, step, seq, False, op, total_numel)
+        events.collective("issue", info)  # an observer may refuse it by raising
+        if blocking:
+            events.collective("wait_begin", info)
+    what = (kind, label, 0 if events is None else events.step)
+    with _compat.profiler_label(kind, label):
+        try:
+            work = issue()
+        except RuntimeError as exc:
+            _explain(exc, *what)
+            raise
+    if blocking or work is None:
+        if events is not None and info is not None:
+            events.collective("complete", info)
+            events.collective("wait_end", info)
+        return DONE
+    complete_at_wait = info is None or not _reports_completion(work, events, info)  # type: ignore[arg-type]
+    return PendingCollective(work, events, info, what, (), None, complete_at_wait)

@@ -15,8 +15,9 @@ from ``on_annotate`` to refuse a ``fully_shard`` call before it changes anything
 
 from __future__ import annotations
 
+import collections
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,7 +40,19 @@ __all__ = [
     "UnitEvent",
 ]
 
-CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
+#: The units' collectives (``all_gather``, ``reduce_scatter``, HSDP's ``all_reduce``),
+#: and those the tools issue through the runtime (see [Note: tools' collectives]):
+#: an all-reduce with an op, an all-to-all with split sizes, object gathers and
+#: broadcasts, and a set of point-to-point sends and receives (``send_recv``).
+CollectiveKind = Literal[
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all",
+    "all_gather_object",
+    "broadcast_object",
+    "send_recv",
+]
 #: ``issue``: about to be launched; ``complete``: the backend finished it (from its
 #: thread where the work has a future, else at the wait); ``wait_begin``/``wait_end``.
 CollectiveEvent = Literal["issue", "complete", "wait_begin", "wait_end"]
@@ -63,10 +76,20 @@ UnitEvent = Literal[
 @dataclass(frozen=True)
 class CollectiveInfo:
     """One collective as this rank issues it: enough to count, size and
-    cross-check collectives. ``seq`` numbers the collectives of one root's tree."""
+    cross-check collectives. ``seq`` numbers the collectives of one root's tree.
+
+    A tool's collective (``label`` names its operation, e.g. ``muon.exchange``)
+    sets ``op`` for an all-reduce that is not a sum, and ``total_numel`` where the
+    sizes differ between the ranks of the group (an all-to-all's splits, a gather
+    to one rank): a size every rank of the group reports the same. On an
+    accelerator, ``duration_s`` (on ``complete``: how long the collective ran on
+    the device, from the point its stream could start it) and ``waited_s`` (on
+    ``wait_end``: how long the waiting stream stalled for it) come from device
+    events, reported once the device has passed them; ``None`` elsewhere, where the
+    observer's clock at the event is the time."""
 
     kind: CollectiveKind
-    label: str  # the unit's name (its module's FQN)
+    label: str  # the unit's name (its module's FQN), or the tool's operation
     group: dist.ProcessGroup
     input_numel: int
     output_numel: int
@@ -74,10 +97,19 @@ class CollectiveInfo:
     step: int
     seq: int
     custom: bool = False  # issued through a user's Comm (set_custom_all_gather, ...)
+    op: str = ""  # a tool's all-reduce: "max", "min", ...; "" for a sum
+    total_numel: int | None = None  # the same on every rank where input_numel differs
+    duration_s: float | None = None
+    waited_s: float | None = None
 
     @property
     def group_size(self) -> int:
         return self.group.size()
+
+    @property
+    def agreed_numel(self) -> int:
+        """The collective's size as every rank of the group reports it."""
+        return self.input_numel if self.total_numel is None else self.total_numel
 
     @property
     def input_bytes(self) -> int:
@@ -128,7 +160,8 @@ class Observer:
         ``total``: what the root's units hold now."""
 
     def on_collective(self, event: CollectiveEvent, info: CollectiveInfo) -> None:
-        """A collective of the root's units was issued, completed or waited for."""
+        """A collective of the root's units, or one a tool issued for the root's
+        parameters, was issued, completed or waited for."""
 
 
 _EVENT_METHODS = ("on_annotate", "on_root_init", "on_step", "on_unit", "on_memory", "on_collective")
@@ -138,7 +171,7 @@ class Events:
     """One root's observers, in subscription order, and its step count. Each kind of
     event goes only to the observers that override its method (no cost elsewhere)."""
 
-    __slots__ = ("_seq", "observers", "step", *_EVENT_METHODS)
+    __slots__ = ("_deferred", "_seq", "observers", "step", *_EVENT_METHODS)
 
     def __init__(self, observers: Iterable[Observer] = ()) -> None:
         self.observers: list[Observer] = []
@@ -150,6 +183,8 @@ class Events:
         self.on_collective: tuple[Observer, ...] = ()  # read on the hot path
         self.step = 0  # forward passes of the root begun so far
         self._seq = itertools.count()
+        # Collective events waiting for the device (see [Note: device times]).
+        self._deferred: collections.deque[Callable[[bool], bool]] = collections.deque()
         for observer in observers:
             self.add(observer)
 
@@ -165,6 +200,7 @@ class Events:
 
     def remove(self, observer: Observer) -> None:
         if observer in self.observers:
+            self.report_deferred(block=True)  # what it observed, before it leaves
             self.observers.remove(observer)
             self._split()
 
@@ -206,3 +242,14 @@ class Events:
 
     def next_seq(self) -> int:
         return next(self._seq)
+
+    def defer(self, report: Callable[[bool], bool]) -> None:
+        """Queues ``report(block)``, which reports collective events once the device
+        has passed them: it returns whether it did (with ``block``: waits for it)."""
+        self._deferred.append(report)
+
+    def report_deferred(self, block: bool = False) -> None:
+        """Reports the queued collective events the device has passed, in order
+        (``block``: all of them, waiting for the device)."""
+        while self._deferred and self._deferred[0](block):
+            self._deferred.popleft()

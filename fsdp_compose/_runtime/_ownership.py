@@ -34,12 +34,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
     from ._sharded_param import ShardedParam
+    from ._unit import Unit
 
 __all__ = ["fqn_of", "ignored_by", "is_ignored", "owner_of", "replaced_by"]
 
 _sharded: dict[int, weakref.ref[ShardedParam]] = {}  # id(DTensor) -> its owner
 _ignored: dict[int, tuple[weakref.ref[nn.Module], str, str]] = {}  # -> (module, name, label)
 _replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> unit label
+# ShardedParam -> the unit that holds it (weakly: the unit holds its ShardedParams).
+_units: weakref.WeakKeyDictionary[ShardedParam, weakref.ref[Unit]] = weakref.WeakKeyDictionary()
 
 
 def _drop_when_dead(table: dict[int, Any], key: int) -> Callable[[weakref.ref[Any]], None]:
@@ -62,6 +65,17 @@ def record_ignored(param: torch.Tensor, module: nn.Module, name: str, unit_label
 
 def record_replaced(param: torch.Tensor, unit_label: str) -> None:
     _replaced[param] = unit_label
+
+
+def record_unit(owner: ShardedParam, unit: Unit) -> None:
+    _units[owner] = weakref.ref(unit)
+
+
+def unit_of(param: object) -> Unit | None:
+    """The unit that holds ``param`` as one of its sharded ``DTensor`` parameters."""
+    owner = _owner(param)
+    ref = None if owner is None else _units.get(owner)
+    return None if ref is None else ref()
 
 
 def _owner(param: object) -> ShardedParam | None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives, _compat
+from . import _collectives, _compat, _ownership
 from ._collectives import (
     AllGather,
     DefaultAllGather,
@@ -137,6 +137,8 @@ class Unit:
         events: Events,
     ) -> None:
         self.params = params
+        for param in params:  # so that the tools find the root of a parameter
+            _ownership.record_unit(param, self)
         self.modules = modules
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .._runtime import ToolCollectives
 from ._format import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_FILE,
@@ -123,14 +124,16 @@ class _Export:
                 os.remove(self.tmp(name))
 
 
-def _gather_to_rank0(tensor: DTensor) -> torch.Tensor | None:
+def _gather_to_rank0(tensor: DTensor, comms: ToolCollectives) -> torch.Tensor | None:
     """The full tensor on global rank 0, ``None`` on the other ranks.
 
     The first rank holding each distinct part of the tensor sends it to rank 0
     (HSDP replicas send once), which receives it straight into its place in one
     full-size buffer (through a part-sized buffer when the part is not contiguous,
     e.g. a column block). Rank 0 thus holds one full tensor plus at most one part;
-    the others allocate nothing.
+    the others allocate nothing. Every rank of ``comms``' group (the world) takes
+    part in the one exchange, with nothing to send or receive where it holds no
+    part to send (see [Note: tools' collectives]).
     """
     # Every rank's part, from its mesh coordinate: DTensor's own (private) layout
     # function, the one DCP's planner uses through its public wrapper.
@@ -138,9 +141,11 @@ def _gather_to_rank0(tensor: DTensor) -> torch.Tensor | None:
 
     grid = tensor.device_mesh.mesh  # global rank at each mesh coordinate
     me = dist.get_rank()
+    numel, dtype = tensor.numel(), tensor.dtype
     if 0 not in grid.flatten().tolist():
         # A mesh without rank 0, e.g. the dp mesh of another TP rank: its tensor is
         # a replica of the one on rank 0's mesh, which rank 0 gathers from there.
+        comms.send_recv([], [], total_numel=numel, dtype=dtype)
         return None
     local = tensor.to_local()
     senders: dict[tuple[tuple[int, int], ...], int] = {}  # [start, stop) per dim -> rank
@@ -152,23 +157,21 @@ def _gather_to_rank0(tensor: DTensor) -> torch.Tensor | None:
             part = tuple((o, o + n) for o, n in zip(offset, shape))
             senders.setdefault(part, int(grid[coord]))
     if list(senders.values()) == [0]:  # rank 0 holds the whole tensor (W=1, replicated)
+        comms.send_recv([], [], total_numel=numel, dtype=dtype)
         return local if me == 0 else None
     if me != 0:
-        for src in senders.values():
-            if src == me:
-                dist.send(local.contiguous(), dst=0)
+        sends = [(local.contiguous(), 0) for src in senders.values() if src == me]
+        comms.send_recv(sends, [], total_numel=numel, dtype=dtype)
         return None
     full = torch.empty(tensor.shape, dtype=tensor.dtype, device=local.device)
+    recvs = []
     for part, src in senders.items():
         region = full[tuple(slice(a, b) for a, b in part)]
         if src == 0:
             region.copy_(local)
-        elif region.is_contiguous():
-            dist.recv(region, src=src)
         else:
-            buf = torch.empty(region.shape, dtype=tensor.dtype, device=local.device)
-            dist.recv(buf, src=src)
-            region.copy_(buf)
+            recvs.append((region, src))
+    comms.send_recv([], recvs, total_numel=numel, dtype=dtype)
     return full
 
 
@@ -237,6 +240,7 @@ def save_safetensors(
     rank = dist.get_rank() if dist_on() else 0
     out_dir = os.fspath(out_dir)
     export = _Export(out_dir, files, metadata or {})
+    comms = ToolCollectives("safetensors.export", owner=module)
     # Rank 0 writes: it checks the path before any tensor moves, and every rank
     # learns the outcome (one all-reduce), so a bad path fails everywhere at once.
     error: BaseException | None = None
@@ -245,14 +249,14 @@ def save_safetensors(
             _prepare_out_dir(out_dir, "save_safetensors")
         except ValueError as exc:
             error = exc
-    raise_if_any_failed(error, "save_safetensors")
+    raise_if_any_failed(error, "save_safetensors", comms)
 
     gathered = [0]  # tensors gathered so far, in plan order
 
     def gather(t: OutTensor) -> torch.Tensor | None:
         gathered[0] += 1
         if isinstance(t.source, DTensor):
-            return _gather_to_rank0(t.source)
+            return _gather_to_rank0(t.source, comms)
         return t.source if rank == 0 else None
 
     if rank == 0:
@@ -274,7 +278,7 @@ def save_safetensors(
             error = exc
     if rank == 0 and error is not None:
         export.cleanup()
-    raise_if_any_failed(error, "save_safetensors")
+    raise_if_any_failed(error, "save_safetensors", comms)
     logger.info("save_safetensors: wrote %d file(s) to %s", len(files), out_dir)
     return paths
 
@@ -318,17 +322,16 @@ def export_dcp_to_safetensors(
     # (one all-reduce) before the first collective that needs the same plan.
     error: BaseException | None = None
     files: list[OutFile] = []
+    comms = ToolCollectives("safetensors.export_dcp")
     try:
         files = _plan_dcp_export(checkpoint_dir, prefix, key_map, dtype, max_shard_size)
         _prepare_out_dir(out_dir, "export_dcp_to_safetensors")
     except Exception as exc:
         error = exc
-    raise_if_any_failed(error, "export_dcp_to_safetensors")
+    raise_if_any_failed(error, "export_dcp_to_safetensors", comms)
     export = _Export(out_dir, files, metadata or {})
     if dist_on():  # every rank must use the same temporary names
-        tag = [export.tag]
-        dist.broadcast_object_list(tag, src=0)
-        export.tag = tag[0]
+        export.tag = comms.broadcast_object(export.tag, src=0)
 
     def read(t: OutTensor) -> torch.Tensor:
         key, src_dtype = t.source
@@ -346,7 +349,7 @@ def export_dcp_to_safetensors(
                 export.write_file(file, read)
     except Exception as exc:
         error = exc
-    ok = agree_ok(error)
+    ok = agree_ok(error, comms)
     paths: list[str] = []
     if ok and rank == 0:
         try:
@@ -357,7 +360,7 @@ def export_dcp_to_safetensors(
     if not ok or error is not None:
         export.cleanup()
     # A failed write keeps its rank's error set, so this raises wherever ok is False.
-    raise_if_any_failed(error, "export_dcp_to_safetensors")
+    raise_if_any_failed(error, "export_dcp_to_safetensors", comms)
     return paths
 
 

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .._runtime import ToolCollectives
 from ._format import DTYPES, Entry, KeyMap, names_of, read_headers, safe_open_fn
 from ._ranks import raise_if_any_failed
 
@@ -367,7 +368,8 @@ def load_safetensors(
         missing, unexpected = _plan_load(targets, entries, key_map, strict, os.fspath(path))
     except Exception as exc:
         error = exc
-    _settle(error, agree, process_group, "nothing was loaded")
+    comms = ToolCollectives("safetensors.load", process_group, owner=module)
+    _settle(error, agree, comms, "nothing was loaded")
 
     dev = torch.device(device) if device is not None else _default_device(targets)
     result = LoadResult(missing=missing, unexpected=unexpected)
@@ -376,7 +378,7 @@ def load_safetensors(
     except Exception as exc:
         error = exc
     outcome = "this rank loaded every tensor, the failing rank only some: load again"
-    _settle(error, agree, process_group, outcome)
+    _settle(error, agree, comms, outcome)
     still_meta = [n for n, b in module.named_buffers() if b.is_meta]
     if still_meta:
         logger.warning(
@@ -387,13 +389,11 @@ def load_safetensors(
     return result
 
 
-def _settle(
-    error: BaseException | None, agree: bool, group: dist.ProcessGroup | None, outcome: str
-) -> None:
-    """Raises ``error``; with ``agree``, every rank of ``group`` raises if any
-    failed (see [Note: a load failing on one rank])."""
+def _settle(error: BaseException | None, agree: bool, comms: ToolCollectives, outcome: str) -> None:
+    """Raises ``error``; with ``agree``, every rank of ``comms``' group raises if
+    any failed (see [Note: a load failing on one rank])."""
     if agree:
-        raise_if_any_failed(error, "load_safetensors", outcome, group)
+        raise_if_any_failed(error, "load_safetensors", comms, outcome)
     elif error is not None:
         raise error
 

@@ -1,50 +1,50 @@
 """The ranks' agreement on an I/O step's outcome: one that fails on one rank
-fails on every rank at once, the process group usable after."""
+fails on every rank at once, the process group usable after (the runtime's
+``agree_or_raise``; see [Note: all ranks agree or all raise])."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
+
+from .._runtime import CollectiveExchange, ToolCollectives, agree_or_raise
 
 
 def dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def agree_ok(error: BaseException | None, group: Any = None) -> bool:
-    """True when no rank of ``group`` failed (collective when a process group exists)."""
+def _exchange(comms: ToolCollectives) -> CollectiveExchange:
+    on_gpu = dist.get_backend(comms.group) == "nccl"  # its one-integer flags live there
+    return CollectiveExchange(comms, torch.device("cuda") if on_gpu else None)
+
+
+def agree_ok(error: BaseException | None, comms: ToolCollectives) -> bool:
+    """True when no rank of ``comms``' group failed (collective when a process
+    group exists)."""
     if not dist_on():
         return error is None
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, group=group)
-    return int(flag.item()) == 0
+    return not _exchange(comms).any(error is not None)
 
 
 def raise_if_any_failed(
     error: BaseException | None,
     what: str,
+    comms: ToolCollectives,
     outcome: str = "nothing was published",
-    group: Any = None,
 ) -> None:
-    """Raises on every rank of ``group`` if ``error`` is set on any (collective
-    when a process group exists): the failing rank its own error, the others a
-    ``RuntimeError`` quoting it and ``outcome``. Every rank returns or raises
-    together, so the process group stays usable."""
+    """Raises on every rank of ``comms``' group if ``error`` is set on any
+    (collective when a process group exists): the failing rank its own error, the
+    others a ``RuntimeError`` quoting it and ``outcome``. Every rank returns or
+    raises together, so the process group stays usable."""
     if not dist_on():
         if error is not None:
             raise error
         return
-    if agree_ok(error, group):
-        return
-    messages: list[str | None] = [None] * dist.get_world_size(group)
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    dist.all_gather_object(messages, mine, group=group)
-    if error is not None:
-        raise error
-    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(messages))
-    failed = "; ".join(f"rank {r}: {m}" for r, m in zip(ranks, messages) if m is not None)
-    raise RuntimeError(f"{what} failed on another rank ({failed}); {outcome}.")
+
+    def explain(failures: dict[int, str]) -> str:
+        ranks = comms.ranks()
+        failed = "; ".join(f"rank {ranks[r]}: {m}" for r, m in sorted(failures.items()))
+        return f"{what} failed on another rank ({failed}); {outcome}."
+
+    agree_or_raise(error, _exchange(comms), explain, raise_own=True)

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _runtime as runtime
@@ -176,10 +175,12 @@ def _lr(group: dict[str, Any]) -> float:
     return lr.item() if isinstance(lr, torch.Tensor) else lr
 
 
-def _all_reduce(parts: list[list[torch.Tensor]], layout: ShardLayout) -> list[list[torch.Tensor]]:
+def _all_reduce(
+    parts: list[list[torch.Tensor]], layout: ShardLayout, comms: runtime.ToolCollectives
+) -> list[list[torch.Tensor]]:
     flat = torch.cat([t for job in parts for t in job])
     if layout.group is not None and layout.world > 1:
-        dist.all_reduce(flat, group=layout.group)
+        comms.all_reduce(flat)
     out, offset = [], 0
     for job in parts:
         pieces = []
@@ -216,7 +217,9 @@ def adafactor_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             add_member(members, layout, gi, pi, p)
             if p.grad is not None:
                 found.append((group, p, layout))
-    agree_and_prune(optimizer, cache.digests, cache.layouts, members, "torch.optim.Adafactor")
+    agree_and_prune(
+        optimizer, cache.digests, cache.layouts, members, "torch.optim.Adafactor", "adafactor.step"
+    )
     if not found:
         return []
     with torch.no_grad():
@@ -225,12 +228,13 @@ def adafactor_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             by_group.setdefault(id(layout.group), []).append(_Job(optimizer, group, p, layout))
         for jobs in by_group.values():
             layout = jobs[0].layout
-            firsts = _all_reduce([job.first_phase() for job in jobs], layout)
+            comms = runtime.ToolCollectives("adafactor.step", layout.group, owner=jobs[0].p)
+            firsts = _all_reduce([job.first_phase() for job in jobs], layout, comms)
             seconds = []
             for job, totals in zip(jobs, firsts):
                 eps1 = job.group["eps"][0]
                 eps1 = torch.finfo(job.param.dtype).eps if eps1 is None else eps1
                 seconds.append([job.second_phase(totals, eps1)])
-            for job, (update_sq,) in zip(jobs, _all_reduce(seconds, layout)):
+            for job, (update_sq,) in zip(jobs, _all_reduce(seconds, layout, comms)):
                 job.apply(update_sq.item())
     return [p for _, p, _ in found]

@@ -11,11 +11,14 @@ collective (or hangs until the process group's timeout).
 
 So before any data moves, each rank reduces what it is about to exchange to a
 list of descriptors (position in ``param_groups``, its name, the label of the
-unit that sharded it, shape, dtype, whether it has a gradient) and to a 64-bit digest of that list. One all-reduce of two
-integers (``MAX`` of ``(d, -d)``) per shard group tells every rank whether all
-digests are equal; only when they are not do the ranks gather the full lists
-(``all_gather_object``) to name the first differing matrix, and every rank raises
-the same error. The digest of a rank's list is cached per list (a bounded
+unit that sharded it, shape, dtype, whether it has a gradient) and to a 64-bit
+digest of that list. The runtime's ``raise_unless_same`` (see [Note: all ranks
+agree or all raise]) compares the digests with one all-reduce of two integers
+(``MAX`` of ``(d, -d)``) per shard group; only when they differ do the ranks
+gather the full lists (``all_gather_object``) to name the first differing matrix,
+and every rank raises the same error. The collectives go through the runtime,
+labelled with the optimizer's operation (``muon.exchange``), so debug mode and the
+timeline of the parameters' root see them. The digest of a rank's list is cached per list (a bounded
 dictionary), so a step costs one small collective and no hashing. Muon's and
 Adafactor's sharded steps both check (Adafactor's all-reduces of partial sums
 would otherwise mix matrices the same way).
@@ -32,12 +35,19 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from .._runtime import fqn_of, owner_of
+from .._runtime import (
+    CollectiveExchange,
+    PendingCollective,
+    ToolCollectives,
+    agree_or_raise,
+    fqn_of,
+    owner_of,
+    raise_unless_same,
+)
 
 if TYPE_CHECKING:  # _exchange imports this module
     from ._exchange import Layouts, ShardLayout
@@ -87,10 +97,12 @@ def check_optimizer_agreement(
     layout: ShardLayout,
     items: Sequence[tuple[int, int, torch.Tensor, bool]],
     what: str,
+    label: str,
 ) -> None:
     """:func:`check_agreement` for an optimizer's parameters of one shard group:
     ``items`` holds (group index, position, parameter, has a gradient) for every
-    parameter of the group the sharded step handles, gradient or not."""
+    parameter of the group the sharded step handles, gradient or not; the
+    collectives are labelled ``label``."""
     if layout.group is None or layout.world == 1:
         return
 
@@ -108,25 +120,30 @@ def check_optimizer_agreement(
         return out
 
     key = tuple((id(p), has_grad) for _, _, p, has_grad in items)
-    check_agreement(layout.group, digests.digest(key, descriptors), descriptors, what)
+    comms = ToolCollectives(label, layout.group, owner=items[0][2] if items else None)
+    check_agreement(comms, digests.digest(key, descriptors), descriptors, what)
 
 
 def check_agreement(
-    group: dist.ProcessGroup,
+    comms: ToolCollectives,
     digest: int,
     descriptors: Callable[[], list[Descriptor]],
     what: str,
 ) -> None:
-    """Raises the same ``RuntimeError`` on every rank of ``group`` unless every
-    rank passed the same ``digest`` (of its ``descriptors()``), naming the first
-    matrix on which the ranks differ. A collective: every rank of ``group`` must
-    call it."""
-    flags = torch.tensor([digest, -digest], dtype=torch.int64)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    if flags[0].item() == -flags[1].item():  # max == min: every rank passed the same digest
-        return
-    lists: list[list[Descriptor] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(lists, descriptors(), group=group)
+    """Raises the same ``RuntimeError`` on every rank of ``comms``' group unless
+    every rank passed the same ``digest`` (of its ``descriptors()``), naming the
+    first matrix on which the ranks differ. A collective: every rank of the group
+    must call it."""
+    raise_unless_same(
+        digest,
+        CollectiveExchange(comms),
+        lambda lists: _disagreement(lists, what),
+        describe=descriptors,
+    )
+
+
+def _disagreement(lists: list[list[Descriptor] | None], what: str) -> str:
+    """The message naming the first matrix on which the ranks' ``lists`` differ."""
     gathered = [lst or [] for lst in lists]
     length = max(len(lst) for lst in gathered)
     k = 0
@@ -140,7 +157,7 @@ def check_agreement(
             break
     else:  # equal lists with different digests: a hash collision cannot give this
         detail = "the lists are equal but their digests differ"
-    raise RuntimeError(
+    return (
         f"fsdp_compose: the ranks of a shard group disagree on the matrices {what} "
         f"updates, at matrix {k} (ranks within the shard group): {detail}. Every rank "
         "must build the optimizer from the same parameters in the same order, and the "
@@ -166,8 +183,8 @@ class RoundOutcomes:
     owner and the owner's message. The process group stays usable.
     """
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, world: int, device: torch.device):
-        self.group, self.rank, self.world, self.device = group, rank, world, device
+    def __init__(self, comms: ToolCollectives, rank: int, world: int, device: torch.device):
+        self.comms, self.rank, self.world, self.device = comms, rank, world, device
         self.errors: dict[int, BaseException] = {}  # matrix -> its error, on its owner
         self.failed: dict[int, int] = {}  # matrix -> owner, on every rank
 
@@ -188,20 +205,18 @@ class RoundOutcomes:
             self.errors.setdefault(i, exc)
             return torch.zeros(shape, dtype=dtype, device=self.device)
 
-    def post(self, mine: list[int]) -> tuple[torch.Tensor, dist.Work]:
+    def post(self, mine: list[int]) -> tuple[torch.Tensor, PendingCollective]:
         """Posts this round's outcome (``mine``: the matrices this rank computed)."""
         flags = torch.zeros(self.world, dtype=torch.int64)
         first = min((i for i in mine if i in self.errors), default=-1)
         flags[self.rank] = first + 1
         flags = flags.to(self.device)
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        assert work is not None
-        return flags, work
+        return flags, self.comms.all_reduce(flags, "max", async_op=True)
 
-    def failed_owners(self, posted: tuple[torch.Tensor, dist.Work]) -> set[int]:
+    def failed_owners(self, posted: tuple[torch.Tensor, PendingCollective]) -> set[int]:
         """The owners whose computation failed in the round ``posted`` describes."""
-        flags, work = posted
-        work.wait()
+        flags, pending = posted
+        pending.wait()
         values = flags.tolist()
         owners = {r for r, v in enumerate(values) if v}
         for r in owners:
@@ -210,21 +225,30 @@ class RoundOutcomes:
 
     def raise_if_any(self, describe: Callable[[int], str]) -> None:
         """Raises the same error on every rank if any computation failed (then
-        one ``all_gather_object`` of the owners' messages)."""
+        one ``all_gather_object`` of the owners' messages; the rounds' flags have
+        already told every rank whether any did)."""
         if not self.failed:
             return
-        messages: list[dict[int, str] | None] = [None] * self.world
-        mine = {i: f"{type(e).__name__}: {e}" for i, e in self.errors.items()}
-        dist.all_gather_object(messages, mine, group=self.group)
         i = min(self.failed)
         owner = self.failed[i]
-        text = (messages[owner] or {}).get(i, "(no message)")
-        error = RuntimeError(
-            f"fsdp_compose: the whole-matrix computation of {describe(i)} raised on its owner, "
-            f"rank {owner} of the shard group: {text}. Every rank skipped that matrix's "
-            f"update and applied the others'; {len(self.failed)} matrix(es) failed this step."
+
+        def explain(failures: dict[int, Any]) -> str:
+            text = (failures.get(owner) or {}).get(i, "(no message)")
+            return (
+                f"fsdp_compose: the whole-matrix computation of {describe(i)} raised on its "
+                f"owner, rank {owner} of the shard group: {text}. Every rank skipped that "
+                f"matrix's update and applied the others'; {len(self.failed)} matrix(es) "
+                "failed this step."
+            )
+
+        mine = {j: f"{type(e).__name__}: {e}" for j, e in self.errors.items()}
+        agree_or_raise(
+            self.errors.get(i),
+            CollectiveExchange(self.comms),
+            explain,
+            report=mine or {},
+            any_failed=True,
         )
-        raise error from self.errors.get(i)
 
 
 #: Per shard group (by id): its layout and the (group index, position, parameter,
@@ -243,9 +267,11 @@ def agree_and_prune(
     layouts: Layouts,
     members: Members,
     what: str,
+    label: str,
 ) -> None:
-    """Checks every shard group's agreement (:func:`check_optimizer_agreement`),
-    then drops the layouts of parameters the optimizer no longer holds."""
+    """Checks every shard group's agreement (:func:`check_optimizer_agreement`, its
+    collectives labelled ``label``), then drops the layouts of parameters the
+    optimizer no longer holds."""
     for layout, items in members.values():
-        check_optimizer_agreement(optimizer, digests, layout, items, what)
+        check_optimizer_agreement(optimizer, digests, layout, items, what, label)
     layouts.prune({id(p) for _, items in members.values() for _, _, p, _ in items})

@@ -6,7 +6,6 @@ import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import _runtime as runtime
@@ -38,8 +37,11 @@ def _plans(matrices: Sequence[torch.Tensor]) -> list[tuple[ExchangePlan, list[in
     ]
 
 
+_LABEL = "whole_matrix.map_full_matrices"
+
+
 def _check_same_matrices(
-    group: dist.ProcessGroup, matrices: Sequence[torch.Tensor], idx: list[int]
+    comms: runtime.ToolCollectives, matrices: Sequence[torch.Tensor], idx: list[int]
 ) -> None:
     """One all-reduce: raises on every rank unless all pass the same shapes and
     dtypes in the same order (see [Note: ranks agree on the matrices before the
@@ -50,7 +52,7 @@ def _check_same_matrices(
     ]
     raw = hashlib.blake2b(repr(descriptors).encode(), digest_size=8).digest()
     digest = int.from_bytes(raw, "little", signed=True)
-    check_agreement(group, digest, lambda: descriptors, "map_full_matrices")
+    check_agreement(comms, digest, lambda: descriptors, "map_full_matrices")
 
 
 def matrix_owners(matrices: Sequence[torch.Tensor]) -> list[int]:
@@ -121,9 +123,13 @@ def map_full_matrices(
         comm_dtype = next(iter(dtypes))
     out_dtype = result_dtype or comm_dtype
     plans = _plans(matrices)
+    comms = {
+        id(plan): runtime.ToolCollectives(_LABEL, plan.layout.group, owner=matrices[idx[0]])
+        for plan, idx in plans
+    }
     for plan, idx in plans:  # the same list on every rank, before any data moves
         if plan.layout.group is not None and plan.layout.world > 1:
-            _check_same_matrices(plan.layout.group, matrices, idx)
+            _check_same_matrices(comms[id(plan)], matrices, idx)
     locals_ = [runtime.local_tensor(t) if isinstance(t, DTensor) else t for t in matrices]
     outputs = [torch.empty(x.shape, dtype=out_dtype, device=x.device) for x in locals_]
     for plan, idx in plans:
@@ -152,6 +158,7 @@ def map_full_matrices(
                 result_dtype=out_dtype,
                 device=locals_[idx[0]].device,
                 describe=lambda k: f"matrices[{idx[k]}]",  # noqa: B023 - run returns first
+                comms=comms[id(plan)],
             )
     return [
         runtime.dtensor_from_local(

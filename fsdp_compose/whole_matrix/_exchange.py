@@ -305,7 +305,8 @@ class ExchangePlan:
                     offset += numel
         block = self._others_block(mine[0]) if len(mine) == 1 else None
         shapes = [self.shapes[i] for i in mine]
-        return _Round(mine, shapes, to_owner, from_rank, my_rows, own, others_rows, block)
+        total = sum(self.shapes[i][0] * self.shapes[i][1] for x in rnd for i in x)
+        return _Round(mine, shapes, to_owner, from_rank, my_rows, own, others_rows, block, total)
 
     def run(
         self,
@@ -318,6 +319,7 @@ class ExchangePlan:
         device: torch.device,
         recycle_inputs: bool = False,
         describe: Callable[[int], str] | None = None,
+        comms: runtime.ToolCollectives | None = None,
     ) -> None:
         """For each matrix ``i``: ``compute(i, full)`` on its owner, where ``full``
         is the ``(m, n)`` matrix whose rows every rank wrote with ``fill(i, rows)``
@@ -329,7 +331,9 @@ class ExchangePlan:
         ``full`` (other than through its result), so the buffer is reused
         afterwards (see [Note: exchange buffers are reused]). If ``compute`` raises
         on an owner, every rank raises after the exchange, naming the matrix with
-        ``describe(i)`` (see [Note: a failing computation on its owner])."""
+        ``describe(i)`` (see [Note: a failing computation on its owner]).
+        ``comms``: the collectives, on the layout's group, labelled with the caller's
+        operation (default: ``whole_matrix.exchange``, reported to no root)."""
         layout = self.layout
         if layout.group is None or layout.world == 1:
             for i in range(len(self.shapes)):
@@ -338,9 +342,10 @@ class ExchangePlan:
                 consume(i, compute(i, full).to(result_dtype))
             return
 
-        run = _Exchange(self, fill, consume, comm_dtype, result_dtype, device)
+        comms = comms or runtime.ToolCollectives("whole_matrix.exchange", layout.group)
+        run = _Exchange(self, comms, fill, consume, comm_dtype, result_dtype, device)
         # See [Note: a failing computation on its owner].
-        outcomes = RoundOutcomes(layout.group, layout.rank, layout.world, device)
+        outcomes = RoundOutcomes(comms, layout.rank, layout.world, device)
         rounds = self._schedule()
         gathering = run.post_gather(rounds[0]) if rounds else None
         returning: tuple[_Round, _Pending, _Posted] | None = None
@@ -388,10 +393,11 @@ class _Round:
     own: list[tuple[int, int, int, int]]  # (index in mine, matrix, first row, end row)
     others_rows: list[tuple[int, int, int, int, int]]  # (index in mine, rows, offset, numel)
     block: tuple[int, int] | None  # a single matrix's other rows: received in place
+    total: int  # elements of every owner's matrices of the round (the same on every rank)
 
 
-_Pending = tuple[dist.Work, list[torch.Tensor], list[torch.Tensor]]
-_Posted = tuple[torch.Tensor, dist.Work]
+_Pending = tuple[runtime.PendingCollective, list[torch.Tensor], list[torch.Tensor]]
+_Posted = tuple[torch.Tensor, runtime.PendingCollective]
 
 
 class _Exchange:
@@ -401,13 +407,14 @@ class _Exchange:
     def __init__(
         self,
         plan: ExchangePlan,
+        comms: runtime.ToolCollectives,
         fill: Callable[[int, torch.Tensor], None],
         consume: Callable[[int, torch.Tensor], None],
         comm_dtype: torch.dtype,
         result_dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.plan, self.pool, self.group = plan, plan.pool, plan.layout.group
+        self.plan, self.pool, self.comms = plan, plan.pool, comms
         self.fill, self.consume = fill, consume
         self.comm_dtype, self.result_dtype, self.device = comm_dtype, result_dtype, device
 
@@ -415,14 +422,16 @@ class _Exchange:
         return self.pool.take(numel, dtype, self.device)
 
     def all_to_all(
-        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
-    ) -> dist.Work:
-        # This rank's own rows never go through the collective (split 0).
-        work = dist.all_to_all_single(
-            out, inp, out_splits, in_splits, group=self.group, async_op=True
-        )
-        assert work is not None
-        return work
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        total: int,
+    ) -> runtime.PendingCollective:
+        # This rank's own rows never go through the collective (split 0). ``total``:
+        # the elements of the round's matrices, the same on every rank.
+        return self.comms.all_to_all_single(out, inp, out_splits, in_splits, total_numel=total)
 
     def post_gather(self, rnd: _Round) -> _Pending:
         fill, comm_dtype = self.fill, self.comm_dtype
@@ -434,7 +443,7 @@ class _Exchange:
             recv = fulls[0].view(-1)[rnd.block[0] : rnd.block[1]]
         else:
             recv = self.empty(sum(rnd.from_rank), comm_dtype)
-        work = self.all_to_all(recv, send, rnd.from_rank, rnd.to_owner)
+        work = self.all_to_all(recv, send, rnd.from_rank, rnd.to_owner, rnd.total)
         # My rows straight into my matrices, while the others' arrive (other memory).
         for k, i, start, end in rnd.own:
             fill(i, fulls[k][start:end])
@@ -460,7 +469,8 @@ class _Exchange:
                     results[k][start:end]
                 )
         back = self.empty(sum(rnd.to_owner), self.result_dtype)
-        return self.all_to_all(back, send, rnd.to_owner, rnd.from_rank), [back], [send, *results]
+        pending = self.all_to_all(back, send, rnd.to_owner, rnd.from_rank, rnd.total)
+        return pending, [back], [send, *results]
 
     def finish_return(self, rnd: _Round, pending: _Pending, failed: set[int]) -> None:
         """Applies my rows of the round's results, except those of ``failed`` owners."""

@@ -182,7 +182,9 @@ def muon_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             add_member(members, layout, gi, pi, p)
             if p.grad is not None:
                 jobs.append((group, p, layout))
-    agree_and_prune(optimizer, cache.digests, cache.layouts, members, "torch.optim.Muon")
+    agree_and_prune(
+        optimizer, cache.digests, cache.layouts, members, "torch.optim.Muon", "muon.exchange"
+    )
     if not jobs:
         return []
 
@@ -281,6 +283,7 @@ def _run(
             result_dtype=torch.bfloat16,
             device=device,
             recycle_inputs=True,  # Newton-Schulz keeps nothing of its input
+            comms=runtime.ToolCollectives("muon.exchange", plan.layout.group, owner=jobs[0][1]),
             describe=lambda i: (
                 f"Muon's parameter of shape {tuple(jobs[i][1].shape)} "
                 f"(position {i} among the matrices with gradients of its shard group)"
