@@ -1,9 +1,10 @@
 """The public ``fully_shard``: the runtime's annotator with fsdp_compose's checks.
 
-It is FSDP2's ``fully_shard`` (``fsdp_compose._runtime``) with one observer passed
-to every call, :data:`fsdp_compose._checks.CHECKS` (see [Note: checks beyond FSDP2]),
-and torch's own policy objects accepted in place of fsdp_compose's, so that an FSDP2
-program runs with only its ``fully_shard`` import changed.
+It is FSDP2's ``fully_shard`` (``fsdp_compose._runtime``) with fsdp_compose's checks
+passed to every call as observers (:func:`fsdp_compose._checks.observers`, see
+[Note: checks beyond FSDP2]), and torch's own policy objects accepted in place of
+fsdp_compose's, so that an FSDP2 program runs with only its ``fully_shard`` import
+changed.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import torch.nn as nn
 from torch.distributed import fsdp as torch_fsdp
 from torch.distributed.tensor import DeviceMesh, Shard
 
-from . import _runtime
-from ._checks import CHECKS
+from . import _checks, _runtime
 from ._runtime import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -125,7 +125,7 @@ def fully_shard(
         offload_policy=offload_policy,
         ignored_params=ignored_params,
         dp_mesh_dims=dp_mesh_dims,
-        observers=(CHECKS,),
+        observers=_checks.observers(),
     )
 
 

@@ -11,13 +11,24 @@ API in ``fsdp_compose/__init__.py``, the checks, the tools, the optimizers): the
 import the names below and nothing from a ``_runtime._*`` submodule
 (``tests/test_code_layout.py`` enforces it). What they may ask is here too: which
 call owns a parameter (``owner_of``, ``fqn_of``, ``is_ignored``; see
-[Note: parameter records]), never an attribute read from or written on a tensor.
+[Note: parameter records]), never an attribute read from or written on a tensor; and
+observers get values (``UnitInfo``, see [Note: observer values]), never a unit.
 The runtime, in turn, imports nothing outside itself.
 """
 
 from ._collectives import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
 from ._compat import dtensor_from_local, dtensor_spec_with_dtype, local_tensor, profiler_label
-from ._events import Annotation, CollectiveEvent, CollectiveInfo, Observer, UnitEvent
+from ._events import (
+    Annotation,
+    CollectiveEvent,
+    CollectiveInfo,
+    GatherInput,
+    Observer,
+    ParamInfo,
+    UnitEvent,
+    UnitInfo,
+    UnitOptionsInfo,
+)
 from ._fsdp_module import (
     FSDPModule,
     GradientReductionHandle,
@@ -31,7 +42,6 @@ from ._mesh import DataParallelMeshDims, MeshInfo, validate_reshard_after_forwar
 from ._ownership import fqn_of, ignored_by, is_ignored, owner_of, replaced_by
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._shared import is_borrowed
-from ._unit import Unit
 
 __all__ = [
     "AllGather",
@@ -43,14 +53,17 @@ __all__ = [
     "DefaultAllGather",
     "DefaultReduceScatter",
     "FSDPModule",
+    "GatherInput",
     "GradientReductionHandle",
     "MeshInfo",
     "MixedPrecisionPolicy",
     "Observer",
     "OffloadPolicy",
+    "ParamInfo",
     "ReduceScatter",
-    "Unit",
     "UnitEvent",
+    "UnitInfo",
+    "UnitOptionsInfo",
     "UnshardHandle",
     "describe_modules",
     "dtensor_from_local",

@@ -5,6 +5,7 @@ scheduler decides *when*."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from enum import Enum
 from typing import Any
@@ -21,7 +22,7 @@ from ._collectives import (
     PendingCollective,
     ReduceScatter,
 )
-from ._events import Events
+from ._events import Events, GatherInput, ParamInfo, UnitEvent, UnitInfo, UnitOptionsInfo
 from ._extensions import ExtensionGather
 from ._flat_buffer import FlatBuffer
 from ._mesh import MeshInfo, post_forward_subgroup
@@ -30,6 +31,8 @@ from ._reduce import GradientReducer
 from ._sharded_param import ShardedParam
 
 __all__ = ["Phase", "ShardState", "Unit", "UnitOptions"]
+
+_unit_ids = itertools.count()  # UnitInfo.id: unique in the process, never reused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +105,8 @@ class Unit:
         # Pinned host shards make the device-to-host gradient copies asynchronous.
         self.pin_memory = self.offload and bool(getattr(offload_policy, "pin_memory", False))
         self.name = type(modules[0]).__name__  # refined to the module's FQN at lazy init
+        self.id = next(_unit_ids)
+        self._info: UnitInfo | None = None  # what observers see; None: to be (re)built
         self.options = UnitOptions()
         self.state = ShardState.SHARDED
         self.phase = Phase.IDLE
@@ -133,6 +138,7 @@ class Unit:
         ``reshard_after_forward``: :meth:`set_reshard_after_forward`)."""
         assert "reshard_after_forward" not in changes
         self.options = dataclasses.replace(self.options, **changes)
+        self._info = None
 
     def set_reshard_after_forward(self, value: bool | int) -> None:
         # The scheduler reshards (its memory accounting follows every state change).
@@ -156,6 +162,7 @@ class Unit:
             subgroup = post_forward_subgroup(self.mesh_info, value)
             self._post_forward_group, self._post_forward_rank = subgroup
         self.options = dataclasses.replace(self.options, reshard_after_forward=value)
+        self._info = None
 
     @property
     def trainable_params(self) -> list[ShardedParam]:
@@ -174,6 +181,83 @@ class Unit:
         assert gather is not None, f"unit {self.name!r}: unsharded_nbytes before lazy_init"
         return gather.nbytes
 
+    # -- what observers see ([Note: observer values]) ----------------------
+
+    @property
+    def info(self) -> UnitInfo:
+        """This unit's description for observers, built when first asked for after a change."""
+        if self._info is None:
+            self._info = self._describe()
+        return self._info
+
+    def describe(self) -> UnitInfo:
+        """Rebuilds :attr:`info` (the root's lazy init, once names and FQNs are final)."""
+        self._info = None
+        return self.info
+
+    def _describe(self) -> UnitInfo:
+        options, mesh, mp = self.options, self.mesh_info, self.mp_policy
+        settings = UnitOptionsInfo(
+            options.reshard_after_forward,
+            options.reshard_after_backward,
+            options.requires_gradient_sync,
+            options.requires_all_reduce,
+            options.gradient_divide_factor,
+            options.reduce_scatter_unused_params,
+            options.force_sum_reduction,
+            options.unshard_in_backward,
+            mp.param_dtype,
+            mp.reduce_dtype,
+            self.offload,
+            not isinstance(options.all_gather_comm, DefaultAllGather),
+            not isinstance(options.reduce_scatter_comm, DefaultReduceScatter),
+        )
+        params = tuple(
+            ParamInfo(
+                p.fqn, tuple(p.orig_size), p.sharded_param.dtype, p.sharded_param.requires_grad
+            )
+            for p in self.params
+        )
+        replicate = mesh.replicate_group
+        return UnitInfo(
+            self.id,
+            self.name,
+            params,
+            settings,
+            mesh.device,
+            mesh.shard_group,
+            _ranks_of(mesh.shard_group),
+            mesh.shard_rank,
+            replicate,
+            () if replicate is None else _ranks_of(replicate),
+        )
+
+    def info_at(self, event: UnitEvent) -> UnitInfo:
+        """:attr:`info` with the values ``event`` carries (see :class:`UnitInfo`)."""
+        info = self.info
+        if event in ("forward_begin", "backward_begin"):
+            versions = tuple(p.data_version() for p in self.params)
+            return info.with_values(sharded_versions=versions)
+        if event in ("gathered", "resharding"):
+            flat = self.buffer.unsharded if self.buffer is not None else None
+            version = None if flat is None else flat._version
+            return info.with_values(unsharded_version=version)
+        if event == "packed" and self.extension is not None:
+            inputs = tuple(
+                GatherInput(pg.param.fqn, tuple(tuple(s) for s in pg.sizes), tuple(pg.dtypes))
+                for pg in self.extension.params
+            )
+            return info.with_values(all_gather_inputs=inputs)
+        if event == "backward_end":
+            missing = tuple(
+                p.fqn
+                for p in self.trainable_params
+                if p.accumulated_grad is None
+                and (p.unsharded_param is None or p.unsharded_param.grad is None)
+            )
+            return info.with_values(without_grad=missing)
+        return info
+
     # -- lazy initialisation: dtypes and buffer layout -------------------
 
     def invalidate(self) -> None:
@@ -183,6 +267,7 @@ class Unit:
             "scheduler) before invalidating its layout"
         )
         self.extension = self.buffer = None
+        self._info = None  # the dtypes may change
         for p in self.params:
             p.unsharded_param = None
 
@@ -195,7 +280,8 @@ class Unit:
             for p in self.params:
                 p.resync_sharded_param()
             self._check_placement()
-            self.events.unit("lazy_init", self)
+            if self.events.on_unit:
+                self.events.unit("lazy_init", self.info_at)
             self._init_dtypes()
             if any(p.extension for p in self.params):
                 world = self.mesh_info.shard_size
@@ -284,7 +370,8 @@ class Unit:
             self._gathered_versions = [p.data_version() for p in self.params]
         if self.extension is not None:
             out, send = self.extension.pack(comm, info, self.name)
-            self.events.unit("packed", self)
+            if self.events.on_unit:
+                self.events.unit("packed", self.info_at)
         else:
             assert buffer is not None
             rank, row = info.shard_rank, buffer.row
@@ -322,7 +409,8 @@ class Unit:
             gather = self.extension or self.buffer
             assert gather is not None
             gather.copy_out(out, self._gather_world)
-            self.events.unit("gathered", self)
+            if self.events.on_unit:
+                self.events.unit("gathered", self.info_at)
         self._post_forward_shard = None
         self._register_unsharded()
         self._transition(ShardState.UNSHARDED)
@@ -366,7 +454,8 @@ class Unit:
                 self._post_forward_shard = None
                 self._transition(ShardState.SHARDED)
             return
-        self.events.unit("resharding", self)
+        if self.events.on_unit:
+            self.events.unit("resharding", self.info_at)
         keep_share = to_post_forward_group and self._post_forward_group is not None
         if keep_share:
             assert self.buffer is not None and isinstance(self.options.reshard_after_forward, int)
@@ -392,3 +481,8 @@ class Unit:
             self.extension.free()
         elif self.buffer is not None and not self.options.keep_unsharded_storage:
             self.buffer.free()
+
+
+def _ranks_of(group: dist.ProcessGroup) -> tuple[int, ...]:
+    """``group``'s ranks in the default group."""
+    return tuple(dist.get_process_group_ranks(group))
