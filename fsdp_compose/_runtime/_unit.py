@@ -197,20 +197,14 @@ class Unit:
 
     def _describe(self) -> UnitInfo:
         options, mesh, mp = self.options, self.mesh_info, self.mp_policy
+        plain = {f.name for f in dataclasses.fields(UnitOptionsInfo)}  # those UnitOptions has
         settings = UnitOptionsInfo(
-            options.reshard_after_forward,
-            options.reshard_after_backward,
-            options.requires_gradient_sync,
-            options.requires_all_reduce,
-            options.gradient_divide_factor,
-            options.reduce_scatter_unused_params,
-            options.force_sum_reduction,
-            options.unshard_in_backward,
-            mp.param_dtype,
-            mp.reduce_dtype,
-            self.offload,
-            not isinstance(options.all_gather_comm, DefaultAllGather),
-            not isinstance(options.reduce_scatter_comm, DefaultReduceScatter),
+            **{name: value for name, value in vars(options).items() if name in plain},
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            offload=self.offload,
+            custom_all_gather=not isinstance(options.all_gather_comm, DefaultAllGather),
+            custom_reduce_scatter=not isinstance(options.reduce_scatter_comm, DefaultReduceScatter),
         )
         params = tuple(
             ParamInfo(
@@ -226,10 +220,10 @@ class Unit:
             settings,
             mesh.device,
             mesh.shard_group,
-            _ranks_of(mesh.shard_group),
+            tuple(dist.get_process_group_ranks(mesh.shard_group)),
             mesh.shard_rank,
             replicate,
-            () if replicate is None else _ranks_of(replicate),
+            () if replicate is None else tuple(dist.get_process_group_ranks(replicate)),
         )
 
     def info_at(self, event: UnitEvent) -> UnitInfo:
@@ -481,8 +475,3 @@ class Unit:
             self.extension.free()
         elif self.buffer is not None and not self.options.keep_unsharded_storage:
             self.buffer.free()
-
-
-def _ranks_of(group: dist.ProcessGroup) -> tuple[int, ...]:
-    """``group``'s ranks in the default group."""
-    return tuple(dist.get_process_group_ranks(group))
