@@ -11,6 +11,19 @@ step counters. With no observer, an event costs one truthiness check of a tuple.
 An observer may raise from ``on_collective("issue", ...)`` to refuse the collective
 before any data moves (the debug checks raise a mismatch this way, on every rank);
 from ``on_annotate`` to refuse a ``fully_shard`` call before it changes anything.
+
+[Note: observer values]
+Observers get values, never the runtime's objects: a :class:`UnitInfo` (frozen)
+describes a unit as the user's model names it, so an observer survives any change to
+how units, buffers or sharded parameters are built, cannot change what it observes,
+and keeps no model alive. Each unit keeps one description, built when first asked for
+and again after a change (its settings, its dtypes; at the root's lazy init, its name
+and FQNs). An event that carries values of its own (parameter data versions, an
+extension unit's all-gather inputs, the parameters without a gradient) hands out a copy
+with them filled in, made only where an observer receives that event
+(``Observer.unit_events``). With no observer of unit events, an event costs one
+truthiness check: the runtime's call sites test ``Events.on_unit`` before anything
+else. Observers keep their own state, keyed by :attr:`UnitInfo.id`.
 """
 
 from __future__ import annotations

@@ -186,16 +186,11 @@ class Unit:
     @property
     def info(self) -> UnitInfo:
         """This unit's description for observers, built when first asked for after a change."""
-        if self._info is None:
-            self._info = self._describe()
-        return self._info
+        return self._info if self._info is not None else self.describe()
 
     def describe(self) -> UnitInfo:
-        """Rebuilds :attr:`info` (the root's lazy init, once names and FQNs are final)."""
-        self._info = None
-        return self.info
-
-    def _describe(self) -> UnitInfo:
+        """(Re)builds :attr:`info`: when asked for after a change, and at the root's lazy
+        init, once names and FQNs are final."""
         options, mesh, mp = self.options, self.mesh_info, self.mp_policy
         plain = {f.name for f in dataclasses.fields(UnitOptionsInfo)}  # those UnitOptions has
         settings = UnitOptionsInfo(
@@ -213,7 +208,7 @@ class Unit:
             for p in self.params
         )
         replicate = mesh.replicate_group
-        return UnitInfo(
+        self._info = UnitInfo(
             self.id,
             self.name,
             params,
@@ -225,6 +220,7 @@ class Unit:
             replicate,
             () if replicate is None else tuple(dist.get_process_group_ranks(replicate)),
         )
+        return self._info
 
     def info_at(self, event: UnitEvent) -> UnitInfo:
         """:attr:`info` with the values ``event`` carries (see :class:`UnitInfo`)."""
