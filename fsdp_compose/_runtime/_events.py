@@ -221,8 +221,8 @@ class Observer:
 
     Attributes:
         unit_events (FrozenSet[str]): the unit events :meth:`on_unit` receives (every
-            one by default); an event's values are computed only where some observer
-            receives it.
+            one by default; read when the observer is subscribed); an event's values
+            are computed only where some observer receives it.
     """
 
     unit_events: ClassVar[frozenset[UnitEvent]] = frozenset(get_args(UnitEvent))
