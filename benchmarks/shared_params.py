@@ -73,7 +73,7 @@ def _rank_main(
     class _Probe(Observer):
         counting = False
 
-        def on_memory(self, event: Any, unit: Any, nbytes: int, total: int) -> None:
+        def on_memory(self, event: Any, info: Any, nbytes: int, total: int) -> None:
             peak_unsharded[0] = max(peak_unsharded[0], total)
 
         def on_collective(self, event: Any, info: Any) -> None:

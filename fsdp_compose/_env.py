@@ -54,8 +54,8 @@ def seconds(name: str) -> float | None:
 
 
 def debug_collectives() -> bool:
-    """``FSDP_COMPOSE_DEBUG_COLLECTIVES``: every root subscribes ``fsdp_compose.debug``'s
-    collective checks at its lazy init (through the public ``fully_shard``'s checks)."""
+    """``FSDP_COMPOSE_DEBUG_COLLECTIVES``: each public ``fully_shard`` call subscribes
+    ``fsdp_compose.debug``'s collective checks to its unit (``fsdp_compose._checks``)."""
     return flag("FSDP_COMPOSE_DEBUG_COLLECTIVES", False)
 
 

@@ -1,8 +1,8 @@
 """The public ``fully_shard``: the runtime's annotator with fsdp_compose's checks.
 
 It is FSDP2's ``fully_shard`` (``fsdp_compose._runtime``, where its one signature,
-its typing overloads and its documentation are) with one observer subscribed to
-every call before the caller's, :data:`fsdp_compose._checks.CHECKS` (see [Note:
+its typing overloads and its documentation are) with fsdp_compose's checks subscribed to
+every call before the caller's observers, :func:`fsdp_compose._checks.observers` (see [Note:
 checks beyond FSDP2]), and torch's own policy objects accepted in place of
 fsdp_compose's, so that an FSDP2 program runs with only its ``fully_shard`` import
 changed.
@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch.distributed import fsdp as torch_fsdp
 
-from ._checks import CHECKS
+from . import _checks
 from ._runtime import CPUOffloadPolicy, MixedPrecisionPolicy, Observer, OffloadPolicy
 from ._runtime import fully_shard as _runtime_fully_shard
 
@@ -28,7 +28,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _with_checks(fn: _F) -> _F:
-    """``fn`` (the runtime's ``fully_shard``) with :data:`CHECKS` subscribed before the
+    """``fn`` (the runtime's ``fully_shard``) with the checks subscribed before the
     caller's ``observers`` and torch's policies converted. ``functools.wraps`` keeps
     ``fn``'s documentation and signature (``help()`` and ``inspect.signature`` show
     them) and the return type keeps its overloads: they are written once, in ``fn``."""
@@ -40,7 +40,7 @@ def _with_checks(fn: _F) -> _F:
             kwargs["mp_policy"] = _adopt_torch_mp_policy(mp_policy)
         if offload_policy is not None:
             kwargs["offload_policy"] = _adopt_torch_offload_policy(offload_policy)
-        return fn(*args, observers=(CHECKS, *observers), **kwargs)
+        return fn(*args, observers=(*_checks.observers(), *observers), **kwargs)
 
     return cast(_F, checked)
 

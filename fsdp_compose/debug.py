@@ -65,8 +65,8 @@ from ._runtime import (
     Observer,
     RanksMissing,
     StoreExchange,
-    Unit,
     UnitEvent,
+    UnitInfo,
     raise_unless_same,
 )
 
@@ -96,24 +96,24 @@ class CollectiveChecks(Observer):
             group the collective runs on.
     """
 
+    unit_events = frozenset({"backward_end"})
+
     def __init__(self, timeout: float | None = None) -> None:
         self.timeout = _env.debug_timeout() if timeout is None else timeout
-        self._no_grad: dict[str, list[str]] = {}  # unit name -> its parameters without one
+        # (rank, unit name) -> its parameters without a gradient. By rank too: one
+        # object may observe every rank-thread of a threaded process group.
+        self._no_grad: dict[tuple[int, str], list[str]] = {}
 
-    def on_unit(self, event: UnitEvent, unit: Unit) -> None:
+    def on_unit(self, event: UnitEvent, info: UnitInfo) -> None:
         # Recorded when the unit's backward is done, just before its reduction
         # takes the gradients (see the module's docstring).
-        if event == "backward_end" and not unit.options.reduce_scatter_unused_params:
-            self._no_grad[unit.name] = [
-                p.fqn
-                for p in unit.trainable_params
-                if p.accumulated_grad is None
-                and (p.unsharded_param is None or p.unsharded_param.grad is None)
-            ]
+        if event == "backward_end" and not info.options.reduce_scatter_unused_params:
+            self._no_grad[(dist.get_rank(), info.name)] = list(info.without_grad or ())
 
     def on_collective(self, event: CollectiveEvent, info: CollectiveInfo) -> None:
         if event == "issue":
-            no_grad = self._no_grad.pop(info.label, None) if info.kind == "reduce_scatter" else None
+            key = (dist.get_rank(), info.label)
+            no_grad = self._no_grad.pop(key, None) if info.kind == "reduce_scatter" else None
             detail = f", no gradient here: {no_grad}" if no_grad else ""
             numel = info.agreed_numel  # a tool's all-to-all: its total over the ranks
             self._check(info.kind, info.label, info.group, numel, info.dtype, info.step, detail)

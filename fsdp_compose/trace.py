@@ -41,7 +41,7 @@ from typing import Any, Literal, cast
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._runtime import CollectiveEvent, CollectiveInfo, FSDPModule, Observer, Unit, UnitEvent
+from ._runtime import CollectiveEvent, CollectiveInfo, FSDPModule, Observer, UnitEvent, UnitInfo
 
 __all__ = ["Timeline", "merge_chrome_traces", "recording"]
 
@@ -55,7 +55,7 @@ _COMM_TIDS = {
     "broadcast_object": 6,
     "send_recv": 7,
 }
-_SPANS = {
+_SPANS: dict[UnitEvent, tuple[str, bool]] = {
     "forward_begin": ("forward", True),
     "forward_end": ("forward", False),
     "backward_begin": ("backward", True),
@@ -65,6 +65,8 @@ _SPANS = {
 
 class Timeline(Observer):
     """Records the events of the roots it observes, as Chrome-trace events."""
+
+    unit_events = frozenset({*_SPANS, "prefetch", "prefetch_deferred"})
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # "complete" events arrive from backend threads
@@ -134,31 +136,32 @@ class Timeline(Observer):
             | {"args": {"step": step}}
         )
 
-    def on_unit(self, event: UnitEvent, unit: Unit) -> None:
+    def on_unit(self, event: UnitEvent, info: UnitInfo) -> None:
+        name = info.name
         span = _SPANS.get(event)
         if span is None:
             if event in ("prefetch", "prefetch_deferred"):
-                self._instant(f"{event} {unit.name}", event, {"unit": unit.name})
+                self._instant(f"{event} {name}", event, {"unit": name})
             return
         kind, begins = span
         if begins:
-            self._open_spans[(kind, unit.name)].append(self._now_us())
+            self._open_spans[(kind, name)].append(self._now_us())
             return
-        starts = self._open_spans.get((kind, unit.name))
+        starts = self._open_spans.get((kind, name))
         if starts:
             start = starts.pop()
             self._append(
-                {"name": f"{kind} {unit.name}", "cat": kind, "ph": "X", "ts": start}
+                {"name": f"{kind} {name}", "cat": kind, "ph": "X", "ts": start}
                 | {"dur": self._now_us() - start, "tid": _COMPUTE_TID}
-                | {"args": {"unit": unit.name, "step": self._step}}
+                | {"args": {"unit": name, "step": self._step}}
             )
 
     def on_memory(
-        self, event: Literal["alloc", "free"], unit: Unit, nbytes: int, total: int
+        self, event: Literal["alloc", "free"], info: UnitInfo, nbytes: int, total: int
     ) -> None:
         ts = self._now_us()
-        args = {"unit": unit.name, "bytes": nbytes, "total_bytes": total}
-        self._instant(f"unsharded_{event} {unit.name}", f"memory_{event}", args, ts)
+        args = {"unit": info.name, "bytes": nbytes, "total_bytes": total}
+        self._instant(f"unsharded_{event} {info.name}", f"memory_{event}", args, ts)
         self._append({"name": "unsharded_bytes", "ph": "C", "ts": ts, "args": {"bytes": total}})
 
     def on_collective(self, event: CollectiveEvent, info: CollectiveInfo) -> None:

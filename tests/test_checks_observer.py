@@ -18,11 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fsdp_compose
-from fsdp_compose import FSDPModule, Observer
+from fsdp_compose import Annotation, FSDPModule, Observer, UnitInfo
 from fsdp_compose._checks import CHECKS
-from fsdp_compose._runtime._events import Annotation
 from fsdp_compose._runtime._fully_shard import fully_shard as runtime_fully_shard
-from fsdp_compose._runtime._unit import Unit
 
 
 class _Recorder(Observer):
@@ -38,7 +36,7 @@ class _Recorder(Observer):
         if self.refuse:
             raise ValueError(f"refused fully_shard({type(call.modules[0]).__name__})")
 
-    def on_root_init(self, units: Sequence[Unit]) -> None:
+    def on_root_init(self, units: Sequence[UnitInfo]) -> None:
         self.roots.append([u.name for u in units])
 
 
@@ -71,7 +69,7 @@ def test_the_runtime_sees_observers_in_order_and_calls_them_per_event() -> None:
             "weight",
             "bias",
         ]
-        assert first.managed == [model[0]] and first.mesh_info.shard_size == 4
+        assert first.managed == (model[0],) and first.mesh_info.shard_size == 4
         assert model._fsdp_state().settings.events.observers == [recorder]
         for _ in range(2):
             model(torch.randn(2, 8)).sum().backward()

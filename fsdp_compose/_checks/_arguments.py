@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
@@ -103,7 +104,9 @@ def _check_mesh(mesh_info: MeshInfo) -> None:
 
 
 def _check_siblings(
-    targets: tuple[nn.Module, ...], managed: list[nn.Module], ignored: set[nn.Parameter]
+    targets: tuple[nn.Module, ...],
+    managed: tuple[nn.Module, ...],
+    ignored: frozenset[nn.Parameter],
 ) -> None:
     """Refuses a managed parameter an earlier unit sharded: a unit of its module's
     parent (not bottom-up) or of a sibling; records the modules this call shards."""
@@ -143,7 +146,9 @@ def _alias_key(t: torch.Tensor) -> int:
 
 
 def _check_untied(
-    targets: tuple[nn.Module, ...], managed: list[nn.Module], ignored: set[nn.Parameter]
+    targets: tuple[nn.Module, ...],
+    managed: tuple[nn.Module, ...],
+    ignored: frozenset[nn.Parameter],
 ) -> None:
     """Refuses what sharding would silently untie: a parameter an earlier call ignored
     found again (a tied weight), or a buffer that is (or shares storage with) one."""
@@ -175,7 +180,7 @@ def _check_untied(
                 )
 
 
-def _check_devices(owners: dict[nn.Parameter, list[tuple[nn.Module, str]]]) -> None:
+def _check_devices(owners: Mapping[nn.Parameter, tuple[tuple[nn.Module, str], ...]]) -> None:
     """Refuses parameters on different devices (e.g. a module partly on meta)."""
     devices = {p.device for p in owners}
     if len(devices) > 1:

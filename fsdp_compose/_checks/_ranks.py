@@ -17,12 +17,11 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import _tool_compat
-from .._runtime import StoreExchange, Unit
+from .._runtime import StoreExchange, UnitInfo
 
 __all__ = ["check_same_inputs", "check_same_structure"]
 
 _DEFAULT_TIMEOUT_S = 600.0
-_CHECKED = "_fsdp_compose_inputs_checked"  # on an extension unit, after its first pack
 
 
 def _compared(group: dist.ProcessGroup | None) -> bool:
@@ -30,20 +29,23 @@ def _compared(group: dist.ProcessGroup | None) -> bool:
     return group is not None and group.size() > 1 and _tool_compat.backend_name(group) != "fake"
 
 
-def check_same_structure(units: Sequence[Unit]) -> None:
+def check_same_structure(units: Sequence[UnitInfo]) -> None:
     """Raises on every rank if the ranks of a data-parallel group built different
     models (which would otherwise hang or exchange mismatched data at the first
     all-gather)."""
     if not units or not dist.is_initialized():
         return
-    groups: dict[tuple[int, ...], list[Unit]] = {}
+    groups: dict[tuple[int, ...], list[UnitInfo]] = {}
     for u in units:
-        for group in (u.mesh_info.shard_group, u.mesh_info.replicate_group):
+        for group, ranks in (
+            (u.shard_group, u.shard_ranks),
+            (u.replicate_group, u.replicate_ranks),
+        ):
             if _compared(group):
-                groups.setdefault(tuple(dist.get_process_group_ranks(group)), []).append(u)
+                groups.setdefault(ranks, []).append(u)
     for ranks, members in groups.items():
         description = repr([_unit_description(u) for u in members])
-        group = members[0].mesh_info.shard_group
+        group = members[0].shard_group
         differ = _compare("structure", ranks, description, group, _first_difference)
         if differ is not None:
             raise RuntimeError(
@@ -53,19 +55,15 @@ def check_same_structure(units: Sequence[Unit]) -> None:
             )
 
 
-def check_same_inputs(unit: Unit) -> None:
-    """At an extension unit's first pack: raises on every rank of its shard group if
-    the ranks' all-gather inputs (sizes and dtypes per parameter) differ, before the
-    collective that would hang or mix mismatched data."""
-    group, extension = unit.mesh_info.shard_group, unit.extension
-    if extension is None or getattr(unit, _CHECKED, False) or not _compared(group):
+def check_same_inputs(info: UnitInfo) -> None:
+    """At an extension unit's pack (``info.all_gather_inputs``): raises on every rank of
+    its shard group if the ranks' all-gather inputs (sizes and dtypes per parameter)
+    differ, before the collective that would hang or mix mismatched data."""
+    group, inputs = info.shard_group, info.all_gather_inputs
+    if inputs is None or not _compared(group):
         return
-    setattr(unit, _CHECKED, True)
-    layout = [
-        (pg.param.fqn, [tuple(s) for s in pg.sizes], [str(d) for d in pg.dtypes])
-        for pg in extension.params
-    ]
-    ranks = tuple(dist.get_process_group_ranks(group))
+    layout = [(i.fqn, list(i.sizes), [str(d) for d in i.dtypes]) for i in inputs]
+    ranks = info.shard_ranks
     differ = _compare("all_gather_inputs", ranks, repr(layout), group, _input_difference)
     if differ is not None:
         raise RuntimeError(
@@ -75,19 +73,16 @@ def check_same_inputs(unit: Unit) -> None:
         )
 
 
-def _unit_description(u: Unit) -> tuple[Any, ...]:
+def _unit_description(u: UnitInfo) -> tuple[Any, ...]:
     """What must be equal across the ranks of a unit's groups (sizes, dtypes and
     the settings that change its collectives)."""
-    mp = u.mp_policy
-    params = [
-        (p.fqn, tuple(p.orig_size), str(p.orig_dtype), bool(p.sharded_param.requires_grad))
-        for p in u.params
-    ]
+    options = u.options
+    params = [(p.fqn, p.shape, str(p.dtype), p.requires_grad) for p in u.params]
     settings = (
-        str(mp.param_dtype),
-        str(mp.reduce_dtype),
-        str(u.options.reshard_after_forward),
-        u.offload,
+        str(options.param_dtype),
+        str(options.reduce_dtype),
+        str(options.reshard_after_forward),
+        options.offload,
     )
     return (u.name, params, settings)
 

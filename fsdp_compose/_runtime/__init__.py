@@ -12,7 +12,8 @@ import the names below and nothing from a ``_runtime._*`` submodule
 (``tests/test_code_layout.py`` enforces it). What they may ask is here too: which
 call owns a parameter (``owner_of``, ``fqn_of``, ``is_ignored``; see
 [Note: parameter records]), never an attribute read from or written on a tensor;
-which collectives they may issue and how (``ToolCollectives``, found for a
+observers get values (``UnitInfo``, see [Note: observer values]), never a unit;
+which collectives the tools may issue and how (``ToolCollectives``, found for a
 parameter's or module's root; see [Note: tools' collectives]), and how their ranks
 agree or all raise (``agree_or_raise``; see [Note: all ranks agree or all raise]).
 The runtime, in turn, imports nothing outside itself.
@@ -39,8 +40,12 @@ from ._events import (
     CollectiveEvent,
     CollectiveInfo,
     CollectiveKind,
+    GatherInput,
     Observer,
+    ParamInfo,
     UnitEvent,
+    UnitInfo,
+    UnitOptionsInfo,
 )
 from ._fsdp_module import (
     FSDPModule,
@@ -56,7 +61,6 @@ from ._ownership import fqn_of, ignored_by, is_ignored, owner_of, replaced_by
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._shared import is_borrowed
 from ._tool_collectives import ToolCollectives, events_for
-from ._unit import Unit
 
 __all__ = [
     "AllGather",
@@ -71,18 +75,21 @@ __all__ = [
     "DefaultReduceScatter",
     "Exchange",
     "FSDPModule",
+    "GatherInput",
     "GradientReductionHandle",
     "MeshInfo",
     "MixedPrecisionPolicy",
     "Observer",
     "OffloadPolicy",
+    "ParamInfo",
     "PendingCollective",
     "RanksMissing",
     "ReduceScatter",
     "StoreExchange",
     "ToolCollectives",
-    "Unit",
     "UnitEvent",
+    "UnitInfo",
+    "UnitOptionsInfo",
     "UnshardHandle",
     "agree_or_raise",
     "describe_modules",

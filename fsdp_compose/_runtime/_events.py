@@ -11,15 +11,28 @@ step counters. With no observer, an event costs one truthiness check of a tuple.
 An observer may raise from ``on_collective("issue", ...)`` to refuse the collective
 before any data moves (the debug checks raise a mismatch this way, on every rank);
 from ``on_annotate`` to refuse a ``fully_shard`` call before it changes anything.
+
+[Note: observer values]
+Observers get values, never the runtime's objects: a :class:`UnitInfo` (frozen)
+describes a unit as the user's model names it, so an observer survives any change to
+how units, buffers or sharded parameters are built, cannot change what it observes,
+and keeps no model alive. Each unit keeps one description, built when first asked for
+and again after a change (its settings, its dtypes; at the root's lazy init, its name
+and FQNs). An event that carries values of its own (parameter data versions, an
+extension unit's all-gather inputs, the parameters without a gradient) hands out a copy
+with them filled in, made only where an observer receives that event
+(``Observer.unit_events``). With no observer of unit events, an event costs one
+truthiness check: the runtime's call sites test ``Events.on_unit`` before anything
+else. Observers keep their own state, keyed by :attr:`UnitInfo.id`.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -28,7 +41,6 @@ import torch.nn as nn
 if TYPE_CHECKING:
     from ._mesh import MeshInfo
     from ._policies import MixedPrecisionPolicy, OffloadPolicy
-    from ._unit import Unit
 
 __all__ = [
     "Annotation",
@@ -36,8 +48,12 @@ __all__ = [
     "CollectiveInfo",
     "CollectiveKind",
     "Events",
+    "GatherInput",
     "Observer",
+    "ParamInfo",
     "UnitEvent",
+    "UnitInfo",
+    "UnitOptionsInfo",
 ]
 
 #: The units' collectives (``all_gather``, ``reduce_scatter``, HSDP's ``all_reduce``),
@@ -124,40 +140,144 @@ class CollectiveInfo:
 class Annotation:
     """One ``fully_shard`` call as the runtime resolved it, before it changes anything:
     ``managed``, the modules whose parameters it manages; ``owners``, each parameter it
-    will shard with the (module, name) pairs that hold it."""
+    will shard with the (module, name) pairs that hold it. The modules and parameters
+    are the user's own; the containers are copies (changing them changes nothing)."""
 
     modules: tuple[nn.Module, ...]
-    managed: list[nn.Module]
-    ignored: set[nn.Parameter]
-    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]]
-    mesh_info: MeshInfo
+    managed: tuple[nn.Module, ...]
+    ignored: frozenset[nn.Parameter]
+    owners: Mapping[nn.Parameter, tuple[tuple[nn.Module, str], ...]]
+    mesh_info: MeshInfo  # a frozen value: the call's groups, sizes and device
     mp_policy: MixedPrecisionPolicy
     offload_policy: OffloadPolicy
     shard_placement_fn: Any
 
 
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter of a unit: its name under the root, its unsharded ``shape``, its
+    ``dtype`` (before mixed precision) and whether it ``requires_grad``."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class UnitOptionsInfo:
+    """A unit's settings (``fully_shard``'s arguments and ``FSDPModule.set_*``), as plain
+    values. ``param_dtype``/``reduce_dtype`` are its ``MixedPrecisionPolicy``'s;
+    ``custom_all_gather``/``custom_reduce_scatter``: a user's ``Comm`` replaces the
+    default one."""
+
+    reshard_after_forward: bool | int
+    reshard_after_backward: bool
+    requires_gradient_sync: bool
+    requires_all_reduce: bool
+    gradient_divide_factor: float | None
+    reduce_scatter_unused_params: bool
+    force_sum_reduction: bool
+    unshard_in_backward: bool
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    offload: bool
+    custom_all_gather: bool
+    custom_reduce_scatter: bool
+
+
+@dataclass(frozen=True)
+class GatherInput:
+    """What an extension (tensor-subclass) parameter's ``fsdp_pre_all_gather`` returned
+    on this rank: the ``sizes`` and ``dtypes`` of its all-gather inputs."""
+
+    fqn: str
+    sizes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+
+@dataclass(frozen=True)
+class UnitInfo:
+    """One unit (the parameters of one ``fully_shard`` call) as observers see it; see
+    [Note: observer values].
+
+    ``id`` is the unit's, unique in the process and the same for the unit's life (key
+    an observer's state by it); ``name`` is its module's FQN under the root. The groups
+    are the ones it all-gathers and reduce-scatters in (``replicate_group``: HSDP's
+    all-reduce, else None), with their ranks in the default group.
+
+    The last four fields are an event's own values, None for the other events:
+
+    * ``sharded_versions``: at ``forward_begin`` and ``backward_begin``, the version
+      counters of the sharded parameters' data (an in-place change, an optimizer step,
+      bumps them);
+    * ``unsharded_version``: at ``gathered`` and ``resharding``, the version counter of
+      the unsharded parameters' storage (None where they alias the shards, or for an
+      extension unit);
+    * ``all_gather_inputs``: at ``packed``, each parameter's all-gather inputs;
+    * ``without_grad``: at ``backward_end``, the FQNs of the trainable parameters that
+      got no gradient on this rank.
+    """
+
+    id: int
+    name: str
+    params: tuple[ParamInfo, ...]
+    options: UnitOptionsInfo
+    device: torch.device
+    shard_group: dist.ProcessGroup
+    shard_ranks: tuple[int, ...]
+    shard_rank: int
+    replicate_group: dist.ProcessGroup | None
+    replicate_ranks: tuple[int, ...]
+    sharded_versions: tuple[int, ...] | None = None
+    unsharded_version: int | None = None
+    all_gather_inputs: tuple[GatherInput, ...] | None = None
+    without_grad: tuple[str, ...] | None = None
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        return tuple(p.fqn for p in self.params)
+
+    def with_values(self, **values: Any) -> UnitInfo:
+        """A copy with an event's ``values`` (the fields after ``replicate_ranks``)."""
+        # Copied field by field rather than through dataclasses.replace, whose __init__
+        # costs several times more: the runtime makes one per event an observer receives.
+        copy = object.__new__(UnitInfo)
+        copy.__dict__.update(self.__dict__, **values)
+        return copy
+
+
 class Observer:
     """Subscribes to one root's runtime events (see [Note: runtime events]).
-    Every method does nothing here: override the ones you need."""
+    Every method does nothing here: override the ones you need.
+
+    Attributes:
+        unit_events (FrozenSet[str]): the unit events :meth:`on_unit` receives (every
+            one by default; read when the observer is subscribed); an event's values
+            are computed only where some observer receives it.
+    """
+
+    unit_events: ClassVar[frozenset[UnitEvent]] = frozenset(get_args(UnitEvent))
 
     def on_annotate(self, call: Annotation) -> None:
         """A ``fully_shard`` call given this observer (the runtime's ``observers=``, as
         fsdp_compose's checks are) is about to change its modules; raising refuses it."""
 
-    def on_root_init(self, units: Sequence[Unit]) -> None:
+    def on_root_init(self, units: Sequence[UnitInfo]) -> None:
         """The root's lazy init named and initialized its tree's ``units``."""
 
     def on_step(self, step: int) -> None:
         """A forward pass of the root began: ``step`` counts them from 1."""
 
-    def on_unit(self, event: UnitEvent, unit: Unit) -> None:
-        """``unit`` (``unit.name`` is its module's FQN) did ``event``."""
+    def on_unit(self, event: UnitEvent, info: UnitInfo) -> None:
+        """The unit ``info`` describes (``info.name`` is its module's FQN) did ``event``;
+        ``info`` carries the event's own values where it has some."""
 
     def on_memory(
-        self, event: Literal["alloc", "free"], unit: Unit, nbytes: int, total: int
+        self, event: Literal["alloc", "free"], info: UnitInfo, nbytes: int, total: int
     ) -> None:
-        """``unit`` began or stopped holding ``nbytes`` of unsharded parameters;
-        ``total``: what the root's units hold now."""
+        """The unit ``info`` describes began or stopped holding ``nbytes`` of unsharded
+        parameters; ``total``: what the root's units hold now."""
 
     def on_collective(self, event: CollectiveEvent, info: CollectiveInfo) -> None:
         """A collective of the root's units, or one a tool issued for the root's
@@ -171,14 +291,15 @@ class Events:
     """One root's observers, in subscription order, and its step count. Each kind of
     event goes only to the observers that override its method (no cost elsewhere)."""
 
-    __slots__ = ("_deferred", "_seq", "observers", "step", *_EVENT_METHODS)
+    __slots__ = ("_deferred", "_seq", "_unit_observers", "observers", "step", *_EVENT_METHODS)
 
     def __init__(self, observers: Iterable[Observer] = ()) -> None:
         self.observers: list[Observer] = []
         self.on_annotate: tuple[Observer, ...] = ()
         self.on_root_init: tuple[Observer, ...] = ()
         self.on_step: tuple[Observer, ...] = ()
-        self.on_unit: tuple[Observer, ...] = ()
+        self.on_unit: tuple[Observer, ...] = ()  # those receiving some unit event
+        self._unit_observers: dict[str, tuple[Observer, ...]] = {}  # per unit event
         self.on_memory: tuple[Observer, ...] = ()
         self.on_collective: tuple[Observer, ...] = ()  # read on the hot path
         self.step = 0  # forward passes of the root begun so far
@@ -209,6 +330,11 @@ class Events:
             default = getattr(Observer, name)
             chosen = tuple(o for o in self.observers if getattr(type(o), name) is not default)
             setattr(self, name, chosen)
+        self.on_unit = tuple(o for o in self.on_unit if o.unit_events)
+        self._unit_observers = {
+            event: tuple(o for o in self.on_unit if event in o.unit_events)
+            for event in get_args(UnitEvent)
+        }
 
     def adopt(self, other: Events) -> None:
         """Takes over ``other``'s observers (a subtree annotated earlier)."""
@@ -219,7 +345,7 @@ class Events:
         for observer in self.on_annotate:
             observer.on_annotate(call)
 
-    def root_init(self, units: Sequence[Unit]) -> None:
+    def root_init(self, units: Sequence[UnitInfo]) -> None:
         for observer in self.on_root_init:
             observer.on_root_init(units)
 
@@ -228,13 +354,22 @@ class Events:
         for observer in self.on_step:
             observer.on_step(self.step)
 
-    def unit(self, event: UnitEvent, unit: Unit) -> None:
-        for observer in self.on_unit:
-            observer.on_unit(event, unit)
+    # The runtime calls these only where ``self.on_unit``/``self.on_memory`` is not
+    # empty ([Note: observer values]).
+    def unit(self, event: UnitEvent, describe: Callable[[UnitEvent], UnitInfo]) -> None:
+        """Hands ``describe(event)`` (the unit's :class:`UnitInfo` with ``event``'s
+        values) to the observers receiving ``event``, building it only if there are some."""
+        observers = self._unit_observers[event]
+        if observers:
+            info = describe(event)
+            for observer in observers:
+                observer.on_unit(event, info)
 
-    def memory(self, event: Literal["alloc", "free"], unit: Unit, nbytes: int, total: int) -> None:
+    def memory(
+        self, event: Literal["alloc", "free"], info: UnitInfo, nbytes: int, total: int
+    ) -> None:
         for observer in self.on_memory:
-            observer.on_memory(event, unit, nbytes, total)
+            observer.on_memory(event, info, nbytes, total)
 
     def collective(self, event: CollectiveEvent, info: CollectiveInfo) -> None:
         for observer in self.on_collective:

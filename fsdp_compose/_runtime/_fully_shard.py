@@ -6,6 +6,7 @@ attaches the hooks, and mixes :class:`FSDPModule` into the module's class."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from types import MappingProxyType
 from typing import Any, overload
 
 import torch
@@ -164,7 +165,10 @@ def fully_shard(
     policies = (mp_policy, offload_policy, shard_placement_fn)
     owners = _managed_params(managed, ignored)
     events = Events(observers)
-    events.annotate(Annotation(modules, managed, ignored, owners, mesh_info, *policies))
+    if events.on_annotate:  # copies: an observer cannot change what this call does
+        view = MappingProxyType({p: tuple(o) for p, o in owners.items()})
+        call = Annotation(modules, tuple(managed), frozenset(ignored), view, mesh_info, *policies)
+        events.annotate(call)
     # Parameters another unit already sharded: borrowed ([Note: shared parameters]).
     borrowed = _shared.collect_borrowed(managed, ignored, mesh_info, mp_policy, offload_policy)
     units, sharded = _build_units(

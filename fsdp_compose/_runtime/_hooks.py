@@ -197,7 +197,8 @@ class UnitState:
         self.all_states = states
         for unit in units:
             unit.lazy_init()
-        self.settings.events.root_init(units)
+        # Names and FQNs are final: the units' descriptions for observers are rebuilt.
+        self.settings.events.root_init([unit.describe() for unit in units])
 
     def reset_iter_state(self) -> None:
         """Returns every unit of this root's tree to a clean sharded, idle state

@@ -90,7 +90,7 @@ class RateLimiter:
             self.holding_bytes -= nbytes
         events = self.settings.events
         if events.on_memory:
-            events.memory("alloc" if holds else "free", unit, nbytes, self.holding_bytes)
+            events.memory("alloc" if holds else "free", unit.info, nbytes, self.holding_bytes)
 
     def issue(self, unit: Unit) -> None:
         if not unit.holds_unsharded:
@@ -101,11 +101,13 @@ class RateLimiter:
         if unit.holds_unsharded:
             return
         if self._fits(unit):
-            self.settings.events.unit("prefetch", unit)
+            if self.settings.events.on_unit:
+                self.settings.events.unit("prefetch", unit.info_at)
             self.issue(unit)
         elif unit not in self.deferred:
             self.deferred.append(unit)
-            self.settings.events.unit("prefetch_deferred", unit)
+            if self.settings.events.on_unit:
+                self.settings.events.unit("prefetch_deferred", unit.info_at)
 
     def require(self, unit: Unit) -> None:
         """Makes ``unit``'s parameters available now (gather if needed, then wait)."""
@@ -220,10 +222,12 @@ class Scheduler:
                     self.memory.prefetch(target)
         for unit in units:
             self.memory.require(unit)
-            self.events.unit("forward_begin", unit)
+            if self.events.on_unit:
+                self.events.unit("forward_begin", unit.info_at)
 
     def post_forward(self, unit: Unit) -> None:
-        self.events.unit("forward_end", unit)
+        if self.events.on_unit:
+            self.events.unit("forward_end", unit.info_at)
         self._end_forward_use(unit)
         unit.enter(TrainingState.IDLE)
 
@@ -293,8 +297,9 @@ class Scheduler:
                     self.memory.prefetch(target)
         for unit in gather:
             self.memory.require(unit)
-        for unit in units:
-            self.events.unit("backward_begin", unit)
+        if self.events.on_unit:
+            for unit in units:
+                self.events.unit("backward_begin", unit.info_at)
 
     def borrow_backward(self, units: list[Unit]) -> None:
         """A borrower of ``units`` starts its backward: unshard them (even if not
@@ -361,8 +366,8 @@ class Scheduler:
         # (a shared unit waits for the backward of its other uses: [Note: shared parameters])
 
     def _post_backward(self, unit: Unit, *, at_end: bool, drain: bool = True) -> None:
-        if unit.training_state is TrainingState.PRE_BACKWARD:
-            self.events.unit("backward_end", unit)
+        if unit.training_state is TrainingState.PRE_BACKWARD and self.events.on_unit:
+            self.events.unit("backward_end", unit.info_at)
         unit.enter(TrainingState.POST_BACKWARD)
         options, reducer = unit.options, unit.reducer
         params: list[ShardedParam] = []

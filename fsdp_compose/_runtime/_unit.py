@@ -5,6 +5,7 @@ scheduler decides *when*."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from enum import Enum
 from typing import Any
@@ -21,7 +22,7 @@ from ._collectives import (
     PendingCollective,
     ReduceScatter,
 )
-from ._events import Events
+from ._events import Events, GatherInput, ParamInfo, UnitEvent, UnitInfo, UnitOptionsInfo
 from ._extensions import ExtensionGather
 from ._flat_buffer import FlatBuffer
 from ._mesh import MeshInfo, post_forward_subgroup
@@ -30,6 +31,8 @@ from ._reduce import GradientReducer
 from ._sharded_param import ShardedParam
 
 __all__ = ["ShardState", "TrainingState", "Unit", "UnitOptions", "check_step"]
+
+_unit_ids = itertools.count()  # UnitInfo.id: unique in the process, never reused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +150,8 @@ class Unit:
         # Pinned host shards make the device-to-host gradient copies asynchronous.
         self.pin_memory = self.offload and bool(getattr(offload_policy, "pin_memory", False))
         self.name = type(modules[0]).__name__  # refined to the module's FQN at lazy init
+        self.id = next(_unit_ids)
+        self._info: UnitInfo | None = None  # what observers see; None: to be (re)built
         self.options = UnitOptions()
         self.state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE  # [Note: step state]
@@ -189,6 +194,7 @@ class Unit:
         ``reshard_after_forward``: :meth:`set_reshard_after_forward`)."""
         assert "reshard_after_forward" not in changes
         self.options = dataclasses.replace(self.options, **changes)
+        self._info = None
 
     def set_reshard_after_forward(self, value: bool | int) -> None:
         # The scheduler reshards (its memory accounting follows every state change).
@@ -212,6 +218,7 @@ class Unit:
             subgroup = post_forward_subgroup(self.mesh_info, value)
             self._post_forward_group, self._post_forward_rank = subgroup
         self.options = dataclasses.replace(self.options, reshard_after_forward=value)
+        self._info = None
 
     @property
     def trainable_params(self) -> list[ShardedParam]:
@@ -230,6 +237,73 @@ class Unit:
         assert gather is not None, f"unit {self.name!r}: unsharded_nbytes before lazy_init"
         return gather.nbytes
 
+    # -- what observers see ([Note: observer values]) ----------------------
+
+    @property
+    def info(self) -> UnitInfo:
+        """This unit's description for observers, built when first asked for after a change."""
+        return self._info if self._info is not None else self.describe()
+
+    def describe(self) -> UnitInfo:
+        """(Re)builds :attr:`info`: when asked for after a change, and at the root's lazy
+        init, once names and FQNs are final."""
+        options, mesh, mp = self.options, self.mesh_info, self.mp_policy
+        plain = {f.name for f in dataclasses.fields(UnitOptionsInfo)}  # those UnitOptions has
+        settings = UnitOptionsInfo(
+            **{name: value for name, value in vars(options).items() if name in plain},
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            offload=self.offload,
+            custom_all_gather=not isinstance(options.all_gather_comm, DefaultAllGather),
+            custom_reduce_scatter=not isinstance(options.reduce_scatter_comm, DefaultReduceScatter),
+        )
+        params = tuple(
+            ParamInfo(
+                p.fqn, tuple(p.orig_size), p.sharded_param.dtype, p.sharded_param.requires_grad
+            )
+            for p in self.params
+        )
+        replicate = mesh.replicate_group
+        self._info = UnitInfo(
+            self.id,
+            self.name,
+            params,
+            settings,
+            mesh.device,
+            mesh.shard_group,
+            tuple(dist.get_process_group_ranks(mesh.shard_group)),
+            mesh.shard_rank,
+            replicate,
+            () if replicate is None else tuple(dist.get_process_group_ranks(replicate)),
+        )
+        return self._info
+
+    def info_at(self, event: UnitEvent) -> UnitInfo:
+        """:attr:`info` with the values ``event`` carries (see :class:`UnitInfo`)."""
+        info = self.info
+        if event in ("forward_begin", "backward_begin"):
+            versions = tuple(p.data_version() for p in self.params)
+            return info.with_values(sharded_versions=versions)
+        if event in ("gathered", "resharding"):
+            flat = self.buffer.unsharded if self.buffer is not None else None
+            version = None if flat is None else flat._version
+            return info.with_values(unsharded_version=version)
+        if event == "packed" and self.extension is not None:
+            inputs = tuple(
+                GatherInput(pg.param.fqn, tuple(tuple(s) for s in pg.sizes), tuple(pg.dtypes))
+                for pg in self.extension.params
+            )
+            return info.with_values(all_gather_inputs=inputs)
+        if event == "backward_end":
+            missing = tuple(
+                p.fqn
+                for p in self.trainable_params
+                if p.accumulated_grad is None
+                and (p.unsharded_param is None or p.unsharded_param.grad is None)
+            )
+            return info.with_values(without_grad=missing)
+        return info
+
     # -- lazy initialisation: dtypes and buffer layout -------------------
 
     def invalidate(self) -> None:
@@ -239,6 +313,7 @@ class Unit:
             "scheduler) before invalidating its layout"
         )
         self.extension = self.buffer = None
+        self._info = None  # the dtypes may change
         for p in self.params:
             p.unsharded_param = None
 
@@ -252,7 +327,8 @@ class Unit:
             for p in self.params:
                 p.resync_sharded_param()
             self._check_placement()
-            self.events.unit("lazy_init", self)
+            if self.events.on_unit:
+                self.events.unit("lazy_init", self.info_at)
             self._init_dtypes()
             if any(p.extension for p in self.params):
                 world = self.mesh_info.shard_size
@@ -341,7 +417,8 @@ class Unit:
             self._gathered_versions = [p.data_version() for p in self.params]
         if self.extension is not None:
             out, send = self.extension.pack(comm, info, self.name)
-            self.events.unit("packed", self)
+            if self.events.on_unit:
+                self.events.unit("packed", self.info_at)
         else:
             assert buffer is not None
             rank, row = info.shard_rank, buffer.row
@@ -379,7 +456,8 @@ class Unit:
             gather = self.extension or self.buffer
             assert gather is not None
             gather.copy_out(out, self._gather_world)
-            self.events.unit("gathered", self)
+            if self.events.on_unit:
+                self.events.unit("gathered", self.info_at)
         self._post_forward_shard = None
         self._register_unsharded()
         self._transition(ShardState.UNSHARDED)
@@ -423,7 +501,8 @@ class Unit:
                 self._post_forward_shard = None
                 self._transition(ShardState.SHARDED)
             return
-        self.events.unit("resharding", self)
+        if self.events.on_unit:
+            self.events.unit("resharding", self.info_at)
         keep_share = to_post_forward_group and self._post_forward_group is not None
         if keep_share:
             assert self.buffer is not None and isinstance(self.options.reshard_after_forward, int)
