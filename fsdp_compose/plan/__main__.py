@@ -226,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="module class names (comma separated) or a parameter count (default: _no_split_modules)",
     )
+    _add_cost_model_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _add_cost_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The planner's cost-model rates (compute, network, host copies, host step)."""
     p.add_argument(
         "--flop-rate",
         type=_rate,
@@ -265,8 +272,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="fraction of communication time that can pass during compute, 0-1 (planner; "
         "1: a GPU's own engine, near 0: gloo on a CPU the ranks already fill)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

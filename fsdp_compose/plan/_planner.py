@@ -149,13 +149,7 @@ def plan_to_budget(
     given = parse_bytes(budget)
     host_cap = None if host_budget is None else parse_bytes(host_budget)
     cost = CostModel.for_device(device) if cost is None else cost
-    # the headroom and what a plan's estimate may reach, without and with checkpointing
-    if headroom is None:
-        headrooms = (CPU_HEADROOM, CPU_HEADROOM_CHECKPOINTED) if device == "cpu" else (0.0, 0.0)
-    elif not 0.0 <= headroom < 1.0:
-        raise ValueError(f"headroom is a fraction of the budget in [0, 1), got {headroom!r}")
-    else:
-        headrooms = (headroom, headroom)
+    headrooms = _headrooms(headroom, device)
     caps = (int(given * (1.0 - headrooms[0])), int(given * (1.0 - headrooms[1])))
     replicate, shard = _check_mesh(world_size, mesh_shape)
     base = resolve_plan(model, policy)
@@ -169,16 +163,10 @@ def plan_to_budget(
             compute_dtype=mp_policy.param_dtype,
             step_fn=step_fn,
         )
-    common: dict[str, Any] = {
-        "batch": batch,
-        "seq": seq,
-        "mp_policy": mp_policy,
-        "optimizer": optimizer,
-        "device": device,
-        "set_to_none": set_to_none,
-        "step_fn": step_fn,
-        "profile": profile,
-    }
+    common: dict[str, Any] = dict(
+        batch=batch, seq=seq, mp_policy=mp_policy, optimizer=optimizer, device=device
+    )
+    common.update(set_to_none=set_to_none, step_fn=step_fn, profile=profile)
     shape = (replicate, shard) if replicate > 1 else (shard,)
     candidates = candidate_plans(
         base,
@@ -234,6 +222,15 @@ def plan_to_budget(
         host_bytes=closest.est.host_bytes_per_rank,
         **result,
     )
+
+
+def _headrooms(headroom: float | None, device: str) -> tuple[float, float]:
+    """The fraction of the budget a plan leaves free, without and with checkpointing."""
+    if headroom is None:
+        return (CPU_HEADROOM, CPU_HEADROOM_CHECKPOINTED) if device == "cpu" else (0.0, 0.0)
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError(f"headroom is a fraction of the budget in [0, 1), got {headroom!r}")
+    return (headroom, headroom)
 
 
 @dataclass(frozen=True)
