@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _runtime as runtime
 from . import _tool_compat
+from ._optim_direct import DIRECT
 
 #: A sharded update for one optimizer class: it updates the parameters it can
 #: (their states included) and returns them; torch's own ``step`` then skips them.
@@ -193,7 +194,15 @@ def _give_grads_back(record: _Record) -> None:
 def _elementwise_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     # The body of torch's step without its hook wrapper (the hooks are running).
     body = getattr(type(optimizer).step, "__wrapped__", None)
-    if body is None or not _eligible(optimizer):
+    if body is None or torch.compiler.is_compiling():
+        return []
+    if any(group.get("differentiable", False) for group in optimizer.param_groups):
+        return []
+    direct = DIRECT.get(type(optimizer))
+    updated = None if direct is None else direct(optimizer)
+    if updated is not None:
+        return updated  # see [Note: direct local updates]
+    if not _eligible(optimizer):
         return []
     swap = _LocalSwap(optimizer)
     try:
