@@ -11,9 +11,9 @@ One job of W fresh processes (gloo, one thread each; ``harness.spawn_ranks``):
   ``--steps`` steps behind a barrier, the maximum over ranks. Every mode takes the
   same number of steps, so their parameters must agree at the end: the table says
   whether they are bit-identical to FSDP2's.
-* **host memory.** For each mode and optimizer in turn, ``--rss-steps`` training
-  steps (forward, backward, step, ``zero_grad``) of a tiny model (``--rss-units``
-  blocks of ``--rss-width``); the resident set size (``/proc/self/statm``) is sampled
+* **host memory.** For each mode and optimizer in turn, ``--rss-steps`` optimizer
+  steps (with ``--rss-train``, training steps: forward, backward, step,
+  ``zero_grad``) of a tiny model (``--rss-units`` blocks of ``--rss-width``); the resident set size (``/proc/self/statm``) is sampled
   every ``--rss-every`` steps and its slope fitted (least squares) over the second
   half, in bytes per step, the maximum over ranks. ``--rss-objects`` adds the
   ``gc``-tracked objects whose count grew most over that half (by type).
@@ -159,15 +159,17 @@ def _rss_run(name: str, mode: str, args: argparse.Namespace, rank: int) -> dict[
     ys: list[int] = []
     before: collections.Counter[str] | None = None
     half = args.rss_steps // 2
+    _backward(model, args.rss_width, rank)
     dist.barrier()
     t0 = time.perf_counter()
     for step in range(args.rss_steps):
         if step == half and args.rss_objects:
             gc.collect()
             before = _object_counts()
-        _backward(model, args.rss_width, rank, step)
+        if args.rss_train and step:
+            opt.zero_grad()
+            _backward(model, args.rss_width, rank, step)
         opt.step()
-        opt.zero_grad()
         if step % args.rss_every == 0:
             xs.append(step)
             ys.append(_rss_bytes())
@@ -176,7 +178,7 @@ def _rss_run(name: str, mode: str, args: argparse.Namespace, rank: int) -> dict[
     out: dict[str, Any] = {
         "slope_b_per_step": _max_over_ranks(_slope([x for x, _ in second], [y for _, y in second])),
         "growth_mib": _max_over_ranks((ys[-1] - ys[0]) / 2**20),
-        "ms_per_train_step": _max_over_ranks(1e3 * seconds / max(1, args.rss_steps)),
+        "ms_per_step": _max_over_ranks(1e3 * seconds / max(1, args.rss_steps)),
     }
     if before is not None:
         gc.collect()
@@ -253,6 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rss-units", type=int, default=4)
     p.add_argument("--rss-width", type=int, default=32)
     p.add_argument("--rss-every", type=int, default=50)
+    p.add_argument("--rss-train", action="store_true",
+                   help="the long run trains (forward, backward, step) instead of stepping alone")
     p.add_argument("--rss-objects", action="store_true", help="count gc objects by type")
     p.add_argument("--out", default=os.path.join(_HERE, "results", "optim_step.json"))
     p.add_argument("--table", help="print the table of this results file and exit")
