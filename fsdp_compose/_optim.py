@@ -15,12 +15,16 @@ their local tensors for the duration of the step and swapped back afterwards
 DTensors laid out like its parameter, exactly as the DTensor path creates it, so
 ``optimizer.state_dict()``, ``torch.distributed.checkpoint`` and
 ``get_state_dict`` see the same objects either way; results are bit-identical.
+Adam, AdamW and SGD skip the swap from their second step on: they call torch's
+functional update on lists of local tensors (see [Note: direct local updates] in
+``_optim_direct.py``).
 
 It applies only where that equivalence holds: the optimizer's class is exactly
 one of torch's elementwise optimizers (a subclass may add non-elementwise logic,
 such as a norm), ``differentiable`` is off, it is not being compiled, and every
-DTensor it holds is a parameter sharded by fsdp_compose. Anything else keeps the
-DTensor path. It is off by default (FSDP2's behaviour): the user turns it on
+DTensor it holds is a parameter sharded by fsdp_compose (for the direct updates,
+per parameter: one fsdp_compose did not shard is left to torch's ``step``, on
+the DTensor path). Anything else keeps the DTensor path. It is off by default (FSDP2's behaviour): the user turns it on
 per optimizer with :func:`enable_sharded_step`.
 
 [Note: sharded steps run inside step hooks]

@@ -60,34 +60,28 @@ def _adam_lists(state: Any, group: dict[str, Any], updated: list[torch.Tensor]) 
     missing or a tensor is not a plain dense one."""
     if torch.is_tensor(group["lr"]) or any(torch.is_tensor(b) for b in group["betas"]):
         return None  # torch's step validates these; let it
-    amsgrad = group["amsgrad"]
-    params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
+    names = (*_ADAM_STATES, "max_exp_avg_sq") if group["amsgrad"] else _ADAM_STATES
+    lists: list[list[torch.Tensor]] = [[] for _ in range(2 + len(names))]
+    steps: list[torch.Tensor] = []
     has_complex = False
     for p in group["params"]:
         grad = p.grad
         if grad is None or _skipped(p):
             continue
         s = state.get(p)
-        if not s:
-            return None
-        names = (*_ADAM_STATES, "max_exp_avg_sq") if amsgrad else _ADAM_STATES
-        try:
-            values = [s[n] for n in names]
-            step = s["step"]
-        except KeyError:
-            return None
-        locals_ = [_local(t) for t in (p, grad, *values)]
-        if any(t is None for t in locals_) or isinstance(step, DTensor):
-            return None
-        has_complex |= torch.is_complex(p)
-        params.append(locals_[0])
-        grads.append(locals_[1])
-        exp_avgs.append(locals_[2])
-        exp_avg_sqs.append(locals_[3])
-        if amsgrad:
-            max_sqs.append(locals_[4])
+        step = None if not s else s.get("step")
+        if step is None or isinstance(step, DTensor) or not all(n in s for n in names):
+            return None  # the first step creates the states
+        for out, t in zip(lists, (p, grad, *(s[n] for n in names))):
+            local = _local(t)
+            if local is None:
+                return None
+            out.append(local)
+        has_complex |= lists[0][-1].is_complex()
         steps.append(step)
         updated.append(p)
+    params, grads, exp_avgs, exp_avg_sqs, *rest = lists
+    max_sqs = rest[0] if rest else []
     return [params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, has_complex]
 
 
@@ -95,7 +89,8 @@ def adam_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
     """Adam's or AdamW's update on the local shards (see [Note: direct local updates]);
     returns the parameters it updated, or ``None``, with nothing updated, where it
     does not apply."""
-    work, updated = [], []
+    work: list[tuple[dict[str, Any], list[Any]]] = []
+    updated: list[torch.Tensor] = []
     for group in optimizer.param_groups:
         lists = _adam_lists(optimizer.state, group, updated)
         if lists is None:
@@ -138,7 +133,9 @@ def _sgd_lists(
     if group["fused"] and getattr(optimizer, "_need_device_dtype_check_for_fused", True):
         return None  # torch's step checks devices once; let it
     with_momentum = group["momentum"] != 0
-    params, grads, buffers = [], [], []
+    params: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    buffers: list[torch.Tensor | None] = []
     for p in group["params"]:
         grad = p.grad
         if grad is None or _skipped(p):
@@ -163,7 +160,8 @@ def sgd_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
     """SGD's update on the local shards (see [Note: direct local updates]);
     returns the parameters it updated, or ``None``, with nothing updated, where it
     does not apply."""
-    work, updated = [], []
+    work: list[tuple[dict[str, Any], Any]] = []
+    updated: list[torch.Tensor] = []
     for group in optimizer.param_groups:
         lists = _sgd_lists(optimizer, group, updated)
         if lists is None:
