@@ -109,7 +109,6 @@ def _time_steps(opt: Any, steps: int) -> tuple[float, float]:
 
 
 def _step_times(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
-    import torch
 
     models = {m: _model(args.units, args.width, m) for m in MODES}
     opts = {m: _optimizer(name, models[m], m, args.muon_matrices) for m in MODES}
