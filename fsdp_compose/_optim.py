@@ -14,12 +14,16 @@ afterwards (``try/finally``). State created by the step (the first one) is wrapp
 into DTensors laid out like its parameter, exactly as the DTensor path creates it,
 so ``optimizer.state_dict()``, ``torch.distributed.checkpoint`` and
 ``get_state_dict`` see the same objects either way; results are bit-identical.
+Adam, AdamW and SGD skip the swap from their second step on: they call torch's
+functional update on lists of local tensors (see [Note: direct local updates] in
+``_optim_direct.py``).
 
 It applies only where that equivalence holds: the optimizer's class is exactly
 one of torch's elementwise optimizers (a subclass may add non-elementwise logic,
 such as a norm), ``differentiable`` is off, it is not being compiled, and every
-DTensor it holds is a parameter sharded by fsdp_compose. Anything else keeps the
-DTensor path. It is off by default (FSDP2's behaviour): the user turns it on
+DTensor it holds is a parameter sharded by fsdp_compose (for the direct updates,
+per parameter: one fsdp_compose did not shard is left to torch's ``step``, on
+the DTensor path). Anything else keeps the DTensor path. It is off by default (FSDP2's behaviour): the user turns it on
 per optimizer with :func:`enable_sharded_step`.
 
 [Note: sharded steps run inside step hooks]
@@ -54,6 +58,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _runtime as runtime
 from . import _tool_compat
+from ._optim_direct import DIRECT
 
 #: A sharded update for one optimizer class: it updates the parameters it can
 #: (their states included) and returns them; torch's own ``step`` then skips them.
@@ -192,7 +197,15 @@ def _give_grads_back(record: _Record) -> None:
 def _elementwise_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     # The body of torch's step without its hook wrapper (the hooks are running).
     body = getattr(type(optimizer).step, "__wrapped__", None)
-    if body is None or not _eligible(optimizer):
+    if body is None or torch.compiler.is_compiling():
+        return []
+    if any(group.get("differentiable", False) for group in optimizer.param_groups):
+        return []
+    direct = DIRECT.get(type(optimizer))
+    updated = None if direct is None else direct(optimizer)
+    if updated is not None:
+        return updated  # see [Note: direct local updates]
+    if not _eligible(optimizer):
         return []
     swap = _LocalSwap(optimizer)
     try:

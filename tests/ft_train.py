@@ -39,7 +39,7 @@ from gpt import GPT, GPTConfig, loss_fn, make_batch  # noqa: E402
 from models import TINY_GPT  # noqa: E402
 from torchft import Manager, ProcessGroupGloo  # noqa: E402
 
-from fsdp_compose import Observer, fully_shard  # noqa: E402
+from fsdp_compose import Observer, enable_sharded_step, fully_shard  # noqa: E402
 from fsdp_compose.ft import enable_torchft, shard_state_dict, torchft_timeouts  # noqa: E402
 
 TINY = GPTConfig(**{**TINY_GPT, "n_layer": 2})
@@ -70,6 +70,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--min-together", type=int, default=0)
     p.add_argument("--kill-at", type=int, default=-1)
+    p.add_argument("--sharded-step", action="store_true", help="enable_sharded_step(optim)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -96,6 +97,8 @@ def main() -> None:
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
+    if args.sharded_step:  # under torchft's OptimizerWrapper, which calls optim.step()
+        enable_sharded_step(optim)
 
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeouts.process_group),

@@ -51,7 +51,10 @@ DEADLINE_S = 90.0
 class _Job:
     """The rank processes of a test, started with a shared deadline."""
 
-    def __init__(self, tmp: Path, lighthouse: str, steps: int, min_together: int) -> None:
+    def __init__(
+        self, tmp: Path, lighthouse: str, steps: int, min_together: int, sharded_step: bool = False
+    ) -> None:
+        self.sharded_step = sharded_step
         self.tmp, self.lighthouse = tmp, lighthouse
         self.steps, self.min_together = steps, min_together
         self.deadline = time.monotonic() + DEADLINE_S
@@ -72,6 +75,7 @@ class _Job:
                 "--store-port", str(store.port), "--lighthouse", self.lighthouse,
                 "--steps", str(self.steps), "--min-together", str(self.min_together),
                 "--kill-at", str(kill_at.get(rank, -1)),
+                *(["--sharded-step"] if self.sharded_step else []),
                 "--out", str(self.out(group, incarnation, rank)),
             ]  # fmt: skip
             log = open(self.tmp / f"log_g{group}_i{incarnation}_r{rank}.txt", "wb")  # noqa: SIM115
@@ -112,11 +116,13 @@ class _Job:
 
 
 @contextmanager
-def _job(tmp: Path, *, min_replicas: int, steps: int, min_together: int) -> Iterator[_Job]:
+def _job(
+    tmp: Path, *, min_replicas: int, steps: int, min_together: int, sharded_step: bool = False
+) -> Iterator[_Job]:
     lighthouse = LighthouseServer(
         bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=500, heartbeat_timeout_ms=2000
     )
-    job = _Job(tmp, lighthouse.address(), steps, min_together)
+    job = _Job(tmp, lighthouse.address(), steps, min_together, sharded_step)
     try:
         yield job
     finally:
@@ -155,9 +161,14 @@ def _assert_same_tree(a: Any, b: Any, where: str) -> None:
         assert a == b, f"{where}: {a} != {b}"
 
 
-def test_replicas_match_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sharded_step", [False, True], ids=["dtensor_step", "sharded_step"])
+def test_replicas_match_one_process(tmp_path: Path, sharded_step: bool) -> None:
+    """torchft's OptimizerWrapper steps the optimizer: with and without
+    ``enable_sharded_step`` on it."""
     steps = 5
-    with _job(tmp_path, min_replicas=GROUPS, steps=steps, min_together=0) as job:
+    with _job(
+        tmp_path, min_replicas=GROUPS, steps=steps, min_together=0, sharded_step=sharded_step
+    ) as job:
         for group in range(GROUPS):
             job.start_group(group, 0, kill_at={})
         records = {(g, r): job.records(g, 0, r) for g in range(GROUPS) for r in range(GROUP_SIZE)}
