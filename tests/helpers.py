@@ -202,3 +202,29 @@ def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> str:
         return "both empty"
     d = (a.double() - b.double()).abs()
     return f"max |diff| {d.max().item():.3g} at {tuple(int(i) for i in torch.unravel_index(d.argmax(), d.shape))} ({a.dtype} vs {b.dtype})"
+
+
+def sharded_gpt(ref: nn.Module) -> nn.Module:
+    """A copy of the example GPT ``ref`` with each block and the root sharded."""
+    model = copy.deepcopy(ref)
+    for block in model.blocks:  # type: ignore[union-attr]
+        fsdp_compose.fully_shard(block)
+    fsdp_compose.fully_shard(model)
+    return model
+
+
+def gpt_train_step(model: nn.Module, ref: nn.Module, opts: tuple, cfg: Any, step: int) -> float:
+    """One step of ``model`` on this rank's slice of the batch and of ``ref`` (one
+    process) on the whole batch; the loss difference, averaged across ranks."""
+    from gpt import loss_fn, make_batch
+
+    rank, world = rank_world()
+    x, y = make_batch(cfg, 2 * world, step)
+    ref_loss = loss_fn(ref(x), y)
+    ref_loss.backward()
+    loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+    loss.backward()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    return abs(mean_across_ranks(loss.item()) - ref_loss.item())

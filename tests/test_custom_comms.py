@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from dist_utils import run_distributed
-from gpt import GPT, GPTConfig, loss_fn, make_batch
+from gpt import GPT, GPTConfig, make_batch
 from helpers import (
     collective_log,
+    gpt_train_step,
     local_slice,
     max_param_diff,
-    mean_across_ranks,
     rank_world,
 )
 from models import TINY_GPT
@@ -27,27 +27,6 @@ from fsdp_compose import fully_shard, trace
 
 _TIMELINE = trace.Timeline()  # one per rank process, cleared by each recording
 TINY = TINY_GPT
-
-
-def _sharded_gpt(ref: GPT) -> GPT:
-    model = copy.deepcopy(ref)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return model
-
-
-def _train_step(model: nn.Module, ref: nn.Module, opts: tuple, cfg: GPTConfig, step: int) -> float:
-    rank, world = rank_world()
-    x, y = make_batch(cfg, 2 * world, step)
-    ref_loss = loss_fn(ref(x), y)
-    ref_loss.backward()
-    loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
-    loss.backward()
-    for opt in opts:
-        opt.step()
-        opt.zero_grad()
-    return abs(mean_across_ranks(loss.item()) - ref_loss.item())
 
 
 # torch 2.13 renamed the single-tensor collectives; older releases have the old names
@@ -118,7 +97,7 @@ def _custom_comm_job() -> dict:
     )
     steps = 3
     with collective_log(model) as log:
-        diffs = [_train_step(model, ref, opts, cfg, s) for s in range(steps)]
+        diffs = [gpt_train_step(model, ref, opts, cfg, s) for s in range(steps)]
     out = {
         "diffs": diffs,
         "param_diff": max_param_diff(model, ref)[0],
@@ -136,7 +115,7 @@ def _custom_comm_job() -> dict:
         block.set_custom_all_gather(None)
         block.set_custom_reduce_scatter(None)
     before = (len(ag.calls), len(rs.ops))
-    out["diffs"].append(_train_step(model, ref, opts, cfg, steps))
+    out["diffs"].append(gpt_train_step(model, ref, opts, cfg, steps))
     out["after_reset"] = (len(ag.calls), len(rs.ops)) == before
     # bad input: clear errors, raised identically on every rank (no hang)
     with pytest.raises(TypeError, match="allocate"):

@@ -41,10 +41,11 @@ from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import (
     collective_log,
     full,
+    gpt_train_step,
     local_slice,
     max_param_diff,
-    mean_across_ranks,
     rank_world,
+    sharded_gpt,
 )
 from models import TINY_GPT, Wrapper
 from torch.distributed.device_mesh import init_device_mesh
@@ -55,27 +56,6 @@ _TIMELINE = trace.Timeline()  # one per rank process, cleared by each recording
 TINY = TINY_GPT
 
 
-def _sharded_gpt(ref: GPT) -> GPT:
-    model = copy.deepcopy(ref)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return model
-
-
-def _train_step(model: nn.Module, ref: nn.Module, opts: tuple, cfg: GPTConfig, step: int) -> float:
-    rank, world = rank_world()
-    x, y = make_batch(cfg, 2 * world, step)
-    ref_loss = loss_fn(ref(x), y)
-    ref_loss.backward()
-    loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
-    loss.backward()
-    for opt in opts:
-        opt.step()
-        opt.zero_grad()
-    return abs(mean_across_ranks(loss.item()) - ref_loss.item())
-
-
 def _eval_job() -> dict:
     """Evaluation between training steps: with ``set_reshard_after_forward(False)``
     each unit is gathered once for several no-grad forwards (FSDP2's documented
@@ -84,13 +64,13 @@ def _eval_job() -> dict:
     cfg = GPTConfig(**TINY)
     torch.manual_seed(0)
     ref = GPT(cfg)
-    model = _sharded_gpt(ref)
+    model = sharded_gpt(ref)
     opts = (
         torch.optim.AdamW(model.parameters(), lr=1e-2),
         torch.optim.AdamW(ref.parameters(), lr=1e-2),
     )
     x, _ = make_batch(cfg, 2 * world, 100)
-    out: dict = {"diffs": [_train_step(model, ref, opts, cfg, 0)]}
+    out: dict = {"diffs": [gpt_train_step(model, ref, opts, cfg, 0)]}
 
     def evaluate() -> tuple[int, float]:
         with torch.no_grad(), collective_log(model) as log:
@@ -109,7 +89,7 @@ def _eval_job() -> dict:
     model.set_reshard_after_forward(False, recurse=False)  # the root's usual setting
     # The last evaluation left blocks unsharded; the optimizer step below changes
     # their shards, which the next forward must notice.
-    out["diffs"] += [_train_step(model, ref, opts, cfg, s) for s in (1, 2)]
+    out["diffs"] += [gpt_train_step(model, ref, opts, cfg, s) for s in (1, 2)]
     out["param_diff"] = max_param_diff(model, ref)[0]
     return out
 
@@ -128,7 +108,7 @@ def _no_recurse_job() -> dict:
     cfg = GPTConfig(**TINY)
     torch.manual_seed(0)
     ref = GPT(cfg)
-    model = _sharded_gpt(ref)
+    model = sharded_gpt(ref)
     opts = (
         torch.optim.AdamW(model.parameters(), lr=1e-3),
         torch.optim.AdamW(ref.parameters(), lr=1e-3),
@@ -136,13 +116,13 @@ def _no_recurse_job() -> dict:
     out: dict = {}
     model.set_reshard_after_backward(False, recurse=False)
     with collective_log(model) as log:
-        out["diffs"] = [_train_step(model, ref, opts, cfg, 0)]
+        out["diffs"] = [gpt_train_step(model, ref, opts, cfg, 0)]
     out["first_root_gathers"] = log.counts()[("all_gather", "root")]
     # The root kept its parameters through backward, so they are plain tensors...
     out["root_plain_after_backward"] = not hasattr(model.lm_head.weight, "placements")
     out["block_sharded_after_backward"] = hasattr(model.blocks[0].attn.q.weight, "placements")
     with collective_log(model) as log:
-        out["diffs"].append(_train_step(model, ref, opts, cfg, 1))
+        out["diffs"].append(gpt_train_step(model, ref, opts, cfg, 1))
     # ...but the optimizer changed the shards, so the root gathers fresh data.
     out["second_root_gathers"] = log.counts()[("all_gather", "root")]
 
@@ -198,7 +178,7 @@ def _explicit_prefetch_job() -> dict:
     _TIMELINE.clear()
     with trace.recording(model, timeline=_TIMELINE):
         for step in range(3):
-            diffs.append(_train_step(model, wrapped_ref, opts, cfg, step))
+            diffs.append(gpt_train_step(model, wrapped_ref, opts, cfg, step))
         events = _prefetch_events(3)
     return {"diffs": diffs, "param_diff": max_param_diff(inner, ref)[0], "prefetched": events}
 
@@ -219,7 +199,7 @@ def _settings_and_groups_job() -> dict:
     cfg = GPTConfig(**TINY)
     torch.manual_seed(0)
     ref = GPT(cfg)
-    model = _sharded_gpt(ref)
+    model = sharded_gpt(ref)
     model.blocks[0].set_reduce_scatter_max_input_buffers(2)
     model.set_separate_reduce_scatter_group()
     groups: dict[str, set[int]] = {"all_gather": set(), "reduce_scatter": set()}
@@ -228,7 +208,7 @@ def _settings_and_groups_job() -> dict:
             torch.optim.AdamW(model.parameters(), lr=1e-3),
             torch.optim.AdamW(ref.parameters(), lr=1e-3),
         )
-        diffs = [_train_step(model, ref, opts, cfg, step) for step in range(2)]
+        diffs = [gpt_train_step(model, ref, opts, cfg, step) for step in range(2)]
     for info in log.issued:
         groups.setdefault(info.kind, set()).add(id(info.group))
     return {
