@@ -282,7 +282,7 @@ class Unit:
         """:attr:`info` with the values ``event`` carries (see :class:`UnitInfo`)."""
         info = self.info
         if event in ("forward_begin", "backward_begin"):
-            versions = tuple(p.data_version() for p in self.params)
+            versions = tuple([p.data_version() for p in self.params])  # (no generator)
             return info.with_values(sharded_versions=versions)
         if event in ("gathered", "resharding"):
             flat = self.buffer.unsharded if self.buffer is not None else None
