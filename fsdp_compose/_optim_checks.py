@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ._runtime import FSDPModule, is_ignored, owner_of, replaced_by
+from ._runtime import FSDPModule, is_ignored, owner_of, replaced_by, unit_infos
 
 __all__ = ["check_optimizer"]
 
@@ -120,9 +120,7 @@ def _findings(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[tuple[
 
 def _units_without_sync(model: nn.Module) -> list[str]:
     names = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            for unit in module._fsdp_state().own_units:
-                if not unit.options.requires_gradient_sync:
-                    names.append(unit.name)
+    for info in unit_infos(model):
+        if not info.options.requires_gradient_sync:
+            names.append(info.name)
     return names

@@ -55,7 +55,7 @@ from ._fsdp_module import (
     share_comm_ctx,
 )
 from ._fully_shard import describe_modules, fully_shard
-from ._hooks import state_of
+from ._hooks import invalidate_unsharded, unit_infos
 from ._mesh import DataParallelMeshDims, MeshInfo, validate_reshard_after_forward
 from ._ownership import fqn_of, ignored_by, is_ignored, owner_of, replaced_by
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -99,6 +99,7 @@ __all__ = [
     "fqn_of",
     "fully_shard",
     "ignored_by",
+    "invalidate_unsharded",
     "is_borrowed",
     "is_ignored",
     "local_tensor",
@@ -108,6 +109,6 @@ __all__ = [
     "register_fsdp_forward_method",
     "replaced_by",
     "share_comm_ctx",
-    "state_of",
+    "unit_infos",
     "validate_reshard_after_forward",
 ]

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from . import _compat, _shared
-from ._events import Events
+from ._events import Events, UnitInfo
 from ._policies import MixedPrecisionPolicy
 from ._scheduler import Scheduler, ScheduleSettings
 from ._unit import ShardState, TrainingState, Unit
@@ -30,6 +30,25 @@ _STATE_ATTR = "_fsdp_compose_state"
 def state_of(module: nn.Module) -> UnitState | None:
     """The fully_shard state attached to ``module``, if any."""
     return module.__dict__.get(_STATE_ATTR)
+
+
+def _states(module: nn.Module) -> list[UnitState]:
+    return [s for s in map(state_of, module.modules()) if s is not None]
+
+
+def unit_infos(module: nn.Module) -> list[UnitInfo]:
+    """What the tools may know of the units in ``module``'s tree: their values."""
+    return [unit.info for state in _states(module) for unit in state.own_units]
+
+
+def invalidate_unsharded(module: nn.Module) -> None:
+    """The front door's one invalidation entry point: after the sharded parameters of
+    ``module``'s tree were written outside the runtime (a weights load), every unit
+    reshards and re-derives its buffers from them at its next use."""
+    for state in _states(module):
+        for unit in state.own_units + state.borrowed:
+            state.reshard(unit)
+            unit.invalidate()
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._runtime import ToolCollectives
+from .._runtime import ToolCollectives, invalidate_unsharded
 from ._format import DTYPES, Entry, KeyMap, names_of, read_headers, safe_open_fn
 from ._ranks import raise_if_any_failed
 
@@ -289,18 +289,6 @@ def _default_device(targets: list[Target]) -> torch.device:
     return torch.device("cpu")
 
 
-def _invalidate_units(module: nn.Module) -> None:
-    # fsdp_compose units reshard, and re-derive their buffers from the (new)
-    # sharded parameters at their next use.
-    from .._runtime import state_of
-
-    for m in module.modules():
-        state = state_of(m)
-        for unit in [] if state is None else state.own_units + state.borrowed:
-            state.reshard(unit)  # type: ignore[union-attr]
-            unit.invalidate()
-
-
 @torch.no_grad()
 def load_safetensors(
     module: nn.Module,
@@ -421,7 +409,7 @@ def _copy(
             result.loaded.extend(t.keys)
     finally:  # also after a failure: units re-derive their buffers at their next use
         if materialized:
-            _invalidate_units(module)
+            invalidate_unsharded(module)
     if not to_load:
         return
     reader = _reader({key: entries[key] for key in to_load})
