@@ -178,10 +178,10 @@ def fully_shard(
     # Validated: from here on the module changes.
     unit_label = describe_modules(modules)
     _move_buffers(managed, mesh_info.device)
-    for module in managed:  # left plain on purpose, not forgotten
-        for name, param in module._parameters.items():
+    for holder in managed:  # left plain on purpose, not forgotten
+        for name, param in holder._parameters.items():
             if param is not None and param in ignored:
-                _ownership.record_ignored(param, module, name, unit_label)
+                _ownership.record_ignored(param, holder, name, unit_label)
     for param, sharded_param in zip(owners, sharded):
         sharded_param.register(sharded_param.sharded_param)
         sharded_param.mark_owned(unit_label)
