@@ -57,18 +57,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _env, _tool_compat
+from ._agree import RanksMissing, StoreExchange, raise_unless_same
 from ._optim_checks import check_optimizer
-from ._runtime import (
-    CollectiveEvent,
-    CollectiveInfo,
-    FSDPModule,
-    Observer,
-    RanksMissing,
-    StoreExchange,
-    UnitEvent,
-    UnitInfo,
-    raise_unless_same,
-)
+from ._runtime import CollectiveEvent, CollectiveInfo, FSDPModule, Observer, UnitEvent, UnitInfo
 
 __all__ = [
     "CollectiveChecks",

@@ -17,7 +17,8 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import _tool_compat
-from .._runtime import StoreExchange, UnitInfo
+from .._agree import StoreExchange
+from .._runtime import UnitInfo
 
 __all__ = ["check_same_inputs", "check_same_structure"]
 

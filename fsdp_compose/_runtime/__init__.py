@@ -14,19 +14,11 @@ call owns a parameter (``owner_of``, ``fqn_of``, ``is_ignored``; see
 [Note: parameter records]), never an attribute read from or written on a tensor;
 observers get values (``UnitInfo``, see [Note: observer values]), never a unit;
 which collectives the tools may issue and how (``ToolCollectives``, found for a
-parameter's or module's root; see [Note: tools' collectives]), and how their ranks
-agree or all raise (``agree_or_raise``; see [Note: all ranks agree or all raise]).
-The runtime, in turn, imports nothing outside itself.
+parameter's or module's root; see [Note: tools' collectives]). How the tools' ranks
+agree or all raise (``fsdp_compose/_agree.py``) is built on ``ToolCollectives`` outside
+the runtime, which never calls it. The runtime, in turn, imports nothing outside itself.
 """
 
-from ._agree import (
-    CollectiveExchange,
-    Exchange,
-    RanksMissing,
-    StoreExchange,
-    agree_or_raise,
-    raise_unless_same,
-)
 from ._collectives import (
     AllGather,
     DefaultAllGather,
@@ -34,12 +26,11 @@ from ._collectives import (
     PendingCollective,
     ReduceScatter,
 )
-from ._compat import dtensor_from_local, dtensor_spec_with_dtype, local_tensor, profiler_label
+from ._compat import dtensor_from_local, dtensor_spec_with_dtype, local_tensor
 from ._events import (
     Annotation,
     CollectiveEvent,
     CollectiveInfo,
-    CollectiveKind,
     GatherInput,
     Observer,
     ParamInfo,
@@ -60,20 +51,17 @@ from ._mesh import DataParallelMeshDims, MeshInfo, validate_reshard_after_forwar
 from ._ownership import fqn_of, ignored_by, is_ignored, owner_of, replaced_by
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._shared import is_borrowed
-from ._tool_collectives import ToolCollectives, events_for
+from ._tool_collectives import ToolCollectives
 
 __all__ = [
     "AllGather",
     "Annotation",
     "CPUOffloadPolicy",
     "CollectiveEvent",
-    "CollectiveExchange",
     "CollectiveInfo",
-    "CollectiveKind",
     "DataParallelMeshDims",
     "DefaultAllGather",
     "DefaultReduceScatter",
-    "Exchange",
     "FSDPModule",
     "GatherInput",
     "GradientReductionHandle",
@@ -83,19 +71,15 @@ __all__ = [
     "OffloadPolicy",
     "ParamInfo",
     "PendingCollective",
-    "RanksMissing",
     "ReduceScatter",
-    "StoreExchange",
     "ToolCollectives",
     "UnitEvent",
     "UnitInfo",
     "UnitOptionsInfo",
     "UnshardHandle",
-    "agree_or_raise",
     "describe_modules",
     "dtensor_from_local",
     "dtensor_spec_with_dtype",
-    "events_for",
     "fqn_of",
     "fully_shard",
     "ignored_by",
@@ -104,8 +88,6 @@ __all__ = [
     "is_ignored",
     "local_tensor",
     "owner_of",
-    "profiler_label",
-    "raise_unless_same",
     "register_fsdp_forward_method",
     "replaced_by",
     "share_comm_ctx",

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._runtime import CollectiveExchange, ToolCollectives, agree_or_raise
+from .._agree import CollectiveExchange, agree_or_raise
+from .._runtime import ToolCollectives
 
 
 def dist_on() -> bool:

@@ -39,15 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._runtime import (
-    CollectiveExchange,
-    PendingCollective,
-    ToolCollectives,
-    agree_or_raise,
-    fqn_of,
-    owner_of,
-    raise_unless_same,
-)
+from .._agree import CollectiveExchange, agree_or_raise, raise_unless_same
+from .._runtime import PendingCollective, ToolCollectives, fqn_of, owner_of
 
 if TYPE_CHECKING:  # _exchange imports this module
     from ._exchange import Layouts, ShardLayout
