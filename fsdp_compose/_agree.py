@@ -38,12 +38,22 @@ from ._runtime import ToolCollectives
 
 __all__ = [
     "CollectiveExchange",
+    "CollectiveMismatchError",
     "Exchange",
     "RanksMissing",
     "StoreExchange",
     "agree_or_raise",
     "raise_unless_same",
 ]
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks of one process group issued, or were about to issue, different
+    collectives (or some none): raised on every rank, by the debug checks
+    (``fsdp_compose.debug``) and by a tool whose ranks disagree on what its next
+    collective exchanges (a whole-matrix optimizer's matrices)."""
+
+    __module__ = "fsdp_compose.debug"  # where users import it from
 
 
 class Exchange(Protocol):

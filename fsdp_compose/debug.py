@@ -57,7 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _env, _tool_compat
-from ._agree import RanksMissing, StoreExchange, raise_unless_same
+from ._agree import CollectiveMismatchError, RanksMissing, StoreExchange, raise_unless_same
 from ._optim_checks import check_optimizer
 from ._runtime import CollectiveEvent, CollectiveInfo, FSDPModule, Observer, UnitEvent, UnitInfo
 
@@ -69,11 +69,6 @@ __all__ = [
 ]
 
 _FALLBACK_TIMEOUT_S = 60.0  # where torch does not expose a group's timeout
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks of one process group issued different collectives (or some none):
-    raised on every rank by the debug checks."""
 
 
 class CollectiveChecks(Observer):

@@ -4,7 +4,9 @@
   outside ``fsdp_compose/_runtime/`` (checked on the AST).
 * Debug mode sees the tools' collectives: a rank that skips a Muon step makes
   every rank raise ``CollectiveMismatchError`` naming the exchange, within
-  seconds, on gloo and on torch's threaded process group.
+  seconds, on gloo and on torch's threaded process group; one that orders its
+  matrices differently gets the same error from Muon's agreement, before any
+  exchange is issued.
 * The timeline lists a Muon exchange and a safetensors export's collectives; with
   debug mode on as well, a valid program runs through.
 """
@@ -195,6 +197,42 @@ def test_debug_names_a_skipped_muon_step_on_threaded_ranks() -> None:
     from test_backends import run_threaded
 
     _check_skip_results(run_threaded(2, _muon_skip_job, timeout=60.0))
+
+
+def _muon_reorder_job() -> dict:
+    """Rank 1 builds Muon from the matrices in another order, in debug mode."""
+    from fsdp_compose import debug
+
+    rank = dist.get_rank()
+    model = _square_model()
+    params = list(model.parameters())
+    opt = enable_sharded_step(torch.optim.Muon(params[::-1] if rank else params, lr=0.1))
+    error, kind, elapsed = "", "", 0.0
+    with debug.collective_checks(model, timeout=20):
+        _backward(model)
+        start = time.monotonic()
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            error, kind, elapsed = str(exc), type(exc).__name__, time.monotonic() - start
+    return {
+        "error": error,
+        "kind": kind,
+        "fast": bool(error) and elapsed < 10,
+        "usable": _pg_usable(),
+    }
+
+
+def test_debug_names_a_reordered_muon_exchange_on_every_rank() -> None:
+    """Matrices in another order on one rank would pair the wrong matrices in the
+    exchange: every rank raises ``CollectiveMismatchError`` naming the exchange
+    before any is issued, within seconds, and the process group stays usable."""
+    results = run_distributed(_muon_reorder_job, 2)
+    assert results[0]["error"] == results[1]["error"], results
+    for r in results:
+        assert r["kind"] == "CollectiveMismatchError", r
+        assert "muon.exchange collectives would not match" in r["error"], r
+        assert r["fast"] and r["usable"], r
 
 
 def _trace_job(out_dir: str) -> dict:

@@ -46,7 +46,7 @@ def _muon_disagreement_job(case: str, optim: str = "Muon") -> dict:
     else:  # "grads": same optimizer, a matrix without a gradient on rank 1 at step 2
         params = list(model.parameters())
     opt = enable_sharded_step(getattr(torch.optim, optim)(params, lr=0.1))
-    error = ""
+    error, kind = "", ""
     steps = 0
     before: list[torch.Tensor] = []
     for step in range(3):
@@ -59,7 +59,7 @@ def _muon_disagreement_job(case: str, optim: str = "Muon") -> dict:
         try:
             opt.step()
         except RuntimeError as exc:
-            error, elapsed = str(exc), time.monotonic() - start
+            error, kind, elapsed = str(exc), type(exc).__name__, time.monotonic() - start
             break
         steps += 1
     unchanged = all(
@@ -67,6 +67,7 @@ def _muon_disagreement_job(case: str, optim: str = "Muon") -> dict:
     )
     return {
         "error": error,
+        "kind": kind,
         "steps": steps,
         "fast": bool(error) and elapsed < 10,
         "unchanged": unchanged,
@@ -95,6 +96,9 @@ def test_optimizer_ranks_disagreeing_on_matrices_raise_on_every_rank(case: str, 
     assert results[0]["error"] == results[1]["error"], results
     for r in results:
         assert "disagree" in r["error"] and "at matrix" in r["error"], r
+        assert r["kind"] == "CollectiveMismatchError", r
+        label = "muon.exchange" if optim == "Muon" else "adafactor.step"
+        assert f"Their {label} collectives would not match" in r["error"], r
         assert r["fast"] and r["unchanged"] and r["pg_usable"], r
         assert r["steps"] == (2 if case == "grads" else 0), r
     if case in ("order_named", "order"):

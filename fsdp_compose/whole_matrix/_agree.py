@@ -39,7 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._agree import CollectiveExchange, agree_or_raise, raise_unless_same
+from .._agree import (
+    CollectiveExchange,
+    CollectiveMismatchError,
+    agree_or_raise,
+    raise_unless_same,
+)
 from .._runtime import PendingCollective, ToolCollectives, fqn_of, owner_of
 
 if TYPE_CHECKING:  # _exchange imports this module
@@ -123,19 +128,20 @@ def check_agreement(
     descriptors: Callable[[], list[Descriptor]],
     what: str,
 ) -> None:
-    """Raises the same ``RuntimeError`` on every rank of ``comms``' group unless
+    """Raises the same :class:`CollectiveMismatchError` (a ``RuntimeError``) on every rank of ``comms``' group unless
     every rank passed the same ``digest`` (of its ``descriptors()``), naming the
     first matrix on which the ranks differ. A collective: every rank of the group
     must call it."""
     raise_unless_same(
         digest,
         CollectiveExchange(comms),
-        lambda lists: _disagreement(lists, what),
+        lambda lists: _disagreement(lists, what, comms.label),
         describe=descriptors,
+        error_type=CollectiveMismatchError,
     )
 
 
-def _disagreement(lists: list[list[Descriptor] | None], what: str) -> str:
+def _disagreement(lists: list[list[Descriptor] | None], what: str, label: str) -> str:
     """The message naming the first matrix on which the ranks' ``lists`` differ."""
     gathered = [lst or [] for lst in lists]
     length = max(len(lst) for lst in gathered)
@@ -152,7 +158,8 @@ def _disagreement(lists: list[list[Descriptor] | None], what: str) -> str:
         detail = "the lists are equal but their digests differ"
     return (
         f"fsdp_compose: the ranks of a shard group disagree on the matrices {what} "
-        f"updates, at matrix {k} (ranks within the shard group): {detail}. Every rank "
+        f"updates, at matrix {k} (ranks within the shard group): {detail}. Their "
+        f"{label} collectives would not match, so none was issued. Every rank "
         "must build the optimizer from the same parameters in the same order, and the "
         "same parameters must have gradients on every rank (a parameter unused on one "
         "rank still needs a gradient, e.g. a zero one). Nothing was updated."
