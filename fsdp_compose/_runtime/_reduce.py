@@ -16,14 +16,16 @@ factor) without running one. A parameter with a partial sum joins the
 reduce-scatter with zeros when it has no new gradient, so that its sum reaches the
 all-reduce instead of waiting for a later one.
 
-The dtype of accumulation while sync is disabled is the reduce dtype when
-``MixedPrecisionPolicy.reduce_dtype`` is set, else the gradient's (compute) dtype,
-as in FSDP2 up to 2.15 and on torch's main branch. Where the installed torch has
-the pending-gradient API (``_compat.ACCUMULATE_IN_GRAD_DTYPE``), autograd
-accumulates in that dtype itself (the unsharded parameter's ``grad_dtype``), each
-contribution added in the reduce dtype; earlier releases add a backward's
-gradient to the upcast accumulator after it (``accumulate_unsharded_grads``), so
-a valid program on those releases computes what their FSDP2 computes.
+The dtype of accumulation while sync is disabled follows the installed torch's
+FSDP2, so that a valid program computes what its FSDP2 computes. Up to 2.14, a
+backward's gradient is added after it to an accumulator upcast to the unit's reduce
+dtype (``accumulate_unsharded_grads``; the compute dtype when ``reduce_dtype`` is
+None and the dtypes are uniform). From 2.15 autograd accumulates in the reduce dtype
+itself (the unsharded parameter's ``grad_dtype``, set at lazy init), each
+contribution added in that dtype; 2.15's reduce dtype for ``reduce_dtype=None`` is
+the parameter's own. torch's main branch, which has the pending-gradient API
+(``_compat.ACCUMULATE_IN_GRAD_DTYPE``), defines the dtype of accumulation as
+``reduce_dtype`` when set, else the gradient's (compute) dtype.
 """
 
 from __future__ import annotations
@@ -56,9 +58,11 @@ class GradientReducer:
 
     def accumulate_unsharded_grads(self) -> None:
         """Without gradient sync, keeps gradients unsharded for the next backward,
-        upcast to the policy's reduce dtype if that differs from the gradient's
-        ([Note: pending gradients])."""
-        reduce_dtype = self.unit.mp_policy.reduce_dtype
+        upcast to the reduce dtype if that differs from the gradient's; with the
+        pending-gradient API, only to an explicit one ([Note: pending gradients])."""
+        reduce_dtype = self.unit.reduce_dtype
+        if _compat.ACCUMULATE_IN_GRAD_DTYPE:
+            reduce_dtype = self.unit.mp_policy.reduce_dtype
         for p in self.unit.trainable_params:
             up = p.unsharded_param
             if up is None or up.grad is None or reduce_dtype in (None, up.grad.dtype):
