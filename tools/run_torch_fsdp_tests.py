@@ -9,11 +9,15 @@ torch's. Nothing is patched in the calling process or in a library.
 
 torch's tests are not in the wheel: pass test files from a pytorch checkout
 (``test/distributed/_composable/fsdp/test_fully_shard_*.py``) whose version
-matches the installed torch. Tests that need an accelerator skip on CPU; the
-CPU-runnable ones use ``FSDPTestMultiThread`` (ranks as threads) or gloo.
+matches the installed torch (or newer test files, for API that torch's main
+branch adds: with torch's ``fully_shard`` those fail). Tests that need an
+accelerator skip on CPU; the CPU-runnable ones use ``FSDPTestMultiThread`` (ranks
+as threads) or gloo. ``--cpu`` runs the accelerator-only ``FSDPTest`` cases on the
+CPU too, in the child processes only: ``skip_if_lt_x_gpu`` no longer skips, and
+ranks are forked (so that they see the swap) as gloo processes.
 
 Usage:
-    python tools/run_torch_fsdp_tests.py [--timeout S] [-k EXPR] FILE_OR_DIR...
+    python tools/run_torch_fsdp_tests.py [--cpu] [--timeout S] [-k EXPR] FILE_OR_DIR...
 
 Exit status: 0 when every test fsdp_compose fails also fails (or skips) with torch.
 """
@@ -26,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ElementTree
+from typing import Any
 
 MODES = ("torch", "fsdp_compose")
 
@@ -41,9 +46,43 @@ def _swap_in_fsdp_compose() -> None:
     old_path.fully_shard = fsdp_compose.fully_shard  # type: ignore[assignment]
 
 
-def _child(mode: str, junit: str, pytest_args: list[str]) -> int:
+def _run_on_cpu() -> None:
+    """``--cpu``: torch's accelerator-only ``FSDPTest`` cases as gloo ranks on the CPU.
+
+    Test files import ``skip_if_lt_x_gpu`` when pytest collects them, after this
+    runs; ranks are forked rather than spawned, so they keep the swap; each rank
+    joins a gloo group without ``FSDPTest``'s accelerator count check."""
+    import torch.distributed as dist
+    import torch.multiprocessing
+    import torch.testing._internal.common_distributed as common_distributed
+    from torch.testing._internal.common_fsdp import FSDPTest
+
+    def skip_if_lt_x_gpu(x: int, *, allow_cpu: bool = False) -> Any:
+        return lambda func: func
+
+    def fork_processes(self: Any) -> None:
+        self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+    def run_rank(cls: Any, rank: int, test_name: str, file_name: str, pipe: Any, **_: Any) -> None:
+        self = cls(test_name)
+        self.rank, self.file_name = rank, file_name
+        url = f"file://{file_name}"
+        dist.init_process_group("gloo", init_method=url, world_size=self.world_size, rank=rank)
+        try:
+            self.run_test(test_name, pipe)
+        finally:
+            dist.destroy_process_group()
+
+    common_distributed.skip_if_lt_x_gpu = skip_if_lt_x_gpu
+    common_distributed.MultiProcessTestCase._spawn_processes = fork_processes
+    FSDPTest._run = classmethod(run_rank)
+
+
+def _child(mode: str, junit: str, pytest_args: list[str], cpu: bool) -> int:
     import pytest
 
+    if cpu:
+        _run_on_cpu()
     if mode == "fsdp_compose":
         _swap_in_fsdp_compose()
     args = ["-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *pytest_args]
@@ -73,9 +112,10 @@ def _outcomes(junit: str) -> dict[str, tuple[str, str]]:
     return results
 
 
-def _run(mode: str, pytest_args: list[str], timeout: float, workdir: str) -> dict:
+def _run(mode: str, pytest_args: list[str], timeout: float, workdir: str, cpu: bool) -> dict:
     junit = os.path.join(workdir, f"{mode}.xml")
-    command = [sys.executable, __file__, "--child", mode, "--junit", junit, "--", *pytest_args]
+    command = [sys.executable, __file__, "--child", mode, "--junit", junit]
+    command += [*(["--cpu"] if cpu else []), "--", *pytest_args]
     env = {**os.environ, "PYTORCH_PRINT_REPRO_ON_FAILURE": "0"}
     try:
         subprocess.run(command, timeout=timeout, check=False, env=env)
@@ -89,16 +129,19 @@ def main() -> int:
     parser.add_argument("paths", nargs="*", help="torch test files or directories")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per mode")
+    parser.add_argument(
+        "--cpu", action="store_true", help="run accelerator-only FSDPTest cases on gloo/CPU"
+    )
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--junit", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.child:
-        return _child(args.child, args.junit, [*args.paths, *rest])
+        return _child(args.child, args.junit, [*args.paths, *rest], args.cpu)
     if not args.paths:
         parser.error("pass torch's FSDP2 test files (from a pytorch checkout)")
     pytest_args = [*args.paths, *(["-k", args.keyword] if args.keyword else [])]
     with tempfile.TemporaryDirectory() as workdir:
-        torch_results, ours = (_run(m, pytest_args, args.timeout, workdir) for m in MODES)
+        torch_results, ours = (_run(m, pytest_args, args.timeout, workdir, args.cpu) for m in MODES)
     regressions = 0
     print("test | torch | fsdp_compose | fsdp_compose's failure")
     for test_id in sorted(set(torch_results) | set(ours)):

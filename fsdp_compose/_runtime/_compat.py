@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DeviceMesh, DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -19,6 +20,10 @@ from torch.profiler import record_function
 # FSDP2 2.15 reduces gradients in their parameter's dtype when
 # MixedPrecisionPolicy.reduce_dtype is None; earlier releases in param_dtype.
 REDUCE_IN_PARAM_DTYPE = torch.__version__ >= "2.15"  # TorchVersion compares releases
+# FSDP2 with the pending-gradient API (2.16's) accumulates unsynchronized gradients
+# through autograd, in the unsharded parameter's grad_dtype ([Note: pending
+# gradients] in _reduce.py). A feature test: builds from torch's main branch count.
+ACCUMULATE_IN_GRAD_DTYPE = hasattr(_TorchFSDPModule, "get_pending_gradients")
 
 
 def make_dtensor_spec(

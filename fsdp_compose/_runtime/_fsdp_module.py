@@ -180,6 +180,59 @@ class FSDPModule:
         every unit is resharded and the failed step's unreduced gradients dropped."""
         self._fsdp_state().reset_iter_state()
 
+    def get_pending_gradients(
+        self, *, recurse: bool = True
+    ) -> dict[nn.Parameter, tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Returns the gradients accumulated but not reduced yet, without communication:
+        for each such sharded parameter, ``(unreduced, partial)``. ``unreduced`` is the
+        unsharded gradient kept while gradient sync is disabled (in the dtype of
+        accumulation: ``reduce_dtype`` if set, else the compute dtype); ``partial``
+        (HSDP, all-reduce disabled) the reduce-scattered sum not all-reduced yet, shaped
+        as the local shard. Both are the tensors that accumulate (the same objects
+        across micro-batches): in-place changes are reduced. FSDP2 2.16's API.
+
+        Args:
+            recurse (bool): include every ``FSDPModule`` in this module's subtree.
+        """
+        return {
+            p.sharded_param: pending
+            for unit in self._units(recurse)
+            for p, pending in unit.reducer.pending_grads().items()
+        }
+
+    def synchronize_gradients(self, *, recurse: bool = True) -> None:
+        """Reduces the pending gradients (:meth:`get_pending_gradients`) into the sharded
+        ``.grad`` without another backward: completes the reductions in flight, then
+        reduce-scatters (and with HSDP all-reduces) what is pending, divided as a
+        backward's reduction (:meth:`set_gradient_divide_factor` included). Idempotent;
+        collective: call on every rank, after backward. FSDP2 2.16's API.
+
+        Args:
+            recurse (bool): include every ``FSDPModule`` in this module's subtree.
+        """
+        scheduler = self._fsdp_state().scheduler
+        if scheduler is not None:  # (none before the first forward: nothing pending)
+            scheduler.synchronize_gradients(self._units(recurse))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad`` that also clears this module's pending gradients
+        (:meth:`get_pending_gradients`) and the sharded ``.grad`` while the unsharded
+        parameters are registered. FSDP2 2.16's behaviour."""
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        registered = {id(t) for t in self.parameters()}  # type: ignore[attr-defined]
+        for unit in self._units(True):
+            params = [
+                p
+                for p in unit.params
+                if id(p.sharded_param) in registered or id(p.unsharded_param) in registered
+            ]
+            for p in params:
+                if set_to_none:
+                    p.sharded_param.grad = None
+                elif p.sharded_param.grad is not None:
+                    p.sharded_param.grad.zero_()
+            unit.reducer.clear_pending(params, set_to_none=set_to_none)
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Sets whether the next backward is the last of the step (default ``True``);
         earlier ones (e.g. microbatches) leave their gradient reductions in flight."""

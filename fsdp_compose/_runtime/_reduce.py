@@ -1,6 +1,32 @@
 """Gradient reduction of a unit: accumulation without sync, packing, the
 reduce-scatter, the HSDP all-reduce (or its partial sums kept for later), the
-averaging division, and the hand-off to the sharded parameters' ``.grad``."""
+averaging division, and the hand-off to the sharded parameters' ``.grad``.
+
+[Note: pending gradients]
+A gradient is *pending* while it is not reduced into the sharded ``.grad``: the
+unsharded gradient accumulated with gradient sync disabled (on the unsharded
+parameter's ``.grad``, or upcast into ``ShardedParam.accumulated_grad``), and with
+HSDP and all-reduce disabled, the reduce-scattered partial sum (``partial_sums``).
+FSDP2 2.16's API reads, clears and completes them through this one reducer:
+``get_pending_gradients`` returns these very tensors (no copy, no communication, so
+in-place changes count and the same objects come back across micro-batches),
+``zero_grad`` zeroes or drops them, and ``synchronize_gradients`` reduces them as a
+synchronizing backward would (one reduce-scatter, the HSDP all-reduce, the divide
+factor) without running one. A parameter with a partial sum joins the
+reduce-scatter with zeros when it has no new gradient, so that its sum reaches the
+all-reduce instead of waiting for a later one.
+
+The dtype of accumulation while sync is disabled follows the installed torch's
+FSDP2, so that a valid program computes what its FSDP2 computes. Up to 2.14, a
+backward's gradient is added after it to an accumulator upcast to the unit's reduce
+dtype (``accumulate_unsharded_grads``; the compute dtype when ``reduce_dtype`` is
+None and the dtypes are uniform). From 2.15 autograd accumulates in the reduce dtype
+itself (the unsharded parameter's ``grad_dtype``, set at lazy init), each
+contribution added in that dtype; 2.15's reduce dtype for ``reduce_dtype=None`` is
+the parameter's own. torch's main branch, which has the pending-gradient API
+(``_compat.ACCUMULATE_IN_GRAD_DTYPE``), defines the dtype of accumulation as
+``reduce_dtype`` when set, else the gradient's (compute) dtype.
+"""
 
 from __future__ import annotations
 
@@ -32,25 +58,57 @@ class GradientReducer:
 
     def accumulate_unsharded_grads(self) -> None:
         """Without gradient sync, keeps gradients unsharded for the next backward,
-        upcast to the reduce dtype if that differs from the compute dtype."""
+        upcast to the reduce dtype if that differs from the gradient's; with the
+        pending-gradient API, only to an explicit one ([Note: pending gradients])."""
+        reduce_dtype = self.unit.reduce_dtype
+        if _compat.ACCUMULATE_IN_GRAD_DTYPE:
+            reduce_dtype = self.unit.mp_policy.reduce_dtype
         for p in self.unit.trainable_params:
             up = p.unsharded_param
-            if up is None or up.grad is None or self.unit.reduce_dtype in (None, up.grad.dtype):
+            if up is None or up.grad is None or reduce_dtype in (None, up.grad.dtype):
                 continue
             grad = p.local_grad(up.grad)  # kept as a plain (TP-local) tensor
             up.grad = None
             if p.accumulated_grad is None:
-                p.accumulated_grad = grad.to(self.unit.reduce_dtype)
+                p.accumulated_grad = grad.to(reduce_dtype)
             else:
                 p.accumulated_grad.add_(grad)
 
-    def discard_unsharded_grads(self) -> None:
-        """Drops the gradients of a failed step that were not reduced yet."""
-        for p in self.unit.params:
-            p.accumulated_grad = None
-            if p.unsharded_param is not None:
-                p.unsharded_param.grad = None
-        self.partial_sums.clear()
+    def pending_grads(self) -> dict[ShardedParam, tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Each parameter's gradients not reduced yet, (unsharded, HSDP partial sum
+        shaped as the local shard), as the tensors that hold them; no communication.
+        Without sync, gradients set outside backward's hooks (pipelining's
+        ``stage_backward_weight`` assigns ``.grad``) join the accumulator first."""
+        if not self.unit.options.requires_gradient_sync:
+            self.accumulate_unsharded_grads()
+        pending = {}
+        for p in self.unit.trainable_params:
+            up, partial = p.unsharded_param, self.partial_sums.get(p)
+            # (mid-backward, autograd's gradient is added to the accumulator after it)
+            unreduced = p.accumulated_grad
+            if unreduced is None and up is not None:
+                unreduced = up.grad
+            if unreduced is not None or partial is not None:
+                pending[p] = (unreduced, None if partial is None else partial.view(p.local_shape))
+        return pending
+
+    def clear_pending(self, params: list[ShardedParam], *, set_to_none: bool = True) -> None:
+        """Drops (or zeroes in place) the pending gradients of ``params``: a failed
+        step's (``reset_iter_state``), or ``zero_grad``'s."""
+        for p in params:
+            up = p.unsharded_param
+            for grad in (
+                p.accumulated_grad,
+                None if up is None else up.grad,
+                self.partial_sums.get(p),
+            ):
+                if grad is not None and not set_to_none:
+                    grad.zero_()
+            if set_to_none:
+                p.accumulated_grad = None
+                if up is not None:
+                    up.grad = None
+                self.partial_sums.pop(p, None)
 
     def has_unsharded_grads(self) -> bool:
         return any(
@@ -111,7 +169,9 @@ class GradientReducer:
                     p.accumulated_grad.add_(grad)
                 grad, p.accumulated_grad = p.accumulated_grad, None
             if grad is None:
-                if not self.unit.options.reduce_scatter_unused_params or up is None:
+                # A partial sum joins with zeros ([Note: pending gradients]).
+                joins = self.unit.options.reduce_scatter_unused_params or p in self.partial_sums
+                if not joins or up is None:
                     unused.append(p.fqn)
                     continue
                 # The same collective size on ranks where it got no gradient (MoE).
@@ -135,6 +195,12 @@ class GradientReducer:
                 stacklevel=1,
             )
         return params, grads
+
+    def synchronize(self) -> PendingReduction | None:
+        """Reduces the pending gradients as a synchronizing backward would, with the
+        HSDP all-reduce: ``synchronize_gradients`` ([Note: pending gradients])."""
+        params, grads = self.take_unsharded_grads()
+        return self.reduce_grads(params, grads, all_reduce=True)
 
     def reduce_grads(
         self, params: list[ShardedParam], grads: list[torch.Tensor], *, all_reduce: bool

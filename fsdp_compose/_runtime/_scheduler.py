@@ -455,6 +455,20 @@ class Scheduler:
         for reduction in reductions:
             reduction.finish()
 
+    def synchronize_gradients(self, units: list[Unit]) -> None:
+        """``FSDPModule.synchronize_gradients``: completes the reductions in flight, then
+        reduces the pending gradients of ``units`` without a backward ([Note: pending
+        gradients] in ``_reduce.py``)."""
+        if self.training_state is not TrainingState.IDLE:
+            raise RuntimeError(
+                "synchronize_gradients must be called after backward completes (in manual "
+                f"finalization mode, after finalize_backward), not in {self.training_state.name}"
+            )
+        self._complete_reductions()
+        reductions = [r for unit in units if (r := unit.reducer.synchronize()) is not None]
+        for reduction in reductions:  # every reduce-scatter issued before the first wait
+            reduction.finish()
+
     def reset(self) -> None:
         """After an exception inside forward or backward: waits for in-flight
         collectives (their buffers must outlive them), reshards every unit, discards
@@ -467,7 +481,7 @@ class Scheduler:
                 failures.append(str(exc))
         self._reductions, self._scattering = [], []
         for unit in self.units:
-            unit.reducer.discard_unsharded_grads()
+            unit.reducer.clear_pending(unit.params)
             try:
                 self.memory.reshard(unit)
             except RuntimeError as exc:

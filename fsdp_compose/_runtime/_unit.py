@@ -385,9 +385,12 @@ class Unit:
         self.reduce_dtype = mp.reduce_dtype
         for dtype in dtypes if mp.reduce_dtype is None else ():
             self.reduce_dtype = torch.promote_types(self.reduce_dtype or dtype, dtype)
-        for p in self.params:  # FSDP2 2.15: autograd hands gradients over in reduce_dtype
-            cast = in_orig and self.reduce_dtype not in (None, p.compute_dtype)
-            p.grad_dtype = self.reduce_dtype if cast else None
+        # FSDP2 2.15: autograd hands gradients over in reduce_dtype; with the pending-
+        # gradient API, in the explicit reduce_dtype only ([Note: pending gradients]).
+        accumulate = mp.reduce_dtype if _compat.ACCUMULATE_IN_GRAD_DTYPE else self.reduce_dtype
+        for p in self.params:
+            cast = in_orig and accumulate not in (None, p.compute_dtype)
+            p.grad_dtype = accumulate if cast else None
 
     # -- unshard / reshard -----------------------------------------------
 
