@@ -119,7 +119,8 @@ def _grouped_job() -> dict:
         model.set_requires_gradient_sync(sync)
         model(ones * value).sum().backward()
     # dW = the input, for both weights: reduced 4, pending 2
-    model.first.zero_grad(set_to_none=False)
+    with _installed_torch(reduce_in_param_dtype=False, pending_api=True):
+        model.first.zero_grad(set_to_none=False)
     pending = model.get_pending_gradients()
     out["first zeroed"] = (
         pending[first][0].eq(0).all().item() and first.grad.to_local().eq(0).all().item()
@@ -131,7 +132,8 @@ def _grouped_job() -> dict:
     model.first(ones).sum().backward()  # first: pending 1
     model.synchronize_gradients()
     out["after sync"] = (first.grad.full_tensor().tolist(), second.grad.full_tensor().tolist())
-    model.zero_grad()
+    with _installed_torch(reduce_in_param_dtype=False, pending_api=True):
+        model.zero_grad()
     out["cleared"] = (model.get_pending_gradients(), first.grad, second.grad)
     return out
 
@@ -182,7 +184,8 @@ def _hsdp_job() -> dict:
     model.set_requires_gradient_sync(True)
     model.set_requires_all_reduce(False)
     model(ones).sum().backward()
-    model.zero_grad(set_to_none=False)
+    with _installed_torch(reduce_in_param_dtype=False, pending_api=True):
+        model.zero_grad(set_to_none=False)
     out["zeroed"] = all(
         partial is not None and partial.eq(0).all().item()
         for _, partial in model.get_pending_gradients().values()
@@ -209,15 +212,15 @@ def test_hsdp_partial_sums() -> None:
 def _installed_torch(*, reduce_in_param_dtype: bool, pending_api: bool) -> Iterator[None]:
     """Runs as if the installed torch's FSDP2 were 2.15 or had the pending-gradient
     API (the flags are read at lazy init); restored for the pool's next job."""
-    saved = (_compat.REDUCE_IN_PARAM_DTYPE, _compat.ACCUMULATE_IN_GRAD_DTYPE)
-    _compat.REDUCE_IN_PARAM_DTYPE, _compat.ACCUMULATE_IN_GRAD_DTYPE = (
+    saved = (_compat.REDUCE_IN_PARAM_DTYPE, _compat.PENDING_GRADIENT_API)
+    _compat.REDUCE_IN_PARAM_DTYPE, _compat.PENDING_GRADIENT_API = (
         reduce_in_param_dtype,
         pending_api,
     )
     try:
         yield
     finally:
-        _compat.REDUCE_IN_PARAM_DTYPE, _compat.ACCUMULATE_IN_GRAD_DTYPE = saved
+        _compat.REDUCE_IN_PARAM_DTYPE, _compat.PENDING_GRADIENT_API = saved
 
 
 def _switch_job() -> dict:
@@ -279,3 +282,37 @@ def test_synchronize_before_finalize_raises() -> None:
 
     for message in run_distributed(_errors_job, 2):
         assert "after finalize_backward" in message, message
+
+
+def _zero_grad_job() -> dict:
+    """model.zero_grad() after a resharding backward without sync, then a synchronizing
+    backward: with torch's FSDP2 up to 2.15 the pending gradient survives it and is
+    reduced; fsdp_compose computes the same there, and drops it where the installed
+    FSDP2 has the pending-gradient API."""
+    rank, _ = rank_world()
+    out: dict = {}
+    for name, shard_fn, pending_api in (
+        ("fsdp2", torch_fully_shard, False),
+        ("ours", fully_shard, False),
+        ("ours 2.16", fully_shard, True),
+    ):
+        with _installed_torch(
+            reduce_in_param_dtype=_compat.REDUCE_IN_PARAM_DTYPE, pending_api=pending_api
+        ):
+            model = _sharded(shard_fn, torch.float32)
+            model.set_requires_gradient_sync(False)
+            _backward(model, 2.0, rank)
+            model.zero_grad()
+            model.set_requires_gradient_sync(True)
+            _backward(model, 1.0, rank)
+        out[name] = model.weight.grad.full_tensor().tolist()
+    return out
+
+
+def test_zero_grad_follows_installed_torch() -> None:
+    from dist_utils import run_distributed
+
+    for r in run_distributed(_zero_grad_job, 2):
+        assert r["ours"] == r["fsdp2"]  # 2.13: the pending 2 survives zero_grad
+        # summed over the 2 ranks' inputs (1x, 2x), averaged: (2+1)*1.5 vs 1*1.5
+        assert r["fsdp2"] == [[4.5], [4.5]] and r["ours 2.16"] == [[1.5], [1.5]], r

@@ -21,9 +21,10 @@ from torch.profiler import record_function
 # MixedPrecisionPolicy.reduce_dtype is None; earlier releases in param_dtype.
 REDUCE_IN_PARAM_DTYPE = torch.__version__ >= "2.15"  # TorchVersion compares releases
 # FSDP2 with the pending-gradient API (2.16's) accumulates unsynchronized gradients
-# through autograd, in the unsharded parameter's grad_dtype ([Note: pending
-# gradients] in _reduce.py). A feature test: builds from torch's main branch count.
-ACCUMULATE_IN_GRAD_DTYPE = hasattr(_TorchFSDPModule, "get_pending_gradients")
+# through autograd, in the unsharded parameter's grad_dtype, and its zero_grad clears
+# them ([Note: pending gradients] in _reduce.py). A feature test: builds from torch's
+# main branch count.
+PENDING_GRADIENT_API = hasattr(_TorchFSDPModule, "get_pending_gradients")
 
 
 def make_dtensor_spec(

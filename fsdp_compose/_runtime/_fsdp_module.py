@@ -217,8 +217,13 @@ class FSDPModule:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad`` that also clears this module's pending gradients
         (:meth:`get_pending_gradients`) and the sharded ``.grad`` while the unsharded
-        parameters are registered. FSDP2 2.16's behaviour."""
+        parameters are registered: FSDP2 2.16's behaviour, where the installed torch's
+        FSDP2 has it. Up to 2.15, FSDP2's ``zero_grad`` is ``nn.Module``'s, and so is
+        this one (pending gradients survive it; zero the tensors
+        :meth:`get_pending_gradients` returns to clear them)."""
         super().zero_grad(set_to_none)  # type: ignore[misc]
+        if not _compat.PENDING_GRADIENT_API:  # the same numbers as the installed FSDP2
+            return
         registered = {id(t) for t in self.parameters()}  # type: ignore[attr-defined]
         for unit in self._units(True):
             params = [

@@ -24,7 +24,7 @@ None and the dtypes are uniform). From 2.15 autograd accumulates in the reduce d
 itself (the unsharded parameter's ``grad_dtype``, set at lazy init), each
 contribution added in that dtype; 2.15's reduce dtype for ``reduce_dtype=None`` is
 the parameter's own. torch's main branch, which has the pending-gradient API
-(``_compat.ACCUMULATE_IN_GRAD_DTYPE``), defines the dtype of accumulation as
+(``_compat.PENDING_GRADIENT_API``), defines the dtype of accumulation as
 ``reduce_dtype`` when set, else the gradient's (compute) dtype.
 """
 
@@ -61,7 +61,7 @@ class GradientReducer:
         upcast to the reduce dtype if that differs from the gradient's; with the
         pending-gradient API, only to an explicit one ([Note: pending gradients])."""
         reduce_dtype = self.unit.reduce_dtype
-        if _compat.ACCUMULATE_IN_GRAD_DTYPE:
+        if _compat.PENDING_GRADIENT_API:
             reduce_dtype = self.unit.mp_policy.reduce_dtype
         for p in self.unit.trainable_params:
             up = p.unsharded_param

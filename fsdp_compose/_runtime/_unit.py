@@ -387,7 +387,7 @@ class Unit:
             self.reduce_dtype = torch.promote_types(self.reduce_dtype or dtype, dtype)
         # FSDP2 2.15: autograd hands gradients over in reduce_dtype; with the pending-
         # gradient API, in the explicit reduce_dtype only ([Note: pending gradients]).
-        accumulate = mp.reduce_dtype if _compat.ACCUMULATE_IN_GRAD_DTYPE else self.reduce_dtype
+        accumulate = mp.reduce_dtype if _compat.PENDING_GRADIENT_API else self.reduce_dtype
         for p in self.params:
             cast = in_orig and accumulate not in (None, p.compute_dtype)
             p.grad_dtype = accumulate if cast else None
