@@ -235,6 +235,8 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, que
     if args.rss_steps:
         for name in args.optimizers:
             for mode in MODES:
+                if name == "muon" and mode != "sharded_step" and not args.rss_muon_steps:
+                    continue  # --rss-muon-steps 0: the sharded step's long run only
                 r = _rss_run(name, mode, args, rank)
                 result["rss"].setdefault(name, {})[mode] = r
                 if rank == 0:
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=400,
         help="Muon's long run on the DTensor path (FSDP2, default); the sharded "
-        "step takes --rss-steps",
+        "step takes --rss-steps (0: the sharded step only)",
     )
     p.add_argument("--rss-units", type=int, default=4)
     p.add_argument("--rss-width", type=int, default=32)
