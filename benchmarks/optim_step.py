@@ -16,10 +16,25 @@ One job of W fresh processes (gloo, one thread each; ``harness.spawn_ranks``):
   ``zero_grad``) of a tiny model (``--rss-units`` blocks of ``--rss-width``); the resident set size (``/proc/self/statm``) is sampled
   every ``--rss-every`` steps and its slope fitted (least squares) over the second
   half, in bytes per step, the maximum over ranks. ``--rss-objects`` adds the
-  ``gc``-tracked objects whose count grew most over that half (by type).
+  ``gc``-tracked objects whose count grew most over that half (by type). Muon on
+  the DTensor path (FSDP2 and fsdp_compose's default) runs Newton-Schulz through
+  DTensor dispatch, whose every matmul all-gathers over gloo: it takes
+  ``--rss-muon-steps`` steps only, the sharded step all of them.
+
+* **offloaded step** (``--offload``). Each optimizer's step time is measured twice in
+  the same job: as above, and with every unit built with ``CPUOffloadPolicy``
+  (torch's for FSDP2, fsdp_compose's otherwise; ``pin_memory=False``, since pinned
+  memory needs an accelerator). On a CPU mesh the sharded parameters already live in
+  host memory: FSDP2 still takes its offload code path (its ``.cpu()`` and
+  ``.to(device)`` copies are no-ops on CPU tensors), fsdp_compose treats the policy
+  as nothing to move, and the optimizer step itself is the same code in both cases;
+  the rows measure that the offloaded step costs what the plain one does, not a
+  host-device transfer.
 
     python benchmarks/optim_step.py                 # the table in BENCHMARKS.md
     python benchmarks/optim_step.py --rss-steps 0   # step time only
+    python benchmarks/optim_step.py --rss-steps 0 --offload --optimizers adamw_fused adamw_foreach
+    python benchmarks/optim_step.py --repeats 0 --optimizers muon --rss-muon-steps 1000  # long run only
 """
 
 from __future__ import annotations
@@ -38,9 +53,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_HERE)
 MODES = ("fsdp2", "fsdp_compose", "sharded_step")
 OPTIMIZERS = ("adamw_fused", "adamw_foreach", "sgd", "muon")
+OFFLOADED = " + CPUOffloadPolicy"  # the suffix of an offloaded row's name
 
 
-def _model(units: int, width: int, mode: str) -> Any:
+def _model(units: int, width: int, mode: str, offload: bool = False) -> Any:
     import torch
     from torch import nn
 
@@ -49,12 +65,14 @@ def _model(units: int, width: int, mode: str) -> Any:
         *[nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width)) for _ in range(units)]
     )
     if mode == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
     else:
-        from fsdp_compose import fully_shard
+        from fsdp_compose import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    # pin_memory=False: pinning needs an accelerator (see "--offload" in the docstring).
+    policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
     for block in model:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
     return model
 
 
@@ -108,9 +126,10 @@ def _time_steps(opt: Any, steps: int) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(cpus)
 
 
-def _step_times(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
-
-    models = {m: _model(args.units, args.width, m) for m in MODES}
+def _step_times(
+    name: str, args: argparse.Namespace, rank: int, offload: bool = False
+) -> dict[str, Any]:
+    models = {m: _model(args.units, args.width, m, offload) for m in MODES}
     opts = {m: _optimizer(name, models[m], m, args.muon_matrices) for m in MODES}
     for m in MODES:
         _backward(models[m], args.width, rank)
@@ -126,12 +145,16 @@ def _step_times(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any
     ref = [p.to_local() for p in models["fsdp2"].parameters()]
     identical: dict[str, bool | float] = {}
     for m in MODES[1:]:
-        diff = max((a - b.to_local()).abs().max().item() for a, b in zip(ref, models[m].parameters()))
+        diff = max(
+            (a - b.to_local()).abs().max().item() for a, b in zip(ref, models[m].parameters())
+        )
         diff = _max_over_ranks(diff)
         identical[m] = diff == 0.0 if name != "muon" else diff  # Muon: max |difference|
-    return {"ms": {m: 1e3 * statistics.median(v) for m, v in samples.items()},
-            "cpu_ms": {m: 1e3 * statistics.median(v) for m, v in cpu.items()},
-            "identical": identical}
+    return {
+        "ms": {m: 1e3 * statistics.median(v) for m, v in samples.items()},
+        "cpu_ms": {m: 1e3 * statistics.median(v) for m, v in cpu.items()},
+        "identical": identical,
+    }
 
 
 def _rss_bytes() -> int:
@@ -157,8 +180,12 @@ def _rss_run(name: str, mode: str, args: argparse.Namespace, rank: int) -> dict[
     xs: list[int] = []
     ys: list[int] = []
     before: collections.Counter[str] | None = None
-    # Newton-Schulz on DTensors takes FSDP2's Muon step to ~0.2 s here: fewer steps.
-    steps = min(args.rss_steps, args.rss_muon_steps) if name == "muon" else args.rss_steps
+    # Muon on the DTensor path (FSDP2's and fsdp_compose's default) runs Newton-Schulz
+    # through DTensor dispatch: every matmul all-gathers its operands, tens of gloo
+    # round trips per step, ten times the sharded step's time. Those modes take
+    # fewer steps; the sharded step, one exchange per step, takes them all.
+    dtensor_muon = name == "muon" and mode != "sharded_step"
+    steps = min(args.rss_steps, args.rss_muon_steps) if dtensor_muon else args.rss_steps
     half = steps // 2
     _backward(model, args.rss_width, rank)
     dist.barrier()
@@ -180,6 +207,7 @@ def _rss_run(name: str, mode: str, args: argparse.Namespace, rank: int) -> dict[
         "slope_b_per_step": _max_over_ranks(_slope([x for x, _ in second], [y for _, y in second])),
         "growth_mib": _max_over_ranks((ys[-1] - ys[0]) / 2**20),
         "ms_per_step": _max_over_ranks(1e3 * seconds / max(1, steps)),
+        "steps": steps,
     }
     if before is not None:
         gc.collect()
@@ -197,14 +225,18 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, que
 
     harness.init_gloo(rank, world, init_file, timeout_s=1800)
     result: dict[str, Any] = {"step": {}, "rss": {}}
-    for name in args.optimizers:
-        result["step"][name] = _step_times(name, args, rank)
-        gc.collect()
-        if rank == 0:
-            print(name, json.dumps(result["step"][name]), flush=True)
+    for name in args.optimizers if args.repeats else ():
+        for offload in (False, True) if args.offload else (False,):
+            row = name + OFFLOADED if offload else name
+            result["step"][row] = _step_times(name, args, rank, offload)
+            gc.collect()
+            if rank == 0:
+                print(row, json.dumps(result["step"][row]), flush=True)
     if args.rss_steps:
         for name in args.optimizers:
             for mode in MODES:
+                if name == "muon" and mode != "sharded_step" and not args.rss_muon_steps:
+                    continue  # --rss-muon-steps 0: the sharded step's long run only
                 r = _rss_run(name, mode, args, rank)
                 result["rss"].setdefault(name, {})[mode] = r
                 if rank == 0:
@@ -232,10 +264,14 @@ def markdown(result: dict[str, Any]) -> str:
             if rss
             else "not run"
         )
-        if name == "muon":
+        if name.startswith("muon"):
             agree = "max diff " + " / ".join(f"{same[m]:.1e}" for m in MODES[1:])
         else:
-            agree = "bit-identical" if same["fsdp_compose"] is True and same["sharded_step"] is True else "NO"
+            agree = (
+                "bit-identical"
+                if same["fsdp_compose"] is True and same["sharded_step"] is True
+                else "NO"
+            )
         rows += (
             f"| {name} | {ms['fsdp2']:.2f} / {ms['fsdp_compose']:.2f} / {ms['sharded_step']:.2f} "
             f"| {ms['fsdp_compose'] / ms['fsdp2']:.2f} | {ms['sharded_step'] / ms['fsdp2']:.2f} "
@@ -245,42 +281,82 @@ def markdown(result: dict[str, Any]) -> str:
     return head + rows
 
 
+def rss_markdown(result: dict[str, Any]) -> str:
+    """The long run's own table: per optimizer and mode, the steps taken, the time
+    per step, the RSS slope over the second half and the growth over the run."""
+    rows = "".join(
+        f"| {name} | {mode} | {r.get('steps', 'n/a')} | {r['ms_per_step']:.1f} "
+        f"| {r['slope_b_per_step']:.0f} | {r['growth_mib']:.2f} |\n"
+        for name, modes in result.get("rss", {}).items()
+        for mode, r in modes.items()
+    )
+    head = (
+        "| optimizer | mode | steps | ms/step | RSS slope, second half (B/step) | RSS growth (MiB) |\n"
+        "|---|---|---|---|---|---|\n"
+    )
+    return head + rows if rows else ""
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--units", type=int, default=48)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--steps", type=int, default=5, help="steps per sample (median)")
-    p.add_argument("--repeats", type=int, default=6, help="alternated samples per mode")
+    p.add_argument(
+        "--repeats", type=int, default=6, help="alternated samples per mode (0: no step-time part)"
+    )
     p.add_argument("--muon-matrices", type=int, default=8, help="Muon: how many 2-D weights")
     p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="step time also with CPUOffloadPolicy(pin_memory=False) on every unit",
+    )
     p.add_argument("--rss-steps", type=int, default=5000)
-    p.add_argument("--rss-muon-steps", type=int, default=400, help="Muon's long run")
+    p.add_argument(
+        "--rss-muon-steps",
+        type=int,
+        default=400,
+        help="Muon's long run on the DTensor path (FSDP2, default); the sharded "
+        "step takes --rss-steps (0: the sharded step only)",
+    )
     p.add_argument("--rss-units", type=int, default=4)
     p.add_argument("--rss-width", type=int, default=32)
     p.add_argument("--rss-every", type=int, default=50)
-    p.add_argument("--rss-train", action="store_true",
-                   help="the long run trains (forward, backward, step) instead of stepping alone")
+    p.add_argument(
+        "--rss-train",
+        action="store_true",
+        help="the long run trains (forward, backward, step) instead of stepping alone",
+    )
     p.add_argument("--rss-objects", action="store_true", help="count gc objects by type")
     p.add_argument("--out", default=os.path.join(_HERE, "results", "optim_step.json"))
     p.add_argument("--table", help="print the table of this results file and exit")
     args = p.parse_args(argv)
     if args.table:
         with open(args.table) as f:
-            print(markdown(json.load(f)))
+            result = json.load(f)
+        print(markdown(result))
+        print(rss_markdown(result))
         return
     sys.path.insert(0, _HERE)
     import harness
 
     started = time.time()
     result = harness.spawn_ranks(_worker, args.world_size, args, "fsdp_compose_optim_")
-    result["meta"] = {"command": "python benchmarks/optim_step.py " + " ".join(sys.argv[1:]),
-                      "args": vars(args), "duration_s": time.time() - started,
-                      "load_avg_end": os.getloadavg()}
+    result["meta"] = {
+        "command": "python benchmarks/optim_step.py " + " ".join(sys.argv[1:]),
+        "args": vars(args),
+        "duration_s": time.time() - started,
+        "load_avg_end": os.getloadavg(),
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(markdown(result))
+    print(rss_markdown(result))
 
 
 if __name__ == "__main__":

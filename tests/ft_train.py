@@ -17,7 +17,12 @@ step past it). While some group is missing, each step waits 0.2 s, so that a gro
 running alone does not race far ahead (and its records stay small). The output also
 names the threads that issued the model's collectives (an observer) and the threads
 on which torchft asked for and applied the recovery state (a second state-dict
-entry, ``probe``, registered next to fsdp_compose's).
+entry, ``probe``, registered next to fsdp_compose's). With ``--sharded-step`` the
+optimizer gets ``enable_sharded_step`` before torchft's ``OptimizerWrapper`` wraps
+it; in both modes a step pre-hook registered last counts the parameters that still
+hold a gradient when it runs (the sharded step has already updated and hidden
+them: [Note: sharded steps run inside step hooks]), so the test sees which path
+each committed step took.
 """
 
 from __future__ import annotations
@@ -120,6 +125,12 @@ def main() -> None:
         model, optim, manager, replica_group=args.group, num_replica_groups=args.groups
     )
     threads = {"collectives": _CollectiveThreads(), "sent": [], "loaded": []}
+    grads_left: list[int] = []  # per optimizer step, by a pre-hook registered last
+    optim.register_step_pre_hook(
+        lambda o, args, kwargs: grads_left.append(
+            sum(q.grad is not None for g in o.param_groups for q in g["params"])
+        )
+    )
     model.register_observer(threads["collectives"])
     manager.register_state_dict_fn(
         "probe",
@@ -139,7 +150,8 @@ def main() -> None:
         x, y = make_batch(TINY, GLOBAL_BATCH, step)
         rows = slice(ft.dp_rank * local, (ft.dp_rank + 1) * local)
         loss_fn(model(x[rows]), y[rows]).backward()
-        ft.optimizer.step()
+        steps_taken = len(grads_left)
+        ft.optimizer.step()  # torchft's OptimizerWrapper: optim.step() only if committed
         if manager.current_step() == step:  # not committed: try the step again
             together = 0
             continue
@@ -148,6 +160,8 @@ def main() -> None:
             {
                 "step": manager.current_step(),
                 "participants": participants,
+                # grads seen by the last pre-hook, None if optim.step() did not run
+                "grads_left": grads_left[-1] if len(grads_left) > steps_taken else None,
                 "params": {n: q.full_tensor() for n, q in model.named_parameters()},
                 "optim": shard_state_dict(model, optim)["optim"],
             }
