@@ -11,6 +11,14 @@ for CUDA graphs). The all-gather output is rank-major (``(W, S)``), so one
 ``split_with_sizes_copy`` moves each parameter's ``(W, slot_p)`` block into place;
 gradients go the other way with one ``chunk_cat``. With a shard world of one and
 no cast, the unsharded parameter aliases the local shard (no buffer, no copy).
+
+[Note: in-place all-gather]
+With one parameter sharded on dim 0, the rank-major all-gather output is the
+parameter-major layout (rank ``r``'s chunk holds rows ``[r*k, (r+1)*k)``, padding
+only at the end), so the default all-gather writes straight into the unsharded
+storage and there is nothing to copy out: the same collective, bytes and values,
+one full-size copy and one full-size temporary less. A custom ``all_gather_comm``
+keeps its own buffer (its ``allocate`` decides where the output lives).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import _compat
+from . import _collectives, _compat
 
 if TYPE_CHECKING:
     from ._mesh import MeshInfo
@@ -67,6 +75,9 @@ class FlatBuffer:
         no_cast = all(p.compute_dtype == p.orig_dtype for p in params)
         self.alias = world == 1 and not offload and no_cast
         self._fused_copy_out = all(p.shard_dim == 0 for p in params)
+        # See [Note: in-place all-gather]; the version the unsharded storage had before.
+        self._in_place = len(slots) == 1 and self._fused_copy_out
+        self._version = 0
         # This rank's shards fill its row without gaps (same dtype, no padding in
         # its slots): copy-in is one concatenation.
         self._dense_copy_in = uniform and all(
@@ -116,6 +127,18 @@ class FlatBuffer:
             targets = self._copy_out[world] = (sizes, views)
         return targets
 
+    def gather_output(self, comm: _collectives.AllGather, label: str) -> torch.Tensor:
+        """The flat all-gather output (``W * row`` elements, also when gathering the
+        post-forward shares of a smaller group): the unsharded storage itself where
+        possible ([Note: in-place all-gather]), else a buffer from ``comm``."""
+        if self._in_place and type(comm).allocate is _collectives.DefaultAllGather.allocate:
+            assert self.unsharded is not None
+            alloc_storage(self.unsharded)
+            self._version = self.unsharded._version  # restored by copy_out
+            return self.unsharded
+        numel = self.world * self.row
+        return _collectives.allocate(comm, numel, self.dtype, self.device, label, "all_gather")
+
     def copy_in(self, row: torch.Tensor) -> None:
         """Writes each local shard (cast to its compute dtype) into its slot of
         ``row``; padding is left as is (never read back). No autograd: neither
@@ -147,6 +170,9 @@ class FlatBuffer:
         """Moves the rows ``out`` gathered over ``world`` ranks into the unsharded
         parameters (reallocating their storage)."""
         assert self.unsharded is not None
+        if out is self.unsharded:  # gathered in place: only the version to keep
+            _compat.restore_version(out, self._version)
+            return
         alloc_storage(self.unsharded)
         sizes, views = self._copy_out_targets(world)
         # Refilling storage autograd may have saved is not a modification: keep
@@ -157,15 +183,18 @@ class FlatBuffer:
             if self._fused_copy_out:
                 torch.split_with_sizes_copy(rows, sizes, dim=1, out=views)
                 return
-            # Some parameter is sharded on a dim > 0: those need a permuted copy.
+            # Some parameter is sharded on a dim > 0: its rank chunks land in a
+            # permuted view of the unsharded parameter (no temporary), all in one call.
+            dsts, srcs = [], []
+            for slot, block, view in zip(self.slots, rows.split(sizes, dim=1), views):
+                p = slot.param
+                if p is not None and p.shard_dim != 0:  # (byte buffers: reinterpret)
+                    block = block.view(p.compute_dtype).view(world, *p.chunk_shape)
+                    view = p.rank_view(p.unsharded_local, world)
+                dsts.append(view)
+                srcs.append(block)
             with torch.no_grad():  # writes through the unsharded parameters (leaves)
-                for slot, block, view in zip(self.slots, rows.split(sizes, dim=1), views):
-                    p = slot.param
-                    if p is None or p.shard_dim == 0:
-                        view.copy_(block)
-                    else:  # (byte buffers: reinterpret)
-                        block = block.view(p.compute_dtype)
-                        p.unsharded_local.copy_(p.unsharded_from_rank_chunks(block))
+                torch._foreach_copy_(dsts, srcs)
         finally:
             _compat.restore_version(self.unsharded, version)
 

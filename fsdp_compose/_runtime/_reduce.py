@@ -146,6 +146,9 @@ class GradientReducer:
             options.all_reduce_hook(output)
         if post != 1:
             output.div_(post)
+        dtypes = {p.orig_dtype for p in params}
+        if len(dtypes) == 1 and output.dtype not in dtypes:
+            output = output.to(dtypes.pop())  # one cast for the unit, not one per parameter
         offset, copies_in_flight = 0, False
         for p in params:
             local = output[offset : offset + p.local_numel].view(p.local_shape)

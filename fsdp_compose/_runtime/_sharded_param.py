@@ -305,18 +305,18 @@ class ShardedParam:
             )
         return local
 
+    def rank_view(self, tensor: torch.Tensor, world: int) -> torch.Tensor:
+        """Views an unsharded-shaped tensor as ``(world, *chunk_shape)``: rank ``r``'s
+        chunk at index ``r`` (strided for dims > 0)."""
+        d = self.shard_dim
+        return tensor.unflatten(d, (world, self.chunk_rows)).movedim(d, 0)
+
     def rank_chunks(self, tensor: torch.Tensor, world: int) -> torch.Tensor:
-        """Views an unsharded-shaped tensor as ``(world, chunk)`` rows, one per rank
-        (dims > 0 need a permuted copy, which ``reshape`` makes)."""
+        """:meth:`rank_view` as ``(world, chunk)`` rows, one per rank (dims > 0 need
+        a permuted copy, which ``reshape`` makes)."""
         if self.shard_dim == 0:
             return tensor.reshape(world, -1)
-        d = self.shard_dim
-        return tensor.unflatten(d, (world, self.chunk_rows)).movedim(d, 0).reshape(world, -1)
-
-    def unsharded_from_rank_chunks(self, chunks: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`rank_chunks` for dims > 0: ``(W, chunk)`` -> full layout view."""
-        d = self.shard_dim
-        return chunks.view(-1, *self.chunk_shape).movedim(0, d).flatten(d, d + 1)
+        return self.rank_view(tensor, world).reshape(world, -1)
 
     def __repr__(self) -> str:
         return (

@@ -429,9 +429,7 @@ class Unit:
                 assert self._post_forward_group is not None
                 group, rank, row = self._post_forward_group, self._post_forward_rank, shard.numel()
                 world = self.options.reshard_after_forward
-            out = _collectives.allocate(
-                comm, world * row, buffer.dtype, info.device, self.name, "all_gather"
-            )
+            out = buffer.gather_output(comm, self.name)
             send = out.view(world, row)[rank]  # as in FSDP2, the input is a row of the output
             if shard is None:
                 buffer.copy_in(send)
