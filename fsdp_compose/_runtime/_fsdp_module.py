@@ -187,8 +187,8 @@ class FSDPModule:
         for each such sharded parameter, ``(unreduced, partial)``. ``unreduced`` is the
         unsharded gradient kept while gradient sync is disabled (in the dtype of
         accumulation: ``reduce_dtype`` if set, else the compute dtype); ``partial``
-        (HSDP, all-reduce disabled) the reduce-scattered sum not all-reduced yet, shaped
-        as the local shard. Both are the tensors that accumulate (the same objects
+        (HSDP, all-reduce disabled; or :meth:`set_gradient_accumulation` ``"sharded"``,
+        in fp32) the reduce-scattered sum not reduced yet, shaped as the local shard. Both are the tensors that accumulate (the same objects
         across micro-batches): in-place changes are reduced. FSDP2 2.16's API.
 
         Args:
@@ -405,6 +405,30 @@ class FSDPModule:
     def unregister_observer(self, observer: Observer) -> None:
         """Unsubscribes an observer added by :meth:`register_observer`."""
         self._fsdp_state().settings.events.remove(observer)
+
+    def set_gradient_accumulation(self, mode: str, *, recurse: bool = True) -> None:
+        """Sets how gradients accumulate while gradient sync is disabled
+        (:meth:`set_requires_gradient_sync`).
+
+        ``"unsharded"`` (the default, FSDP2's): each rank keeps the unsharded gradients,
+        in the dtype of accumulation, with no communication until the synchronizing
+        backward. ``"sharded"``: each backward reduce-scatters its gradients (in the
+        reduce dtype) and adds the local shard of the result to an fp32 sum, which
+        :meth:`get_pending_gradients` reports as ``partial``; the synchronizing backward
+        or :meth:`synchronize_gradients` hands it to ``.grad`` (with HSDP, all-reduced
+        across replicas once), divided as usual. Sharded accumulation holds 4 bytes per
+        parameter divided by the shard world size instead of the unsharded gradients,
+        at the cost of one reduce-scatter per micro-batch instead of one per step.
+
+        Args:
+            mode (str): ``"unsharded"`` or ``"sharded"``.
+            recurse (bool): set it on every ``FSDPModule`` in this module's subtree.
+        """
+        if mode not in ("sharded", "unsharded"):
+            raise ValueError(
+                f'set_gradient_accumulation: mode must be "sharded" or "unsharded", got {mode!r}'
+            )
+        self._configure(recurse, sharded_accumulation=mode == "sharded")
 
     def set_prefetch_depth(
         self, *, forward: int | None = None, backward: int | None = None

@@ -26,6 +26,17 @@ contribution added in that dtype; 2.15's reduce dtype for ``reduce_dtype=None`` 
 the parameter's own. torch's main branch, which has the pending-gradient API
 (``_compat.PENDING_GRADIENT_API``), defines the dtype of accumulation as
 ``reduce_dtype`` when set, else the gradient's (compute) dtype.
+
+Beyond FSDP2, a unit set to *sharded accumulation*
+(``FSDPModule.set_gradient_accumulation("sharded")``) keeps no unsharded gradient
+while sync is disabled: each backward's gradient is reduce-scattered (in the reduce
+dtype) as a synchronizing one would be, and the local result is kept as a partial
+sum, the same mechanism as HSDP without all-reduce, upcast to fp32 (4 bytes per
+parameter divided by the shard world size, instead of the unsharded gradient's
+size). The synchronizing backward (or ``synchronize_gradients``, which then needs no
+reduce-scatter) adds the sums in fp32 to its own reduce-scatter's output, all-reduces
+that across HSDP replicas, and divides and hands it over as usual. It trades memory
+for bytes sent: one reduce-scatter per micro-batch instead of one per step.
 """
 
 from __future__ import annotations
@@ -119,18 +130,27 @@ class GradientReducer:
 
     def partial_reduce(
         self, params: list[ShardedParam], output: torch.Tensor, *, keep: bool
-    ) -> None:
-        """HSDP: keeps ``output``'s sums for a later all-reduce (``keep``), or adds
-        those kept from steps without all-reduce into it."""
+    ) -> torch.Tensor:
+        """Keeps ``output``'s sums for a later all-reduce or hand-over (``keep``; in
+        fp32 or wider with sharded accumulation), or adds those kept into it, widened
+        to their dtype first; returns the output ([Note: pending gradients])."""
+        if not keep and self.partial_sums:
+            kept_dtype = next(iter(self.partial_sums.values())).dtype
+            output = output.to(torch.promote_types(output.dtype, kept_dtype))
+        wide = self.unit.options.sharded_accumulation
         offset = 0
         for p in params:
             piece = output[offset : offset + p.local_numel]
             kept = self.partial_sums.pop(p, None)
             if keep:
-                self.partial_sums[p] = piece.clone() if kept is None else kept.add_(piece)
+                dtype = torch.promote_types(piece.dtype, torch.float32) if wide else piece.dtype
+                self.partial_sums[p] = (
+                    piece.to(dtype, copy=True) if kept is None else kept.add_(piece)
+                )
             elif kept is not None:
                 piece.add_(kept)
             offset += p.chunk_numel
+        return output
 
     def hand_over(self, params: list[ShardedParam], output: torch.Tensor, post: float) -> None:
         """Runs the all-reduce hook, divides ``output`` by ``post`` and accumulates
@@ -202,6 +222,10 @@ class GradientReducer:
     def synchronize(self) -> PendingReduction | None:
         """Reduces the pending gradients as a synchronizing backward would, with the
         HSDP all-reduce: ``synchronize_gradients`` ([Note: pending gradients])."""
+        if self.unit.options.sharded_accumulation and not self.has_unsharded_grads():
+            # Only reduce-scattered sums are pending: no new reduce-scatter.
+            params = [p for p in self.unit.trainable_params if p in self.partial_sums]
+            return self.reduce_grads(params, [], all_reduce=True)
         params, grads = self.take_unsharded_grads()
         return self.reduce_grads(params, grads, all_reduce=True)
 
@@ -209,12 +233,19 @@ class GradientReducer:
         self, params: list[ShardedParam], grads: list[torch.Tensor], *, all_reduce: bool
     ) -> PendingReduction | None:
         """Packs ``grads`` and issues their reduce-scatter (one collective), then
-        (HSDP) all-reduce; returns the pending reduction, or None if nothing to do."""
+        (HSDP) all-reduce; returns the pending reduction, or None if nothing to do.
+        Without ``all_reduce`` (HSDP, or sharded accumulation without sync) the result
+        is kept as partial sums. No ``grads``: ``params``' partial sums alone."""
         if not params:
             return None
         unit, options, info = self.unit, self.unit.options, self.unit.mesh_info
         name, world, factor = unit.name, info.shard_size, options.gradient_divide_factor
-        if unit.aliases_shards and not info.is_hsdp and factor is None:
+        keep = not all_reduce and (info.is_hsdp or not options.requires_gradient_sync)
+        if (
+            unit.aliases_shards
+            and not (info.is_hsdp or options.sharded_accumulation)
+            and factor is None
+        ):
             # One rank, no casts: the unsharded gradient is the sharded gradient.
             for p, g in zip(params, grads):
                 _assign_sharded_grad(p, g)
@@ -223,7 +254,10 @@ class GradientReducer:
         pre, post = _divide_factors(info.data_parallel_size, reduce_dtype, factor)
         row = sum(p.chunk_numel for p in params)
         comm = options.reduce_scatter_comm  # as in FSDP2, both buffers come from the comm
-        device = info.device
+        device, replicate_group = info.device, info.replicate_group if all_reduce else None
+        if not grads:
+            zeros = torch.zeros(row, dtype=reduce_dtype, device=device)
+            return PendingReduction(self, params, zeros, _collectives.DONE, replicate_group, post)
         packed = _collectives.allocate(
             comm, world * row, reduce_dtype, device, name, "reduce_scatter"
         )
@@ -243,8 +277,7 @@ class GradientReducer:
             rs = _collectives.launch(
                 "reduce_scatter", comm, output, packed, group, name, unit.events
             )
-        replicate_group = info.replicate_group if all_reduce else None
-        return PendingReduction(self, params, output, rs, replicate_group, post)
+        return PendingReduction(self, params, output, rs, replicate_group, post, keep)
 
 
 @dataclass(eq=False)
@@ -258,12 +291,9 @@ class PendingReduction:
     _reduce_scatter: PendingCollective | None  # None once waited on
     _replicate_group: dist.ProcessGroup | None  # None: no all-reduce this step
     _post_divide: float
+    # Keep the sums for a later all-reduce or hand-over (GradientReducer.reduce_grads).
+    _keep_partial: bool = False
     _all_reduce: PendingCollective | None = None
-
-    @property
-    def _keep_partial(self) -> bool:
-        # HSDP without all-reduce this step: keep the sums for a later all-reduce.
-        return self.reducer.unit.mesh_info.is_hsdp and self._replicate_group is None
 
     def advance(self) -> None:
         """Completes the reduce-scatter (freeing its full-size buffers) and starts
@@ -275,7 +305,7 @@ class PendingReduction:
         if self._keep_partial:
             return
         if self.reducer.partial_sums:
-            self.reducer.partial_reduce(self._params, self._output, keep=False)
+            self._output = self.reducer.partial_reduce(self._params, self._output, keep=False)
         if self._replicate_group is not None:
             unit, group = self.reducer.unit, self._replicate_group
             self._all_reduce = _collectives.all_reduce(self._output, group, unit.name, unit.events)

@@ -371,7 +371,8 @@ class Scheduler:
         unit.enter(TrainingState.POST_BACKWARD)
         options, reducer = unit.options, unit.reducer
         params: list[ShardedParam] = []
-        if options.requires_gradient_sync:
+        sync = options.requires_gradient_sync
+        if sync or options.sharded_accumulation:  # ([Note: pending gradients] in _reduce.py)
             params, grads = reducer.take_unsharded_grads()
         else:
             reducer.accumulate_unsharded_grads()
@@ -386,7 +387,8 @@ class Scheduler:
             if drain and not at_end:
                 while len(self._scattering) >= self.settings.max_inflight_reductions:
                     self._scattering.pop(0).advance()
-            reduction = reducer.reduce_grads(params, grads, all_reduce=options.requires_all_reduce)
+            all_reduce = sync and options.requires_all_reduce
+            reduction = reducer.reduce_grads(params, grads, all_reduce=all_reduce)
             del grads  # packed into the reduction's buffer
             if reduction is not None:
                 self._reductions.append(reduction)

@@ -44,6 +44,7 @@ class UnitOptions:
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True  # HSDP: all-reduce across replicas
+    sharded_accumulation: bool = False  # set_gradient_accumulation: [Note: pending gradients]
     gradient_divide_factor: float | None = None  # None: the data-parallel size
     reduce_scatter_unused_params: bool = False
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
