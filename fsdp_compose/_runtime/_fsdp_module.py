@@ -169,7 +169,8 @@ class FSDPModule:
             raise RuntimeError(
                 "FSDP manual backward finalization does not support partial gradient "
                 f"reductions for parameter group {partial.name!r} (set_requires_all_reduce"
-                "(False)). Use automatic backward finalization for this configuration"
+                "(False), or fsdp_compose's set_gradient_accumulation('sharded')). Use "
+                "automatic backward finalization for this configuration"
             )
         scheduler.finalize_manually(wait=not async_op)
         return GradientReductionHandle(scheduler) if async_op else None
