@@ -10,7 +10,6 @@ that training is unchanged; the host/device split needs a CUDA mesh
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -157,7 +156,7 @@ def test_mapping_of_grouped_call_and_wrong_types() -> None:
         model = _model()
         with pytest.raises(ValueError, match="several listed modules"):
             fully_shard([model[0], model[1]], offload_policy={"lin.weight": CPUOffloadPolicy()})
-        with pytest.raises(TypeError, match="FQNs .str. to OffloadPolicy"):
+        with pytest.raises(TypeError, match=r"FQNs \(str\) to OffloadPolicy"):
             fully_shard(model[0], offload_policy={"lin.weight": True})  # type: ignore[dict-item]
         with pytest.raises(TypeError, match="or a mapping"):
             fully_shard(model[0], offload_policy="cpu")  # type: ignore[arg-type]
@@ -239,3 +238,141 @@ def test_budget_feeds_fully_shard() -> None:
         rest = {k: v for k, v in choice.items() if k.startswith("3.")}
         fully_shard(model, offload_policy=rest)
         assert isinstance(model, fsdp_compose.FSDPModule)
+
+
+# --- the planner: offload_by_budget ---------------------------------------------------
+
+
+def _tiny_lm() -> nn.Module:
+    """Token ids -> embedding (16 x 32) -> four Linear(32, 32) blocks -> head (32 x 16):
+    the root's parameters (1,024 elements) are a little smaller than a block's (1,056)."""
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 32)
+            self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+            self.head = nn.Linear(32, 16, bias=False)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.emb(ids)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    with torch.device("meta"):
+        return Tiny()
+
+
+# One candidate: W = 2, fp32, AdamW, the last block (and the root) kept after forward.
+_ONE = {
+    "batch": 1,
+    "seq": 4,
+    "world_size": 2,
+    "policy": lambda m, fqn: fqn.startswith("blocks."),
+    "groups": (1,),
+    "depths": (1,),
+    "keeps": (1,),
+    "activation_checkpointing": False,
+}
+
+
+def _states(u: Any) -> int:
+    return u.sharded_bytes + u.grad_bytes + u.optimizer_bytes
+
+
+def test_planner_offloads_most_freed_per_byte_moved_until_it_fits() -> None:
+    from fsdp_compose.plan import plan_to_budget
+    from fsdp_compose.plan._cost import step_cost
+
+    model = _tiny_lm()
+    free = plan_to_budget(model, 10**9, **_ONE)
+    peak, units = free.estimate.peak_bytes_per_rank, {u.name: u for u in free.estimate.units}
+    # Kept after forward, blocks.3 and the root are gathered once: they copy half as
+    # much per step as the other blocks for the same freed memory; blocks.3 is larger.
+    for budget, expected in (
+        (peak - 1, ["blocks.3"]),
+        (peak - _states(units["blocks.3"]), ["blocks.3"]),
+        (peak - _states(units["blocks.3"]) - 1, ["blocks.3", "<root>"]),
+        (peak - _states(units["blocks.3"]) - _states(units["<root>"]) - 1,
+         ["blocks.3", "<root>", "blocks.0"]),
+    ):  # fmt: skip
+        assert not plan_to_budget(model, budget, **_ONE).fits
+        result = plan_to_budget(model, budget, offload_by_budget=True, **_ONE)
+        assert result.fits and result.plan is not None, result.table()
+        assert list(result.choice["offload"]) == expected
+        assert sorted(u.name for u in result.plan.units if u.offload) == sorted(expected)
+        est = result.estimate
+        assert est.peak_bytes_per_rank == peak - sum(_states(units[n]) for n in expected)
+        assert result.host_bytes == sum(_states(units[n]) for n in expected)
+        # predicted slower than the same plan on the device: copies and the host step
+        assert result.step is not None and result.step.host_optimizer_s > 0
+        assert result.step_time_s > step_cost(free.estimate, free.cost, 1).step_s
+        # the dry run says what is offloaded and the predicted step time
+        text = result.table()
+        assert f"offloaded (offload_by_budget): {len(expected)} of 5 units" in text, text
+        assert f"step {result.step_time_s * 1e3:.1f} ms" in text and "host optimizer step" in text
+        offloaded = {
+            u["modules"][0] or "<root>" for u in result.to_dict()["plan"]["units"] if u["offload"]
+        }
+        assert offloaded == set(expected)
+
+
+def test_planner_offload_by_budget_limits() -> None:
+    from fsdp_compose.plan import plan_to_budget
+
+    model = _tiny_lm()
+    # the activations and gathered parameters alone exceed it: offloading cannot help
+    result = plan_to_budget(model, 2000, offload_by_budget=True, **_ONE)
+    assert not result.fits and "DOES NOT FIT" in result.table()
+    peak = plan_to_budget(model, 10**9, **_ONE).estimate.peak_bytes_per_rank
+    # the host budget bounds what may be offloaded
+    result = plan_to_budget(model, peak - 1, offload_by_budget=True, host_budget=100, **_ONE)
+    assert not result.fits
+    with pytest.raises(ValueError, match="device='cuda'"):
+        plan_to_budget(model, peak, offload_by_budget=True, device="cpu", **_ONE)
+    with pytest.raises(ValueError, match="does not already offload every unit"):
+        plan_to_budget(
+            model, peak, offload_by_budget=True, offload_policy=CPUOffloadPolicy(), **_ONE
+        )
+    # without the need, nothing is offloaded (and the plan is the one without the option)
+    same = plan_to_budget(model, peak, offload_by_budget=True, **_ONE)
+    assert same.fits and "offload" not in same.choice
+    assert not any(u.offload for u in same.plan.units)  # type: ignore[union-attr]
+
+
+def test_auto_wrap_offloads_the_units_the_plan_offloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp_compose.plan import ShardingPlan, UnitPlan, _autowrap, auto_wrap
+
+    calls: list[tuple[str, str]] = []
+    real = _autowrap.fully_shard
+
+    def recording(module: Any, **kwargs: Any) -> Any:
+        calls.append((type(module).__name__, type(kwargs["offload_policy"]).__name__))
+        return real(module, **kwargs)
+
+    monkeypatch.setattr(_autowrap, "fully_shard", recording)
+    plan = ShardingPlan((UnitPlan(("0",), offload=True), UnitPlan(("1",)), UnitPlan(("",))))
+    with fake_process_group(2, 0):
+        auto_wrap(_model(), plan=plan)
+    # the dry run on the meta copy, then the model: block 0 offloaded, the rest not
+    assert calls[-3:] == [("_Block", "CPUOffloadPolicy"), ("_Block", "OffloadPolicy"),
+                          ("Sequential", "OffloadPolicy")]  # fmt: skip
+
+
+def test_cli_offload_by_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    from fsdp_compose.plan.__main__ import main
+
+    factory = "test_offload_budget:_tiny_lm"
+    args = [factory, "--world-size", "2", "--batch", "1", "--seq", "4", "--policy", "Linear"]
+    assert main([*args, "--offload-by-budget"]) == 2
+    assert "--offload-by-budget chooses units" in capsys.readouterr().err
+    assert main([*args, "--budget", "1MiB", "--offload", "--offload-by-budget"]) == 2
+    capsys.readouterr()
+    assert (
+        main([*args, "--budget", "60KiB", "--offload-by-budget", "--no-checkpointing-in-plan"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "offloaded (offload_by_budget):" in out and "host optimizer step" in out, out
+    assert main([*args, "--budget", "60KiB", "--no-checkpointing-in-plan"]) == 1  # without it
+    assert "DOES NOT FIT" in capsys.readouterr().out
