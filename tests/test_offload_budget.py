@@ -265,7 +265,7 @@ def _tiny_lm() -> nn.Module:
 
 
 # One candidate: W = 2, fp32, AdamW, the last block (and the root) kept after forward.
-_ONE = {
+_ONE: dict[str, Any] = {
     "batch": 1,
     "seq": 4,
     "world_size": 2,
