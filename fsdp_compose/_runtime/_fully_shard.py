@@ -272,7 +272,7 @@ def _offload_policies(
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]],
 ) -> dict[nn.Parameter, OffloadPolicy]:
     """Each parameter of ``owners`` with its offload policy ([Note: per-parameter offload])."""
-    if isinstance(offload_policy, OffloadPolicy):
+    if not isinstance(offload_policy, Mapping):
         return dict.fromkeys(owners, offload_policy)
     named: dict[str, dict[int, nn.Parameter]] = {}  # this call's parameters by FQN (all names)
     for m in modules:

@@ -131,7 +131,7 @@ def _incompatibility(
             return f"MixedPrecisionPolicy.{field} ({mine} here vs {theirs})"
     offload = isinstance(offload_policy, CPUOffloadPolicy) and mesh_info.device.type != "cpu"
     # (a per-parameter mapping cannot name a borrowed parameter: it keeps its owner's place)
-    if isinstance(offload_policy, OffloadPolicy) and offload != owner.offload:
+    if not isinstance(offload_policy, Mapping) and offload != owner.offload:
         there = "offload" if owner.offload else "no offload"
         return f"offload_policy ({type(offload_policy).__name__} here, {there} there)"
     return None

@@ -329,26 +329,27 @@ def estimate(
         peak_at=at,
         comm_bytes_per_rank_per_step=sum(u.ag_send + u.reduce_send for u in units),
         host_bytes_per_rank=host,
-        units=tuple(
-            UnitEstimate(
-                u.name,
-                u.numel,
-                u.sharded,
-                u.unsharded,
-                u.reshard,
-                u.checkpoint,
-                u.saved,
-                u.profile.flops,
-                u.ag_send,
-                u.ag_backward,
-                u.reduce_send,
-                u.grads,
-                u.opt,
-                u.offload,
-            )
-            for u in units
-        ),
+        units=tuple(map(_unit_estimate, units)),
         config=config,
+    )
+
+
+def _unit_estimate(u: _Unit) -> UnitEstimate:
+    return UnitEstimate(
+        u.name,
+        u.numel,
+        u.sharded,
+        u.unsharded,
+        u.reshard,
+        u.checkpoint,
+        u.saved,
+        u.profile.flops,
+        u.ag_send,
+        u.ag_backward,
+        u.reduce_send,
+        u.grads,
+        u.opt,
+        u.offload,
     )
 
 

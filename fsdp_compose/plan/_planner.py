@@ -174,13 +174,7 @@ def plan_to_budget(
         A :class:`PlanResult`; ``result.fits`` is False (with what is missing in
         ``result.suggestions``) when no candidate fits.
     """
-    if offload_by_budget and (
-        device != "cuda" or type(offload_policy).__name__ == "CPUOffloadPolicy"
-    ):
-        raise ValueError(
-            "offload_by_budget chooses units to offload on a GPU: it needs device='cuda' and "
-            "an offload_policy that does not already offload every unit"
-        )
+    _check_offload_by_budget(offload_by_budget, device, offload_policy)
     given = parse_bytes(budget)
     host_cap = None if host_budget is None else parse_bytes(host_budget)
     cost = CostModel.for_device(device) if cost is None else cost
@@ -258,6 +252,14 @@ def plan_to_budget(
         host_bytes=closest.est.host_bytes_per_rank,
         **result,
     )
+
+
+def _check_offload_by_budget(by_budget: bool, device: str, offload: OffloadPolicy) -> None:
+    if by_budget and (device != "cuda" or type(offload).__name__ == "CPUOffloadPolicy"):
+        raise ValueError(
+            "offload_by_budget chooses units to offload on a GPU: it needs device='cuda' and "
+            "an offload_policy that does not already offload every unit"
+        )
 
 
 def _headrooms(headroom: float | None, device: str) -> tuple[float, float]:
