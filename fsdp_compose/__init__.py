@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._fully_shard import fully_shard
 from ._grad_scaler import ShardedGradScaler
+from ._offload_budget import cpu_offload_by_budget
 from ._optim import enable_sharded_step
 from ._runtime import (
     AllGather,
@@ -83,6 +84,7 @@ __all__ = [
     "UnitOptionsInfo",
     "UnshardHandle",
     "auto_wrap",
+    "cpu_offload_by_budget",
     "debug",
     "enable_sharded_step",
     "ft",

@@ -11,7 +11,7 @@ changed.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
 from typing import Any, TypeVar, cast
 
@@ -62,7 +62,10 @@ def _adopt_torch_mp_policy(mp_policy: object) -> object:
 
 
 def _adopt_torch_offload_policy(offload_policy: object) -> object:
-    """As :func:`_adopt_torch_mp_policy`, for torch's offload policies."""
+    """As :func:`_adopt_torch_mp_policy`, for torch's offload policies (also as the
+    values of a per-parameter mapping)."""
+    if isinstance(offload_policy, Mapping):
+        return {fqn: _adopt_torch_offload_policy(p) for fqn, p in offload_policy.items()}
     if isinstance(offload_policy, torch_fsdp.CPUOffloadPolicy):
         return CPUOffloadPolicy(pin_memory=offload_policy.pin_memory)
     if type(offload_policy) is torch_fsdp.OffloadPolicy:

@@ -43,6 +43,7 @@ PUBLIC = {
     "DefaultAllGather",
     "DefaultReduceScatter",
     "GradientReductionHandle",
+    "cpu_offload_by_budget",
 }
 # FSDP2 methods missing from fsdp_compose (none left)
 NOT_IMPLEMENTED: set[str] = set()
@@ -54,7 +55,10 @@ IGNORED: set[str] = set()
 NEWER_FSDP2_METHODS = {
     "2.15": {"finalize_backward", "set_manual_backward_finalization", "set_keep_unsharded_storage"},
 }
-NEWER_FSDP2_NAMES = {"2.15": {"GradientReductionHandle"}}
+NEWER_FSDP2_NAMES = {
+    "2.15": {"GradientReductionHandle"},
+    "2.16": {"cpu_offload_by_budget"},  # torch main's draft
+}
 
 
 def test_public_names() -> None:

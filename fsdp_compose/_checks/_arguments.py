@@ -53,10 +53,18 @@ def check_annotation(call: Annotation) -> None:
 def _check_policies(mp_policy: object, offload_policy: object, shard_placement_fn: object) -> None:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(offload_policy, OffloadPolicy):
+    if isinstance(offload_policy, Mapping):  # per parameter: [Note: per-parameter offload]
+        for fqn, policy in offload_policy.items():
+            if not isinstance(fqn, str) or not isinstance(policy, OffloadPolicy):
+                raise TypeError(
+                    "offload_policy as a mapping takes parameter FQNs (str) to OffloadPolicy "
+                    f"values (e.g. {{'w1.weight': CPUOffloadPolicy()}}), got {fqn!r}: "
+                    f"{type(policy).__name__}"
+                )
+    elif not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
-            f"offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got "
-            f"{type(offload_policy).__name__}"
+            f"offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()) or a mapping "
+            f"from parameter FQN to OffloadPolicy, got {type(offload_policy).__name__}"
         )
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError("shard_placement_fn must be callable (param -> Shard | None)")

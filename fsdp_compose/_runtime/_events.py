@@ -149,7 +149,7 @@ class Annotation:
     owners: Mapping[nn.Parameter, tuple[tuple[nn.Module, str], ...]]
     mesh_info: MeshInfo  # a frozen value: the call's groups, sizes and device
     mp_policy: MixedPrecisionPolicy
-    offload_policy: OffloadPolicy
+    offload_policy: OffloadPolicy | Mapping[str, OffloadPolicy]  # as the call passed it
     shard_placement_fn: Any
 
 

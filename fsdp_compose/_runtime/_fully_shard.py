@@ -5,7 +5,7 @@ attaches the hooks, and mixes :class:`FSDPModule` into the module's class."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, overload
 
@@ -42,7 +42,7 @@ def fully_shard(
     reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
+    offload_policy: OffloadPolicy | Mapping[str, OffloadPolicy] = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ...,
     observers: Iterable[Observer] = ...,
@@ -57,7 +57,7 @@ def fully_shard(
     reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
+    offload_policy: OffloadPolicy | Mapping[str, OffloadPolicy] = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ...,
     observers: Iterable[Observer] = ...,
@@ -71,7 +71,7 @@ def fully_shard(
     reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    offload_policy: OffloadPolicy = OffloadPolicy(),
+    offload_policy: OffloadPolicy | Mapping[str, OffloadPolicy] = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
     observers: Iterable[Observer] = (),
@@ -117,8 +117,14 @@ def fully_shard(
             mesh_info)`` shards the parameter over ``mesh_info.mesh`` instead
             ([Note: per-parameter meshes]).
         mp_policy (MixedPrecisionPolicy): mixed precision for this unit.
-        offload_policy (OffloadPolicy): :class:`CPUOffloadPolicy` keeps sharded
-            parameters, gradients and optimizer states in host memory.
+        offload_policy (Union[OffloadPolicy, Mapping[str, OffloadPolicy]]):
+            :class:`CPUOffloadPolicy` keeps sharded parameters, gradients and
+            optimizer states in host memory. A mapping from parameter FQN (relative
+            to ``module``) to policy offloads per parameter, as torch's draft for
+            FSDP2 does: parameters it does not name are not offloaded, and a name
+            that is not a parameter this call manages raises ``ValueError``
+            ([Note: per-parameter offload]; :func:`fsdp_compose.cpu_offload_by_budget`
+            builds one).
         ignored_params (Optional[Set[nn.Parameter]]): parameters left as they are:
             not sharded, not moved, not reduced.
         dp_mesh_dims (Optional[DataParallelMeshDims]): when given, ``mesh`` is the
@@ -167,7 +173,13 @@ def fully_shard(
     events = Events(observers)
     if events.on_annotate:  # copies: an observer cannot change what this call does
         view = MappingProxyType({p: tuple(o) for p, o in owners.items()})
-        call = Annotation(modules, tuple(managed), frozenset(ignored), view, mesh_info, *policies)
+        offload = offload_policy  # (a per-parameter mapping: a copy too)
+        if isinstance(offload, Mapping):
+            offload = MappingProxyType(dict(offload))
+        call = Annotation(
+            modules, tuple(managed), frozenset(ignored), view, mesh_info, mp_policy, offload,
+            shard_placement_fn,
+        )  # fmt: skip
         events.annotate(call)
     # Parameters another unit already sharded: borrowed ([Note: shared parameters]).
     borrowed = _shared.collect_borrowed(managed, ignored, mesh_info, mp_policy, offload_policy)
@@ -204,7 +216,7 @@ def _build_units(
     mesh_info: MeshInfo,
     reshard: bool | int,
     reshard_after_forward: bool | int | None,
-    policies: tuple[MixedPrecisionPolicy, OffloadPolicy, Any],
+    policies: tuple[MixedPrecisionPolicy, OffloadPolicy | Mapping[str, OffloadPolicy], Any],
     events: Events,
 ) -> tuple[list[Unit], list[ShardedParam]]:
     """The call's sharded parameters (in ``owners``' order) and its units, reporting
@@ -212,9 +224,7 @@ def _build_units(
     Nothing is installed."""
     mp_policy, offload_policy, shard_placement_fn = policies
     device = mesh_info.device
-    offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
-    host = torch.device("cpu") if offload else None
-    pin = offload and getattr(offload_policy, "pin_memory", False)
+    offloads = _offload_policies(offload_policy, modules, owners)
     sharded: list[ShardedParam] = []
     groups: dict[MeshInfo, list[ShardedParam]] = {mesh_info: []}
     meshes = {
@@ -223,6 +233,9 @@ def _build_units(
     }
     for param, param_owners in owners.items():
         shard_dim, param_mesh_info = _placement(shard_placement_fn, param, param_owners, meshes)
+        offload = isinstance(offloads[param], CPUOffloadPolicy) and device.type != "cpu"
+        host = torch.device("cpu") if offload else None
+        pin = offload and getattr(offloads[param], "pin_memory", False)
         sharded_param = ShardedParam(
             param, param_owners, param_mesh_info, shard_dim, device, host, pin
         )
@@ -238,13 +251,53 @@ def _build_units(
             if info is mesh_info
             else validate_reshard_after_forward(reshard_after_forward, info.shard_size),
             mp_policy,
-            offload_policy,
             events,
         )
         for info, group in groups.items()
         if group
     ]
     return units, sharded
+
+
+# [Note: per-parameter offload]
+# ``offload_policy`` may map parameter FQNs (relative to the module passed to
+# ``fully_shard``; for a list, to the listed module holding the parameter) to policies,
+# as torch's draft for FSDP2 does. The mapping is resolved here, once, to one policy
+# per managed parameter, before anything is built: each sharded parameter then lives
+# on the host or on the device, and the rest of the runtime already works per
+# parameter (the all-gather's copy-in moves each shard to the device, the reduction
+# moves each gradient shard back), so a unit may mix offloaded and resident
+# parameters. A unit reports ``offload`` when any of its parameters is offloaded.
+# Parameters of submodules an earlier ``fully_shard`` call manages took their policy
+# from that call: a key naming one is an error, as is a key naming no parameter.
+
+
+def _offload_policies(
+    offload_policy: OffloadPolicy | Mapping[str, OffloadPolicy],
+    modules: tuple[nn.Module, ...],
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]],
+) -> dict[nn.Parameter, OffloadPolicy]:
+    """Each parameter of ``owners`` with its offload policy ([Note: per-parameter offload])."""
+    if not isinstance(offload_policy, Mapping):
+        return dict.fromkeys(owners, offload_policy)
+    named: dict[str, dict[int, nn.Parameter]] = {}  # this call's parameters by FQN (all names)
+    for m in modules:
+        for fqn, p in m.named_parameters(remove_duplicate=False):
+            if p in owners:
+                named.setdefault(fqn, {})[id(p)] = p
+    resolved: dict[nn.Parameter, OffloadPolicy] = dict.fromkeys(owners, OffloadPolicy())
+    for fqn, policy in offload_policy.items():
+        found = list(named.get(fqn, {}).values())
+        if len(found) != 1:
+            what = "several listed modules' parameters" if found else "no parameter it manages"
+            raise ValueError(
+                f"fully_shard's offload_policy names {fqn!r}, {what}: its keys are the FQNs of "
+                "this call's parameters relative to the module passed to fully_shard (those of "
+                "submodules already passed to fully_shard take that call's policy), e.g. "
+                f"{sorted(named)[:4]}"
+            )
+        resolved[found[0]] = policy
+    return resolved
 
 
 def describe_modules(modules: tuple[nn.Module, ...]) -> str:

@@ -172,7 +172,7 @@ class GradientReducer:
         offset, copies_in_flight = 0, False
         for p in params:
             local = output[offset : offset + p.local_numel].view(p.local_shape)
-            copies_in_flight |= _assign_sharded_grad(p, local, unit.pin_memory)
+            copies_in_flight |= _assign_sharded_grad(p, local)
             offset += p.chunk_numel
         if copies_in_flight:
             # The optimizer reads the offloaded gradients on the CPU right after
@@ -336,9 +336,7 @@ class PendingReduction:
         self._output, self._params = None, []
 
 
-def _assign_sharded_grad(
-    p: ShardedParam, local_grad: torch.Tensor, pin_memory: bool = False
-) -> bool:
+def _assign_sharded_grad(p: ShardedParam, local_grad: torch.Tensor) -> bool:
     """Stores (or accumulates) a reduced local gradient as ``p``'s sharded ``.grad``
     in its original dtype, on the CPU when offloaded; True if an asynchronous copy
     to the host is in flight (synchronize before the CPU reads it)."""
@@ -352,7 +350,7 @@ def _assign_sharded_grad(
     if p.offload_device is not None:
         # Asynchronous only into a fresh pinned gradient nothing reads before the
         # caller synchronizes (accumulating, or a post-accumulate-grad hook, would).
-        in_flight = pin_memory and existing is None and not hooks
+        in_flight = p.pin_memory and existing is None and not hooks
         local_grad = local_grad.to(p.offload_device, non_blocking=in_flight)
     if local_grad.shape != p.local_shape:
         local_grad = local_grad.reshape(p.local_shape)

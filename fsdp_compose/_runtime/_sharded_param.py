@@ -101,6 +101,8 @@ class ShardedParam:
         self.orig_dtype = param.dtype
         self.device = device
         self.offload_device = offload_device
+        # Pinned host shards make the device-to-host gradient copies asynchronous.
+        self.pin_memory = pin_memory and offload_device is not None
         self.fqn = owners[0][1]  # refined at lazy init to the name under the root
 
         rows = size[shard_dim]

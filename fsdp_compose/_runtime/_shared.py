@@ -23,7 +23,7 @@ alive) are reduced again at the end of backward and added: never a lost gradient
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from torch import nn
@@ -79,7 +79,7 @@ def collect_borrowed(
     ignored: set[nn.Parameter],
     mesh_info: MeshInfo,
     mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy,
+    offload_policy: OffloadPolicy | Mapping[str, OffloadPolicy],
 ) -> dict[SharedLink, list[tuple[nn.Module, str]]]:
     """The parameters of a ``fully_shard`` call's ``modules`` that other units already
     own, with the ``(module, attribute)`` pairs that register them here; raises
@@ -118,7 +118,10 @@ def collect_borrowed(
 
 
 def _incompatibility(
-    owner: Unit, mesh_info: MeshInfo, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
+    owner: Unit,
+    mesh_info: MeshInfo,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy | Mapping[str, OffloadPolicy],
 ) -> str | None:
     if owner.mesh_info.mesh != mesh_info.mesh:
         return f"mesh ({owner.mesh_info.mesh} vs {mesh_info.mesh})"
@@ -127,7 +130,8 @@ def _incompatibility(
         if mine != theirs:
             return f"MixedPrecisionPolicy.{field} ({mine} here vs {theirs})"
     offload = isinstance(offload_policy, CPUOffloadPolicy) and mesh_info.device.type != "cpu"
-    if offload != owner.offload:
+    # (a per-parameter mapping cannot name a borrowed parameter: it keeps its owner's place)
+    if not isinstance(offload_policy, Mapping) and offload != owner.offload:
         there = "offload" if owner.offload else "no offload"
         return f"offload_policy ({type(offload_policy).__name__} here, {there} there)"
     return None

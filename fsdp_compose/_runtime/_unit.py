@@ -26,7 +26,7 @@ from ._events import Events, GatherInput, ParamInfo, UnitEvent, UnitInfo, UnitOp
 from ._extensions import ExtensionGather
 from ._flat_buffer import FlatBuffer
 from ._mesh import MeshInfo, post_forward_subgroup
-from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._policies import MixedPrecisionPolicy
 from ._reduce import GradientReducer
 from ._sharded_param import ShardedParam
 
@@ -137,7 +137,6 @@ class Unit:
         mesh_info: MeshInfo,
         reshard_after_forward: bool | int,
         mp_policy: MixedPrecisionPolicy,
-        offload_policy: OffloadPolicy,
         events: Events,
     ) -> None:
         self.params = params
@@ -146,10 +145,8 @@ class Unit:
         self.modules = modules
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
-        on_cpu = mesh_info.device.type == "cpu"  # everything lives there: nothing to offload
-        self.offload = isinstance(offload_policy, CPUOffloadPolicy) and not on_cpu
-        # Pinned host shards make the device-to-host gradient copies asynchronous.
-        self.pin_memory = self.offload and bool(getattr(offload_policy, "pin_memory", False))
+        # Any parameter on the host ([Note: per-parameter offload]; never on a CPU mesh).
+        self.offload = any(p.offload_device is not None for p in params)
         self.name = type(modules[0]).__name__  # refined to the module's FQN at lazy init
         self.id = next(_unit_ids)
         self._info: UnitInfo | None = None  # what observers see; None: to be (re)built

@@ -5,7 +5,8 @@
   bytes each rank sends per step, for a model on the meta device, at any world
   size, without launching ranks.
 * :func:`plan_to_budget` chooses unit boundaries, ``reshard_after_forward`` per
-  unit, prefetch depth and activation checkpointing to fit a memory budget.
+  unit, prefetch depth and activation checkpointing to fit a memory budget (with
+  ``offload_by_budget=True``, also which units to offload to the host).
 * ``python -m fsdp_compose.plan CONFIG --world-size N --batch B --seq S`` does
   the last two from a Hugging Face ``config.json``.
 

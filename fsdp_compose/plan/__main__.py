@@ -195,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--offload", action="store_true", help="CPUOffloadPolicy (shards, grads, optimizer on host)"
     )
+    p.add_argument(
+        "--offload-by-budget",
+        action="store_true",
+        help="with --budget: the planner may offload the units that free the most device "
+        "memory per byte copied (per-unit CPUOffloadPolicy) when a plan does not fit",
+    )
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     p.add_argument(
         "--reshard", type=_reshard, default=None, help="reshard_after_forward of non-root units"
@@ -342,9 +348,17 @@ def _run(args: argparse.Namespace) -> int:
     for name in ("world_size", "batch", "seq"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive int")
-    if args.host_budget is not None and (args.budget is None or not args.offload):
+    if args.host_budget is not None and (
+        args.budget is None or not (args.offload or args.offload_by_budget)
+    ):
         raise UsageError(
-            "--host-budget bounds the offloaded state: give it with --offload and --budget"
+            "--host-budget bounds the offloaded state: give it with --offload (or "
+            "--offload-by-budget) and --budget"
+        )
+    if args.offload_by_budget and (args.budget is None or args.offload or args.device != "cuda"):
+        raise UsageError(
+            "--offload-by-budget chooses units to offload to fit --budget on a GPU: give it "
+            "with --budget, without --offload (which offloads every unit) and --device cuda"
         )
     _check_mesh(args.world_size, args.mesh_shape)  # before the (slow) model build
     progress = _Progress()
@@ -425,6 +439,7 @@ def _predict(
         cost=_cost_model(args),
         headroom=args.headroom,
         host_budget=args.host_budget,
+        offload_by_budget=args.offload_by_budget,
         progress=progress,
         **common,
     )

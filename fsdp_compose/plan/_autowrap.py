@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
 from .._fully_shard import fully_shard
-from .._runtime import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from .._runtime import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from ._policy import ShardingPlan, WrapPolicy, resolve_plan
 
 __all__ = ["auto_wrap"]
@@ -53,9 +53,10 @@ def auto_wrap(
             -> bool``. Ignored when ``plan`` is given.
         plan: an explicit :class:`ShardingPlan` (from :func:`resolve_plan` or the
             planner); its per-unit ``reshard_after_forward``, activation
-            checkpointing and prefetch depth are applied.
+            checkpointing, offload and prefetch depth are applied.
         mesh, mp_policy, offload_policy, shard_placement_fn: passed to every
-            ``fully_shard`` call.
+            ``fully_shard`` call (a unit the plan offloads gets
+            ``CPUOffloadPolicy()`` unless ``offload_policy`` is one).
         reshard_after_forward: for the non-root units (with ``policy``).
         activation_checkpointing: checkpoint every non-root unit (with ``policy``).
 
@@ -128,7 +129,10 @@ def _apply(
             for target in targets:
                 _checkpoint(target)
         arg: Any = targets[0] if len(targets) == 1 else targets
-        made = fully_shard(arg, reshard_after_forward=unit.reshard_after_forward, **common)
+        kwargs = dict(common, reshard_after_forward=unit.reshard_after_forward)
+        if unit.offload and type(common["offload_policy"]).__name__ != "CPUOffloadPolicy":
+            kwargs["offload_policy"] = CPUOffloadPolicy()  # a unit the plan offloads
+        made = fully_shard(arg, **kwargs)
         units.extend(made if isinstance(made, list) else [made])
     return units
 

@@ -10,7 +10,8 @@ Step time = compute + exposed communication + the host optimizer step, per rank:
   backward;
 * a collective takes ``latency + bytes sent / bandwidth`` (the ideal per-rank
   bytes of ``_estimate.py``) and collectives run one at a time;
-* with ``CPUOffloadPolicy`` on a GPU, a unit's gather first copies its shards
+* with ``CPUOffloadPolicy`` on a GPU (for every unit, or the units a plan
+  offloads), an offloaded unit's gather first copies its shards
   from the host (``bytes / host_bandwidth``, the shards in their own dtype, again
   in backward when the unit was resharded) and its reduction ends by copying the
   reduced gradient shards back, on the same channel as the collective they feed
@@ -175,7 +176,7 @@ def step_cost(est: MemoryEstimate, cost: CostModel, depth: int) -> StepCost:
         u.name: u.flops * (2 / 3 + (1 / 3 if u.checkpoint else 0)) / cost.flop_rate for u in units
     }
     offload = bool(est.config.get("offload"))
-    copies = {u.name: _offload_copies(u) if offload else (0, 0, 0) for u in units}
+    copies = {u.name: _offload_copies(u) if u.offload else (0, 0, 0) for u in units}
 
     def comm(nbytes: float, copied: int = 0) -> float:
         collective = cost.latency + nbytes / cost.bandwidth if nbytes else 0.0

@@ -94,6 +94,8 @@ class UnitEstimate:
     backward_gather_bytes: int  # of which the backward re-gather
     reduce_bytes: int  # sent per step (reduce-scatter + HSDP all-reduce)
     grad_bytes: int = 0  # sharded gradients (own dtype)
+    optimizer_bytes: int = 0  # its parameters' optimizer states
+    offload: bool = False  # its sharded state lives in host memory
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,7 @@ class _Unit:
     reshard: bool | int
     checkpoint: bool
     fqns: list[str] = field(default_factory=list)  # the modules it is made of
+    offload: bool = False  # sharded state in host memory (with device="cuda")
     sharded: int = 0  # params, own dtype, padded
     grads: int = 0
     opt: int = 0
@@ -244,7 +247,8 @@ def estimate(
         mp_policy: the mixed-precision policy (compute, reduce dtypes).
         offload_policy: ``CPUOffloadPolicy()`` moves the shards, gradients and
             optimizer states to the host; with ``device="cuda"`` they leave the
-            device peak and are reported as ``host_bytes_per_rank``.
+            device peak and are reported as ``host_bytes_per_rank``. Units whose
+            :class:`UnitPlan` has ``offload=True`` are offloaded in any case.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"`` or
             ``"muon"``.
         device: ``"cuda"`` (default) or ``"cpu"``: where the training runs; it only
@@ -288,17 +292,17 @@ def estimate(
         )
     # Training on the CPU, fsdp_compose ignores offloading (everything is on the CPU
     # already): the units behave as without it.
-    offload = type(offload_policy).__name__ == "CPUOffloadPolicy" and device == "cuda"
-    units = _build_units(plan, profile, shard, replicate, mp_policy, offload, optimizer)
+    on_gpu = device == "cuda"
+    every = type(offload_policy).__name__ == "CPUOffloadPolicy" and on_gpu
+    units = _build_units(plan, profile, shard, replicate, mp_policy, every, optimizer, on_gpu)
+    resident = [u for u in units if not u.offload]
     per_unit_states = {
-        "params": sum(u.sharded for u in units),
-        "grads": sum(u.grads for u in units),
-        "optimizer_state": sum(u.opt for u in units),
+        "params": sum(u.sharded for u in resident),
+        "grads": sum(u.grads for u in resident),
+        "optimizer_state": sum(u.opt for u in resident),
     }
-    host = 0
-    if offload and device == "cuda":
-        host = sum(per_unit_states.values())
-        per_unit_states = dict.fromkeys(per_unit_states, 0)
+    host = sum(u.sharded + u.grads + u.opt for u in units if u.offload)
+    offload = any(u.offload for u in units)
     peak, at, terms = simulate(units, profile, plan.prefetch_depth)
     owner = _muon_owner_bytes(units) if optimizer == "muon" else 0
     if owner > peak:
@@ -313,6 +317,7 @@ def estimate(
         "param_dtype": None if mp_policy.param_dtype is None else str(mp_policy.param_dtype),
         "reduce_dtype": None if mp_policy.reduce_dtype is None else str(mp_policy.reduce_dtype),
         "offload": offload,
+        "offloaded_units": [u.name for u in units if u.offload] if offload and not every else [],
         "optimizer": optimizer,
         "device": device,
         "prefetch_depth": plan.prefetch_depth,
@@ -324,24 +329,27 @@ def estimate(
         peak_at=at,
         comm_bytes_per_rank_per_step=sum(u.ag_send + u.reduce_send for u in units),
         host_bytes_per_rank=host,
-        units=tuple(
-            UnitEstimate(
-                u.name,
-                u.numel,
-                u.sharded,
-                u.unsharded,
-                u.reshard,
-                u.checkpoint,
-                u.saved,
-                u.profile.flops,
-                u.ag_send,
-                u.ag_backward,
-                u.reduce_send,
-                u.grads,
-            )
-            for u in units
-        ),
+        units=tuple(map(_unit_estimate, units)),
         config=config,
+    )
+
+
+def _unit_estimate(u: _Unit) -> UnitEstimate:
+    return UnitEstimate(
+        u.name,
+        u.numel,
+        u.sharded,
+        u.unsharded,
+        u.reshard,
+        u.checkpoint,
+        u.saved,
+        u.profile.flops,
+        u.ag_send,
+        u.ag_backward,
+        u.reduce_send,
+        u.grads,
+        u.opt,
+        u.offload,
     )
 
 
@@ -355,6 +363,7 @@ def _override(
             u.modules,
             u.reshard_after_forward if reshard is None or u.modules == (ROOT,) else reshard,
             u.checkpoint if checkpoint is None or u.modules == (ROOT,) else checkpoint,
+            u.offload,
         )
         for u in plan.units
     ]
@@ -369,8 +378,10 @@ def _build_units(
     mp: MixedPrecisionPolicy,
     offload: bool,
     optimizer: str,
+    on_gpu: bool,
 ) -> list[_Unit]:
-    """Units in forward order (root first), with their per-rank sizes."""
+    """Units in forward order (root first), with their per-rank sizes; offloaded:
+    every unit with ``offload``, those the plan offloads on a GPU."""
     by_module: dict[str, UnitPlan] = {m: u for u in plan.units for m in u.modules}
     order = [ROOT, *[m for m in profile.forward_order if m in by_module]]
     # Units that never ran forward still hold state (and gather nothing).
@@ -391,11 +402,12 @@ def _build_units(
         # an int that does not divide the shard group is an error.
         reshard = validate_reshard_after_forward(reshard, shard)
         unit = _Unit(up.name, ModuleProfile(fqn), reshard, up.checkpoint, [fqn])
+        unit.offload = offload or (up.offload and on_gpu)
         _merge(unit, profile.modules[fqn])
         seen_units[up] = unit
         out.append(unit)
     for u in out:
-        _size(u, shard, replicate, mp, offload, optimizer, frac)
+        _size(u, shard, replicate, mp, u.offload, optimizer, frac)
     return out
 
 

@@ -8,15 +8,31 @@ policy units (``g`` in 1, 2, 4), ``reshard_after_forward=False`` on the last
 rest, prefetch depth 0, 1 or 2, activation checkpointing of every unit off or
 on. A candidate fits when its predicted peak is within the budget less the
 headroom, and (with a host budget) the offloaded state within the host budget.
+With ``offload_by_budget``, a candidate that does not fit is tried again with
+some of its units offloaded ([Note: offload by budget]).
 Among those that fit, the one with the least predicted step time is chosen
 (``[Note: the planner's cost model]`` in ``_cost.py``); ties go to fewer bytes
 sent, then less memory. The same order ranks every candidate, so the reason
 printed with the plan (``_explain``) is read off the compared numbers: a
 candidate ranked before the chosen one cannot fit.
+
+[Note: offload by budget]
+Offloading a unit frees its sharded parameters, gradients and optimizer states
+from the device and costs host-device copies every step (its shards before each
+gather, its gradient shards after its reduction) and a share of the host
+optimizer step. The planner offloads, in each candidate that does not fit, the
+units that free the most device memory per byte copied per step (a unit kept
+unsharded after forward is gathered once, so it copies half as much; a frozen
+unit frees no gradients or optimizer states), the larger first among equals,
+until the freed bytes cover what the candidate is over; the result is estimated
+again, and one more unit is offloaded while it still does not fit. Offloaded
+candidates then compete with the others on predicted step time: offloading can
+beat activation checkpointing when the copies hide behind compute.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,8 +41,15 @@ from typing import Any
 from torch import nn
 
 from .._runtime import MixedPrecisionPolicy, OffloadPolicy
-from ._cost import CostModel, StepCost, step_cost, step_time
-from ._estimate import MemoryEstimate, _check_mesh, estimate, format_bytes, parse_bytes
+from ._cost import CostModel, StepCost, _offload_copies, step_cost, step_time
+from ._estimate import (
+    MemoryEstimate,
+    UnitEstimate,
+    _check_mesh,
+    estimate,
+    format_bytes,
+    parse_bytes,
+)
 from ._policy import ShardingPlan, UnitPlan, WrapPolicy, resolve_plan
 from ._profile import ROOT, ModelProfile, StepFn, default_step, profile_model
 from ._result import PlanResult
@@ -108,6 +131,7 @@ def plan_to_budget(
     keeps: Sequence[int] | None = None,
     headroom: float | None = None,
     host_budget: int | str | None = None,
+    offload_by_budget: bool = False,
     profile: ModelProfile | None = None,
     progress: Progress | None = None,
 ) -> PlanResult:
@@ -139,6 +163,10 @@ def plan_to_budget(
             over the first steps of any torch process; BENCHMARKS.md).
         host_budget: host memory per rank the offloaded state may take (bytes
             or a size such as ``"128GiB"``; ``None``: not checked).
+        offload_by_budget: a candidate that does not fit may offload some of its
+            units (``UnitPlan.offload``), those that free the most device memory
+            per byte copied per step ([Note: offload by budget]); needs
+            ``device="cuda"`` and no ``CPUOffloadPolicy`` for every unit.
         progress: ``progress(evaluated, total)``, called as candidates are
             evaluated (the command line prints it on long runs).
 
@@ -146,6 +174,7 @@ def plan_to_budget(
         A :class:`PlanResult`; ``result.fits`` is False (with what is missing in
         ``result.suggestions``) when no candidate fits.
     """
+    _check_offload_by_budget(offload_by_budget, device, offload_policy)
     given = parse_bytes(budget)
     host_cap = None if host_budget is None else parse_bytes(host_budget)
     cost = CostModel.for_device(device) if cost is None else cost
@@ -176,6 +205,7 @@ def plan_to_budget(
         checkpointing=(False, True) if activation_checkpointing else (False,),
     )
     search = _Search(model, caps, host_cap, cost, shape, offload_policy, common)
+    search.by_budget = offload_by_budget
     scored = search.run(candidates, progress)
     fitting = sorted((s for s in scored if s.fits), key=lambda s: s.key)
     result: dict[str, Any] = {
@@ -222,6 +252,14 @@ def plan_to_budget(
         host_bytes=closest.est.host_bytes_per_rank,
         **result,
     )
+
+
+def _check_offload_by_budget(by_budget: bool, device: str, offload: OffloadPolicy) -> None:
+    if by_budget and (device != "cuda" or type(offload).__name__ == "CPUOffloadPolicy"):
+        raise ValueError(
+            "offload_by_budget chooses units to offload on a GPU: it needs device='cuda' and "
+            "an offload_policy that does not already offload every unit"
+        )
 
 
 def _headrooms(headroom: float | None, device: str) -> tuple[float, float]:
@@ -271,6 +309,7 @@ class _Search:
     ) -> None:
         self.model, self.caps, self.host_cap, self.cost = model, caps, host_cap, cost
         self.shape, self.offload, self.common = shape, offload, common
+        self.by_budget = False  # offload units of candidates that do not fit
 
     def score(
         self,
@@ -304,10 +343,42 @@ class _Search:
     ) -> list[_Scored]:
         out = []
         for i, (choice, plan) in enumerate(candidates):
-            out.append(self.score(choice, plan))
+            scored = self.score(choice, plan)
+            if self.by_budget and not scored.fits:
+                scored = self.offloading(scored) or scored
+            out.append(scored)
             if progress is not None:
                 progress(i + 1, len(candidates))
         return out
+
+    def offloading(self, scored: _Scored) -> _Scored | None:
+        """``scored``'s candidate with units offloaded until it fits ([Note: offload
+        by budget]), or ``None`` when offloading every unit does not make it fit."""
+        assert scored.plan is not None and scored.est is not None
+        plan, need = scored.plan, scored.peak - scored.cap
+
+        def rank(u: UnitEstimate) -> tuple[float, int]:
+            freed = u.sharded_bytes + u.grad_bytes + u.optimizer_bytes
+            return (-freed / max(1, sum(_offload_copies(u))), -freed)
+
+        order = sorted(scored.est.units, key=rank)  # stable: forward order among equals
+        chosen: list[str] = []
+        for u in order:
+            if need <= 0:
+                break
+            chosen.append(u.name)
+            need -= u.sharded_bytes + u.grad_bytes + u.optimizer_bytes
+        while True:
+            picked = set(chosen)
+            units = tuple(dataclasses.replace(u, offload=u.name in picked) for u in plan.units)
+            offloaded = ShardingPlan(units, plan.prefetch_depth, plan.skipped)
+            choice = {**scored.choice, "offload": tuple(chosen)}
+            again = self.score(choice, offloaded)
+            if again.fits:
+                return again
+            if not again.host_fits or len(chosen) == len(order):
+                return None
+            chosen.append(order[len(chosen)].name)
 
 
 def _ms(seconds: float) -> str:

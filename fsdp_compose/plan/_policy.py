@@ -40,11 +40,15 @@ class UnitPlan:
         reshard_after_forward: as in :func:`~fsdp_compose.fully_shard`.
         checkpoint: recompute these modules' activations in backward
             (non-reentrant activation checkpointing) instead of saving them.
+        offload: keep this unit's sharded parameters, gradients and optimizer
+            states in host memory (``CPUOffloadPolicy()`` for its
+            ``fully_shard`` call), as the planner's ``offload_by_budget`` chooses.
     """
 
     modules: tuple[str, ...]
     reshard_after_forward: bool | int | None = None
     checkpoint: bool = False
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if not self.modules or not all(isinstance(m, str) for m in self.modules):

@@ -128,6 +128,7 @@ class PlanResult:
         )
         if offload:
             lines.append(self._host_line())
+        lines += self._offloaded_line()
         lines.append(self.cost.describe(offload))
         lines.append(f"why: {self.reason}")
         if self.runner_up is not None:
@@ -139,9 +140,24 @@ class PlanResult:
         lines += self._unit_rows()
         return "\n".join(lines)
 
+    def _offloaded_line(self) -> list[str]:
+        """The units ``offload_by_budget`` offloaded, and what it frees and copies."""
+        names = self.estimate.config.get("offloaded_units") or []
+        if not names:
+            return []
+        units = [u for u in self.estimate.units if u.name in set(names)]
+        freed = sum(u.sharded_bytes + u.grad_bytes + u.optimizer_bytes for u in units)
+        shown = ", ".join(names[:8]) + (f", ... ({len(names) - 8} more)" if len(names) > 8 else "")
+        return [
+            f"offloaded (offload_by_budget): {len(names)} of {len(self.estimate.units)} units, "
+            f"{format_bytes(freed)} of device memory per rank freed: {shown}"
+        ]
+
     def _unit_rows(self) -> list[str]:
+        partial = bool(self.estimate.config.get("offloaded_units"))
         rows: list[tuple[str, ...]] = [
             ("unit", "reshard_after_forward", "checkpoint", "params/rank", "unsharded", "sent/step")
+            + (("offload",) if partial else ())
         ]
         for u in self.estimate.units:
             rows.append(
@@ -153,6 +169,7 @@ class PlanResult:
                     format_bytes(u.unsharded_bytes),
                     format_bytes(u.all_gather_bytes + u.reduce_bytes),
                 )
+                + (("yes" if u.offload else "no",) if partial else ())
             )
         rows = elide_rows(rows)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -186,6 +203,7 @@ class PlanResult:
                         "modules": list(u.modules),
                         "reshard_after_forward": u.reshard_after_forward,
                         "checkpoint": u.checkpoint,
+                        "offload": u.offload,
                     }
                     for u in self.plan.units
                 ],

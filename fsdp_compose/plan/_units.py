@@ -89,11 +89,12 @@ def budget_text(text: str | int) -> str:
 
 def describe_choice(choice: dict[str, Any]) -> str:
     """A candidate in words: ``units of 2 policy units, prefetch depth 1, ...``."""
+    offloaded = len(choice.get("offload", ()))
     return (
         f"units of {choice['group']} policy unit(s), prefetch depth {choice['prefetch_depth']}, "
         f"activation checkpointing {'on' if choice['checkpoint'] else 'off'}, "
         f"reshard_after_forward=False on the last {choice['keep']} unit(s)"
-    )
+    ) + (f", {offloaded} unit(s) offloaded" if offloaded else "")
 
 
 def elide_rows(rows: list[tuple[str, ...]], keep: int = 6) -> list[tuple[str, ...]]:
