@@ -31,7 +31,7 @@ TOOLS = ("debug", "ft", "plan", "safetensors_io", "subclass_checkpoint", "trace"
 RUNTIME_CODE_LINE_BUDGET = 3300  # the target; FSDP2's _fully_shard/ has 3,885
 # What the runtime is today: it may shrink, not grow. It is over the budget (see
 # test_runtime_code_line_budget); lower this as code leaves, never raise it.
-RUNTIME_CODE_LINE_CEILING = 3880
+RUNTIME_CODE_LINE_CEILING = 3874
 FILE_LINE_LIMIT = 600
 FUNCTION_LINE_LIMIT = 80
 
@@ -163,8 +163,9 @@ def _runtime_code_lines() -> int:
 @pytest.mark.xfail(
     strict=True,
     reason="the runtime is over its code-line budget (docs/architecture.md, 'Size'): the "
-    "tools' launch path, agreement and observer values added to it have not been paid for "
-    "by a smaller design yet; strict, so meeting the budget turns this into a failure to fix",
+    "tools' launch path, observer values and FSDP2 2.16's gradient and offload features "
+    "added to it have not been paid for by a smaller design yet; strict, so meeting the "
+    "budget turns this into a failure to fix",
 )
 def test_runtime_code_line_budget() -> None:
     """Everything FSDP2 does, counted in code lines: the ``_runtime`` subpackage as a
