@@ -349,7 +349,8 @@ class _Search:
         )
         host = est.host_bytes_per_rank
         cap = self.caps[bool(choice["checkpoint"])]
-        peak, accumulation = est.peak_bytes_per_rank, ()
+        peak = est.peak_bytes_per_rank
+        accumulation: tuple[UnitAccumulation, ...] = ()
         if self.grad_accum > 1:
             accumulation = choose_accumulation(est, self.cost, self.grad_accum, cap - peak)
             peak += sum(a.held for a in accumulation)
