@@ -232,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="module class names (comma separated) or a parameter count (default: _no_split_modules)",
     )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="M",
+        help="micro-batches per optimizer step: with --budget, each unit's gradient "
+        "accumulation (unsharded or sharded) is chosen and both costs printed (default 1)",
+    )
     _add_cost_model_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -345,7 +353,7 @@ class _Progress:
 
 
 def _run(args: argparse.Namespace) -> int:
-    for name in ("world_size", "batch", "seq"):
+    for name in ("world_size", "batch", "seq", "grad_accum"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive int")
     if args.host_budget is not None and (
@@ -354,6 +362,10 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(
             "--host-budget bounds the offloaded state: give it with --offload (or "
             "--offload-by-budget) and --budget"
+        )
+    if args.grad_accum > 1 and args.budget is None:
+        raise UsageError(
+            "--grad-accum chooses each unit's accumulation mode: give it with --budget"
         )
     if args.offload_by_budget and (args.budget is None or args.offload or args.device != "cuda"):
         raise UsageError(
@@ -440,6 +452,7 @@ def _predict(
         headroom=args.headroom,
         host_budget=args.host_budget,
         offload_by_budget=args.offload_by_budget,
+        grad_accum=args.grad_accum,
         progress=progress,
         **common,
     )

@@ -96,6 +96,8 @@ class UnitEstimate:
     grad_bytes: int = 0  # sharded gradients (own dtype)
     optimizer_bytes: int = 0  # its parameters' optimizer states
     offload: bool = False  # its sharded state lives in host memory
+    grad_numel: int = 0  # padded trainable elements per rank (N / W)
+    grad_reduce_bytes: int = 0  # the same in the reduce dtype (N / W * r)
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,8 @@ class _Unit:
     ag_send: int = 0
     ag_backward: int = 0
     reduce_send: int = 0
+    grad_numel: int = 0  # padded trainable elements per rank
+    grad_reduce_bytes: int = 0  # the same in the reduce dtype, never aliased
 
     def kept_after_forward(self) -> int:
         if self.reshard is True:
@@ -350,6 +354,8 @@ def _unit_estimate(u: _Unit) -> UnitEstimate:
         u.grads,
         u.opt,
         u.offload,
+        u.grad_numel,
+        u.grad_reduce_bytes,
     )
 
 
@@ -450,6 +456,8 @@ def _size(
             u.opt += states * n * p.dtype.itemsize
             reduce = mp.reduce_dtype or compute
             reduce_row += n * reduce.itemsize
+            u.grad_numel += n
+    u.grad_reduce_bytes = reduce_row
     if alias:
         u.unsharded = 0
         u.rs_buffers = 0

@@ -28,6 +28,11 @@ until the freed bytes cover what the candidate is over; the result is estimated
 again, and one more unit is offloaded while it still does not fit. Offloaded
 candidates then compete with the others on predicted step time: offloading can
 beat activation checkpointing when the copies hide behind compute.
+
+With ``grad_accum > 1`` micro-batches per step, each candidate's units also get
+an accumulation mode ([Note: choosing the accumulation mode] in
+``_accumulation.py``), and the bytes they hold between micro-batches count
+towards the candidate's peak.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Any
 from torch import nn
 
 from .._runtime import MixedPrecisionPolicy, OffloadPolicy
+from ._accumulation import UnitAccumulation, choose_accumulation
 from ._cost import CostModel, StepCost, _offload_copies, step_cost, step_time
 from ._estimate import (
     MemoryEstimate,
@@ -132,6 +138,7 @@ def plan_to_budget(
     headroom: float | None = None,
     host_budget: int | str | None = None,
     offload_by_budget: bool = False,
+    grad_accum: int = 1,
     profile: ModelProfile | None = None,
     progress: Progress | None = None,
 ) -> PlanResult:
@@ -167,6 +174,10 @@ def plan_to_budget(
             units (``UnitPlan.offload``), those that free the most device memory
             per byte copied per step ([Note: offload by budget]); needs
             ``device="cuda"`` and no ``CPUOffloadPolicy`` for every unit.
+        grad_accum: micro-batches per optimizer step (gradient sync disabled for
+            all but the last). Above 1, every unit gets an accumulation mode for
+            ``FSDPModule.set_gradient_accumulation`` and its held bytes count
+            towards the peak ([Note: choosing the accumulation mode]).
         progress: ``progress(evaluated, total)``, called as candidates are
             evaluated (the command line prints it on long runs).
 
@@ -175,6 +186,10 @@ def plan_to_budget(
         ``result.suggestions``) when no candidate fits.
     """
     _check_offload_by_budget(offload_by_budget, device, offload_policy)
+    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+        raise ValueError(
+            f"grad_accum is the number of micro-batches per step (>= 1), got {grad_accum!r}"
+        )
     given = parse_bytes(budget)
     host_cap = None if host_budget is None else parse_bytes(host_budget)
     cost = CostModel.for_device(device) if cost is None else cost
@@ -206,9 +221,11 @@ def plan_to_budget(
     )
     search = _Search(model, caps, host_cap, cost, shape, offload_policy, common)
     search.by_budget = offload_by_budget
+    search.grad_accum = grad_accum
     scored = search.run(candidates, progress)
     fitting = sorted((s for s in scored if s.fits), key=lambda s: s.key)
     result: dict[str, Any] = {
+        "grad_accum": grad_accum,
         "candidates": len(candidates),
         "requested_bytes": given,
         "cost": cost,
@@ -232,6 +249,7 @@ def plan_to_budget(
             runner_up=runner_up,
             step=best.step,
             host_bytes=best.est.host_bytes_per_rank,
+            accumulation=best.accumulation,
             **result,
         )
     closest = min(scored, key=lambda s: s.peak - s.cap)
@@ -250,6 +268,7 @@ def plan_to_budget(
         headroom=headrooms[ck],
         reason="no candidate fits",
         host_bytes=closest.est.host_bytes_per_rank,
+        accumulation=closest.accumulation,
         **result,
     )
 
@@ -283,6 +302,7 @@ class _Scored:
     host_fits: bool = True
     plan: ShardingPlan | None = None
     est: MemoryEstimate | None = None
+    accumulation: tuple[UnitAccumulation, ...] = ()
 
     @property
     def key(self) -> tuple[float, int, int]:
@@ -310,6 +330,7 @@ class _Search:
         self.model, self.caps, self.host_cap, self.cost = model, caps, host_cap, cost
         self.shape, self.offload, self.common = shape, offload, common
         self.by_budget = False  # offload units of candidates that do not fit
+        self.grad_accum = 1  # micro-batches per step
 
     def score(
         self,
@@ -327,15 +348,22 @@ class _Search:
             **self.common,
         )
         host = est.host_bytes_per_rank
+        cap = self.caps[bool(choice["checkpoint"])]
+        peak = est.peak_bytes_per_rank
+        accumulation: tuple[UnitAccumulation, ...] = ()
+        if self.grad_accum > 1:
+            accumulation = choose_accumulation(est, self.cost, self.grad_accum, cap - peak)
+            peak += sum(a.held for a in accumulation)
         return _Scored(
             choice,
             step_cost(est, self.cost, plan.prefetch_depth),
             est.comm_bytes_per_rank_per_step,
-            est.peak_bytes_per_rank,
-            self.caps[bool(choice["checkpoint"])],
+            peak,
+            cap,
             self.host_cap is None or host <= self.host_cap,
             plan,
             est,
+            accumulation,
         )
 
     def run(

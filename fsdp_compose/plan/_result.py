@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._accumulation import UnitAccumulation
 from ._cost import CostModel, StepCost
 from ._estimate import MemoryEstimate
 from ._policy import ShardingPlan
@@ -44,6 +45,10 @@ class PlanResult:
         host_bytes: host memory per rank the offloaded state needs (0 without
             offload).
         host_budget_bytes: the host memory per rank allowed (``None``: not checked).
+        grad_accum: micro-batches per optimizer step.
+        accumulation: with ``grad_accum > 1``, each unit's accumulation costs in
+            both modes and the chosen mode (``[Note: choosing the accumulation
+            mode]``); the bytes they hold are part of :attr:`peak_bytes`.
     """
 
     fits: bool
@@ -64,6 +69,13 @@ class PlanResult:
     step: StepCost | None = None
     host_bytes: int = 0
     host_budget_bytes: int | None = None
+    grad_accum: int = 1
+    accumulation: tuple[UnitAccumulation, ...] = ()
+
+    @property
+    def peak_bytes(self) -> int:
+        """The predicted peak per rank, gradient accumulation's held bytes included."""
+        return self.estimate.peak_bytes_per_rank + sum(a.held for a in self.accumulation)
 
     def _held_to(self) -> str:
         if not self.headroom:
@@ -108,7 +120,7 @@ class PlanResult:
             else:
                 lines.append(
                     f"DOES NOT FIT: the smallest plan needs "
-                    f"{format_bytes(self.estimate.peak_bytes_per_rank)} per rank, "
+                    f"{format_bytes(self.peak_bytes)} per rank, "
                     f"{format_bytes(self.shortfall_bytes)} more than the budget of "
                     f"{self._held_to()}."
                 )
@@ -122,10 +134,7 @@ class PlanResult:
         )
         if offload:
             step += f", host optimizer step {self.step.host_optimizer_s * 1e3:.1f} ms"
-        lines.append(
-            f"predicted peak {format_bytes(self.estimate.peak_bytes_per_rank)} of "
-            f"{self._held_to()}; {step}"
-        )
+        lines.append(f"predicted peak {format_bytes(self.peak_bytes)} of {self._held_to()}; {step}")
         if offload:
             lines.append(self._host_line())
         lines += self._offloaded_line()
@@ -138,7 +147,51 @@ class PlanResult:
                 f"step {ru['step_time_s'] * 1e3:.1f} ms ({ru['versus']})"
             )
         lines += self._unit_rows()
+        lines += self._accumulation_rows()
         return "\n".join(lines)
+
+    def _accumulation_rows(self) -> list[str]:
+        """Per unit: both accumulation modes' held and sent bytes, the choice and why."""
+        if not self.accumulation:
+            return []
+        acc = self.accumulation
+        sharded = [a for a in acc if a.mode == "sharded"]
+        lines = [
+            "",
+            f"gradient accumulation over {self.grad_accum} micro-batches: {len(sharded)} of "
+            f"{len(acc)} units sharded; held between micro-batches "
+            f"{format_bytes(sum(a.held for a in acc))} per rank (all unsharded: "
+            f"{format_bytes(sum(a.held_unsharded for a in acc))}, all sharded: "
+            f"{format_bytes(sum(a.held_sharded for a in acc))}); gradients sent per step "
+            f"{format_bytes(sum(a.sent for a in acc))}",
+        ]
+        rows: list[tuple[str, ...]] = [
+            (
+                "unit",
+                "mode",
+                "held unsharded",
+                "held sharded",
+                "sent unsharded",
+                "sent sharded",
+                "why",
+            )
+        ]
+        for a in acc:
+            rows.append(
+                (
+                    a.name,
+                    a.mode,
+                    format_bytes(a.held_unsharded),
+                    format_bytes(a.held_sharded),
+                    format_bytes(a.sent_unsharded),
+                    format_bytes(a.sent_sharded),
+                    a.reason,
+                )
+            )
+        rows = elide_rows(rows)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+        return lines
 
     def _offloaded_line(self) -> list[str]:
         """The units ``offload_by_budget`` offloaded, and what it frees and copies."""
@@ -209,7 +262,14 @@ class PlanResult:
                 ],
             },
             "estimate": self.estimate.to_dict(),
-        }
+        } | (
+            {
+                "grad_accum": self.grad_accum,
+                "accumulation": [a.to_dict() for a in self.accumulation],
+            }
+            if self.grad_accum > 1
+            else {}
+        )
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
