@@ -115,6 +115,14 @@ CPU_HEADROOM = 0.13
 CPU_HEADROOM_CHECKPOINTED = 0.18
 
 
+def _check_grad_accum(grad_accum: object) -> None:
+    """Refuses a ``grad_accum`` that is not a number of micro-batches."""
+    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+        raise ValueError(
+            f"grad_accum is the number of micro-batches per step (>= 1), got {grad_accum!r}"
+        )
+
+
 def plan_to_budget(
     model: nn.Module,
     budget: int | str,
@@ -186,10 +194,7 @@ def plan_to_budget(
         ``result.suggestions``) when no candidate fits.
     """
     _check_offload_by_budget(offload_by_budget, device, offload_policy)
-    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
-        raise ValueError(
-            f"grad_accum is the number of micro-batches per step (>= 1), got {grad_accum!r}"
-        )
+    _check_grad_accum(grad_accum)
     given = parse_bytes(budget)
     host_cap = None if host_budget is None else parse_bytes(host_budget)
     cost = CostModel.for_device(device) if cost is None else cost
@@ -197,15 +202,11 @@ def plan_to_budget(
     caps = (int(given * (1.0 - headrooms[0])), int(given * (1.0 - headrooms[1])))
     replicate, shard = _check_mesh(world_size, mesh_shape)
     base = resolve_plan(model, policy)
-    if profile is None:
+    if profile is None:  # once, for every candidate
         leaves = [m for u in base.units[:-1] for m in u.modules]
+        dtype = mp_policy.param_dtype
         profile = profile_model(
-            model,
-            leaves,
-            batch=batch,
-            seq=seq,
-            compute_dtype=mp_policy.param_dtype,
-            step_fn=step_fn,
+            model, leaves, batch=batch, seq=seq, compute_dtype=dtype, step_fn=step_fn
         )
     common: dict[str, Any] = dict(
         batch=batch, seq=seq, mp_policy=mp_policy, optimizer=optimizer, device=device
