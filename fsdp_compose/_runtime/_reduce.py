@@ -71,9 +71,7 @@ class GradientReducer:
         """Without gradient sync, keeps gradients unsharded for the next backward,
         upcast to the reduce dtype if that differs from the gradient's; with the
         pending-gradient API, only to an explicit one ([Note: pending gradients])."""
-        reduce_dtype = self.unit.reduce_dtype
-        if _compat.PENDING_GRADIENT_API:
-            reduce_dtype = self.unit.mp_policy.reduce_dtype
+        reduce_dtype = self.unit.accumulate_dtype  # (decided at lazy init)
         for p in self.unit.trainable_params:
             up = p.unsharded_param
             if up is None or up.grad is None or reduce_dtype in (None, up.grad.dtype):

@@ -158,6 +158,9 @@ class Unit:
         self.events = events
         self.reducer = GradientReducer(self)
         self.reduce_dtype: torch.dtype | None = None  # set at lazy init
+        # Also set at lazy init: the dtype unsynchronized gradients accumulate in (None:
+        # the gradient's own; [Note: pending gradients] in _reduce.py).
+        self.accumulate_dtype: torch.dtype | None = None
         # With reshard_after_forward=N: the N-rank group backward gathers in.
         self._post_forward_group: dist.ProcessGroup | None = None
         self._post_forward_rank = 0
@@ -386,6 +389,7 @@ class Unit:
         # FSDP2 2.15: autograd hands gradients over in reduce_dtype; with the pending-
         # gradient API, in the explicit reduce_dtype only ([Note: pending gradients]).
         accumulate = mp.reduce_dtype if _compat.PENDING_GRADIENT_API else self.reduce_dtype
+        self.accumulate_dtype = accumulate
         for p in self.params:
             cast = in_orig and accumulate not in (None, p.compute_dtype)
             p.grad_dtype = accumulate if cast else None
