@@ -8,33 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
+from test_offload_budget import _tiny_lm  # the same four-block model
 
 from fsdp_compose import MixedPrecisionPolicy
 from fsdp_compose.plan import CostModel, plan_to_budget
 
 W = 4
-
-
-def _tiny_lm() -> nn.Module:
-    """Embedding (16 x 32), four Linear(32, 32) blocks, head (32 x 16)."""
-
-    class Tiny(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(16, 32)
-            self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
-            self.head = nn.Linear(32, 16, bias=False)
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            x = self.emb(ids)
-            for b in self.blocks:
-                x = b(x)
-            return self.head(x)
-
-    with torch.device("meta"):
-        return Tiny()
-
 
 # One candidate: W = 4, bf16 compute, fp32 reduction, every block resharded.
 _ONE: dict[str, Any] = {
