@@ -279,7 +279,7 @@ def _errors_job() -> dict[str, Any]:
     out: dict[str, Any] = {}
     comm = _collectives.DefaultAllGather()
     try:  # CPU tensors on a group without a CPU backend
-        _collectives.launch(
+        _collectives.launch_unit(
             "all_gather", comm, torch.empty(4 * world), torch.ones(4), cuda_only, "probe", events
         ).wait()
         out["type"], out["notes"] = "no error", []

@@ -248,7 +248,7 @@ def _issue(
     return dist.all_reduce(output, group=group, async_op=True)
 
 
-def launch(
+def launch_unit(
     kind: CollectiveKind,
     comm: AllGather | ReduceScatter | None,
     output: torch.Tensor,
@@ -257,37 +257,70 @@ def launch(
     label: str,
     events: Events,
 ) -> PendingCollective:
-    """Issues ``kind`` from ``input`` into ``output`` with ``comm`` (``all_reduce``: in
-    place) on ``group`` for unit ``label``, asynchronously (on accelerators, on a side
-    stream), labelled for the profiler and reported to ``events``."""
+    """Issues a unit's ``kind`` from ``input`` into ``output`` with ``comm``
+    (``all_reduce``: in place) on ``group`` for unit ``label``, asynchronously (on
+    accelerators, on a side stream), through :func:`launch`."""
+    custom = comm is not None and not isinstance(comm, _DefaultAllocation)
+    device = None if output.device.type == "cpu" else output.device
+    return launch(
+        kind, label, group, events, lambda: _issue(kind, comm, output, input, group),
+        (input.numel(), output.numel()), input.dtype, device=device, custom=custom,
+        keep=(input, output),
+    )  # fmt: skip
+
+
+def launch(
+    kind: CollectiveKind,
+    label: str,
+    group: Group,
+    events: Events | None,
+    issue: Callable[[], dist.Work | None],
+    numels: tuple[int, int],
+    dtype: torch.dtype,
+    *,
+    device: torch.device | None = None,
+    blocking: bool = False,
+    custom: bool = False,
+    op: str = "",
+    total_numel: int | None = None,
+    keep: tuple[torch.Tensor, ...] = (),
+) -> PendingCollective:
+    """The one launch path of every collective fsdp_compose issues, the units' and the
+    tools' (see [Note: tools' collectives]): ``issue()`` makes the torch.distributed
+    (or ``Comm``) call, ``blocking`` (it returns when done) or not (it returns its
+    work), on the current stream, or with ``device`` (an accelerator) on its side
+    stream, ordered after the current one. It runs inside a profiler label, a
+    failure's exception names ``label``, and it is reported to ``events``, the
+    observers of the root it serves (``None``: no root, nothing reported); ``keep``
+    holds the tensors the collective may still touch until it is waited on."""
     info = None
-    if events.on_collective:
+    if events is not None and events.on_collective:
         events.report_deferred()
-        custom = comm is not None and not isinstance(comm, _DefaultAllocation)
-        numels = (input.numel(), output.numel())
+        step, seq = events.step, events.next_seq()
         info = CollectiveInfo(
-            kind, label, group, *numels, input.dtype, events.step, events.next_seq(), custom
+            kind, label, group, *numels, dtype, step, seq, custom, op, total_numel
         )
         events.collective("issue", info)  # an observer may refuse it by raising
-    on_cpu = output.device.type == "cpu"
+        if blocking:
+            events.collective("wait_begin", info)
+    what = (kind, label, 0 if events is None else events.step)
     timing = None
     with _compat.profiler_label(kind, label):
         try:
-            if on_cpu:
-                work = _issue(kind, comm, output, input, group)
+            if device is None:
+                work = issue()
             else:
-                device, module = output.device, getattr(torch, output.device.type)
+                module = getattr(torch, device.type)
                 stream = _side_stream(device, kind == "all_gather")
                 stream.wait_stream(module.current_stream(device))
                 if info is not None:  # see [Note: device times]
-                    timing = _DeviceTiming(module, stream, events, info)
+                    timing = _DeviceTiming(module, stream, events, info)  # type: ignore[arg-type]
                 with module.stream(stream):
-                    work = _issue(kind, comm, output, input, group)
+                    work = issue()
         except RuntimeError as exc:
-            _explain(exc, kind, label, events.step)
+            _explain(exc, *what)
             raise
-    what = (kind, label, events.step)
-    if not on_cpu:
+    if device is not None:
         if timing is not None:
             event = timing.end
             event.record(stream)
@@ -300,10 +333,14 @@ def launch(
                 timing.reached.record(current)
             current.wait_event(event)
 
-        tensors = (input, output)
-        return PendingCollective(None, events, info, what, tensors, stream_wait, _timing=timing)
-    complete_at_wait = info is None or not _reports_completion(work, events, info)
-    return PendingCollective(work, events, info, what, (input, output), None, complete_at_wait)
+        return PendingCollective(None, events, info, what, keep, stream_wait, _timing=timing)
+    if blocking:
+        if events is not None and info is not None:
+            events.collective("complete", info)
+            events.collective("wait_end", info)
+        return DONE
+    complete_at_wait = info is None or not _reports_completion(work, events, info)  # type: ignore[arg-type]
+    return PendingCollective(work, events, info, what, keep, None, complete_at_wait)
 
 
 def _reports_completion(work: dist.Work | None, events: Events, info: CollectiveInfo) -> bool:
@@ -321,46 +358,4 @@ def _reports_completion(work: dist.Work | None, events: Events, info: Collective
 def all_reduce(tensor: torch.Tensor, group: Group, label: str, events: Events) -> PendingCollective:
     """Sums ``tensor`` in place over ``group`` (HSDP's replicate all-reduce)."""
     flat = _real_view(tensor)
-    return launch("all_reduce", None, flat, flat, group, label, events)
-
-
-def launch_tool(
-    kind: CollectiveKind,
-    label: str,
-    group: Group,
-    events: Events | None,
-    issue: Callable[[], dist.Work | None],
-    numels: tuple[int, int],
-    dtype: torch.dtype,
-    *,
-    blocking: bool,
-    op: str = "",
-    total_numel: int | None = None,
-) -> PendingCollective:
-    """Issues a tool's collective (see [Note: tools' collectives]): ``issue()`` makes
-    the torch.distributed call on the current stream, as the tool would alone,
-    ``blocking`` (it returns when done) or not (it returns its work); labelled for
-    the profiler and reported to ``events``, the observers of the root whose
-    parameters it serves (``None``: no root, nothing reported)."""
-    info = None
-    if events is not None and events.on_collective:
-        events.report_deferred()
-        step, seq = events.step, events.next_seq()
-        info = CollectiveInfo(kind, label, group, *numels, dtype, step, seq, False, op, total_numel)
-        events.collective("issue", info)  # an observer may refuse it by raising
-        if blocking:
-            events.collective("wait_begin", info)
-    what = (kind, label, 0 if events is None else events.step)
-    with _compat.profiler_label(kind, label):
-        try:
-            work = issue()
-        except RuntimeError as exc:
-            _explain(exc, *what)
-            raise
-    if blocking or work is None:
-        if events is not None and info is not None:
-            events.collective("complete", info)
-            events.collective("wait_end", info)
-        return DONE
-    complete_at_wait = info is None or not _reports_completion(work, events, info)  # type: ignore[arg-type]
-    return PendingCollective(work, events, info, what, (), None, complete_at_wait)
+    return launch_unit("all_reduce", None, flat, flat, group, label, events)

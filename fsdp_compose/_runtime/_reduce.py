@@ -272,7 +272,7 @@ class GradientReducer:
         else:
             output = _collectives.allocate(comm, row, reduce_dtype, device, name, "reduce_scatter")
             group = options.reduce_scatter_group or info.shard_group
-            rs = _collectives.launch(
+            rs = _collectives.launch_unit(
                 "reduce_scatter", comm, output, packed, group, name, unit.events
             )
         return PendingReduction(self, params, output, rs, replicate_group, post, keep)

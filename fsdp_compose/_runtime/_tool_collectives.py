@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._collectives import PendingCollective, launch_tool
+from ._collectives import PendingCollective, launch
 from ._events import Events
 from ._hooks import state_of
 from ._ownership import unit_of
@@ -104,7 +104,7 @@ class ToolCollectives:
 
         numels = (tensor.numel(), tensor.numel())
         label, events = self.label, self.events
-        return launch_tool(
+        return launch(
             "all_reduce", label, self._group(), events, issue, numels, tensor.dtype,
             blocking=not async_op, op="" if op == "sum" else op,
         )  # fmt: skip
@@ -128,7 +128,7 @@ class ToolCollectives:
             )
 
         numels = (input.numel(), output.numel())
-        return launch_tool(
+        return launch(
             "all_to_all", self.label, self._group(), self.events, issue, numels, input.dtype,
             blocking=False, total_numel=total_numel,
         )  # fmt: skip
@@ -141,7 +141,7 @@ class ToolCollectives:
         def issue() -> None:
             dist.all_gather_object(out, obj, group=group)
 
-        launch_tool(
+        launch(
             "all_gather_object", self.label, self._group(), self.events, issue, (1, len(out)),
             torch.uint8, blocking=True,
         )  # fmt: skip
@@ -154,7 +154,7 @@ class ToolCollectives:
         def issue() -> None:
             dist.broadcast_object_list(box, src=src, group=group)
 
-        launch_tool(
+        launch(
             "broadcast_object", self.label, self._group(), self.events, issue, (1, 1),
             torch.uint8, blocking=True,
         )  # fmt: skip
@@ -187,7 +187,7 @@ class ToolCollectives:
                     tensor.copy_(buf)
 
         numels = (sum(t.numel() for t, _ in sends), sum(t.numel() for t, _ in recvs))
-        launch_tool(
+        launch(
             "send_recv", self.label, self._group(), self.events, issue, numels, dtype,
             blocking=True, total_numel=total_numel,
         )  # fmt: skip

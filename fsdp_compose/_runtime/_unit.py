@@ -441,7 +441,9 @@ class Unit:
         self._pending_gather = (
             _collectives.DONE
             if world == 1
-            else _collectives.launch("all_gather", comm, out, send, group, self.name, self.events)
+            else _collectives.launch_unit(
+                "all_gather", comm, out, send, group, self.name, self.events
+            )
         )
 
     def wait_unshard(self) -> None:
