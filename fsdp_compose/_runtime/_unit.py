@@ -67,6 +67,8 @@ class ShardState(Enum):
     UNSHARDED = "unsharded"  # full parameters allocated and registered
     PARTIALLY_SHARDED = "partially_sharded"  # after forward, sharded over a smaller group
 
+    __hash__ = object.__hash__  # as TrainingState's, below
+
 
 _TRANSITIONS = {
     ShardState.SHARDED: (ShardState.UNSHARDED,),
@@ -87,6 +89,10 @@ class TrainingState(Enum):
     # and its reductions wait for FSDPModule.finalize_backward, across later forwards too.
     AWAITING_FINALIZE = "awaiting_finalize"
     REDUCTION_PENDING = "reduction_pending"  # finalize_backward(async_op=True) not waited on
+
+    # Members are singletons: hashed by identity, in C, rather than by Enum's Python-level
+    # hash of the name (check_step looks a state up several times per unit per step).
+    __hash__ = object.__hash__
 
 
 # [Note: step state]
@@ -119,9 +125,11 @@ ROOT_STEPS = {
 }
 
 
-def check_step(table: dict[_S, tuple[_S, ...]], who: str, current: _S, to: _S) -> _S:
+def check_step(table: dict[_S, tuple[_S, ...]], who: object, current: _S, to: _S) -> _S:
     """Returns ``to`` if ``table`` allows ``current -> to``; else raises an
-    ``AssertionError`` naming ``who``: a bug in the runtime ([Note: step state])."""
+    ``AssertionError`` naming ``who`` (a unit, or "the root"): a bug in the runtime
+    ([Note: step state]). Called several times per unit per step, so ``who`` is
+    formatted only when the check fails."""
     assert to in table[current], f"fsdp_compose: {who} went from {current.name} to {to.name}"
     return to
 
@@ -178,6 +186,9 @@ class Unit:
         self._parked = False
         self._gathered_versions: list[int] = []
 
+    def __repr__(self) -> str:
+        return f"unit {self.name!r}"
+
     # -- configuration ---------------------------------------------------
 
     def attach(self, events: Events) -> None:
@@ -188,7 +199,7 @@ class Unit:
 
     def enter(self, to: TrainingState) -> None:
         """Moves this unit to training state ``to`` ([Note: step state])."""
-        self.training_state = check_step(UNIT_STEPS, f"unit {self.name!r}", self.training_state, to)
+        self.training_state = check_step(UNIT_STEPS, self, self.training_state, to)
 
     def configure(self, **changes: Any) -> None:
         """Replaces the named :class:`UnitOptions` fields (but not
