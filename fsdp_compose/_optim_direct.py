@@ -28,6 +28,21 @@ DTensor holds (``torch.utils.swap_tensors``), and which parameters have a
 gradient. Any difference rebuilds the lists; hyperparameters are read from the
 group every step, never cached.
 
+[Note: foreach Adam on the CPU]
+torch's multi-tensor Adam takes the square root of every ``exp_avg_sq`` into new
+tensors at once and frees them at the end of the step. On the CPU these are
+ordinary heap allocations: a parameter's worth of them, freed together at the top
+of the heap, is given back to the operating system (glibc trims it), so every
+step faults the pages in again, which costs more than the arithmetic. Where
+``foreach=True`` would run torch's multi-tensor Adam on CPU tensors (not
+capturable, no amsgrad, real parameters, no gradient scaler),
+:func:`_foreach_adam_cpu` runs the same per-tensor ops in the same order with
+the same scalars (each foreach op on the CPU applies the single-tensor op to each
+tensor, so the results are bit-identical), except that the square roots of
+large tensors are taken one tensor at a time: each buffer is freed before the
+next of the same size is allocated, and the heap reuses it. Anything else calls
+torch's function.
+
 A step is taken here only when every state it needs already exists (the first
 step creates them through the general local path of ``_optim.py``, exactly as
 torch's ``step`` does) and every tensor is a plain dense tensor (a tensor
@@ -40,7 +55,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +68,10 @@ from torch.optim.sgd import sgd as _sgd
 from . import _runtime as runtime
 
 _ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+#: Parameters of at least this many bytes get the square root of their
+#: ``exp_avg_sq`` one at a time on the CPU (see [Note: foreach Adam on the CPU]).
+_LARGE = 1 << 16
 
 
 def _skipped(p: torch.Tensor) -> bool:
@@ -85,6 +104,9 @@ class _AdamLists:
     tensors: list[list[torch.Tensor]]  # their local tensors, in the same order
     steps: list[torch.Tensor]
     has_complex: bool
+    on_cpu: bool = True  # every parameter
+    large: list[int] = field(default_factory=list)  # positions of those of _LARGE bytes or more
+    small: list[int] = field(default_factory=list)  # the others
     # How the local tensor of each of ``sources`` is read: without an isinstance
     # check per tensor where all are DTensors (the common case).
     local_of: Callable[[torch.Tensor], torch.Tensor] = runtime.local_tensor
@@ -144,7 +166,11 @@ def _adam_lists(state: Any, group: dict[str, Any]) -> _AdamLists | None:
                 return None
             source.append(t)
             out.append(local)
-        lists.has_complex |= tensors[0][-1].is_complex()
+        local_p = tensors[0][-1]
+        lists.has_complex |= local_p.is_complex()
+        lists.on_cpu &= local_p.device.type == "cpu"
+        large = local_p.numel() * local_p.element_size() >= _LARGE
+        (lists.large if large else lists.small).append(len(lists.updated))
         lists.steps.append(step)
         lists.updated.append(p)
         lists.dicts.append(s)
@@ -219,6 +245,73 @@ def _adam_work(
     return work
 
 
+def _reproduced(lists: _AdamLists, group: dict[str, Any], grad_scale: Any, found_inf: Any) -> bool:
+    """Whether torch's step would run its multi-tensor Adam on CPU tensors, in the
+    variant :func:`_foreach_adam_cpu` reproduces."""
+    return (
+        group["foreach"] is True
+        and not group["fused"]
+        and not group["capturable"]
+        and not group["amsgrad"]
+        and not lists.has_complex
+        and lists.on_cpu
+        and grad_scale is None
+        and found_inf is None
+        and bool(lists.updated)
+    )
+
+
+def _foreach_adam_cpu(lists: _AdamLists, grads: list[torch.Tensor], group: dict[str, Any]) -> None:
+    """torch's multi-tensor Adam (``foreach=True``, not capturable, no amsgrad, real
+    tensors) on CPU tensors: the same ops, in the same order on each tensor, as
+    ``torch.optim.adam._multi_tensor_adam``; see [Note: foreach Adam on the CPU]."""
+    params, exp_avgs, exp_avg_sqs = lists.tensors
+    steps, maximize = lists.steps, group["maximize"]
+    lr, (beta1, beta2), eps, decay = (
+        group["lr"],
+        group["betas"],
+        group["eps"],
+        group["weight_decay"],
+    )
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    # torch's CPU steps: one wrapped 1.0 and alpha, the overload its CPU path takes.
+    torch._foreach_add_(steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
+    if decay != 0:
+        if group["decoupled_weight_decay"]:
+            torch._foreach_mul_(params, 1 - lr * decay)
+        elif maximize:
+            torch._foreach_add_(grads, params, alpha=decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    del grads
+    counts = [step.item() for step in steps]
+    step_sizes = [(lr / (1 - beta1**t)) * -1 for t in counts]
+    roots_by = [(1 - beta2**t) ** 0.5 for t in counts]
+    if lists.small:
+        # The small tensors together, as torch does (their buffers are reused in place).
+        small = lists.small
+        roots = torch._foreach_sqrt([exp_avg_sqs[i] for i in small])
+        torch._foreach_div_(roots, [roots_by[i] for i in small])
+        torch._foreach_add_(roots, eps)
+        torch._foreach_addcdiv_(
+            [params[i] for i in small],
+            [exp_avgs[i] for i in small],
+            roots,
+            [step_sizes[i] for i in small],
+        )
+        del roots
+    for i in lists.large:
+        # One at a time: each buffer is freed before the next is allocated.
+        root = exp_avg_sqs[i].sqrt()
+        root.div_(roots_by[i])
+        root.add_(eps)
+        params[i].addcdiv_(exp_avgs[i], root, value=step_sizes[i])
+
+
 def adam_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
     """Adam's or AdamW's update on the local shards (see [Note: direct local updates]);
     returns the parameters it updated, or ``None``, with nothing updated, where it
@@ -232,6 +325,10 @@ def adam_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
     with torch.no_grad():
         for lists, grads in work:
             group = lists.group
+            if _reproduced(lists, group, grad_scale, found_inf):
+                _foreach_adam_cpu(lists, grads, group)
+                updated += lists.updated
+                continue
             params, exp_avgs, exp_avg_sqs, *rest = lists.tensors
             beta1, beta2 = group["betas"]
             _adam(
