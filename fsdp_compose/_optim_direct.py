@@ -128,7 +128,7 @@ def _forget(optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
     # must not stay alive until the next step.
     cache = _caches.get(optimizer)
     if cache is not None:
-        cache.groups = []
+        cache.state, cache.groups = None, []
 
 
 def _adam_names(group: dict[str, Any]) -> tuple[str, ...] | None:
