@@ -203,7 +203,7 @@ def _current_grads(
         return None
     for n, sources, tensors in zip(lists.names[1:], lists.sources[1:], lists.tensors[1:]):
         # A state replaced in its dict, or swapped (``swap_tensors``), is not cached.
-        held = [d.get(n) for d in dicts]
+        held: list[Any] = [d.get(n) for d in dicts]
         if not all(map(is_, held, sources)) or not all(
             map(is_, map(lists.local_of, held), tensors)
         ):
@@ -273,8 +273,7 @@ def _foreach_adam_cpu(lists: _AdamLists, grads: list[torch.Tensor], group: dict[
         group["eps"],
         group["weight_decay"],
     )
-    if maximize:
-        grads = torch._foreach_neg(grads)
+    grads = list(torch._foreach_neg(grads)) if maximize else grads
     # torch's CPU steps: one wrapped 1.0 and alpha, the overload its CPU path takes.
     torch._foreach_add_(steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
     if decay != 0:
@@ -283,7 +282,7 @@ def _foreach_adam_cpu(lists: _AdamLists, grads: list[torch.Tensor], group: dict[
         elif maximize:
             torch._foreach_add_(grads, params, alpha=decay)
         else:
-            grads = torch._foreach_add(grads, params, alpha=decay)
+            grads = list(torch._foreach_add(grads, params, alpha=decay))
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
