@@ -264,18 +264,37 @@ def _reproduced(lists: _AdamLists, group: dict[str, Any], grad_scale: Any, found
 def _foreach_adam_cpu(lists: _AdamLists, grads: list[torch.Tensor], group: dict[str, Any]) -> None:
     """torch's multi-tensor Adam (``foreach=True``, not capturable, no amsgrad, real
     tensors) on CPU tensors: the same ops, in the same order on each tensor, as
-    ``torch.optim.adam._multi_tensor_adam``; see [Note: foreach Adam on the CPU]."""
-    params, exp_avgs, exp_avg_sqs = lists.tensors
-    steps, maximize = lists.steps, group["maximize"]
-    lr, (beta1, beta2), eps, decay = (
-        group["lr"],
-        group["betas"],
-        group["eps"],
-        group["weight_decay"],
-    )
-    grads = list(torch._foreach_neg(grads)) if maximize else grads
+    ``torch.optim.adam._multi_tensor_adam``, the small tensors together and each
+    large one on its own; see [Note: foreach Adam on the CPU]."""
+    steps, (beta1, beta2) = lists.steps, group["betas"]
     # torch's CPU steps: one wrapped 1.0 and alpha, the overload its CPU path takes.
     torch._foreach_add_(steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
+    counts = [step.item() for step in steps]
+    step_sizes = [(group["lr"] / (1 - beta1**t)) * -1 for t in counts]
+    roots_by = [(1 - beta2**t) ** 0.5 for t in counts]
+    params, exp_avgs, exp_avg_sqs = lists.tensors
+    every = (params, grads, exp_avgs, exp_avg_sqs, step_sizes, roots_by)
+    if lists.small:
+        small = lists.small
+        _adam_ops(*([values[i] for i in small] for values in every), group)
+    for i in lists.large:
+        _adam_ops(*([values[i]] for values in every), group)
+
+
+def _adam_ops(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    step_sizes: list[float],
+    roots_by: list[float],
+    group: dict[str, Any],
+) -> None:
+    """The foreach ops of torch's multi-tensor Adam after the step counts, on
+    these tensors (a foreach op on CPU tensors runs the single-tensor op on each)."""
+    lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
+    maximize = group["maximize"]
+    grads = list(torch._foreach_neg(grads)) if maximize else grads
     if decay != 0:
         if group["decoupled_weight_decay"]:
             torch._foreach_mul_(params, 1 - lr * decay)
@@ -287,28 +306,10 @@ def _foreach_adam_cpu(lists: _AdamLists, grads: list[torch.Tensor], group: dict[
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
     del grads
-    counts = [step.item() for step in steps]
-    step_sizes = [(lr / (1 - beta1**t)) * -1 for t in counts]
-    roots_by = [(1 - beta2**t) ** 0.5 for t in counts]
-    if lists.small:
-        # The small tensors together, as torch does (their buffers are reused in place).
-        small = lists.small
-        roots = torch._foreach_sqrt([exp_avg_sqs[i] for i in small])
-        torch._foreach_div_(roots, [roots_by[i] for i in small])
-        torch._foreach_add_(roots, eps)
-        torch._foreach_addcdiv_(
-            [params[i] for i in small],
-            [exp_avgs[i] for i in small],
-            roots,
-            [step_sizes[i] for i in small],
-        )
-        del roots
-    for i in lists.large:
-        # One at a time: each buffer is freed before the next is allocated.
-        root = exp_avg_sqs[i].sqrt()
-        root.div_(roots_by[i])
-        root.add_(eps)
-        params[i].addcdiv_(exp_avgs[i], root, value=step_sizes[i])
+    roots = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(roots, roots_by)
+    torch._foreach_add_(roots, group["eps"])
+    torch._foreach_addcdiv_(params, exp_avgs, roots, step_sizes)
 
 
 def adam_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
