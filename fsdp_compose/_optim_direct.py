@@ -11,7 +11,9 @@ hyperparameters, ``grad_scale`` and ``found_inf``. The update then runs once per
 group on plain tensors (fused, foreach or per tensor as the group says), with no
 DTensor wrapper created, no sharding propagation and no state swapped in and out
 of ``optimizer.state``; the states stay the DTensors the optimizer holds and are
-updated in place through their local tensors.
+updated in place through their local tensors. Foreach Adam on CPU tensors runs
+torch's ops itself, the same ops in the same order per tensor (see
+[Note: foreach Adam on the CPU]).
 
 [Note: cached update lists]
 Building Adam's lists (a dozen attribute reads and checks per parameter) costs
@@ -29,25 +31,22 @@ gradient. Any difference rebuilds the lists; hyperparameters are read from the
 group every step, never cached.
 
 [Note: foreach Adam on the CPU]
-torch's multi-tensor Adam takes the square root of every ``exp_avg_sq`` into new
-tensors at once and frees them at the end of the step. On the CPU these are
-ordinary heap allocations: a parameter's worth of them, freed together at the top
-of the heap, is given back to the operating system (glibc trims it), so every
-step faults the pages in again, which costs more than the arithmetic. Where
-``foreach=True`` would run torch's multi-tensor Adam on CPU tensors (not
-capturable, no amsgrad, real parameters, no gradient scaler),
-:func:`_foreach_adam_cpu` runs the same per-tensor ops in the same order with
-the same scalars (each foreach op on the CPU applies the single-tensor op to each
-tensor, so the results are bit-identical), except that the square roots of
-large tensors are taken one tensor at a time: each buffer is freed before the
-next of the same size is allocated, and the heap reuses it. Anything else calls
-torch's function.
+On the CPU a foreach op is a loop running the single-tensor op on each tensor of
+its lists, so torch's multi-tensor Adam makes about ten passes over all the
+parameters, gradients and states, one op after the other: once they outgrow the
+CPU caches every pass reads them from memory again. It also takes the square
+roots of all ``exp_avg_sq`` into new tensors at once and frees them together at
+the end of the step; depending on the heap's state glibc gives that memory back
+to the operating system, and the next step faults every page in again.
 
-A step is taken here only when every state it needs already exists (the first
-step creates them through the general local path of ``_optim.py``, exactly as
-torch's ``step`` does) and every tensor is a plain dense tensor (a tensor
-subclass's local shard or a sparse gradient keeps the general path); otherwise
-nothing is updated and the caller falls back.
+Where ``foreach=True`` would run torch's multi-tensor Adam on CPU tensors (not
+capturable, no amsgrad, real parameters, no gradient scaler),
+:func:`_foreach_adam_cpu` runs the same ops with the same scalars, in the same
+order on each tensor, so every tensor's result is bit-identical: the small
+tensors (below ``_LARGE`` bytes) together, as torch does, and each large one on
+its own, all its ops in a row while its tensors are still in cache, its square
+root freed before the next one is allocated (the heap reuses it). Anything else
+calls torch's function.
 """
 
 from __future__ import annotations
@@ -69,8 +68,8 @@ from . import _runtime as runtime
 
 _ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
-#: Parameters of at least this many bytes get the square root of their
-#: ``exp_avg_sq`` one at a time on the CPU (see [Note: foreach Adam on the CPU]).
+#: Parameters of at least this many bytes get their foreach Adam update one at a
+#: time on the CPU (see [Note: foreach Adam on the CPU]).
 _LARGE = 1 << 16
 
 
@@ -276,22 +275,17 @@ def _foreach_adam_cpu(lists: _AdamLists, grads: list[torch.Tensor], group: dict[
     every = (params, grads, exp_avgs, exp_avg_sqs, step_sizes, roots_by)
     if lists.small:
         small = lists.small
-        _adam_ops(*([values[i] for i in small] for values in every), group)
+        _adam_ops([[values[i] for i in small] for values in every], group)
     for i in lists.large:
-        _adam_ops(*([values[i]] for values in every), group)
+        _adam_ops([[values[i]] for values in every], group)
 
 
-def _adam_ops(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    step_sizes: list[float],
-    roots_by: list[float],
-    group: dict[str, Any],
-) -> None:
+def _adam_ops(values: list[list[Any]], group: dict[str, Any]) -> None:
     """The foreach ops of torch's multi-tensor Adam after the step counts, on
-    these tensors (a foreach op on CPU tensors runs the single-tensor op on each)."""
+    these tensors (a foreach op on CPU tensors runs the single-tensor op on each):
+    ``values`` holds the params, grads, exp_avgs, exp_avg_sqs, step sizes and
+    bias corrections of the square roots."""
+    params, grads, exp_avgs, exp_avg_sqs, step_sizes, roots_by = values
     lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
     maximize = group["maximize"]
     grads = list(torch._foreach_neg(grads)) if maximize else grads
