@@ -11,6 +11,8 @@ missed one of them would update stale tensors."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -126,9 +128,6 @@ def _forget_job() -> dict[str, Any]:
     held = [s["exp_avg"] for s in opt.state.values()]
     cached_before = bool(_optim_direct._caches[opt].groups)
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-    import gc
-    import weakref
-
     refs = [weakref.ref(t) for t in held]
     del held
     gc.collect()
