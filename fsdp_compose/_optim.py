@@ -36,11 +36,14 @@ may change gradients or learning rates, exactly as before torch's own update);
 register further hooks before calling it. It runs the sharded
 update (the elementwise swap above, or the whole-matrix step of
 ``fsdp_compose.whole_matrix`` for ``torch.optim.Muon`` and
-``torch.optim.Adafactor``) and then hides the gradients of the parameters
-it updated (``p.grad = None``), so the body of torch's ``step`` skips them: every
-optimizer handled here skips parameters without a gradient, state counters
-included. The post-hook, the first of the post-hooks, gives the gradients
-back before any user post-hook sees them. A ``closure`` is evaluated by the
+``torch.optim.Adafactor``) and then hides the parameters it updated from the
+body of torch's ``step``: each param group's ``"params"`` list is replaced, for
+the duration of the step, by a list of the parameters it did not update (often
+empty), so torch's loop over the group never sees them, state counters
+included. One list per group costs less than setting each parameter's ``.grad``
+to ``None`` and back. The post-hook, the first of the post-hooks, puts the
+groups' own lists back before any user post-hook sees them (and so does the
+next pre-hook, should a step raise before its post-hooks). A ``closure`` is evaluated by the
 pre-hook (under ``enable_grad``, before the update, as torch does) and replaced
 by one returning its loss, so ``step(closure)`` returns the same value.
 """
@@ -81,11 +84,12 @@ _ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
 
 @dataclass
 class _Record:
-    """An accelerated optimizer's hook handles and the gradients its pre-hook hid."""
+    """An accelerated optimizer's hook handles and the param groups' own lists
+    while its pre-hook swapped them."""
 
     pre_id: int
     post_id: int
-    hidden: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    swapped: list[tuple[dict[str, Any], list[torch.Tensor]]] = field(default_factory=list)
 
 
 _records: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Record] = weakref.WeakKeyDictionary()
@@ -139,7 +143,7 @@ def enable_sharded_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
         )
     if optimizer not in _records:
         pre = optimizer.register_step_pre_hook(_sharded_step_hook)
-        post = optimizer.register_step_post_hook(_give_grads_back_hook)
+        post = optimizer.register_step_post_hook(_give_params_back_hook)
         _move(optimizer, "_optimizer_step_post_hooks", post.id, last=False)
         _records[optimizer] = _Record(pre.id, post.id)
     return optimizer
@@ -159,7 +163,7 @@ def _sharded_step_hook(
     handler, record = _handler(optimizer), _records.get(optimizer)
     if handler is None or record is None or torch.compiler.is_compiling():
         return None
-    _give_grads_back(record)  # a step that raised after this hook never reached the post-hook
+    _give_params_back(record)  # a step that raised after this hook never reached the post-hook
     replaced = None
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if closure is not None:
@@ -169,24 +173,25 @@ def _sharded_step_hook(
         args = args[:1] if len(args) > 1 else args
         replaced = (args, {**kwargs, "closure": lambda: loss})
     updated = handler(optimizer)
-    for p in updated:
-        if p.grad is not None:
-            record.hidden.append((p, p.grad))
-            p.grad = None
+    if updated:
+        done = set(map(id, updated))
+        for group in optimizer.param_groups:
+            params = group["params"]
+            record.swapped.append((group, params))
+            group["params"] = [p for p in params if id(p) not in done]
     return replaced
 
 
-def _give_grads_back_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _give_params_back_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     record = _records.get(optimizer)
     if record is not None:
-        _give_grads_back(record)
+        _give_params_back(record)
 
 
-def _give_grads_back(record: _Record) -> None:
-    for p, grad in record.hidden:
-        if p.grad is None:
-            p.grad = grad
-    record.hidden.clear()
+def _give_params_back(record: _Record) -> None:
+    for group, params in record.swapped:
+        group["params"] = params
+    record.swapped.clear()
 
 
 # ---------------------------------------------------------------------------
