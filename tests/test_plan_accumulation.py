@@ -37,6 +37,8 @@ def test_one_micro_batch_is_unchanged() -> None:
     assert one.accumulation == () and "accumulation" not in one.to_dict()
     assert one.peak_bytes == one.estimate.peak_bytes_per_rank
     assert "gradient accumulation" not in one.table()
+    assert one.plan is not None and {u.accumulation for u in one.plan.units} == {"unsharded"}
+    assert all("accumulation" not in u for u in one.to_dict()["plan"]["units"])
 
 
 def test_costs_match_the_formulas() -> None:
@@ -101,6 +103,13 @@ def test_unsharded_does_not_fit_so_sharded_is_chosen() -> None:
     assert "sharded" in modes and "unsharded" in modes, modes
     sharded = [a for a in result.accumulation if a.mode == "sharded"]
     assert all("does not fit" in a.reason for a in sharded)
+    # the plan carries the modes, for auto_wrap (and its dict, for JSON)
+    assert result.plan is not None
+    assert [u.accumulation for u in result.plan.units] == [
+        {a.name: a.mode for a in result.accumulation}[u.name] for u in result.plan.units
+    ]
+    units = result.to_dict()["plan"]["units"]
+    assert [u["accumulation"] for u in units] == [u.accumulation for u in result.plan.units]
     # Without accumulation the same budget fits with room to spare; with nothing
     # but sharded accumulation's memory it does not fit at all.
     assert not plan_to_budget(model, base + all_sharded - 1, grad_accum=8, **_ONE).fits

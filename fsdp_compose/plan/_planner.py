@@ -355,6 +355,7 @@ class _Search:
         if self.grad_accum > 1:
             accumulation = choose_accumulation(est, self.cost, self.grad_accum, cap - peak)
             peak += sum(a.held for a in accumulation)
+            plan = _with_accumulation(plan, accumulation)
         return _Scored(
             choice,
             step_cost(est, self.cost, plan.prefetch_depth),
@@ -408,6 +409,15 @@ class _Search:
             if not again.host_fits or len(chosen) == len(order):
                 return None
             chosen.append(order[len(chosen)].name)
+
+
+def _with_accumulation(
+    plan: ShardingPlan, accumulation: tuple[UnitAccumulation, ...]
+) -> ShardingPlan:
+    """``plan`` with each unit's chosen accumulation mode, for ``auto_wrap``."""
+    modes = {a.name: a.mode for a in accumulation}
+    units = tuple(dataclasses.replace(u, accumulation=modes[u.name]) for u in plan.units)
+    return dataclasses.replace(plan, units=units)
 
 
 def _ms(seconds: float) -> str:

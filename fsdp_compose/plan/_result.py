@@ -258,6 +258,7 @@ class PlanResult:
                         "checkpoint": u.checkpoint,
                         "offload": u.offload,
                     }
+                    | ({"accumulation": u.accumulation} if self.grad_accum > 1 else {})
                     for u in self.plan.units
                 ],
             },
