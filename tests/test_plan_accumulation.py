@@ -37,6 +37,8 @@ def test_one_micro_batch_is_unchanged() -> None:
     assert one.accumulation == () and "accumulation" not in one.to_dict()
     assert one.peak_bytes == one.estimate.peak_bytes_per_rank
     assert "gradient accumulation" not in one.table()
+    assert one.plan is not None and {u.accumulation for u in one.plan.units} == {"unsharded"}
+    assert all("accumulation" not in u for u in one.to_dict()["plan"]["units"])
 
 
 def test_costs_match_the_formulas() -> None:
@@ -101,6 +103,13 @@ def test_unsharded_does_not_fit_so_sharded_is_chosen() -> None:
     assert "sharded" in modes and "unsharded" in modes, modes
     sharded = [a for a in result.accumulation if a.mode == "sharded"]
     assert all("does not fit" in a.reason for a in sharded)
+    # the plan carries the modes, for auto_wrap (and its dict, for JSON)
+    assert result.plan is not None
+    assert [u.accumulation for u in result.plan.units] == [
+        {a.name: a.mode for a in result.accumulation}[u.name] for u in result.plan.units
+    ]
+    units = result.to_dict()["plan"]["units"]
+    assert [u["accumulation"] for u in units] == [u.accumulation for u in result.plan.units]
     # Without accumulation the same budget fits with room to spare; with nothing
     # but sharded accumulation's memory it does not fit at all.
     assert not plan_to_budget(model, base + all_sharded - 1, grad_accum=8, **_ONE).fits
@@ -134,3 +143,64 @@ def test_cli_grad_accum(capsys: pytest.CaptureFixture[str]) -> None:
         main(["x:y", "--world-size", "2", "--batch", "1", "--seq", "4", "--grad-accum", "4"]) == 2
     )
     assert "--budget" in capsys.readouterr().err
+
+
+def test_step_time_counts_every_micro_batch_and_sharded_reduce_scatters() -> None:
+    from fsdp_compose.plan._cost import step_cost
+
+    m = 4
+    result = plan_to_budget(_tiny_lm(), 10**9, **_ONE)
+    est = result.estimate
+    units = list(est.units)
+    compute = sum(u.flops for u in units)
+    latency, bandwidth = 1e-3, 1e6
+    serial = CostModel(flop_rate=compute, bandwidth=bandwidth, latency=latency, overlap=0)
+
+    def seconds(nbytes: float) -> float:
+        return latency + nbytes / bandwidth if nbytes else 0.0
+
+    gathers = sum(
+        seconds(u.all_gather_bytes - u.backward_gather_bytes) + seconds(u.backward_gather_bytes)
+        for u in units
+    )
+    reductions = sum(seconds(u.reduce_bytes) for u in units)
+    one = step_cost(est, serial, 1)
+    assert step_cost(est, serial, 1, 1, ()) == one  # one micro-batch: as before
+    assert one.step_s == pytest.approx(1.0 + gathers + reductions)
+    # unsharded accumulation: M micro-batches of compute and all-gathers, one reduction
+    unsharded = step_cost(est, serial, 1, m, ())
+    assert unsharded.compute_s == pytest.approx(m * 1.0)
+    assert unsharded.step_s == pytest.approx(m * (1.0 + gathers) + reductions)
+    # a sharded unit adds a reduce-scatter to each micro-batch without sync
+    block = next(u for u in units if u.name == "blocks.1")
+    scatter = seconds((W - 1) * block.grad_reduce_bytes)
+    sharded = step_cost(est, serial, 1, m, {"blocks.1"})
+    assert sharded.step_s == pytest.approx(unsharded.step_s + (m - 1) * scatter)
+    # fully overlapped on a slow rank, the extra reduce-scatters hide under backward
+    slow = CostModel(flop_rate=compute, bandwidth=1e12, latency=0.0, overlap=1.0)
+    assert step_cost(est, slow, 1, m, {"blocks.1"}).step_s == pytest.approx(
+        step_cost(est, slow, 1, m, ()).step_s
+    )
+
+
+def test_planner_step_time_includes_the_chosen_modes() -> None:
+    from fsdp_compose.plan._cost import step_cost
+
+    m = 8
+    model = _tiny_lm()
+    ample = plan_to_budget(model, 10**9, grad_accum=m, **_ONE)
+    acc = ample.accumulation
+    block = {a.name: a for a in acc}["blocks.0"]
+    base = ample.estimate.peak_bytes_per_rank
+    budget = base + sum(a.held_sharded for a in acc) + block.held_unsharded - block.held_sharded
+    result = plan_to_budget(model, budget, grad_accum=m, **_ONE)
+    assert result.plan is not None
+    sharded = {a.name for a in result.accumulation if a.mode == "sharded"}
+    assert sharded
+    depth = result.plan.prefetch_depth
+    assert result.step == step_cost(result.estimate, result.cost, depth, m, sharded)
+    # the sharded units' reduce-scatters cost time: slower than all unsharded, which
+    # does not fit this budget
+    assert result.step_time_s > step_cost(result.estimate, result.cost, depth, m, ()).step_s
+    assert f" ({m} micro-batches): compute" in result.table()
+    assert "micro-batches): compute" not in plan_to_budget(model, 10**9, **_ONE).table()

@@ -256,3 +256,56 @@ def test_hsdp_reduce_scatter_each_micro_batch_all_reduce_once(world: int) -> Non
             assert counts[("all_reduce", label)] == 1, counts
             assert default_counts[("reduce_scatter", label)] == 1, default_counts
             assert default_counts[("all_reduce", label)] == 1, default_counts
+
+
+def _manual_job(mesh_shape: tuple[int, ...]) -> dict[str, Any]:
+    """Manual backward finalization over sharded accumulation, against the automatic
+    mode: FSDP2's recipe (every backward without sync, then sync and finalize), a
+    synchronizing last backward, and the asynchronous handle."""
+    rank, _ = rank_world()
+    names = ("replicate", "shard")[-len(mesh_shape) :]
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    out: dict[str, Any] = {}
+
+    def sharded() -> nn.Module:
+        model = _shard(fully_shard, mesh, None)
+        model.set_gradient_accumulation("sharded")
+        return model
+
+    auto = sharded()
+    with collective_log(auto) as log:
+        _step(auto, rank)
+    out["auto"] = (_grads(auto), log.counts())
+    for recipe in ("fsdp2", "sync last", "async"):
+        model = sharded()
+        model.set_manual_backward_finalization(True)
+        with collective_log(model) as log:
+            for step in range(2):  # the second step starts from what the first left
+                model.zero_grad()
+                _step(model, rank, sync_last=recipe == "sync last")
+                model.set_requires_gradient_sync(True)
+                handle = model.finalize_backward(async_op=recipe == "async")
+                if handle is not None:
+                    handle.wait()
+                if step == 0:
+                    counts = log.counts()
+        out[recipe] = (_grads(model), counts, model.get_pending_gradients())
+    return out
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_manual_finalization_with_sharded_accumulation(mesh_shape: tuple[int, ...]) -> None:
+    from dist_utils import run_distributed
+
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    for r in run_distributed(_manual_job, world, mesh_shape, timeout=300):
+        grads, counts = r["auto"]
+        for recipe in ("fsdp2", "sync last", "async"):
+            ours, our_counts, pending = r[recipe]
+            assert pending == {}, recipe
+            assert all(torch.equal(ours[n], grads[n]) for n in grads), recipe
+            # the same collectives as the automatic mode: a reduce-scatter per
+            # micro-batch and unit, (HSDP) one all-reduce per step
+            assert our_counts == counts, (recipe, our_counts, counts)

@@ -144,7 +144,10 @@ class FSDPModule:
         """Finalizes backward in manual mode (:meth:`set_manual_backward_finalization`):
         runs the pending post-backward work, reduces gradients and reshards. Call on the
         root after all backward passes of one logical backward (to accumulate over several,
-        disable gradient sync for all but the last). With ``async_op``, returns a
+        disable gradient sync for all but the last). Units in sharded accumulation
+        (:meth:`set_gradient_accumulation`) have reduce-scattered already: with gradient
+        sync enabled, their fp32 sums are handed to ``.grad`` as by
+        :meth:`synchronize_gradients`. With ``async_op``, returns a
         :class:`GradientReductionHandle` to wait on before using the gradients or forward."""
         state = self._fsdp_state()
         scheduler = state.scheduler
@@ -164,13 +167,15 @@ class FSDPModule:
             )
         if scheduler.training_state in _IN_PASS:
             raise RuntimeError("FSDP finalize_backward must be called after backward completes")
-        partial = next((u for u in scheduler.units if u.reducer.partial_sums), None)
+        # (sharded accumulation's sums are handed over by finalization itself)
+        units = [u for u in scheduler.units if not u.options.sharded_accumulation]
+        partial = next((u for u in units if u.reducer.partial_sums), None)
         if partial is not None:
             raise RuntimeError(
                 "FSDP manual backward finalization does not support partial gradient "
                 f"reductions for parameter group {partial.name!r} (set_requires_all_reduce"
-                "(False), or fsdp_compose's set_gradient_accumulation('sharded')). Use "
-                "automatic backward finalization for this configuration"
+                "(False)). Use automatic backward finalization, or fsdp_compose's "
+                "set_gradient_accumulation('sharded'), which finalize_backward supports"
             )
         scheduler.finalize_manually(wait=not async_op)
         return GradientReductionHandle(scheduler) if async_op else None

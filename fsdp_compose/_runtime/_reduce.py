@@ -33,10 +33,14 @@ while sync is disabled: each backward's gradient is reduce-scattered (in the red
 dtype) as a synchronizing one would be, and the local result is kept as a partial
 sum, the same mechanism as HSDP without all-reduce, upcast to fp32 (4 bytes per
 parameter divided by the shard world size, instead of the unsharded gradient's
-size). The synchronizing backward (or ``synchronize_gradients``, which then needs no
-reduce-scatter) adds the sums in fp32 to its own reduce-scatter's output, all-reduces
-that across HSDP replicas, and divides and hands it over as usual. It trades memory
-for bytes sent: one reduce-scatter per micro-batch instead of one per step.
+size). The synchronizing backward (or ``synchronize_gradients``, or in manual mode
+``finalize_backward`` with sync enabled, which then need no reduce-scatter) adds the
+sums in fp32 to its own reduce-scatter's output, all-reduces that across HSDP
+replicas, and divides and hands it over as usual. It trades memory for bytes sent:
+one reduce-scatter per micro-batch instead of one per step. A kept sum is stored as
+soon as its reduce-scatter is waited on (``PendingReduction.advance``), so that a
+later reduction of the unit, advanced in issue order, finds it even where manual
+finalization defers finishing the reductions.
 """
 
 from __future__ import annotations
@@ -301,6 +305,11 @@ class PendingReduction:
         self._reduce_scatter.wait()
         self._reduce_scatter = None
         if self._keep_partial:
+            # Kept as soon as they arrive: a later reduction of the unit, advanced in
+            # issue order, then finds them (manual finalization defers finishing).
+            with torch.no_grad():
+                self.reducer.partial_reduce(self._params, self._output, keep=True)
+            self._output, self._params = None, []
             return
         if self.reducer.partial_sums:
             self._output = self.reducer.partial_reduce(self._params, self._output, keep=False)
@@ -318,10 +327,7 @@ class PendingReduction:
             self._all_reduce.wait()
             self._all_reduce = None
         with torch.no_grad():
-            if self._keep_partial:
-                self.reducer.partial_reduce(self._params, output, keep=True)
-            else:
-                self.reducer.hand_over(self._params, output, self._post_divide)
+            self.reducer.hand_over(self._params, output, self._post_divide)
         self._output, self._params = None, []
 
     def discard(self) -> None:

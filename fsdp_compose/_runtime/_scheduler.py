@@ -434,11 +434,21 @@ class Scheduler:
         """``FSDPModule.finalize_backward``: runs the deferred post-backwards (and those
         of unsynchronized gradients), reshards, and (``wait``) completes every reduction."""
         awaiting, self._awaiting_finalize = self._awaiting_finalize, []
+        for pending in self._reductions:  # the no-sync backwards' sums are kept first
+            pending.advance()
         for unit in reversed(self.units):
+            options = unit.options
             if unit in awaiting or unit.reducer.has_unsharded_grads():
                 self._post_backward(unit, at_end=True)
-            elif unit.options.reshard_after_backward:
-                self.memory.reshard(unit)
+            else:
+                if options.sharded_accumulation and options.requires_gradient_sync:
+                    # Its backwards reduce-scattered already: hand the kept sums over, as
+                    # synchronize_gradients does ([Note: pending gradients] in _reduce.py).
+                    reduction = unit.reducer.synchronize()
+                    if reduction is not None:
+                        self._reductions.append(reduction)
+                if options.reshard_after_backward:
+                    self.memory.reshard(unit)
             unit.enter(TrainingState.IDLE)
         if wait:
             self.complete_manual_reductions()

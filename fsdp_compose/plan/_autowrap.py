@@ -53,7 +53,8 @@ def auto_wrap(
             -> bool``. Ignored when ``plan`` is given.
         plan: an explicit :class:`ShardingPlan` (from :func:`resolve_plan` or the
             planner); its per-unit ``reshard_after_forward``, activation
-            checkpointing, offload and prefetch depth are applied.
+            checkpointing, offload, gradient accumulation mode and prefetch
+            depth are applied.
         mesh, mp_policy, offload_policy, shard_placement_fn: passed to every
             ``fully_shard`` call (a unit the plan offloads gets
             ``CPUOffloadPolicy()`` unless ``offload_policy`` is one).
@@ -133,7 +134,10 @@ def _apply(
         if unit.offload and type(common["offload_policy"]).__name__ != "CPUOffloadPolicy":
             kwargs["offload_policy"] = CPUOffloadPolicy()  # a unit the plan offloads
         made = fully_shard(arg, **kwargs)
-        units.extend(made if isinstance(made, list) else [made])
+        made = made if isinstance(made, list) else [made]
+        if unit.accumulation == "sharded":  # this unit only: its children have their own
+            made[0].set_gradient_accumulation("sharded", recurse=False)
+        units.extend(made)
     return units
 
 

@@ -32,6 +32,16 @@ Step time = compute + exposed communication + the host optimizer step, per rank:
   full overlap, and ``(1 - overlap)`` of the communication it hid behind compute
   is added back.
 
+With ``M`` micro-batches per optimizer step (``grad_accum``), the step is ``M``
+micro-batches: the last one as above (gradient sync on), and ``M - 1`` without
+sync, each with the same compute and all-gathers, in which a unit accumulating
+unsharded reduces nothing and a unit accumulating sharded reduce-scatters
+(``latency + (W-1)/W N r / bandwidth``, no replica all-reduce: that waits for
+the last micro-batch), issued when its backward ends like the last one's
+([Note: choosing the accumulation mode] in ``_accumulation.py``). The host
+optimizer step runs once per step; the offload copies before each gather run in
+every micro-batch, those of reduced gradients only in the last.
+
 Every offload term only adds time to a schedule whose other durations are those
 of the same plan without offload, and the schedule's end never decreases when a
 duration grows: a plan that offloads is never predicted faster than the same
@@ -41,6 +51,7 @@ plan without offload on the same world size.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,9 +178,16 @@ def _offload_copies(u: UnitEstimate) -> tuple[int, int, int]:
     return u.sharded_bytes, backward, grads
 
 
-def step_cost(est: MemoryEstimate, cost: CostModel, depth: int) -> StepCost:
-    """The step time of ``est`` under ``cost``, in parts (``[Note: the planner's
-    cost model]``)."""
+def step_cost(
+    est: MemoryEstimate,
+    cost: CostModel,
+    depth: int,
+    grad_accum: int = 1,
+    sharded: Collection[str] = (),
+) -> StepCost:
+    """The step time of ``est`` under ``cost``, in parts, over ``grad_accum``
+    micro-batches of which the units named in ``sharded`` accumulate sharded
+    (``[Note: the planner's cost model]``)."""
     units = list(est.units)
     fwd = {u.name: u.flops / 3 / cost.flop_rate for u in units}
     bwd = {
@@ -187,11 +205,27 @@ def step_cost(est: MemoryEstimate, cost: CostModel, depth: int) -> StepCost:
     }
     gather_bwd = {u.name: comm(u.backward_gather_bytes, copies[u.name][1]) for u in units}
     reduce = {u.name: comm(u.reduce_bytes, copies[u.name][2]) for u in units}
-    comm_total = sum(gather_fwd.values()) + sum(gather_bwd.values()) + sum(reduce.values())
-    end, compute = _schedule(units, fwd, bwd, gather_fwd, gather_bwd, reduce, depth)
-    hidden = max(0.0, comm_total - (end - compute))
-    end += (1 - cost.overlap) * hidden  # what the hidden part still takes from compute
-    h2d = sum(c[0] + c[1] for c in copies.values())
+
+    def micro_batch(reductions: dict[str, float]) -> tuple[float, float]:
+        """(end, compute seconds) of one micro-batch with these reductions."""
+        comm_total = sum(gather_fwd.values()) + sum(gather_bwd.values())
+        comm_total += sum(reductions.values())
+        end, compute = _schedule(units, fwd, bwd, gather_fwd, gather_bwd, reductions, depth)
+        hidden = max(0.0, comm_total - (end - compute))
+        # what the hidden part still takes from compute
+        return end + (1 - cost.overlap) * hidden, compute
+
+    end, compute = micro_batch(reduce)
+    if grad_accum > 1:  # the micro-batches without sync: only sharded units reduce-scatter
+        shards = est.config["mesh_shape"][-1]
+        scatter = {
+            u.name: comm((shards - 1) * u.grad_reduce_bytes) if u.name in sharded else 0.0
+            for u in units
+        }
+        more_end, more_compute = micro_batch(scatter)
+        end += (grad_accum - 1) * more_end
+        compute += (grad_accum - 1) * more_compute
+    h2d = grad_accum * sum(c[0] + c[1] for c in copies.values())
     d2h = sum(c[2] for c in copies.values())
     host_step = est.host_bytes_per_rank / cost.host_optimizer_rate if offload else 0.0
     return StepCost(

@@ -31,8 +31,10 @@ beat activation checkpointing when the copies hide behind compute.
 
 With ``grad_accum > 1`` micro-batches per step, each candidate's units also get
 an accumulation mode ([Note: choosing the accumulation mode] in
-``_accumulation.py``), and the bytes they hold between micro-batches count
-towards the candidate's peak.
+``_accumulation.py``), the bytes they hold between micro-batches count
+towards the candidate's peak, and its step time is that of the ``grad_accum``
+micro-batches, sharded units' extra reduce-scatters included ([Note: the
+planner's cost model]).
 """
 
 from __future__ import annotations
@@ -355,9 +357,12 @@ class _Search:
         if self.grad_accum > 1:
             accumulation = choose_accumulation(est, self.cost, self.grad_accum, cap - peak)
             peak += sum(a.held for a in accumulation)
+            plan = _with_accumulation(plan, accumulation)
+        sharded = {a.name for a in accumulation if a.mode == "sharded"}
+        step = step_cost(est, self.cost, plan.prefetch_depth, self.grad_accum, sharded)
         return _Scored(
             choice,
-            step_cost(est, self.cost, plan.prefetch_depth),
+            step,
             est.comm_bytes_per_rank_per_step,
             peak,
             cap,
@@ -408,6 +413,15 @@ class _Search:
             if not again.host_fits or len(chosen) == len(order):
                 return None
             chosen.append(order[len(chosen)].name)
+
+
+def _with_accumulation(
+    plan: ShardingPlan, accumulation: tuple[UnitAccumulation, ...]
+) -> ShardingPlan:
+    """``plan`` with each unit's chosen accumulation mode, for ``auto_wrap``."""
+    modes = {a.name: a.mode for a in accumulation}
+    units = tuple(dataclasses.replace(u, accumulation=modes[u.name]) for u in plan.units)
+    return dataclasses.replace(plan, units=units)
 
 
 def _ms(seconds: float) -> str:

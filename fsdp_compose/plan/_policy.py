@@ -43,12 +43,17 @@ class UnitPlan:
         offload: keep this unit's sharded parameters, gradients and optimizer
             states in host memory (``CPUOffloadPolicy()`` for its
             ``fully_shard`` call), as the planner's ``offload_by_budget`` chooses.
+        accumulation: how the unit accumulates gradients while gradient sync is
+            disabled: ``"unsharded"`` (FSDP2's) or ``"sharded"``
+            (``FSDPModule.set_gradient_accumulation``), as the planner's
+            ``grad_accum`` chooses.
     """
 
     modules: tuple[str, ...]
     reshard_after_forward: bool | int | None = None
     checkpoint: bool = False
     offload: bool = False
+    accumulation: str = "unsharded"
 
     def __post_init__(self) -> None:
         if not self.modules or not all(isinstance(m, str) for m in self.modules):
@@ -60,6 +65,10 @@ class UnitPlan:
             raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {r!r}")
         if self.checkpoint and self.modules == ("",):
             raise ValueError("the root unit cannot be activation-checkpointed as a whole")
+        if self.accumulation not in ("unsharded", "sharded"):
+            raise ValueError(
+                f'UnitPlan.accumulation must be "unsharded" or "sharded", got {self.accumulation!r}'
+            )
 
     @property
     def name(self) -> str:

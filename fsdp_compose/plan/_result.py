@@ -128,8 +128,9 @@ class PlanResult:
             return "\n".join(lines)
         assert self.plan is not None and self.step is not None
         lines.append(f"plan: {len(self.plan.units)} units, {describe_choice(self.choice)}")
+        micro = f" ({self.grad_accum} micro-batches)" if self.grad_accum > 1 else ""
         step = (
-            f"step {self.step_time_s * 1e3:.1f} ms: compute {self.step.compute_s * 1e3:.1f} ms, "
+            f"step {self.step_time_s * 1e3:.1f} ms{micro}: compute {self.step.compute_s * 1e3:.1f} ms, "
             f"exposed communication {self.exposed_comm_s * 1e3:.1f} ms"
         )
         if offload:
@@ -258,6 +259,7 @@ class PlanResult:
                         "checkpoint": u.checkpoint,
                         "offload": u.offload,
                     }
+                    | ({"accumulation": u.accumulation} if self.grad_accum > 1 else {})
                     for u in self.plan.units
                 ],
             },
