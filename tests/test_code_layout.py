@@ -31,7 +31,7 @@ TOOLS = ("debug", "ft", "plan", "safetensors_io", "subclass_checkpoint", "trace"
 RUNTIME_CODE_LINE_BUDGET = 3300  # the target; FSDP2's _fully_shard/ has 3,885
 # What the runtime is today: it may shrink, not grow. It is over the budget (see
 # test_runtime_code_line_budget); lower this as code leaves, never raise it.
-RUNTIME_CODE_LINE_CEILING = 3872
+RUNTIME_CODE_LINE_CEILING = 3870
 FILE_LINE_LIMIT = 600
 FUNCTION_LINE_LIMIT = 80
 

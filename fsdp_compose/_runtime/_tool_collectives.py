@@ -21,7 +21,7 @@ what debug mode compares.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._collectives import PendingCollective, launch
-from ._events import Events
+from ._events import CollectiveKind, Events
 from ._hooks import state_of
 from ._ownership import unit_of
 
@@ -79,6 +79,14 @@ class ToolCollectives:
         assert group is not None, "a tool's collective needs an initialized process group"
         return group
 
+    def _launch(
+        self, kind: CollectiveKind, issue: Callable[[], Any], numels: tuple[int, int],
+        dtype: torch.dtype, **how: Any,
+    ) -> PendingCollective:  # fmt: skip
+        """Issues this operation's ``kind`` through the runtime's launch path
+        (:func:`~fsdp_compose._runtime._collectives.launch`; ``how``: its keywords)."""
+        return launch(kind, self.label, self._group(), self.events, issue, numels, dtype, **how)
+
     def size(self) -> int:
         return dist.get_world_size(self.group)
 
@@ -92,21 +100,17 @@ class ToolCollectives:
         self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False
     ) -> PendingCollective:
         """``dist.all_reduce(tensor, op)`` in place (``op``: sum, max, min, product)."""
-        reduce_op, group = _OPS[op], self.group
-        if op == "sum":  # the call a tool makes without an op
+        # A sum is the call a tool makes without an op.
+        op_kwarg = {} if op == "sum" else {"op": _OPS[op]}
+        group = self.group
 
-            def issue() -> dist.Work | None:
-                return dist.all_reduce(tensor, group=group, async_op=async_op)
-        else:
-
-            def issue() -> dist.Work | None:
-                return dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
+        def issue() -> dist.Work | None:
+            return dist.all_reduce(tensor, group=group, async_op=async_op, **op_kwarg)
 
         numels = (tensor.numel(), tensor.numel())
-        label, events = self.label, self.events
-        return launch(
-            "all_reduce", label, self._group(), events, issue, numels, tensor.dtype,
-            blocking=not async_op, op="" if op == "sum" else op,
+        return self._launch(
+            "all_reduce", issue, numels, tensor.dtype, blocking=not async_op,
+            op="" if op == "sum" else op,
         )  # fmt: skip
 
     def all_to_all_single(
@@ -128,10 +132,7 @@ class ToolCollectives:
             )
 
         numels = (input.numel(), output.numel())
-        return launch(
-            "all_to_all", self.label, self._group(), self.events, issue, numels, input.dtype,
-            blocking=False, total_numel=total_numel,
-        )  # fmt: skip
+        return self._launch("all_to_all", issue, numels, input.dtype, total_numel=total_numel)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, by group rank (``dist.all_gather_object``)."""
@@ -141,10 +142,7 @@ class ToolCollectives:
         def issue() -> None:
             dist.all_gather_object(out, obj, group=group)
 
-        launch(
-            "all_gather_object", self.label, self._group(), self.events, issue, (1, len(out)),
-            torch.uint8, blocking=True,
-        )  # fmt: skip
+        self._launch("all_gather_object", issue, (1, len(out)), torch.uint8, blocking=True)
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -154,10 +152,7 @@ class ToolCollectives:
         def issue() -> None:
             dist.broadcast_object_list(box, src=src, group=group)
 
-        launch(
-            "broadcast_object", self.label, self._group(), self.events, issue, (1, 1),
-            torch.uint8, blocking=True,
-        )  # fmt: skip
+        self._launch("broadcast_object", issue, (1, 1), torch.uint8, blocking=True)
         return box[0]
 
     def send_recv(
@@ -187,7 +182,4 @@ class ToolCollectives:
                     tensor.copy_(buf)
 
         numels = (sum(t.numel() for t, _ in sends), sum(t.numel() for t, _ in recvs))
-        launch(
-            "send_recv", self.label, self._group(), self.events, issue, numels, dtype,
-            blocking=True, total_numel=total_numel,
-        )  # fmt: skip
+        self._launch("send_recv", issue, numels, dtype, blocking=True, total_numel=total_numel)
