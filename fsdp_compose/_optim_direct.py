@@ -47,6 +47,14 @@ tensors (below ``_LARGE`` bytes) together, as torch does, and each large one on
 its own, all its ops in a row while its tensors are still in cache, its square
 root freed before the next one is allocated (the heap reuses it). Anything else
 calls torch's function.
+
+This copy of torch's op sequence is right only while it agrees with the installed
+torch (2.11 through 2.15 are supported). So before it first serves a variant of the
+update (no weight decay, decoupled or L2; ``maximize`` or not) in a process,
+:func:`_agrees_with_torch` runs it and torch's function for two steps on a tensor
+below ``_LARGE`` bytes and one above, and compares the bits; where they differ (a
+torch whose multi-tensor Adam changed), that variant calls torch's function from
+then on, bit-identical again at the old speed.
 """
 
 from __future__ import annotations
@@ -257,7 +265,55 @@ def _reproduced(lists: _AdamLists, group: dict[str, Any], grad_scale: Any, found
         and grad_scale is None
         and found_inf is None
         and bool(lists.updated)
+        and _agrees_with_torch(group)
     )
+
+
+# Per variant of the update (weight decay and its kind, maximize): whether the ops of
+# _adam_ops give torch's bits in this process (see [Note: foreach Adam on the CPU]).
+_agreement: dict[tuple[bool, bool, bool], bool] = {}
+
+
+def _agrees_with_torch(group: dict[str, Any]) -> bool:
+    """Whether :func:`_foreach_adam_cpu` reproduces the installed torch's multi-tensor
+    Adam for ``group``'s variant, checked once per process on a small and a large
+    tensor over two steps (see [Note: foreach Adam on the CPU])."""
+    decay = group["weight_decay"] != 0
+    variant = (decay, decay and bool(group["decoupled_weight_decay"]), bool(group["maximize"]))
+    agrees = _agreement.get(variant)
+    if agrees is None:
+        agrees = _agreement[variant] = _compare_with_torch(*variant)
+    return agrees
+
+
+def _compare_with_torch(decay: bool, decoupled: bool, maximize: bool) -> bool:
+    """Two steps of torch's multi-tensor Adam and of :func:`_foreach_adam_cpu` on the
+    same values, a tensor below ``_LARGE`` bytes and one above: the same bits?"""
+    gen = torch.Generator().manual_seed(0)
+    sizes = (37, _LARGE // 4 + 11)  # float32 elements
+    lr, beta1, beta2, eps, weight_decay = 1e-2, 0.9, 0.99, 1e-8, 0.1 if decay else 0.0
+    group: dict[str, Any] = {"lr": lr, "betas": (beta1, beta2), "eps": eps}
+    group.update(maximize=maximize, weight_decay=weight_decay, decoupled_weight_decay=decoupled)
+
+    def draw() -> list[torch.Tensor]:
+        return [torch.randn(n, generator=gen) for n in sizes]
+
+    ours = [draw(), draw(), [t.abs() for t in draw()]]  # params, exp_avgs, exp_avg_sqs
+    theirs = [[t.clone() for t in values] for values in ours]
+    steps = [[torch.tensor(0.0) for _ in sizes] for _ in range(2)]
+    lists = _AdamLists(group, [], ("step", *_ADAM_STATES), list(ours[0]), [], [], [], ours,
+                       steps[0], False, small=[0], large=[1])  # fmt: skip
+    with torch.no_grad():
+        for _ in range(2):
+            grads = draw()
+            _foreach_adam_cpu(lists, [g.clone() for g in grads], group)
+            params, exp_avgs, exp_avg_sqs = theirs
+            _adam(params, grads, exp_avgs, exp_avg_sqs, [], steps[1], foreach=True,
+                  capturable=False, differentiable=False, fused=None, grad_scale=None,
+                  found_inf=None, has_complex=False, decoupled_weight_decay=decoupled,
+                  amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay,
+                  eps=eps, maximize=maximize)  # fmt: skip
+    return all(torch.equal(a, b) for xs, ys in zip(ours, theirs) for a, b in zip(xs, ys))
 
 
 def _foreach_adam_cpu(lists: _AdamLists, grads: list[torch.Tensor], group: dict[str, Any]) -> None:

@@ -141,3 +141,38 @@ def _forget_job() -> dict[str, Any]:
 def test_load_state_dict_frees_the_cached_states() -> None:
     for r in run_distributed(_forget_job, 2, timeout=300):
         assert r == {k: True for k in r}, r
+
+
+VARIANTS = [  # (weight decay, decoupled, maximize)
+    (False, False, False),
+    (False, False, True),
+    (True, False, False),
+    (True, False, True),
+    (True, True, False),
+    (True, True, True),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cpu_foreach_adam_agrees_with_the_installed_torch(variant: tuple[bool, ...]) -> None:
+    """The copy of torch's multi-tensor Adam gives torch's bits on this torch. If this
+    fails on a new torch, the sharded step already falls back to torch's function
+    for that variant (next test): update ``_adam_ops`` to the new op sequence."""
+    assert _optim_direct._compare_with_torch(*variant)
+
+
+def test_a_copy_that_disagrees_with_torch_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the copy's bits differ from the installed torch's (simulated: one op
+    changed), the check says so, once per variant, and the step calls torch's function."""
+    real_ops = _optim_direct._adam_ops
+
+    def changed_ops(values: list[list[Any]], group: dict[str, Any]) -> None:
+        real_ops(values, {**group, "eps": group["eps"] * 2})
+
+    monkeypatch.setattr(_optim_direct, "_adam_ops", changed_ops)
+    monkeypatch.setattr(_optim_direct, "_agreement", {})
+    group = {"weight_decay": 0.1, "decoupled_weight_decay": True, "maximize": False}
+    assert not _optim_direct._agrees_with_torch(group)
+    assert _optim_direct._agreement == {(True, True, False): False}
+    monkeypatch.setattr(_optim_direct, "_adam_ops", real_ops)
+    assert not _optim_direct._agrees_with_torch(group)  # decided once per process
