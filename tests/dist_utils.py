@@ -1,7 +1,8 @@
 """Real multi-process gloo jobs for tests, with a pool of ranks per world size.
 
 Starting W processes that import torch costs seconds, so each world size gets one
-pool of ranks for the whole session: ``DistPool.run(fn, *args)`` runs the
+pool of ranks for the whole session (and every rank is forked from a server that
+has imported torch once: see [Note: ranks forked from a server]): ``DistPool.run(fn, *args)`` runs the
 module-level function ``fn(*args)`` on every rank (inside an initialised gloo
 process group) and returns the per-rank results. Every job has a deadline: a job
 that hangs or a rank that dies fails the test with each rank's traceback, and the
@@ -22,8 +23,23 @@ from typing import Any, Callable
 
 _PG_TIMEOUT_S = float(os.environ.get("FSDP_COMPOSE_TEST_PG_TIMEOUT", "60"))
 
+# [Note: ranks forked from a server]
+# A spawned rank imports torch and fsdp_compose itself: seconds of CPU per rank,
+# paid again at every pool start (a new world size or process-group timeout, and
+# a rebuild after every failing job). multiprocessing's forkserver imports them
+# once, in a server process that has run nothing else (no thread, no process
+# group), and forks each rank from it. A rank is then the same fresh process a
+# spawned one is: it still unpickles its target and the job's test module, joins
+# a new gloo group, and gets the environment the test process has when the pool
+# starts (the server's is the one it had when the server started).
+_PRELOAD = ["torch", "torch.distributed", "fsdp_compose"]
 
-def _worker(rank: int, world_size: int, init_file: str, conn: Any, pg_timeout: float) -> None:
+
+def _worker(
+    rank: int, world_size: int, init_file: str, conn: Any, pg_timeout: float, env: dict[str, str]
+) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -71,7 +87,8 @@ class DistPool:
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # only read when the server starts
         fd, init_file = tempfile.mkstemp(prefix="fsdp_compose_pg_")
         os.close(fd)
         os.unlink(init_file)  # the file store creates it
@@ -80,7 +97,7 @@ class DistPool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, init_file, child, self.pg_timeout),
+                args=(rank, self.world_size, init_file, child, self.pg_timeout, dict(os.environ)),
                 daemon=True,
             )
             proc.start()
@@ -123,14 +140,18 @@ class DistPool:
             raise JobFailed(f"{what} failed on ranks {sorted(errors)}:\n{detail}")
         return results
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
+    ) -> list[Any]:
         """Runs ``fn(*args, **kwargs)`` on every rank; returns the per-rank results."""
         if not self._procs:
             self._start()
         payload = pickle.dumps((fn, args, kwargs))
         for conn in self._conns:
             conn.send(payload)
-        return self._collect(timeout, f"{getattr(fn, '__name__', fn)} (world size {self.world_size})")
+        return self._collect(
+            timeout, f"{getattr(fn, '__name__', fn)} (world size {self.world_size})"
+        )
 
     def close(self) -> None:
         for conn in self._conns:
@@ -163,7 +184,9 @@ def get_pool(world_size: int, pg_timeout: float = _PG_TIMEOUT_S) -> DistPool:
     return pool
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any
+) -> list[Any]:
     """Runs ``fn`` on ``world_size`` gloo ranks (see :class:`DistPool`)."""
     return get_pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
 
