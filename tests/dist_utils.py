@@ -15,6 +15,9 @@ import atexit
 import multiprocessing as mp
 import os
 import pickle
+import runpy
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -189,6 +192,66 @@ def run_distributed(
 ) -> list[Any]:
     """Runs ``fn`` on ``world_size`` gloo ranks (see :class:`DistPool`)."""
     return get_pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
+
+
+def _run_script(path: str, argv: list[str], env: dict[str, str], log: str) -> None:
+    """``python path *argv`` in this forked process, output to ``log``."""
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(path))  # as the interpreter does for a script
+    runpy.run_path(path, run_name="__main__")
+
+
+class ScriptProcess:
+    """A script started by :func:`start_script`, with the part of
+    :class:`subprocess.Popen`'s interface the tests use (``returncode`` is
+    negative for a signal, as Popen's)."""
+
+    def __init__(self, proc: Any) -> None:
+        self._proc = proc
+        self.pid: int = proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(str(self._proc.name), timeout or 0.0)
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+def start_script(path: str, argv: list[str], *, env: dict[str, str], log: str) -> ScriptProcess:
+    """Runs the script ``path`` with arguments ``argv`` and environment ``env`` in
+    a new process, as ``python path *argv`` would, stdout and stderr to the file
+    ``log``; the process is forked from the ranks' server, which has imported
+    torch and fsdp_compose already (see [Note: ranks forked from a server]).
+
+    A script that returns exits with 0, ``sys.exit(code)`` with ``code``, an
+    exception with 1 (its traceback in the log), a signal with minus its number.
+    The process waits for its non-daemon threads before it exits, as an
+    interpreter does, but runs no ``atexit`` handler.
+    """
+    open(log, "w").close()  # the test may read it before the script writes anything
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    proc = ctx.Process(
+        target=_run_script, args=(path, argv, env, log), name=os.path.basename(path), daemon=True
+    )
+    proc.start()
+    return ScriptProcess(proc)
 
 
 @atexit.register

@@ -41,6 +41,7 @@ _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
 sys.path[:0] = [str(_ROOT / "examples"), str(_HERE)]
 
+from dist_utils import ScriptProcess, start_script  # noqa: E402
 from ft_train import GLOBAL_BATCH, LR, TINY  # noqa: E402
 from gpt import GPT, loss_fn, make_batch  # noqa: E402
 
@@ -61,7 +62,7 @@ class _Job:
         self.tmp, self.lighthouse = tmp, lighthouse
         self.steps, self.min_together = steps, min_together
         self.deadline = time.monotonic() + DEADLINE_S
-        self.procs: dict[tuple[int, int, int], subprocess.Popen[bytes]] = {}
+        self.procs: dict[tuple[int, int, int], ScriptProcess] = {}
         self.stores: list[dist.TCPStore] = []
 
     def start_group(self, group: int, incarnation: int, kill_at: dict[int, int]) -> None:
@@ -71,8 +72,7 @@ class _Job:
         self.stores.append(store)
         env = {**os.environ, "PYTHONPATH": f"{_ROOT}{os.pathsep}{_HERE}", "OMP_NUM_THREADS": "1"}
         for rank in range(GROUP_SIZE):
-            cmd = [
-                sys.executable, str(_HERE / "ft_train.py"),
+            argv = [
                 "--group", str(group), "--groups", str(GROUPS),
                 "--rank", str(rank), "--group-size", str(GROUP_SIZE),
                 "--store-port", str(store.port), "--lighthouse", self.lighthouse,
@@ -81,11 +81,14 @@ class _Job:
                 *(["--sharded-step"] if self.sharded_step else []),
                 "--out", str(self.out(group, incarnation, rank)),
             ]  # fmt: skip
-            log = open(self.tmp / f"log_g{group}_i{incarnation}_r{rank}.txt", "wb")  # noqa: SIM115
-            self.procs[group, incarnation, rank] = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT
+            # ``python ft_train.py ...``, forked from a process that has imported
+            # torch already (the imports were most of a rank's start-up)
+            self.procs[group, incarnation, rank] = start_script(
+                str(_HERE / "ft_train.py"),
+                argv,
+                env=env,
+                log=str(self.tmp / f"log_g{group}_i{incarnation}_r{rank}.txt"),
             )
-            log.close()
 
     def out(self, group: int, incarnation: int, rank: int) -> Path:
         return self.tmp / f"records_g{group}_i{incarnation}_r{rank}.pt"
