@@ -78,6 +78,7 @@ class _Job:
                 "--store-port", str(store.port), "--lighthouse", self.lighthouse,
                 "--steps", str(self.steps), "--min-together", str(self.min_together),
                 "--kill-at", str(kill_at.get(rank, -1)),
+                "--alone-file", str(self.alone_file(group)),
                 *(["--sharded-step"] if self.sharded_step else []),
                 "--out", str(self.out(group, incarnation, rank)),
             ]  # fmt: skip
@@ -89,6 +90,19 @@ class _Job:
                 env=env,
                 log=str(self.tmp / f"log_g{group}_i{incarnation}_r{rank}.txt"),
             )
+
+    def alone_file(self, group: int) -> Path:
+        return self.tmp / f"alone_g{group}.txt"
+
+    def committed_alone_after(self, group: int, step: int) -> None:
+        """Waits until ``group`` has committed a step after ``step`` without the others."""
+        path = self.alone_file(group)
+        while not (path.exists() and any(int(s) > step for s in path.read_text().split())):
+            if time.monotonic() > self.deadline:
+                pytest.fail(
+                    f"group {group} committed no step alone after step {step}\n{self.logs()}"
+                )
+            time.sleep(0.05)
 
     def out(self, group: int, incarnation: int, rank: int) -> Path:
         return self.tmp / f"records_g{group}_i{incarnation}_r{rank}.pt"
@@ -215,6 +229,9 @@ def test_killed_group_heals(tmp_path: Path) -> None:
         # the group's collectives with the dead one.
         job.procs[1, 0, 0].kill()
         job.wait((1, 0, 0))
+        # A restarted rank starts in a fraction of a second (start_script): let group 0
+        # commit a step alone first, as it would while a launcher restarts the group.
+        job.committed_alone_after(0, kill_step)
         job.start_group(1, 1, kill_at={})
         # group 0's first life, group 1's second
         outputs = {(g, r): job.output(g, g, r) for g in range(GROUPS) for r in range(GROUP_SIZE)}
