@@ -1,7 +1,8 @@
 """Real multi-process gloo jobs for tests, with a pool of ranks per world size.
 
 Starting W processes that import torch costs seconds, so each world size gets one
-pool of ranks for the whole session: ``DistPool.run(fn, *args)`` runs the
+pool of ranks for the whole session (and every rank is forked from a server that
+has imported torch once: see [Note: ranks forked from a server]): ``DistPool.run(fn, *args)`` runs the
 module-level function ``fn(*args)`` on every rank (inside an initialised gloo
 process group) and returns the per-rank results. Every job has a deadline: a job
 that hangs or a rank that dies fails the test with each rank's traceback, and the
@@ -14,6 +15,9 @@ import atexit
 import multiprocessing as mp
 import os
 import pickle
+import runpy
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -22,8 +26,23 @@ from typing import Any, Callable
 
 _PG_TIMEOUT_S = float(os.environ.get("FSDP_COMPOSE_TEST_PG_TIMEOUT", "60"))
 
+# [Note: ranks forked from a server]
+# A spawned rank imports torch and fsdp_compose itself: seconds of CPU per rank,
+# paid again at every pool start (a new world size or process-group timeout, and
+# a rebuild after every failing job). multiprocessing's forkserver imports them
+# once, in a server process that has run nothing else (no thread, no process
+# group), and forks each rank from it. A rank is then the same fresh process a
+# spawned one is: it still unpickles its target and the job's test module, joins
+# a new gloo group, and gets the environment the test process has when the pool
+# starts (the server's is the one it had when the server started).
+_PRELOAD = ["torch", "torch.distributed", "fsdp_compose"]
 
-def _worker(rank: int, world_size: int, init_file: str, conn: Any, pg_timeout: float) -> None:
+
+def _worker(
+    rank: int, world_size: int, init_file: str, conn: Any, pg_timeout: float, env: dict[str, str]
+) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -71,7 +90,8 @@ class DistPool:
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # only read when the server starts
         fd, init_file = tempfile.mkstemp(prefix="fsdp_compose_pg_")
         os.close(fd)
         os.unlink(init_file)  # the file store creates it
@@ -80,7 +100,7 @@ class DistPool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, init_file, child, self.pg_timeout),
+                args=(rank, self.world_size, init_file, child, self.pg_timeout, dict(os.environ)),
                 daemon=True,
             )
             proc.start()
@@ -123,14 +143,18 @@ class DistPool:
             raise JobFailed(f"{what} failed on ranks {sorted(errors)}:\n{detail}")
         return results
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
+    ) -> list[Any]:
         """Runs ``fn(*args, **kwargs)`` on every rank; returns the per-rank results."""
         if not self._procs:
             self._start()
         payload = pickle.dumps((fn, args, kwargs))
         for conn in self._conns:
             conn.send(payload)
-        return self._collect(timeout, f"{getattr(fn, '__name__', fn)} (world size {self.world_size})")
+        return self._collect(
+            timeout, f"{getattr(fn, '__name__', fn)} (world size {self.world_size})"
+        )
 
     def close(self) -> None:
         for conn in self._conns:
@@ -163,9 +187,71 @@ def get_pool(world_size: int, pg_timeout: float = _PG_TIMEOUT_S) -> DistPool:
     return pool
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any
+) -> list[Any]:
     """Runs ``fn`` on ``world_size`` gloo ranks (see :class:`DistPool`)."""
     return get_pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
+
+
+def _run_script(path: str, argv: list[str], env: dict[str, str], log: str) -> None:
+    """``python path *argv`` in this forked process, output to ``log``."""
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(path))  # as the interpreter does for a script
+    runpy.run_path(path, run_name="__main__")
+
+
+class ScriptProcess:
+    """A script started by :func:`start_script`, with the part of
+    :class:`subprocess.Popen`'s interface the tests use (``returncode`` is
+    negative for a signal, as Popen's)."""
+
+    def __init__(self, proc: Any) -> None:
+        self._proc = proc
+        self.pid: int = proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(str(self._proc.name), timeout or 0.0)
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+def start_script(path: str, argv: list[str], *, env: dict[str, str], log: str) -> ScriptProcess:
+    """Runs the script ``path`` with arguments ``argv`` and environment ``env`` in
+    a new process, as ``python path *argv`` would, stdout and stderr to the file
+    ``log``; the process is forked from the ranks' server, which has imported
+    torch and fsdp_compose already (see [Note: ranks forked from a server]).
+
+    A script that returns exits with 0, ``sys.exit(code)`` with ``code``, an
+    exception with 1 (its traceback in the log), a signal with minus its number.
+    The process waits for its non-daemon threads before it exits, as an
+    interpreter does, but runs no ``atexit`` handler.
+    """
+    open(log, "w").close()  # the test may read it before the script writes anything
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    proc = ctx.Process(
+        target=_run_script, args=(path, argv, env, log), name=os.path.basename(path), daemon=True
+    )
+    proc.start()
+    return ScriptProcess(proc)
 
 
 @atexit.register

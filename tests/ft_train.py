@@ -2,7 +2,7 @@
 
     python tests/ft_train.py --group G --groups NG --rank R --group-size S \
         --store-port P --lighthouse ADDR --steps N --out FILE \
-        [--min-together M] [--kill-at STEP]
+        [--min-together M] [--kill-at STEP] [--alone-file PATH]
 
 Shards the tiny example GPT over the replica group's own gloo process group (rank
 R of S, through the group's TCPStore on port P), joins the torchft job through the
@@ -13,7 +13,9 @@ the last M committed steps had every group taking part. After each committed
 step it records the full parameters, this rank's optimizer shards and the number
 of participating groups; the records go to ``--out`` at the end. With
 ``--kill-at``, the process SIGKILLs itself in the middle of that step (or the first
-step past it). While some group is missing, each step waits 0.2 s, so that a group
+step past it). With ``--alone-file``, every step committed while some group is
+missing appends its number to that file (the test waits for one before it
+restarts a killed group). While some group is missing, each step waits 0.2 s, so that a group
 running alone does not race far ahead (and its records stay small). The output also
 names the threads that issued the model's collectives (an observer) and the threads
 on which torchft asked for and applied the recovery state (a second state-dict
@@ -75,6 +77,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--min-together", type=int, default=0)
     p.add_argument("--kill-at", type=int, default=-1)
+    p.add_argument("--alone-file", default=None, help="append steps committed without a group")
     p.add_argument("--sharded-step", action="store_true", help="enable_sharded_step(optim)")
     args = p.parse_args()
 
@@ -156,6 +159,9 @@ def main() -> None:
             together = 0
             continue
         together = together + 1 if participants == args.groups else 0
+        if args.alone_file and participants < args.groups:
+            with open(args.alone_file, "a") as f:
+                f.write(f"{manager.current_step()}\n")
         records.append(
             {
                 "step": manager.current_step(),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from checkpoint import CheckpointMismatchError, load_checkpoint, save_checkpoint
-from dist_utils import run_distributed
+from dist_utils import run_distributed, start_script
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import collective_log, full, local_slice, mean_across_ranks, rank_world
 from models import TINY_GPT
@@ -301,14 +300,14 @@ class _Job:
         self.logs = [tmp / f"{tag}.rank{r}.log" for r in range(_WORLD)]
         init_file = tmp / f"{tag}.store"  # a fresh rendezvous file per launch
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.procs = []
-        for rank in range(_WORLD):
-            with open(self.logs[rank], "w") as log:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, _SCRIPT, "--rank", str(rank), "--world-size", str(_WORLD),
-                     "--init-file", str(init_file), *args],
-                    stdout=log, stderr=subprocess.STDOUT, env=env,
-                ))
+        # ``python ckpt_train.py ...`` per rank, forked from a process that has
+        # imported torch already (the imports were most of a launch's time)
+        self.procs = [
+            start_script(_SCRIPT, ["--rank", str(rank), "--world-size", str(_WORLD),
+                                   "--init-file", str(init_file), *args],
+                         env=env, log=str(self.logs[rank]))
+            for rank in range(_WORLD)
+        ]
 
     def output(self) -> str:
         return "\n".join(f"--- rank {r} ---\n{log.read_text()}" for r, log in enumerate(self.logs))

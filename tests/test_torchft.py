@@ -41,6 +41,7 @@ _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
 sys.path[:0] = [str(_ROOT / "examples"), str(_HERE)]
 
+from dist_utils import ScriptProcess, start_script  # noqa: E402
 from ft_train import GLOBAL_BATCH, LR, TINY  # noqa: E402
 from gpt import GPT, loss_fn, make_batch  # noqa: E402
 
@@ -61,7 +62,7 @@ class _Job:
         self.tmp, self.lighthouse = tmp, lighthouse
         self.steps, self.min_together = steps, min_together
         self.deadline = time.monotonic() + DEADLINE_S
-        self.procs: dict[tuple[int, int, int], subprocess.Popen[bytes]] = {}
+        self.procs: dict[tuple[int, int, int], ScriptProcess] = {}
         self.stores: list[dist.TCPStore] = []
 
     def start_group(self, group: int, incarnation: int, kill_at: dict[int, int]) -> None:
@@ -71,21 +72,37 @@ class _Job:
         self.stores.append(store)
         env = {**os.environ, "PYTHONPATH": f"{_ROOT}{os.pathsep}{_HERE}", "OMP_NUM_THREADS": "1"}
         for rank in range(GROUP_SIZE):
-            cmd = [
-                sys.executable, str(_HERE / "ft_train.py"),
+            argv = [
                 "--group", str(group), "--groups", str(GROUPS),
                 "--rank", str(rank), "--group-size", str(GROUP_SIZE),
                 "--store-port", str(store.port), "--lighthouse", self.lighthouse,
                 "--steps", str(self.steps), "--min-together", str(self.min_together),
                 "--kill-at", str(kill_at.get(rank, -1)),
+                "--alone-file", str(self.alone_file(group)),
                 *(["--sharded-step"] if self.sharded_step else []),
                 "--out", str(self.out(group, incarnation, rank)),
             ]  # fmt: skip
-            log = open(self.tmp / f"log_g{group}_i{incarnation}_r{rank}.txt", "wb")  # noqa: SIM115
-            self.procs[group, incarnation, rank] = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT
+            # ``python ft_train.py ...``, forked from a process that has imported
+            # torch already (the imports were most of a rank's start-up)
+            self.procs[group, incarnation, rank] = start_script(
+                str(_HERE / "ft_train.py"),
+                argv,
+                env=env,
+                log=str(self.tmp / f"log_g{group}_i{incarnation}_r{rank}.txt"),
             )
-            log.close()
+
+    def alone_file(self, group: int) -> Path:
+        return self.tmp / f"alone_g{group}.txt"
+
+    def committed_alone_after(self, group: int, step: int) -> None:
+        """Waits until ``group`` has committed a step after ``step`` without the others."""
+        path = self.alone_file(group)
+        while not (path.exists() and any(int(s) > step for s in path.read_text().split())):
+            if time.monotonic() > self.deadline:
+                pytest.fail(
+                    f"group {group} committed no step alone after step {step}\n{self.logs()}"
+                )
+            time.sleep(0.05)
 
     def out(self, group: int, incarnation: int, rank: int) -> Path:
         return self.tmp / f"records_g{group}_i{incarnation}_r{rank}.pt"
@@ -212,6 +229,9 @@ def test_killed_group_heals(tmp_path: Path) -> None:
         # the group's collectives with the dead one.
         job.procs[1, 0, 0].kill()
         job.wait((1, 0, 0))
+        # A restarted rank starts in a fraction of a second (start_script): let group 0
+        # commit a step alone first, as it would while a launcher restarts the group.
+        job.committed_alone_after(0, kill_step)
         job.start_group(1, 1, kill_at={})
         # group 0's first life, group 1's second
         outputs = {(g, r): job.output(g, g, r) for g in range(GROUPS) for r in range(GROUP_SIZE)}

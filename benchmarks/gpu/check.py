@@ -123,7 +123,7 @@ def _status(entries: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------
-# sections (each runs in its own process: ``check.py --section NAME``)
+# sections (each runs in its own process, forked by spawn_section)
 # ---------------------------------------------------------------------------
 
 
@@ -366,22 +366,38 @@ def run_section(name: str, out: str, smoke: bool) -> None:
 # ---------------------------------------------------------------------------
 
 
+def _section_process(name: str, out: str, smoke: bool) -> None:
+    """The body of one section's process, forked from the driver."""
+    os.setsid()  # a process group of its own: the section and every rank it starts
+    fd = os.open(os.path.join(out, "logs", f"{name}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    run_section(name, out, smoke)
+
+
 def spawn_section(name: str, out: str, smoke: bool, budget: float) -> dict[str, Any]:
-    """Runs one section in a new process group, killed whole at ``budget`` seconds."""
-    cmd = [sys.executable, __file__, "--section", name, "--out", out] + (
-        ["--smoke"] if smoke else []
-    )
+    """Runs one section in a process of its own, killed whole at ``budget`` seconds.
+
+    The process is forked from the driver, which has imported torch and the
+    checks but never initialised CUDA (the same rule as the ranks': see
+    :func:`run_ranks`): a section costs no import of torch of its own.
+    """
+    import multiprocessing as mp
+
     start = time.monotonic()
-    with open(os.path.join(out, "logs", f"{name}.log"), "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code: int | None = proc.wait(timeout=budget)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:  # also when the driver itself is stopped (check.sh's timeout)
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # the section and the ranks it started
-                proc.wait()
+    proc = mp.get_context("fork").Process(target=_section_process, args=(name, out, smoke))
+    proc.start()
+    try:
+        proc.join(budget)
+        code = proc.exitcode
+    finally:  # also when the driver itself is stopped (check.sh's timeout)
+        if proc.exitcode is None:
+            try:  # the section and the ranks it started
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # killed before it had its own group
+                proc.kill()
+            proc.join()
     seconds = round(time.monotonic() - start, 1)
     path = os.path.join(out, "sections", f"{name}.json")
     if code is None:
@@ -398,8 +414,8 @@ def spawn_section(name: str, out: str, smoke: bool, budget: float) -> dict[str, 
 
 
 def environment() -> dict[str, Any]:
-    """Versions and the device, read by a short child process so that the driver
-    itself never imports torch or initialises CUDA."""
+    """Versions and the device, read by a short child process: the driver never
+    initialises CUDA (its sections and their ranks are forked from it)."""
     code = (
         "import json, torch; c = torch.cuda.is_available(); print(json.dumps({'torch': torch.__version__, "
         "'cuda': torch.version.cuda, 'device': torch.cuda.get_device_name() if c else 'cpu', "
@@ -421,12 +437,8 @@ def main() -> None:
         "--smoke", action="store_true", help="CPU, gloo, tiny models: checks the command itself"
     )
     p.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
-    p.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)  # one section's process
     args = p.parse_args()
     out = os.path.abspath(args.out)
-    if args.section:
-        run_section(args.section, out, args.smoke)
-        return
     deadline = time.monotonic() + TOTAL_S
     # A SIGTERM (check.sh's timeout) unwinds through spawn_section, which kills the section.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -435,6 +447,7 @@ def main() -> None:
         raise SystemExit(f"check.py needs a CUDA device; use --smoke without one ({env})")
     for sub in ("sections", "logs"):
         os.makedirs(os.path.join(out, sub), exist_ok=True)
+    import checks  # noqa: F401 - torch and the checks, inherited by every section's process
     from summary import write_reports
 
     report: dict[str, Any] = {
