@@ -19,6 +19,15 @@ only at the end), so the default all-gather writes straight into the unsharded
 storage and there is nothing to copy out: the same collective, bytes and values,
 one full-size copy and one full-size temporary less. A custom ``all_gather_comm``
 keeps its own buffer (its ``allocate`` decides where the output lives).
+
+Nor is there anything to copy *in* for such a unit when no cast is due: its local
+shard starts a storage of its padded slot ([Note: sharding layout] in
+``_sharded_param.py``), which is this rank's row as it is, so the all-gather sends
+that storage. A unit of several parameters packs their shards into the row (the
+copy-in): keeping them inside one shared row instead would make the local tensors
+views at non-zero offsets of one storage, whose DTensors torch cannot pickle
+(``torch.save(model.state_dict())`` fails) and whose storage sharing FSDP2's users
+never see.
 """
 
 from __future__ import annotations
@@ -77,6 +86,8 @@ class FlatBuffer:
         self._fused_copy_out = all(p.shard_dim == 0 for p in params)
         # See [Note: in-place all-gather]; the version the unsharded storage had before.
         self._in_place = len(slots) == 1 and self._fused_copy_out
+        # One parameter, sent as stored (see the note): nothing to copy in.
+        self._send_stored = len(slots) == 1 and no_cast and not offload
         self._version = 0
         # This rank's shards fill its row without gaps (same dtype, no padding in
         # its slots): copy-in is one concatenation.
@@ -139,14 +150,19 @@ class FlatBuffer:
         numel = self.world * self.row
         return _collectives.allocate(comm, numel, self.dtype, self.device, label, "all_gather")
 
-    def copy_in(self, row: torch.Tensor) -> None:
+    def copy_in(self, row: torch.Tensor) -> torch.Tensor:
         """Writes each local shard (cast to its compute dtype) into its slot of
-        ``row``; padding is left as is (never read back). No autograd: neither
-        side requires grad, so no ``no_grad`` context is needed (hot path)."""
+        ``row`` and returns ``row``; padding is left as is (never read back). Returns
+        instead the padded storage of a lone shard sent as stored, copying nothing
+        ([Note: in-place all-gather]). No autograd: neither side requires grad, so no
+        ``no_grad`` context is needed (hot path)."""
+        stored = self.params[0].padded_storage() if self._send_stored else None
+        if stored is not None:
+            return stored
         if self._dense_copy_in:
             srcs = [self._copy_in_source(p).view(-1) for p in self.params]
             torch.cat(srcs, out=row) if len(srcs) > 1 else row.copy_(srcs[0])
-            return
+            return row
         dsts, srcs = [], []
         byte_mode = not self.uniform
         for slot in self.slots:
@@ -159,6 +175,7 @@ class FlatBuffer:
             srcs.append(self._copy_in_source(p).reshape(-1))
         if dsts:
             torch._foreach_copy_(dsts, srcs)
+        return row
 
     def _copy_in_source(self, p: ShardedParam) -> torch.Tensor:
         src = p.local_shard

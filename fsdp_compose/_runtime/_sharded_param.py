@@ -3,11 +3,15 @@
 [Note: sharding layout]
 A parameter of shape ``(n, *rest)`` sharded over W ranks on dim 0 is cut, like
 ``torch.chunk`` and DTensor's ``Shard(0)``, into chunks of ``c = ceil(n / W)`` rows:
-rank r owns rows ``[min(r*c, n), min((r+1)*c, n))``, possibly none. The local
-shard is stored unpadded; padding exists only in communication buffers, where
-every rank has a slot of ``c * prod(rest)`` elements, and is never read back (so
-never zeroed). Sharding on a dim ``k > 0`` (``shard_placement_fn``) requires
-``n_k`` divisible by W; the local shard is ``chunk(k)[r]`` made contiguous.
+rank r owns rows ``[min(r*c, n), min((r+1)*c, n))``, possibly none. In communication
+buffers every rank has a slot of ``c * prod(rest)`` elements; padding is never read
+back (so never zeroed). As under FSDP2, the local shard is the start (storage offset
+0) of a storage of its padded slot, so that a one-parameter unit's all-gather can
+send that storage as it is ([Note: in-place all-gather] in ``_flat_buffer.py``); a
+shard given new data (``to_empty``, ``load_state_dict(assign=True)``) is moved back
+into such a storage at lazy init, as FSDP2 does. Sharding on a dim ``k > 0``
+(``shard_placement_fn``) requires ``n_k`` divisible by W; the local shard is
+``chunk(k)[r]`` made contiguous.
 
 [Note: tensor-parallel parameters]
 A DTensor parameter on a 1-D tensor-parallel mesh is sharded the same way on its
@@ -123,6 +127,7 @@ class ShardedParam:
         self.sharded_param = nn.Parameter(
             _compat.dtensor_from_local(local, self.spec), requires_grad=requires_grad
         )
+        self.pad_local_shard()
         self.attributes = {} if self.extension else _subclass_attributes(param)
         self.sharded_param.__dict__.update(self.attributes)
 
@@ -228,6 +233,30 @@ class ShardedParam:
         """Changes whenever the sharded data is written in place, through the DTensor
         (optimizer steps) or its local tensor (not counted on the wrapper)."""
         return self.sharded_param._version + self.local_shard._version
+
+    def padded_storage(self) -> torch.Tensor | None:
+        """The local shard's storage as its padded slot (``chunk_numel`` elements), or
+        None where it is not laid out so ([Note: sharding layout])."""
+        local = self.local_shard
+        padded = local.storage_offset() == 0 and local.is_contiguous()
+        if not padded or local.untyped_storage().nbytes() < self.chunk_numel * local.itemsize:
+            return None
+        return local.new_empty(0).set_(local.untyped_storage(), 0, (self.chunk_numel,), (1,))
+
+    def pad_local_shard(self) -> None:
+        """Moves the local shard (the same tensor object, its version kept: the values
+        are the same) to the start of a storage of its padded slot, if it is not there
+        ([Note: sharding layout]); not offloaded or extension shards, sent through a copy."""
+        local = self.local_shard
+        if self.extension or self.offload_device is not None or local.is_meta:
+            return
+        if self.padded_storage() is None:
+            version = local._version
+            with torch.inference_mode(False), torch.no_grad():  # the storage outlives this
+                padded = torch.empty(self.chunk_numel, dtype=local.dtype, device=local.device)
+                padded[: local.numel()].view_as(local).copy_(local)
+                local.set_(padded.untyped_storage(), 0, local.shape, local.stride())
+            _compat.restore_version(local, version)
 
     def resync_sharded_param(self) -> None:
         """Adopts the module's new sharded parameter if it was replaced

@@ -338,6 +338,7 @@ class Unit:
         with torch.inference_mode(False):
             for p in self.params:
                 p.resync_sharded_param()
+                p.pad_local_shard()
             self._check_placement()
             if self.events.on_unit:
                 self.events.unit("lazy_init", self.info_at)
@@ -445,7 +446,7 @@ class Unit:
             out = buffer.gather_output(comm, self.name)
             send = out.view(world, row)[rank]  # as in FSDP2, the input is a row of the output
             if shard is None:
-                buffer.copy_in(send)
+                send = buffer.copy_in(send)
             else:
                 send.copy_(shard)
         self._gather_output, self._gather_world = out, world
