@@ -30,11 +30,11 @@ PACKAGE = os.path.dirname(fsdp_compose.__file__)
 TOOLS = ("debug", "ft", "plan", "safetensors_io", "subclass_checkpoint", "trace", "whole_matrix")
 RUNTIME_CODE_LINE_BUDGET = 3300  # the target; FSDP2's _fully_shard/ has 3,885
 # What the runtime is today: it may shrink, not grow. It is over the budget (see
-# test_runtime_code_line_budget); lower this as code leaves. Raised once, from 3,870 by
-# 24, for FSDP2's padded local-shard layout, which lets a one-parameter unit send its
-# shard without a copy-in (docs/architecture.md, "Size"); a feature that cannot be paid
-# for by a smaller design is recorded there, never absorbed silently.
-RUNTIME_CODE_LINE_CEILING = 3894
+# test_runtime_code_line_budget); lower this as code leaves. Raised only for a feature
+# an issue requires that no smaller design pays for, each recorded with its count in
+# docs/architecture.md, "Size" (from 3,870: FSDP2's padded local-shard layout +24,
+# FSDP2 2.16's MixedPrecisionPolicy.grad_dtype +31).
+RUNTIME_CODE_LINE_CEILING = 3925
 FILE_LINE_LIMIT = 600
 FUNCTION_LINE_LIMIT = 80
 

@@ -21,6 +21,7 @@ from ._events import Observer
 from ._hooks import UnitState, state_of
 from ._mesh import separate_reduce_scatter_group
 from ._scheduler import Scheduler
+from ._sharded_param import grads_kept
 from ._unit import TrainingState, Unit
 
 logger = logging.getLogger("fsdp_compose")
@@ -478,14 +479,18 @@ class FSDPModule:
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Conversions (.to(), to_empty(), .half()) must see the sharded parameters;
         # afterwards the unit re-derives dtypes and buffers from them.
+        # Gradients in a MixedPrecisionPolicy.grad_dtype keep it (also when the
+        # conversion fails part way).
         state = self._fsdp_state()
         units = state.own_units + state.borrowed
         for unit in units:
             state.reshard(unit)
-        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        for unit in units:
-            unit.invalidate()
-        return result
+        try:
+            with grads_kept([p for u in units if u.mp_policy.grad_dtype for p in u.params]):
+                return super()._apply(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            for unit in units:
+                unit.invalidate()
 
 
 class UnshardHandle:

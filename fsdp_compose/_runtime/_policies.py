@@ -46,6 +46,13 @@ class MixedPrecisionPolicy:
             of the unit are cast to this dtype. (Default: ``None``)
         cast_forward_inputs (bool): whether floating-point forward inputs are cast
             to ``param_dtype``. (Default: ``True``)
+        grad_dtype (Optional[torch.dtype]): keyword-only; torch main's (FSDP2 2.16's)
+            gradient dtype, on every torch. If set, autograd computes and accumulates
+            the unsharded parameters' gradients in this dtype (their ``grad_dtype``),
+            they are reduced in it unless ``reduce_dtype`` is set, and the sharded
+            gradients are stored in it whatever the parameters' own dtype (fp32
+            gradients for bf16 parameters, say), also across ``module.to(...)``,
+            ``.cpu()``, ``.bfloat16()``. (Default: ``None``: the behaviour above)
         param_dtype_override_fn (Optional[Callable[[nn.Parameter], Optional[torch.dtype]]]):
             keyword-only; torch 2.15's per-parameter override of ``param_dtype``, on
             every torch. :func:`fully_shard` calls it once per managed parameter:
@@ -61,10 +68,19 @@ class MixedPrecisionPolicy:
     param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = field(
         default=None, kw_only=True
     )
+    grad_dtype: torch.dtype | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             _check_float_dtype(name, getattr(self, name))
+        grad_dtype = self.grad_dtype  # ValueError for any non-float, as torch main
+        if grad_dtype is not None and not (
+            isinstance(grad_dtype, torch.dtype) and grad_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"MixedPrecisionPolicy.grad_dtype must be a floating-point dtype (e.g. "
+                f"torch.float32) or None, got {grad_dtype!r}"
+            )
         if not isinstance(self.cast_forward_inputs, bool):
             raise TypeError(
                 "MixedPrecisionPolicy.cast_forward_inputs must be a bool, "

@@ -168,7 +168,7 @@ class GradientReducer:
             options.all_reduce_hook(output)
         if post != 1:
             output.div_(post)
-        dtypes = {p.orig_dtype for p in params}
+        dtypes = {p.sharded_grad_dtype for p in params}
         if len(dtypes) == 1 and output.dtype not in dtypes:
             output = output.to(dtypes.pop())  # one cast for the unit, not one per parameter
         offset, copies_in_flight = 0, False
@@ -200,9 +200,8 @@ class GradientReducer:
                     unused.append(p.fqn)
                     continue
                 # The same collective size on ranks where it got no gradient (MoE).
-                grad = torch.zeros(
-                    p.orig_size, dtype=p.compute_dtype, device=self.unit.mesh_info.device
-                )
+                dtype = p.grad_dtype or p.compute_dtype  # what autograd would have made
+                grad = torch.zeros(p.orig_size, dtype=dtype, device=self.unit.mesh_info.device)
             if up is not None:
                 up.grad = None
             params.append(p)
@@ -265,8 +264,10 @@ class GradientReducer:
         )
         # Gradients from autograd do not require grad: no no_grad context needed.
         chunks = [g if p.shard_dim == 0 else p.rank_chunks(g, world) for p, g in zip(params, grads)]
-        if len({c.dtype for c in chunks}) > 1:
-            # Mixed compute dtypes (reduce_dtype set): the fused pack takes one input dtype.
+        dtypes = {c.dtype for c in chunks}
+        if len(dtypes) > 1 or torch.promote_types(dtypes.pop(), reduce_dtype) != reduce_dtype:
+            # Mixed compute dtypes (reduce_dtype set), or a narrowing cast (a grad_dtype
+            # wider than reduce_dtype): the fused pack takes one input dtype, widening.
             chunks = [c.to(reduce_dtype) for c in chunks]
         _compat.chunk_cat(chunks, world, packed.view(world, row))
         if pre != 1:
@@ -342,10 +343,11 @@ class PendingReduction:
 
 def _assign_sharded_grad(p: ShardedParam, local_grad: torch.Tensor) -> bool:
     """Stores (or accumulates) a reduced local gradient as ``p``'s sharded ``.grad``
-    in its original dtype, on the CPU when offloaded; True if an asynchronous copy
-    to the host is in flight (synchronize before the CPU reads it)."""
-    if local_grad.dtype != p.orig_dtype:
-        local_grad = local_grad.to(p.orig_dtype)  # cast on the device, before the copy
+    in its sharded gradient dtype (its original one unless ``grad_dtype`` is set), on
+    the CPU when offloaded; True if an asynchronous copy to the host is in flight
+    (synchronize before the CPU reads it)."""
+    if local_grad.dtype != p.sharded_grad_dtype:
+        local_grad = local_grad.to(p.sharded_grad_dtype)  # on the device, before the copy
     param = p.sharded_param
     existing = param.grad
     # Like autograd's AccumulateGrad, run the hooks of register_post_accumulate_grad_hook.

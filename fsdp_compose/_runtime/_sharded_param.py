@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -136,6 +137,9 @@ class ShardedParam:
         self.compute_dtype: torch.dtype = param.dtype
         self.param_dtype: torch.dtype | None = None  # the policy's, for this parameter
         self.grad_dtype: torch.dtype | None = None  # the unsharded parameter's
+        # The dtype of the sharded gradient (MixedPrecisionPolicy.grad_dtype, else the
+        # parameter's own): set at lazy init.
+        self.sharded_grad_dtype: torch.dtype = param.dtype
         # Unsharded gradient accumulated in the reduce dtype across no-sync steps.
         self.accumulated_grad: torch.Tensor | None = None
 
@@ -218,7 +222,7 @@ class ShardedParam:
             else:  # a user-defined __setattr__ may have side effects; respect them
                 setattr(module, name, tensor)
 
-    def registered(self) -> object:
+    def registered(self) -> Any:
         module, name = self.owners[0]
         return module._parameters.get(name)
 
@@ -353,6 +357,25 @@ class ShardedParam:
         return (
             f"ShardedParam({self.fqn}, size={tuple(self.global_size)}, shard_dim={self.shard_dim})"
         )
+
+
+@contextlib.contextmanager
+def grads_kept(params: list[ShardedParam]) -> Iterator[None]:
+    """Takes the sharded gradients of ``params`` off them for the block (a module
+    conversion, ``_apply``) and then puts them back in their own dtype, moved to
+    where their parameter now lives (the same object, or what replaced it), also
+    if the block fails part way: ``MixedPrecisionPolicy.grad_dtype``'s gradients
+    are never cast with their parameters."""
+    kept = [(p, p.registered().grad) for p in params if p.registered().grad is not None]
+    for p, _ in kept:
+        p.registered().grad = None
+    try:
+        yield
+    finally:
+        for p, grad in kept:
+            param = p.registered()
+            param.grad_dtype = grad.dtype
+            param.grad = grad.to(param.device)
 
 
 def _subclass_attributes(param: torch.Tensor) -> dict[str, Any]:

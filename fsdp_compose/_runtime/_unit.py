@@ -387,6 +387,8 @@ class Unit:
         # releases in the compute dtype; mixed dtypes in their promoted dtype.
         in_orig = _compat.REDUCE_IN_PARAM_DTYPE
         dtypes = {p.orig_dtype if in_orig else p.compute_dtype for p in trainable}
+        if mp.grad_dtype is not None:  # every gradient is computed in it
+            dtypes = {mp.grad_dtype}
         mixed = mp.reduce_dtype is None and len(dtypes) > 1 and not in_orig
         if mixed and mp.param_dtype_override_fn is None:  # as FSDP2 up to 2.14
             raise ValueError(
@@ -401,10 +403,14 @@ class Unit:
         # FSDP2 2.15: autograd hands gradients over in reduce_dtype; with the pending-
         # gradient API, in the explicit reduce_dtype only ([Note: pending gradients]).
         accumulate = mp.reduce_dtype if _compat.PENDING_GRADIENT_API else self.reduce_dtype
-        self.accumulate_dtype = accumulate
+        # With MixedPrecisionPolicy.grad_dtype, autograd accumulates in that dtype.
+        self.accumulate_dtype = accumulate = None if mp.grad_dtype else accumulate
         for p in self.params:
             cast = in_orig and accumulate not in (None, p.compute_dtype)
-            p.grad_dtype = accumulate if cast else None
+            p.grad_dtype = accumulate if cast else mp.grad_dtype
+            p.sharded_grad_dtype = mp.grad_dtype or p.orig_dtype
+            if mp.grad_dtype is not None and p.sharded_param.requires_grad:
+                p.sharded_param.grad_dtype = mp.grad_dtype  # type: ignore[attr-defined]
 
     # -- unshard / reshard -----------------------------------------------
 
