@@ -8,6 +8,9 @@ each) with bf16 compute (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``) o
 * ``fsdp2``: torch's ``fully_shard``, ``reduce_dtype=None`` (accumulates in bf16);
 * ``fsdp2 fp32``: torch's ``fully_shard``, ``reduce_dtype=torch.float32``;
 * ``ours``, ``ours fp32``: fsdp_compose, the same two policies (FSDP2's behaviour);
+* ``ours fp32 grads``: fsdp_compose, ``MixedPrecisionPolicy(grad_dtype=torch.float32)``
+  (FSDP2 2.16's gradient dtype: fp32 gradients of the bf16 compute, accumulated
+  unsharded and reduced in fp32);
 * ``ours sharded``: fsdp_compose with ``set_gradient_accumulation("sharded")``,
   ``reduce_dtype=None`` (bf16 reduce-scatter, fp32 accumulation of the shard);
 * ``ours sharded fp32``: the same with ``reduce_dtype=torch.float32``.
@@ -39,7 +42,15 @@ from typing import Any
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]
 
-MODES = ("fsdp2", "fsdp2 fp32", "ours", "ours fp32", "ours sharded", "ours sharded fp32")
+MODES = (
+    "fsdp2",
+    "fsdp2 fp32",
+    "ours",
+    "ours fp32",
+    "ours fp32 grads",
+    "ours sharded",
+    "ours sharded fp32",
+)
 
 
 def _model(args: argparse.Namespace) -> Any:
@@ -133,7 +144,10 @@ def _run_mode(mode: str, args: argparse.Namespace, rank: int, world: int) -> dic
     shard_fn = torch_fully_shard if mode.startswith("fsdp2") else fully_shard
     mesh = init_device_mesh("cpu", (world,))
     reduce_dtype = torch.float32 if mode.endswith("fp32") else None
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    grad_dtype = torch.float32 if mode.endswith("grads") else None
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, grad_dtype=grad_dtype
+    )
     model = _model(args)
     for layer in model[::2]:
         shard_fn(layer, mesh=mesh, mp_policy=mp)
