@@ -32,7 +32,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -297,6 +296,32 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def _run_forked(args: argparse.Namespace, impl: str) -> dict[str, Any]:
+    """``run_one`` for ``impl`` in a forked child: each implementation gets a fresh
+    process (its own process group, allocator and compile caches) without starting
+    another interpreter; the parent has only imported torch, and touched no device."""
+    out = f"/tmp/gpu_llama_{impl}_{os.getpid()}.json"
+    pid = os.fork()
+    if pid == 0:  # the child: run, write the result, leave without the parent's cleanup
+        code = 1
+        try:
+            result = run_one(argparse.Namespace(**{**vars(args), "impl": impl}))
+            with open(out, "w") as f:
+                json.dump(result, f)
+            code = 0
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"gpu_llama.py: the {impl} run failed (exit status {status})")
+    with open(out) as f:
+        result = json.load(f)
+    os.unlink(out)
+    return result
+
+
 def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available() and not args.smoke:
@@ -309,22 +334,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in result.items() if k not in ("step_times_s", "losses")}))
         return
     results = []
-    forwarded = [f"--dtype={args.dtype}", f"--batch={args.batch}", f"--seq-len={args.seq_len}",
-                 f"--layers={args.layers}", f"--dim={args.dim}", f"--heads={args.heads}",
-                 f"--ffn-dim={args.ffn_dim}", f"--vocab={args.vocab}", f"--warmup={args.warmup}",
-                 f"--steps={args.steps}"]
-    if args.peak_tflops:
-        forwarded.append(f"--peak-tflops={args.peak_tflops}")
-    if args.smoke:
-        forwarded.append("--smoke")
-    if args.trace:
-        forwarded.append(f"--trace={args.trace}")
     for impl in IMPLS:
-        out = f"/tmp/gpu_llama_{impl}_{os.getpid()}.json"
-        subprocess.run([sys.executable, __file__, "--impl", impl, "--json", out, *forwarded], check=True)
-        with open(out) as f:
-            results.append(json.load(f))
-        os.unlink(out)
+        results.append(_run_forked(args, impl))
     base = results[0]["step_time_s"]
     print(f"\n{results[0]['device']}, {results[0]['params'] / 1e9:.2f}B params, {args.dtype}, "
           f"batch {args.batch} x {args.seq_len} tokens, median of {args.steps} steps")

@@ -40,6 +40,7 @@ from fsdp_compose import (  # noqa: E402
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    cpu_offload_by_budget,
     enable_sharded_step,
     fully_shard,
 )
@@ -124,14 +125,22 @@ def _mesh(device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _sharded(base: GPT, mesh: DeviceMesh, tied_units: bool = False, **kw: Any) -> Any:
+def _sharded(
+    base: GPT,
+    mesh: DeviceMesh,
+    tied_units: bool = False,
+    block_offload: Callable[[nn.Module], Any] | None = None,
+    **kw: Any,
+) -> Any:
     """A copy of ``base``, one unit per block and the root (and, for a tied
-    embedding and LM head, one unit each: the weight is shared between units)."""
+    embedding and LM head, one unit each: the weight is shared between units);
+    ``block_offload(block)``: each block's ``offload_policy``."""
     model: GPT = copy.deepcopy(base)
     if tied_units:
         fully_shard(model.tok_emb, mesh=mesh, **kw)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, **kw)
+        extra = {} if block_offload is None else {"offload_policy": block_offload(block)}
+        fully_shard(block, mesh=mesh, **kw, **extra)
     if tied_units:
         fully_shard(model.lm_head, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
@@ -169,16 +178,33 @@ def _shard_of(t: torch.Tensor) -> torch.Tensor:
     return torch.chunk(t.detach().cpu(), dist.get_world_size(), dim=0)[dist.get_rank()]
 
 
-def _offload_pinned(device_type: str, size: str, steps: int) -> dict[str, Any]:
+def _offload_pinned(
+    device_type: str, size: str, steps: int, by_budget: bool = False
+) -> dict[str, Any]:
     """``CPUOffloadPolicy(pin_memory=True)`` vs the unsharded model on the device:
     shards, gradients and optimizer states in pinned host memory (on a CUDA mesh;
-    on a CPU mesh the policy changes nothing), the same numbers."""
+    on a CPU mesh the policy changes nothing), the same numbers. ``by_budget``:
+    each block offloads only its largest parameters, up to half its bytes
+    (``cpu_offload_by_budget``), so that every block unit mixes host and device
+    parameters, and the root's stay on the device."""
     device = _device(device_type)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**vars(PRESETS[size]))
     torch.manual_seed(0)
     base = GPT(cfg)  # on the host: the offloaded shards are cut from it
-    model = _sharded(base, _mesh(device_type), offload_policy=CPUOffloadPolicy(pin_memory=True))
+    chosen: list[tuple[nn.Module, str]] = []
+
+    def half_of(block: nn.Module) -> Any:
+        budget = sum(p.numel() * p.element_size() for p in block.parameters()) // 2
+        policies = cpu_offload_by_budget(block, budget)
+        chosen.extend((block, name) for name in policies)
+        return policies
+
+    if by_budget:
+        model = _sharded(base, _mesh(device_type), block_offload=half_of)
+    else:
+        model = _sharded(base, _mesh(device_type), offload_policy=CPUOffloadPolicy(pin_memory=True))
+    host = {id(block.get_parameter(name)) for block, name in chosen}
     ref = base.to(device)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
     batches = _batches(cfg, device)
@@ -195,6 +221,7 @@ def _offload_pinned(device_type: str, size: str, steps: int) -> dict[str, Any]:
             ]
             r["grad_diff"] = max((a.cpu() - _shard_of(b)).abs().max().item() for a, b in pairs)
             r["grad_devices"] = sorted({a.device.type for a, _ in pairs})
+            grad_where = [a.device.type for a, _ in pairs]
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
@@ -205,9 +232,21 @@ def _offload_pinned(device_type: str, size: str, steps: int) -> dict[str, Any]:
     pairs_ = zip(locals_, ref.parameters())
     r["param_diff"] = max((a.cpu() - _shard_of(b)).abs().max().item() for a, b in pairs_)
     r["shard_devices"] = sorted({t.device.type for t in locals_})
-    r["pinned"] = all(t.is_pinned() for t in locals_ if t.numel())
+    r["pinned"] = all(t.is_pinned() for t in locals_ if t.numel() and t.device.type == "cpu")
     r = _verdict(r, TOL["fp32"])
-    if device_type == "cuda":
+    if by_budget:  # each shard and its gradient where the mapping put it
+        where = [
+            (p.to_local().device.type, g, id(p) in host)
+            for p, g in zip(model.parameters(), grad_where)
+        ]
+        r["offloaded"] = sum(on_host for *_, on_host in where)
+        r["placed"] = all(
+            a == g == ("cpu" if on_host or device_type == "cpu" else device_type)
+            for a, g, on_host in where
+        )
+        pinned = r["pinned"] or device_type == "cpu"  # (a CPU mesh offloads nothing)
+        r["ok"] = r["ok"] and r["placed"] and pinned and 0 < r["offloaded"] < len(where)
+    elif device_type == "cuda":
         r["ok"] = r["ok"] and r["shard_devices"] == r["grad_devices"] == ["cpu"] and r["pinned"]
     return r
 
@@ -252,6 +291,11 @@ def parity_job(device_type: str, size: str, steps: int) -> dict[str, Any]:
         guarded(results, name, run)
     guarded(results, "no_sync_accumulation", lambda: _no_sync(device_type, size))
     guarded(results, "cpu_offload_pinned", lambda: _offload_pinned(device_type, size, steps))
+    guarded(
+        results,
+        "cpu_offload_by_budget",
+        lambda: _offload_pinned(device_type, size, steps, by_budget=True),
+    )
     return results
 
 
