@@ -23,6 +23,9 @@ backward compute of the unit that runs after it in backward), or when the
 plan does not fit with unsharded accumulation: then the units that save the
 most memory by sharding go first. Otherwise it stays unsharded: fewer bytes
 sent. Mixed reduce dtypes in one unit are counted as ``max(4 N/W, r N/W)``.
+A CPU-offloaded unit holds both kinds on the device too (the runtime keeps the
+sharded sum from the reduce-scatter's device output and moves a gradient to the host
+only at the synchronizing hand-over), so held bytes are device bytes for every unit.
 """
 
 from __future__ import annotations
