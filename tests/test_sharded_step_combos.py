@@ -34,9 +34,7 @@ OPTIMIZERS = {
 
 def _mlp(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(
-        *[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(3)]
-    )
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(3)])
 
 
 def _shard(model: nn.Module, impl: str, **kwargs: Any) -> nn.Module:
@@ -109,10 +107,8 @@ def _fsdp2_parity_job(name: str) -> dict:
     ref, ref_opt, _ = results["fsdp2", False]
     fast, fast_opt, counts = results["fsdp_compose", True]
     states_same = all(
-        torch.equal(
-            va.to_local() if isinstance(va, DTensor) else va,
-            vb.to_local() if isinstance(vb, DTensor) else vb,
-        )
+        torch.equal(va.to_local() if isinstance(va, DTensor) else va,
+                    vb.to_local() if isinstance(vb, DTensor) else vb)
         for sa, sb in zip(ref_opt.state.values(), fast_opt.state.values())
         for va, vb in zip(sa.values(), sb.values())
     )
@@ -163,9 +159,8 @@ def _checkpoint_job(root: str, name: str) -> dict:
         lmsd, losd = get_state_dict(loaded, loaded_opt)
         state = {"model": lmsd, "optim": losd}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(
-            loaded, loaded_opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
+        set_state_dict(loaded, loaded_opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
         _train(loaded, loaded_opt, range(2, 4))
         out[f"resumed_equal_{save_sharded}"] = _same(_locals(ref), _locals(loaded))
     return out
@@ -178,12 +173,8 @@ def _same_tree(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b))
     if isinstance(a, DTensor):
-        return (
-            isinstance(b, DTensor)
-            and a.placements == b.placements
-            and a.shape == b.shape
-            and torch.equal(a.to_local(), b.to_local())
-        )
+        return (isinstance(b, DTensor) and a.placements == b.placements
+                and a.shape == b.shape and torch.equal(a.to_local(), b.to_local()))
     if isinstance(a, torch.Tensor):
         return type(a) is type(b) and torch.equal(a, b)
     return a == b
@@ -203,11 +194,8 @@ def _offload_job(name: str) -> dict:
 
     runs = {}
     for impl, sharded in (("fsdp2", False), ("fsdp_compose", False), ("fsdp_compose", True)):
-        policy = (
-            TorchCPUOffloadPolicy(pin_memory=False)
-            if impl == "fsdp2"
-            else (fsdp_compose.CPUOffloadPolicy(pin_memory=False))
-        )
+        policy = TorchCPUOffloadPolicy(pin_memory=False) if impl == "fsdp2" else (
+            fsdp_compose.CPUOffloadPolicy(pin_memory=False))
         model = _shard(_mlp(), impl, offload_policy=policy)
         opt = OPTIMIZERS[name](model.parameters())
         if sharded:
@@ -216,11 +204,9 @@ def _offload_job(name: str) -> dict:
             _train(model, opt, range(3))
         runs[impl, sharded] = (_locals(model), counts)
     ref = runs["fsdp2", False][0]
-    return {
-        "default_equal": _same(ref, runs["fsdp_compose", False][0]),
-        "sharded_equal": _same(ref, runs["fsdp_compose", True][0]),
-        "direct": runs["fsdp_compose", True][1][1:] == [12, 12],
-    }
+    return {"default_equal": _same(ref, runs["fsdp_compose", False][0]),
+            "sharded_equal": _same(ref, runs["fsdp_compose", True][0]),
+            "direct": runs["fsdp_compose", True][1][1:] == [12, 12]}
 
 
 @pytest.mark.parametrize("name", ["adamw_fused", "adamw_foreach"])
@@ -252,11 +238,9 @@ def _clip_and_scaler_job(name: str) -> dict:
             skipped.append(_same(before, _locals(model)))
             opt.zero_grad()
         runs[sharded] = (_locals(model), skipped, scaler.get_scale())
-    return {
-        "equal": _same(runs[False][0], runs[True][0]),
-        "skipped_the_inf_step": runs[True][1] == [False, False, True, False],
-        "same_scale": runs[False][2] == runs[True][2],
-    }
+    return {"equal": _same(runs[False][0], runs[True][0]),
+            "skipped_the_inf_step": runs[True][1] == [False, False, True, False],
+            "same_scale": runs[False][2] == runs[True][2]}
 
 
 @pytest.mark.parametrize("name", ["adamw_fused", "adamw_foreach", "sgd"])
@@ -312,10 +296,8 @@ def _hsdp_job(name: str) -> dict:
         with _counting_direct_steps() as counts:
             _train(model, opt, range(3))
         runs[impl] = (_locals(model), counts)
-    return {
-        "equal": _same(runs["fsdp2"][0], runs["fsdp_compose"][0]),
-        "direct": runs["fsdp_compose"][1][1:] == [12, 12],
-    }
+    return {"equal": _same(runs["fsdp2"][0], runs["fsdp_compose"][0]),
+            "direct": runs["fsdp_compose"][1][1:] == [12, 12]}
 
 
 @pytest.mark.parametrize("name", ["adamw_fused", "sgd"])
@@ -337,12 +319,10 @@ def _tp_fsdp_job() -> dict:
     for sharded in (False, True):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         torch.manual_seed(0)
-        model = nn.Sequential(
-            *[
-                nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH))
-                for _ in range(3)
-            ]
-        )
+        model = nn.Sequential(*[
+            nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH))
+            for _ in range(3)
+        ])
         for block in model:
             parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         ignored = list(model[2].parameters())  # a list: the same order on every rank
@@ -361,11 +341,9 @@ def _tp_fsdp_job() -> dict:
                 opt.step()
                 opt.zero_grad()
         runs[sharded] = (_locals(model), counts)
-    return {
-        "equal": _same(runs[False][0], runs[True][0]),
-        # 8 FSDP-sharded parameters take the direct update, the 4 TP-only ones do not
-        "direct": runs[True][1] == [-1, 8, 8],
-    }
+    return {"equal": _same(runs[False][0], runs[True][0]),
+            # 8 FSDP-sharded parameters take the direct update, the 4 TP-only ones do not
+            "direct": runs[True][1] == [-1, 8, 8]}
 
 
 def test_tp_x_fsdp_and_tp_only_parameters() -> None:
