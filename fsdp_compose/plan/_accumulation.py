@@ -23,9 +23,19 @@ backward compute of the unit that runs after it in backward), or when the
 plan does not fit with unsharded accumulation: then the units that save the
 most memory by sharding go first. Otherwise it stays unsharded: fewer bytes
 sent. Mixed reduce dtypes in one unit are counted as ``max(4 N/W, r N/W)``.
-A CPU-offloaded unit holds both kinds on the device too (the runtime keeps the
-sharded sum from the reduce-scatter's device output and moves a gradient to the host
-only at the synchronizing hand-over), so held bytes are device bytes for every unit.
+A CPU-offloaded unit holds both kinds on the device too, so held bytes are
+device bytes for every unit: its unsharded gradients are those of the unsharded
+(device) parameters, and the runtime keeps the sharded fp32 sum from the
+reduce-scatter's output on the device (``GradientReducer.partial_reduce``),
+moving a gradient to the host only at the synchronizing hand-over. So neither
+mode copies between host and device in the micro-batches without sync: the
+reduced gradient shards cross once per step (in the reduce dtype cast to the
+gradient's, as without accumulation), and the host holds the same offloaded
+state as with one micro-batch. Sharded accumulation is therefore not free on the
+device for an offloaded unit: an offloaded unit chooses as it would on the
+device, only with more free device memory (offloading moves its parameters,
+gradients and optimizer states, not its accumulator), which can let units that
+had to be sharded stay unsharded.
 """
 
 from __future__ import annotations

@@ -40,7 +40,9 @@ unsharded reduces nothing and a unit accumulating sharded reduce-scatters
 the last micro-batch), issued when its backward ends like the last one's
 ([Note: choosing the accumulation mode] in ``_accumulation.py``). The host
 optimizer step runs once per step; the offload copies before each gather run in
-every micro-batch, those of reduced gradients only in the last.
+every micro-batch, those of reduced gradients only in the last: an offloaded
+unit accumulating sharded keeps its fp32 sum on the device, so its reduce-scatters
+without sync end with no copy to the host.
 
 Every offload term only adds time to a schedule whose other durations are those
 of the same plan without offload, and the schedule's end never decreases when a

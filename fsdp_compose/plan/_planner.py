@@ -34,7 +34,10 @@ an accumulation mode ([Note: choosing the accumulation mode] in
 ``_accumulation.py``), the bytes they hold between micro-batches count
 towards the candidate's peak, and its step time is that of the ``grad_accum``
 micro-batches, sharded units' extra reduce-scatters included ([Note: the
-planner's cost model]).
+planner's cost model]). The held bytes are device bytes, offloaded units' too:
+offloading frees a unit's states, not its accumulator, so the units to offload
+are ranked and counted by their states alone, and the candidate with units
+offloaded chooses its accumulation modes again with the memory they freed.
 """
 
 from __future__ import annotations

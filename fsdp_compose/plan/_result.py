@@ -166,6 +166,13 @@ class PlanResult:
             f"{format_bytes(sum(a.held_sharded for a in acc))}); gradients sent per step "
             f"{format_bytes(sum(a.sent for a in acc))}",
         ]
+        if self.estimate.config.get("offload"):
+            # [Note: choosing the accumulation mode]: the runtime keeps both kinds on the
+            # device, so an offloaded unit's held bytes are in the device peak above.
+            lines[-1] += (
+                "; offloaded units hold theirs on the device too (both modes), with no "
+                "host-device copy between micro-batches"
+            )
         rows: list[tuple[str, ...]] = [
             (
                 "unit",
