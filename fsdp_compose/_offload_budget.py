@@ -6,6 +6,8 @@ It only chooses: the mapping it returns is ``fully_shard``'s per-parameter
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch.nn as nn
 
 from ._runtime import CPUOffloadPolicy, OffloadPolicy
@@ -56,13 +58,27 @@ def cpu_offload_by_budget(
     if budget_bytes < 0:
         raise ValueError(f"budget_bytes must be non-negative, but got {budget_bytes}")
     sizes = [(fqn, p.numel() * p.element_size()) for fqn, p in module.named_parameters()]
-    sizes.sort(key=lambda item: (-item[1], item[0]))
     policy = CPUOffloadPolicy(pin_memory=pin_memory)
-    chosen: dict[str, OffloadPolicy] = {}
+    return {fqn: policy for fqn in _select_largest_first(sizes, budget_bytes)}
+
+
+def _select_largest_first(items: Sequence[tuple[str, int]], budget_bytes: int) -> list[str]:
+    """The names of ``items`` (``(fqn, nbytes)`` pairs) chosen largest first within
+    ``budget_bytes``, in the order chosen.
+
+    Ties break on the name, so the input order never matters. The selection is a
+    prefix of that order: it stops at the first item that does not fit rather than
+    skipping it for smaller ones, so a larger budget always chooses a superset (a
+    smaller item taken past a skipped one would be dropped again when the budget
+    grows enough for the skipped one). The semantics of torch main's helper of the
+    same name, whose tests run against this one through
+    ``tools/run_torch_fsdp_tests.py --swap``.
+    """
+    chosen: list[str] = []
     used = 0
-    for fqn, nbytes in sizes:
+    for fqn, nbytes in sorted(items, key=lambda item: (-item[1], item[0])):
         if used + nbytes > budget_bytes:
-            break  # stop at the first that does not fit, as torch's draft does
-        chosen[fqn] = policy
+            break
+        chosen.append(fqn)
         used += nbytes
     return chosen

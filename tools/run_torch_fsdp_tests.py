@@ -16,8 +16,14 @@ as threads) or gloo. ``--cpu`` runs the accelerator-only ``FSDPTest`` cases on t
 CPU too, in the child processes only: ``skip_if_lt_x_gpu`` no longer skips, and
 ranks are forked (so that they see the swap) as gloo processes.
 
+``--swap TORCH_NAME=FSDP_COMPOSE_NAME`` (repeatable) swaps one more name, in the
+fsdp_compose run only, for test files that import API torch's main branch adds
+outside ``fully_shard`` (both are dotted paths to a module attribute; the torch
+module must exist in the installed torch, the attribute need not), e.g.
+``--swap torch.distributed.fsdp._fully_shard._fsdp_api.cpu_offload_by_budget=fsdp_compose.cpu_offload_by_budget``.
+
 Usage:
-    python tools/run_torch_fsdp_tests.py [--cpu] [--timeout S] [-k EXPR] FILE_OR_DIR...
+    python tools/run_torch_fsdp_tests.py [--cpu] [--swap T=F]... [--timeout S] [-k EXPR] FILE_OR_DIR...
 
 Exit status: 0 when every test fsdp_compose fails also fails (or skips) with torch.
 """
@@ -25,6 +31,7 @@ Exit status: 0 when every test fsdp_compose fails also fails (or skips) with tor
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
@@ -44,6 +51,24 @@ def _swap_in_fsdp_compose() -> None:
 
     fsdp.fully_shard = fsdp_compose.fully_shard  # type: ignore[assignment]
     old_path.fully_shard = fsdp_compose.fully_shard  # type: ignore[assignment]
+
+
+def _parse_swap(swap: str) -> tuple[str, str, str, str]:
+    """``torch.module.name=fsdp_compose.module.name`` -> the two modules and names."""
+    torch_name, _, ours = swap.partition("=")
+    torch_module, _, attribute = torch_name.rpartition(".")
+    our_module, _, our_attribute = ours.rpartition(".")
+    if not (torch_module and attribute and our_module and our_attribute):
+        raise ValueError(f"--swap wants TORCH_MODULE.NAME=FSDP_COMPOSE_MODULE.NAME, got {swap!r}")
+    return torch_module, attribute, our_module, our_attribute
+
+
+def _swap_names(swaps: list[str]) -> None:
+    """``--swap``: sets each torch module attribute to fsdp_compose's, in this process."""
+    for swap in swaps:
+        torch_module, attribute, our_module, our_attribute = _parse_swap(swap)
+        value = getattr(importlib.import_module(our_module), our_attribute)
+        setattr(importlib.import_module(torch_module), attribute, value)
 
 
 def _run_on_cpu() -> None:
@@ -78,13 +103,14 @@ def _run_on_cpu() -> None:
     FSDPTest._run = classmethod(run_rank)
 
 
-def _child(mode: str, junit: str, pytest_args: list[str], cpu: bool) -> int:
+def _child(mode: str, junit: str, pytest_args: list[str], cpu: bool, swaps: list[str]) -> int:
     import pytest
 
     if cpu:
         _run_on_cpu()
     if mode == "fsdp_compose":
         _swap_in_fsdp_compose()
+        _swap_names(swaps)
     args = ["-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *pytest_args]
     return int(pytest.main(args))
 
@@ -112,10 +138,13 @@ def _outcomes(junit: str) -> dict[str, tuple[str, str]]:
     return results
 
 
-def _run(mode: str, pytest_args: list[str], timeout: float, workdir: str, cpu: bool) -> dict:
+def _run(
+    mode: str, pytest_args: list[str], timeout: float, workdir: str, cpu: bool, swaps: list[str]
+) -> dict:
     junit = os.path.join(workdir, f"{mode}.xml")
     command = [sys.executable, __file__, "--child", mode, "--junit", junit]
-    command += [*(["--cpu"] if cpu else []), "--", *pytest_args]
+    command += [*(["--cpu"] if cpu else []), *(f"--swap={swap}" for swap in swaps)]
+    command += ["--", *pytest_args]
     env = {**os.environ, "PYTORCH_PRINT_REPRO_ON_FAILURE": "0"}
     try:
         subprocess.run(command, timeout=timeout, check=False, env=env)
@@ -132,16 +161,30 @@ def main() -> int:
     parser.add_argument(
         "--cpu", action="store_true", help="run accelerator-only FSDPTest cases on gloo/CPU"
     )
+    parser.add_argument(
+        "--swap",
+        action="append",
+        default=[],
+        metavar="TORCH_NAME=FSDP_COMPOSE_NAME",
+        help="also swap this name in the fsdp_compose run (repeatable)",
+    )
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--junit", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.child:
-        return _child(args.child, args.junit, [*args.paths, *rest], args.cpu)
+        return _child(args.child, args.junit, [*args.paths, *rest], args.cpu, args.swap)
     if not args.paths:
         parser.error("pass torch's FSDP2 test files (from a pytorch checkout)")
+    for swap in args.swap:
+        try:
+            _parse_swap(swap)
+        except ValueError as error:
+            parser.error(str(error))
     pytest_args = [*args.paths, *(["-k", args.keyword] if args.keyword else [])]
     with tempfile.TemporaryDirectory() as workdir:
-        torch_results, ours = (_run(m, pytest_args, args.timeout, workdir, args.cpu) for m in MODES)
+        torch_results, ours = (
+            _run(m, pytest_args, args.timeout, workdir, args.cpu, args.swap) for m in MODES
+        )
     regressions = 0
     print("test | torch | fsdp_compose | fsdp_compose's failure")
     for test_id in sorted(set(torch_results) | set(ours)):

@@ -79,7 +79,7 @@ class DefaultAllGather(_DefaultAllocation):
         async_op: bool = False,
     ) -> dist.Work | None:
         out, inp = _real_view(output_tensor), _real_view(input_tensor)
-        return _compat.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+        return getattr(dist, _compat.ALL_GATHER)(out, inp, group=group, async_op=async_op)
 
 
 class DefaultReduceScatter(_DefaultAllocation):
@@ -94,7 +94,7 @@ class DefaultReduceScatter(_DefaultAllocation):
         async_op: bool = False,
     ) -> dist.Work | None:
         out, inp = _real_view(output_tensor), _real_view(input_tensor)
-        return _compat.reduce_scatter_tensor(out, inp, op=op, group=group, async_op=async_op)
+        return getattr(dist, _compat.REDUCE_SCATTER)(out, inp, op, group=group, async_op=async_op)
 
 
 def _real_view(tensor: torch.Tensor) -> torch.Tensor:

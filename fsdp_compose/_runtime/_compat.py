@@ -118,9 +118,14 @@ def restore_version(tensor: torch.Tensor, version: int) -> None:
 
 
 # torch 2.13 renames these ``all_gather_single``/``reduce_scatter_single`` and deprecates
-# the older names, kept as the fallback (not checked that 2.11 has the new ones).
-all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# the older names, kept as the fallback (not checked that 2.11 has the new ones). Names,
+# not functions: the default collectives look them up on ``torch.distributed`` at each
+# call, as FSDP2 does, so that a test replacing torch's function (torch's own
+# ``patch_all_gather``/``patch_reduce_scatter`` count FSDP2's collectives that way)
+# sees fsdp_compose's calls too.
+_RENAMED = hasattr(dist, "reduce_scatter_single")  # both renamed in the same release
+ALL_GATHER = "all_gather_single" if _RENAMED else "all_gather_into_tensor"
+REDUCE_SCATTER = "reduce_scatter_single" if _RENAMED else "reduce_scatter_tensor"
 
 
 def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
