@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ._runtime import ToolCollectives
+from ._tool_collectives import ToolCollectives
 
 __all__ = [
     "CollectiveExchange",

@@ -33,8 +33,9 @@ RUNTIME_CODE_LINE_BUDGET = 3300  # the target; FSDP2's _fully_shard/ has 3,885
 # test_runtime_code_line_budget); lower this as code leaves. Raised only for a feature
 # an issue requires that no smaller design pays for, each recorded with its count in
 # docs/architecture.md, "Size" (from 3,870: FSDP2's padded local-shard layout +24,
-# FSDP2 2.16's MixedPrecisionPolicy.grad_dtype +31).
-RUNTIME_CODE_LINE_CEILING = 3925
+# FSDP2 2.16's MixedPrecisionPolicy.grad_dtype +31, torch's collective functions
+# looked up at each call +1; then the tools' ToolCollectives left the runtime, -94).
+RUNTIME_CODE_LINE_CEILING = 3832
 FILE_LINE_LIMIT = 600
 FUNCTION_LINE_LIMIT = 80
 
