@@ -190,6 +190,97 @@ def test_meta_device_init() -> None:
         assert max(r["loss_diffs"]) < 1e-5, r["loss_diffs"]
 
 
+def _impls() -> list[tuple[str, object]]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    return [("fsdp2", torch_fully_shard), ("fsdp_compose", fully_shard)]
+
+
+def _meta_subclass_job() -> dict:
+    """A tensor-subclass parameter made on the meta device: its local shard keeps the
+    subclass through ``fully_shard``, ``to_empty`` and a load, as under FSDP2."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    rank, world = rank_world()
+    out: dict = {}
+    for impl, shard in _impls():
+        with torch.device("meta"):
+            model = nn.Linear(8, 6)
+            weight = model.weight.detach()
+            model.weight = nn.Parameter(TwoTensor(weight, weight.clone()), requires_grad=False)
+        shard(model)  # type: ignore[operator]
+        seen = [type(model.weight.to_local()).__name__, model.weight.to_local().device.type]
+        model.to_empty(device="cpu")
+        seen.append(type(model.weight.to_local()).__name__)
+        state = model.state_dict()
+        for tensor in state.values():
+            tensor.fill_(0.5)
+        model.load_state_dict(state)
+        local = model.weight.to_local()
+        seen.append(type(local).__name__)
+        out[impl] = (seen, local.a.tolist(), local.b.tolist())
+    return out
+
+
+def test_meta_subclass_parameter_keeps_its_subclass() -> None:
+    for r in run_distributed(_meta_subclass_job, 2):
+        assert r["fsdp_compose"] == r["fsdp2"], r
+        assert r["fsdp2"][0] == ["TwoTensor", "meta", "TwoTensor", "TwoTensor"], r
+
+
+def _registered_after_eval_job() -> dict:
+    """What ``named_parameters()`` holds after a no-grad forward (an evaluation),
+    training around evaluations (bit-identical to FSDP2), and an optimizer built after
+    one (which FSDP2 gives the root's unsharded parameters)."""
+    rank, world = rank_world()
+    out: dict = {}
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    for impl, shard in _impls():
+        for optimizer_after_eval in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 4))
+            shard(model[0])  # type: ignore[operator]
+            shard(model[2], reshard_after_forward=False)  # type: ignore[operator]
+            shard(model)  # type: ignore[operator]  # the root: stays unsharded after forward
+            before = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+            if not optimizer_after_eval:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            seen, losses = [], []
+            for _ in range(2):
+                with torch.no_grad():
+                    model(x)
+                seen.append({n: type(p).__name__ for n, p in model.named_parameters()})
+                if optimizer_after_eval and not losses:
+                    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            after = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+            updated = sorted(n for n in after if not torch.equal(after[n], before[n]))
+            out[impl, optimizer_after_eval] = (seen, losses, after, updated)
+    return out
+
+
+def test_parameters_registered_after_a_no_grad_forward() -> None:
+    for r in run_distributed(_registered_after_eval_job, 2):
+        ours, fsdp2 = r["fsdp_compose", False], r["fsdp2", False]
+        assert ours[1] == fsdp2[1], (ours[1], fsdp2[1])  # losses, bit-identical
+        for name, value in ours[2].items():
+            assert torch.equal(value, fsdp2[2][name]), name
+        # FSDP2 leaves the unsharded parameters of units that stay gathered (the root,
+        # model[2]) registered after an evaluation; fsdp_compose shows the shards
+        # again (docs/fsdp2_compatibility.md, "Remaining differences").
+        assert fsdp2[0][0]["3.weight"] == fsdp2[0][0]["2.weight"] == "Parameter", fsdp2[0]
+        assert set(ours[0][0].values()) == {"DTensor"}, ours[0]
+        # So an optimizer built after an evaluation updates every parameter, where
+        # FSDP2's would leave those units' parameters as they were.
+        ours_late, fsdp2_late = r["fsdp_compose", True], r["fsdp2", True]
+        assert len(ours_late[3]) == 6 and ours_late[1] == ours[1], ours_late
+        assert "3.weight" not in fsdp2_late[3] and "0.weight" in fsdp2_late[3], fsdp2_late[3]
+
+
 class _WithMethod(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -157,10 +157,10 @@ class ShardedParam:
                         "all-gather extension; fsdp_compose shards such parameters on dim 0 only."
                     )
                 return _extensions.shard_subclass(param, self.mesh_info, self.chunk_shape, device)
-            if param.is_meta:
-                return torch.empty(self.local_shape, dtype=param.dtype, device="meta")
             # a copy, so the full original tensor can be freed
             local = param.detach().narrow(d, start, length)
+            if param.is_meta:  # (empty_like, not empty: a tensor subclass stays one)
+                return torch.empty_like(local, memory_format=torch.contiguous_format)
             target = offload_device if offload_device is not None else device
             local = local.to(target, copy=True).contiguous()
             if pin_memory and offload_device is not None and not local.is_pinned():
