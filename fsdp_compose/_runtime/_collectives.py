@@ -94,7 +94,9 @@ class DefaultReduceScatter(_DefaultAllocation):
         async_op: bool = False,
     ) -> dist.Work | None:
         out, inp = _real_view(output_tensor), _real_view(input_tensor)
-        return getattr(dist, _compat.REDUCE_SCATTER)(out, inp, op, group=group, async_op=async_op)
+        # Keywords as FSDP2 passes them, for code that replaces the function (torch's tests).
+        reduce_scatter = getattr(dist, _compat.REDUCE_SCATTER)
+        return reduce_scatter(output=out, input=inp, group=group, op=op, async_op=async_op)
 
 
 def _real_view(tensor: torch.Tensor) -> torch.Tensor:

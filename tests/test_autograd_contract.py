@@ -1,0 +1,140 @@
+"""Backward through unusual graphs, the scenarios of torch's
+``test_fully_shard_autograd.py``, against torch's FSDP2 in the same job.
+
+torch's file builds its reference on CUDA, so its scenarios run here directly on 2
+gloo ranks, each with both libraries from the same seed: a forward output left out of
+the loss after a few steps (a unit whose output gets no gradient), a unit never
+called in forward, and activations passed between units inside a namedtuple or a
+dict (hooks must find the tensors inside containers). Per step the losses, the
+sizes of the all-gathers and reduce-scatters in issue order (counted by replacing
+``torch.distributed``'s functions, as torch's tests do) and, at the end, the
+parameters are bit-identical to FSDP2's.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from dist_utils import run_distributed
+from torch.testing._internal.common_fsdp import patch_all_gather, patch_reduce_scatter
+
+import fsdp_compose
+
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+DIM = 24
+Pair = collections.namedtuple("Pair", "x y")
+
+
+class _TwoLinears(nn.Module):
+    """Two outputs, or (``second=False``) one, with ``lin2`` never called."""
+
+    def __init__(self, second: bool) -> None:
+        super().__init__()
+        self.lin1, self.lin2, self.second = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), second
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = torch.relu(self.lin1(x))
+        return (y, torch.relu(self.lin2(x))) if self.second else y
+
+
+class _InContainer(nn.Module):
+    """A block whose input and output are ``kind`` containers holding the activation."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin1, self.lin2, self.kind = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), kind
+
+    def forward(self, inp: Any) -> Any:
+        x = inp["x"] if self.kind == "dict" else inp.x
+        x = torch.relu(self.lin2(torch.relu(self.lin1(x))))
+        return {"x": x} if self.kind == "dict" else Pair(x, inp.y)
+
+
+def _unused_output(shard: Callable[..., Any], reshard: bool | int) -> Any:
+    model = _TwoLinears(second=True)
+    shard(model.lin1, reshard_after_forward=reshard)
+    shard(model, reshard_after_forward=reshard)
+    # Both outputs in the loss for two steps, then only the first.
+    return model, lambda x, step: (lambda a, b: (a * b).sum() if step < 2 else a.sum())(*model(x))
+
+
+def _unused_module(shard: Callable[..., Any], reshard: bool | int) -> Any:
+    model = _TwoLinears(second=False)
+    for module in (model.lin1, model.lin2, model):
+        shard(module, reshard_after_forward=reshard)
+    return model, lambda x, step: model(x).sum()
+
+
+def _containers(shard: Callable[..., Any], kind: str) -> Any:
+    blocks = nn.Sequential(*[_InContainer(kind) for _ in range(3)])
+    for block in blocks:
+        shard(block)
+    shard(blocks)
+
+    def loss(x: torch.Tensor, step: int) -> torch.Tensor:
+        out = blocks({"x": x} if kind == "dict" else Pair(x, torch.ones_like(x)))
+        return (out["x"] if kind == "dict" else out.x).sum()
+
+    return blocks, loss
+
+
+SCENARIOS: list[tuple[str, Callable[..., Any], dict[str, Any]]] = [
+    ("unused forward output", _unused_output, {"reshard": 2}),
+    ("unused forward output, kept", _unused_output, {"reshard": False}),
+    ("unused forward module", _unused_module, {"reshard": True}),
+    ("namedtuple activations", _containers, {"kind": "namedtuple"}),
+    ("dict activations", _containers, {"kind": "dict"}),
+]
+
+
+def _train(shard: Callable[..., Any], build: Callable[..., Any], options: dict[str, Any]) -> Any:
+    torch.manual_seed(42)
+    model, loss_of = build(shard, **options)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    inputs = torch.Generator().manual_seed(1 + dist.get_rank())
+    losses: list[float] = []
+    sizes: list[tuple[str, int]] = []
+
+    def counted(kind: str, collective: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            sizes.append((kind, (args[0] if args else kwargs["output"]).numel()))
+            return collective(*args, **kwargs)
+
+        return call
+
+    with (
+        patch_reduce_scatter(counted("reduce_scatter", _REDUCE_SCATTER)),
+        patch_all_gather(counted("all_gather", _ALL_GATHER)),
+    ):
+        for step in range(4):
+            loss = loss_of(torch.rand(2, DIM, generator=inputs), step)
+            loss.backward()
+            optim.step()
+            optim.zero_grad(set_to_none=bool(step % 2))
+            losses.append(loss.item())
+    return losses, sizes, [p.full_tensor().detach() for p in model.parameters()]
+
+
+def _job() -> list[tuple[str, bool, bool, bool]]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    results = []
+    for name, build, options in SCENARIOS:
+        ours = _train(fsdp_compose.fully_shard, build, options)
+        theirs = _train(torch_fully_shard, build, options)
+        same_params = all(torch.equal(a, b) for a, b in zip(ours[2], theirs[2]))
+        results.append((name, ours[0] == theirs[0], ours[1] == theirs[1], same_params))
+    return results
+
+
+def test_unusual_graphs_match_fsdp2() -> None:
+    for rank_results in run_distributed(_job, 2, timeout=240.0):
+        assert [r[0] for r in rank_results] == [s[0] for s in SCENARIOS]
+        for name, losses, collectives, params in rank_results:
+            assert losses and collectives and params, (name, losses, collectives, params)
