@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ._tool_collectives import ToolCollectives
+from ._runtime import ToolCollectives
 
 __all__ = [
     "CollectiveExchange",

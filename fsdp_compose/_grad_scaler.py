@@ -34,7 +34,6 @@ from torch.distributed.tensor import DTensor
 
 from . import _runtime as runtime
 from . import _tool_compat
-from ._tool_collectives import ToolCollectives
 
 __all__ = ["ShardedGradScaler"]
 
@@ -164,7 +163,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         owner = next(
             (p for g in optimizer.param_groups for p in g["params"] if runtime.owner_of(p)), None
         )
-        ToolCollectives("grad_scaler.found_inf", group, owner=owner).all_reduce(flag, "max")
+        runtime.ToolCollectives("grad_scaler.found_inf", group, owner=owner).all_reduce(flag, "max")
         for found in found_per_device.values():
             found.copy_(flag)
 

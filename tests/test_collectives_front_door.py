@@ -1,9 +1,7 @@
 """Every collective fsdp_compose issues goes through the runtime's launch path.
 
 * Layout: no ``torch.distributed`` collective is called in ``fsdp_compose/``
-  outside ``fsdp_compose/_runtime/`` except through the runtime's launch path: inside
-  a function handed to the runtime's ``launch`` (the tools' ``ToolCollectives``
-  does so), checked on the AST.
+  outside ``fsdp_compose/_runtime/`` (checked on the AST).
 * Debug mode sees the tools' collectives: a rank that skips a Muon step makes
   every rank raise ``CollectiveMismatchError`` naming the exchange, within
   seconds, on gloo and on torch's threaded process group; one that orders its
@@ -59,49 +57,10 @@ def _dotted(node: ast.AST) -> str | None:
     return None
 
 
-def _launched(tree: ast.AST) -> set[ast.AST]:
-    """The functions of ``tree`` that are handed to the runtime's ``launch``: nested
-    functions passed by name to ``launch(...)``, imported from the runtime, or to a
-    function that passes one of its own parameters on to it (``ToolCollectives._launch``)."""
-    imported = any(
-        isinstance(node, ast.ImportFrom)
-        and (node.module or "").endswith("_runtime")
-        and any(alias.name == "launch" and alias.asname is None for alias in node.names)
-        for node in ast.walk(tree)
-    )
-    if not imported:
-        return set()
-    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
-
-    def passed(call: ast.Call) -> set[str]:
-        values = [*call.args, *(k.value for k in call.keywords)]
-        return {v.id for v in values if isinstance(v, ast.Name)}
-
-    def callee(call: ast.Call) -> str | None:
-        func = call.func
-        return func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
-
-    launchers = {"launch"}
-    for f in functions:
-        params = {a.arg for a in f.args.args + f.args.kwonlyargs}
-        calls = [c for c in ast.walk(f) if isinstance(c, ast.Call) and callee(c) == "launch"]
-        if any(passed(c) & params for c in calls):
-            launchers.add(f.name)
-    launched: set[ast.AST] = set()
-    for f in functions:
-        handed = set().union(
-            *(passed(c) for c in ast.walk(f) if isinstance(c, ast.Call) and callee(c) in launchers)
-        )
-        launched.update(g for g in f.body if isinstance(g, ast.FunctionDef) and g.name in handed)
-    return launched
-
-
 def collective_calls(source: str) -> list[str]:
     """The ``torch.distributed`` collectives (and functional-collective imports)
-    that ``source`` calls or imports outside a function handed to the runtime's
-    ``launch``, as text."""
+    that ``source`` calls or imports, as text."""
     tree = ast.parse(source)
-    through_launch = {id(n) for f in _launched(tree) for n in ast.walk(f)}
     modules = {"torch.distributed"}  # names bound to torch.distributed
     functions: set[str] = set()  # names bound to one of its collectives
     found = []
@@ -122,7 +81,7 @@ def collective_calls(source: str) -> list[str]:
                 elif node.module == "torch.distributed" and _is_collective(alias.name):
                     functions.add(alias.asname or alias.name)
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Call) or id(node) in through_launch:
+        if not isinstance(node, ast.Call):
             continue
         func = node.func
         imported = isinstance(func, ast.Name) and func.id in functions
@@ -150,37 +109,9 @@ def test_the_layout_check_finds_collectives() -> None:
     assert "a2a(o, i)" in found and len(found) == 4, found
 
 
-def test_the_layout_check_allows_the_launch_path_only() -> None:
-    tool = (
-        "import torch.distributed as dist\n"
-        "from ._runtime import launch\n"
-        "class Tool:\n"
-        "    def _launch(self, kind, issue):\n"
-        "        return launch(kind, 'label', None, None, issue, (1, 1), None)\n"
-        "    def all_reduce(self, t):\n"
-        "        def issue():\n"
-        "            return dist.all_reduce(t, async_op=True)\n"
-        "        return self._launch('all_reduce', issue)\n"
-        "    def broadcast(self, t):\n"
-        "        def issue():\n"
-        "            return dist.broadcast(t, 0)\n"
-        "        return issue()\n"
-        "def direct(t):\n"
-        "    def issue():\n"
-        "        return dist.barrier()\n"
-        "    launch('all_reduce', 'x', None, None, issue, (1, 1), None)\n"
-        "    dist.all_reduce(t)\n"
-    )
-    assert sorted(collective_calls(tool)) == ["dist.all_reduce(t)", "dist.broadcast(t, 0)"]
-    # Without the runtime's launch imported, nothing is a launch path.
-    elsewhere = tool.replace("from ._runtime import launch", "from .mine import launch")
-    assert len(collective_calls(elsewhere)) == 4
-
-
 def test_no_collective_outside_the_runtime() -> None:
     """The tools, the checks and debug mode issue their collectives through the
-    runtime's launch path (``fsdp_compose/_tool_collectives.py``'s ``ToolCollectives``
-    hands each call to it), so observers see them all."""
+    runtime (``ToolCollectives``), so observers see them all."""
     offenders = {}
     for root, _, files in os.walk(PACKAGE):
         rel_root = os.path.relpath(root, PACKAGE)

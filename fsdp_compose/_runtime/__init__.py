@@ -13,13 +13,10 @@ import the names below and nothing from a ``_runtime._*`` submodule
 call owns a parameter (``owner_of``, ``fqn_of``, ``is_ignored``; see
 [Note: parameter records]), never an attribute read from or written on a tensor;
 observers get values (``UnitInfo``, see [Note: observer values]), never a unit;
-how the tools issue collectives: through ``launch``, the one launch path of every
-collective, reported to the observers of the root ``events_for`` finds for a parameter
-or module (an opaque handle the tools only pass back). The tools' wrappers of
-torch.distributed's calls (``fsdp_compose/_tool_collectives.py``, see
-[Note: tools' collectives]) and how their ranks agree or all raise
-(``fsdp_compose/_agree.py``) are built on it outside the runtime, which never calls
-them. The runtime, in turn, imports nothing outside itself.
+which collectives the tools may issue and how (``ToolCollectives``, found for a
+parameter's or module's root; see [Note: tools' collectives]). How the tools' ranks
+agree or all raise (``fsdp_compose/_agree.py``) is built on ``ToolCollectives`` outside
+the runtime, which never calls it. The runtime, in turn, imports nothing outside itself.
 """
 
 from ._collectives import (
@@ -28,14 +25,12 @@ from ._collectives import (
     DefaultReduceScatter,
     PendingCollective,
     ReduceScatter,
-    launch,
 )
 from ._compat import dtensor_from_local, dtensor_spec_with_dtype, local_tensor
 from ._events import (
     Annotation,
     CollectiveEvent,
     CollectiveInfo,
-    CollectiveKind,
     GatherInput,
     Observer,
     ParamInfo,
@@ -51,11 +46,12 @@ from ._fsdp_module import (
     share_comm_ctx,
 )
 from ._fully_shard import describe_modules, fully_shard
-from ._hooks import events_for, invalidate_unsharded, unit_infos
+from ._hooks import invalidate_unsharded, unit_infos
 from ._mesh import DataParallelMeshDims, MeshInfo, validate_reshard_after_forward
 from ._ownership import fqn_of, ignored_by, is_ignored, owner_of, replaced_by
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._shared import is_borrowed
+from ._tool_collectives import ToolCollectives
 
 __all__ = [
     "AllGather",
@@ -63,7 +59,6 @@ __all__ = [
     "CPUOffloadPolicy",
     "CollectiveEvent",
     "CollectiveInfo",
-    "CollectiveKind",
     "DataParallelMeshDims",
     "DefaultAllGather",
     "DefaultReduceScatter",
@@ -77,6 +72,7 @@ __all__ = [
     "ParamInfo",
     "PendingCollective",
     "ReduceScatter",
+    "ToolCollectives",
     "UnitEvent",
     "UnitInfo",
     "UnitOptionsInfo",
@@ -84,14 +80,12 @@ __all__ = [
     "describe_modules",
     "dtensor_from_local",
     "dtensor_spec_with_dtype",
-    "events_for",
     "fqn_of",
     "fully_shard",
     "ignored_by",
     "invalidate_unsharded",
     "is_borrowed",
     "is_ignored",
-    "launch",
     "local_tensor",
     "owner_of",
     "register_fsdp_forward_method",

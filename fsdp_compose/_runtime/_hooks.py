@@ -20,7 +20,6 @@ from torch.utils import _pytree as pytree
 
 from . import _compat, _shared
 from ._events import Events, UnitInfo
-from ._ownership import unit_of
 from ._policies import MixedPrecisionPolicy
 from ._scheduler import Scheduler, ScheduleSettings
 from ._unit import ShardState, TrainingState, Unit
@@ -50,22 +49,6 @@ def invalidate_unsharded(module: nn.Module) -> None:
         for unit in state.own_units + state.borrowed:
             state.reshard(unit)
             unit.invalidate()
-
-
-def events_for(owner: object) -> Events | None:
-    """The events of the root that owns ``owner``: a sharded parameter (its unit's
-    root), or a module annotated with ``fully_shard`` or holding one (the first in
-    ``modules()`` order); ``None`` for anything else. Outside the runtime an opaque
-    handle: the tools pass it to :func:`~._collectives.launch` so that their
-    collectives reach that root's observers, and call nothing on it."""
-    if isinstance(owner, nn.Module):
-        for module in owner.modules():
-            state = state_of(module)
-            if state is not None:
-                return state.settings.events
-        return None
-    unit = unit_of(owner)
-    return None if unit is None else unit.events
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:

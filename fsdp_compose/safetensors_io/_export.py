@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._tool_collectives import ToolCollectives
+from .._runtime import ToolCollectives
 from ._format import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_FILE,

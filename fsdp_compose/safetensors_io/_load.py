@@ -49,8 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._runtime import invalidate_unsharded
-from .._tool_collectives import ToolCollectives
+from .._runtime import ToolCollectives, invalidate_unsharded
 from ._format import DTYPES, Entry, KeyMap, names_of, read_headers, safe_open_fn
 from ._ranks import raise_if_any_failed
 

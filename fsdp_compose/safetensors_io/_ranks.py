@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .._agree import CollectiveExchange, agree_or_raise
-from .._tool_collectives import ToolCollectives
+from .._runtime import ToolCollectives
 
 
 def dist_on() -> bool:

@@ -29,7 +29,6 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _runtime as runtime
 from .. import _tool_compat
-from .._tool_collectives import ToolCollectives
 from ._agree import DigestCache, Members, add_member, agree_and_prune
 from ._exchange import Layouts, ShardLayout
 from ._muon import PLAN_CACHE_SIZE, _ours
@@ -177,7 +176,7 @@ def _lr(group: dict[str, Any]) -> float:
 
 
 def _all_reduce(
-    parts: list[list[torch.Tensor]], layout: ShardLayout, comms: ToolCollectives
+    parts: list[list[torch.Tensor]], layout: ShardLayout, comms: runtime.ToolCollectives
 ) -> list[list[torch.Tensor]]:
     flat = torch.cat([t for job in parts for t in job])
     if layout.group is not None and layout.world > 1:
@@ -229,7 +228,7 @@ def adafactor_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             by_group.setdefault(id(layout.group), []).append(_Job(optimizer, group, p, layout))
         for jobs in by_group.values():
             layout = jobs[0].layout
-            comms = ToolCollectives("adafactor.step", layout.group, owner=jobs[0].p)
+            comms = runtime.ToolCollectives("adafactor.step", layout.group, owner=jobs[0].p)
             firsts = _all_reduce([job.first_phase() for job in jobs], layout, comms)
             seconds = []
             for job, totals in zip(jobs, firsts):

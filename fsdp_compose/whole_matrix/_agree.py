@@ -45,8 +45,7 @@ from .._agree import (
     agree_or_raise,
     raise_unless_same,
 )
-from .._runtime import PendingCollective, fqn_of, owner_of
-from .._tool_collectives import ToolCollectives
+from .._runtime import PendingCollective, ToolCollectives, fqn_of, owner_of
 
 if TYPE_CHECKING:  # _exchange imports this module
     from ._exchange import Layouts, ShardLayout

@@ -10,7 +10,6 @@ from torch.distributed.tensor import DTensor
 
 from .. import _runtime as runtime
 from .. import _tool_compat
-from .._tool_collectives import ToolCollectives
 from ._agree import Descriptor, check_agreement
 from ._exchange import ExchangePlan, ShardLayout, layout_of
 
@@ -42,7 +41,7 @@ _LABEL = "whole_matrix.map_full_matrices"
 
 
 def _check_same_matrices(
-    comms: ToolCollectives, matrices: Sequence[torch.Tensor], idx: list[int]
+    comms: runtime.ToolCollectives, matrices: Sequence[torch.Tensor], idx: list[int]
 ) -> None:
     """One all-reduce: raises on every rank unless all pass the same shapes and
     dtypes in the same order (see [Note: ranks agree on the matrices before the
@@ -125,7 +124,7 @@ def map_full_matrices(
     out_dtype = result_dtype or comm_dtype
     plans = _plans(matrices)
     comms = {
-        id(plan): ToolCollectives(_LABEL, plan.layout.group, owner=matrices[idx[0]])
+        id(plan): runtime.ToolCollectives(_LABEL, plan.layout.group, owner=matrices[idx[0]])
         for plan, idx in plans
     }
     for plan, idx in plans:  # the same list on every rank, before any data moves

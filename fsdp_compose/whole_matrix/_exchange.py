@@ -81,7 +81,6 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .. import _runtime as runtime
 from .. import _tool_compat
-from .._tool_collectives import ToolCollectives
 from ._agree import RoundOutcomes
 
 
@@ -320,7 +319,7 @@ class ExchangePlan:
         device: torch.device,
         recycle_inputs: bool = False,
         describe: Callable[[int], str] | None = None,
-        comms: ToolCollectives | None = None,
+        comms: runtime.ToolCollectives | None = None,
     ) -> None:
         """For each matrix ``i``: ``compute(i, full)`` on its owner, where ``full``
         is the ``(m, n)`` matrix whose rows every rank wrote with ``fill(i, rows)``
@@ -343,7 +342,7 @@ class ExchangePlan:
                 consume(i, compute(i, full).to(result_dtype))
             return
 
-        comms = comms or ToolCollectives("whole_matrix.exchange", layout.group)
+        comms = comms or runtime.ToolCollectives("whole_matrix.exchange", layout.group)
         run = _Exchange(self, comms, fill, consume, comm_dtype, result_dtype, device)
         # See [Note: a failing computation on its owner].
         outcomes = RoundOutcomes(comms, layout.rank, layout.world, device)
@@ -408,7 +407,7 @@ class _Exchange:
     def __init__(
         self,
         plan: ExchangePlan,
-        comms: ToolCollectives,
+        comms: runtime.ToolCollectives,
         fill: Callable[[int, torch.Tensor], None],
         consume: Callable[[int, torch.Tensor], None],
         comm_dtype: torch.dtype,

@@ -44,7 +44,6 @@ from torch.distributed.tensor import DTensor
 
 from .. import _runtime as runtime
 from .. import _tool_compat
-from .._tool_collectives import ToolCollectives
 from ._agree import DigestCache, Members, add_member, agree_and_prune
 from ._exchange import BufferPool, ExchangePlan, Layouts, ShardLayout
 
@@ -284,7 +283,7 @@ def _run(
             result_dtype=torch.bfloat16,
             device=device,
             recycle_inputs=True,  # Newton-Schulz keeps nothing of its input
-            comms=ToolCollectives("muon.exchange", plan.layout.group, owner=jobs[0][1]),
+            comms=runtime.ToolCollectives("muon.exchange", plan.layout.group, owner=jobs[0][1]),
             describe=lambda i: (
                 f"Muon's parameter of shape {tuple(jobs[i][1].shape)} "
                 f"(position {i} among the matrices with gradients of its shard group)"

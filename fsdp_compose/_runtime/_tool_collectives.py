@@ -1,5 +1,4 @@
-"""The collectives the tools issue: whole-matrix optimizers, exports, the scaler,
-each through the runtime's launch path.
+"""The collectives the tools issue: whole-matrix optimizers, exports, the scaler.
 
 [Note: tools' collectives]
 Every collective fsdp_compose issues goes through the runtime's launch path, the
@@ -27,10 +26,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
-from ._runtime import CollectiveKind, PendingCollective, events_for, launch
+from ._collectives import PendingCollective, launch
+from ._events import CollectiveKind, Events
+from ._hooks import state_of
+from ._ownership import unit_of
 
-__all__ = ["ToolCollectives"]
+__all__ = ["ToolCollectives", "events_for"]
 
 _OPS: dict[str, Any] = {
     "sum": dist.ReduceOp.SUM,
@@ -38,6 +41,20 @@ _OPS: dict[str, Any] = {
     "min": dist.ReduceOp.MIN,
     "product": dist.ReduceOp.PRODUCT,
 }
+
+
+def events_for(owner: object) -> Events | None:
+    """The events of the root that owns ``owner``: a sharded parameter (its unit's
+    root), or a module annotated with ``fully_shard`` or holding one (the first in
+    ``modules()`` order); ``None`` for anything else."""
+    if isinstance(owner, nn.Module):
+        for module in owner.modules():
+            state = state_of(module)
+            if state is not None:
+                return state.settings.events
+        return None
+    unit = unit_of(owner)
+    return None if unit is None else unit.events
 
 
 class ToolCollectives:
@@ -67,7 +84,7 @@ class ToolCollectives:
         dtype: torch.dtype, **how: Any,
     ) -> PendingCollective:  # fmt: skip
         """Issues this operation's ``kind`` through the runtime's launch path
-        (the runtime's ``launch``; ``how``: its keywords)."""
+        (:func:`~fsdp_compose._runtime._collectives.launch`; ``how``: its keywords)."""
         return launch(kind, self.label, self._group(), self.events, issue, numels, dtype, **how)
 
     def size(self) -> int:
