@@ -228,3 +228,21 @@ def gpt_train_step(model: nn.Module, ref: nn.Module, opts: tuple, cfg: Any, step
         opt.step()
         opt.zero_grad()
     return abs(mean_across_ranks(loss.item()) - ref_loss.item())
+
+
+def against_fsdp2(scenarios: list[tuple[str, Any, dict[str, Any]]], train: Any) -> list[tuple]:
+    """Runs each ``(name, build, options)`` scenario with fsdp_compose's and torch's
+    ``fully_shard`` (``train(fully_shard, build, options)`` returns losses, collective
+    sizes and final parameters) and says, per scenario, which of the three are equal:
+    ``(name, same_losses, same_collectives, same_parameters)``."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    results = []
+    for name, build, options in scenarios:
+        ours = train(fsdp_compose.fully_shard, build, options)
+        theirs = train(torch_fully_shard, build, options)
+        same_params = len(ours[2]) == len(theirs[2]) and all(
+            torch.equal(a, b) for a, b in zip(ours[2], theirs[2])
+        )
+        results.append((name, ours[0] == theirs[0], ours[1] == theirs[1], same_params))
+    return results

@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from dist_utils import run_distributed
+from helpers import against_fsdp2
 from torch.testing._internal.common_fsdp import patch_all_gather, patch_reduce_scatter
-
-import fsdp_compose
 
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -121,20 +120,8 @@ def _train(shard: Callable[..., Any], build: Callable[..., Any], options: dict[s
     return losses, sizes, [p.full_tensor().detach() for p in model.parameters()]
 
 
-def _job() -> list[tuple[str, bool, bool, bool]]:
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    results = []
-    for name, build, options in SCENARIOS:
-        ours = _train(fsdp_compose.fully_shard, build, options)
-        theirs = _train(torch_fully_shard, build, options)
-        same_params = all(torch.equal(a, b) for a, b in zip(ours[2], theirs[2]))
-        results.append((name, ours[0] == theirs[0], ours[1] == theirs[1], same_params))
-    return results
-
-
 def test_unusual_graphs_match_fsdp2() -> None:
-    for rank_results in run_distributed(_job, 2, timeout=240.0):
+    for rank_results in run_distributed(against_fsdp2, 2, SCENARIOS, _train, timeout=240.0):
         assert [r[0] for r in rank_results] == [s[0] for s in SCENARIOS]
         for name, losses, collectives, params in rank_results:
             assert losses and collectives and params, (name, losses, collectives, params)
