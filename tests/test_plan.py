@@ -263,7 +263,7 @@ def _predict(case: dict) -> MemoryEstimate:
     [
         (1, {"model": "gpt", "world_size": 1, "batch": 4, "seq": 128}),
         (2, {"model": "tied", "world_size": 2, "reshard": False, "batch": 4, "seq": 128}),
-        (4, {"model": "gpt", "world_size": 4, "bf16": True, "batch": 4, "seq": 128}),
+        (4, {"model": "gpt", "world_size": 4, "bf16": True, "batch": 4, "seq": 64}),
     ],
     ids=["gpt-W1", "tied-W2-noreshard", "gpt-W4-bf16"],
 )
