@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 from dist_utils import run_distributed
@@ -32,7 +33,8 @@ def _structure_job() -> dict:
     out["names_same"] = [n for n, _ in model.named_parameters()] == names_before
     out["keys_same"] = list(model.state_dict().keys()) == keys_before
     out["isinstance"] = (
-        isinstance(model, FSDPModule) and isinstance(model, GPT)
+        isinstance(model, FSDPModule)
+        and isinstance(model, GPT)
         and all(isinstance(b, FSDPModule) for b in model.blocks)
         and not isinstance(model.ln_f, FSDPModule)
     )
@@ -57,7 +59,9 @@ def _structure_job() -> dict:
     block = model.blocks[0]
     assert block.unshard() is None
     w = block.attn.q.weight
-    out["unsharded_plain"] = not isinstance(w, DTensor) and w.shape == ref.blocks[0].attn.q.weight.shape
+    out["unsharded_plain"] = (
+        not isinstance(w, DTensor) and w.shape == ref.blocks[0].attn.q.weight.shape
+    )
     out["unsharded_values"] = torch.equal(w.detach(), ref.blocks[0].attn.q.weight.detach())
     out["child_still_sharded"] = isinstance(model.blocks[1].attn.q.weight, DTensor)
     out["root_still_sharded"] = isinstance(model.tok_emb.weight, DTensor)
@@ -73,10 +77,13 @@ def _structure_job() -> dict:
     # state dict still holds shards
     x, y = make_batch(GPTConfig(**TINY), 2 * world, 0)
     loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
-    out["sd_after_forward_dtensor"] = all(isinstance(v, DTensor) for v in model.state_dict().values())
+    out["sd_after_forward_dtensor"] = all(
+        isinstance(v, DTensor) for v in model.state_dict().values()
+    )
     loss.backward()
-    out["grads_dtensor"] = all(isinstance(p.grad, DTensor) and p.grad.placements == (Shard(0),)
-                               for p in model.parameters())
+    out["grads_dtensor"] = all(
+        isinstance(p.grad, DTensor) and p.grad.placements == (Shard(0),) for p in model.parameters()
+    )
     out["all_sharded_after_backward"] = all(isinstance(p.data, DTensor) for p in model.parameters())
     return out
 
@@ -228,6 +235,55 @@ def test_meta_subclass_parameter_keeps_its_subclass() -> None:
         assert r["fsdp2"][0] == ["TwoTensor", "meta", "TwoTensor", "TwoTensor"], r
 
 
+def _subclass_training_job() -> dict:
+    """A tensor-subclass parameter without all-gather extension, made on the meta
+    device or not: what the forward computes with (FSDP2 gathers the subclass into a
+    plain tensor, on one rank too), the gradient, and the state dict."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    rank = rank_world()[0]
+    out: dict = {}
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    for impl, shard in _impls():
+        for meta in (False, True):
+            torch.manual_seed(0)
+            with torch.device("meta" if meta else "cpu"):
+                model = nn.Linear(8, 6)
+                weight = model.weight.detach()
+                model.weight = nn.Parameter(TwoTensor(weight, 2 * weight))
+            shard(model)  # type: ignore[operator]
+            if meta:
+                model.to_empty(device="cpu")
+                torch.manual_seed(1)
+                full = {"weight": torch.randn(6, 8), "bias": torch.randn(6)}
+                full["weight"] = TwoTensor(full["weight"], 2 * full["weight"])
+                state = {
+                    name: torch.distributed.tensor.distribute_tensor(
+                        full[name], value.device_mesh, value.placements
+                    )
+                    for name, value in model.state_dict().items()
+                }
+                model.load_state_dict(state, assign=True)
+            y = model(x)
+            seen = [type(y).__name__, type(model.weight).__name__]
+            y.sum().backward()
+            grad = model.weight.grad.to_local()
+            seen.append(type(grad).__name__)
+            seen.append({k: type(v.to_local()).__name__ for k, v in model.state_dict().items()})
+            values = [t.detach() for t in (y, grad)]  # (a subclass as its inner tensors)
+            values = [[t.a, t.b] if isinstance(t, TwoTensor) else [t] for t in values]
+            out[impl, meta] = (seen, [[t.tolist() for t in ts] for ts in values])
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_subclass_parameter_gathers_as_under_fsdp2(world: int) -> None:
+    for r in run_distributed(_subclass_training_job, world):
+        for meta in (False, True):
+            assert r["fsdp_compose", meta] == r["fsdp2", meta], (meta, r)
+            assert r["fsdp2", meta][0][:3] == ["Tensor", "Parameter", "Tensor"], r
+
+
 def _registered_after_eval_job() -> dict:
     """What ``named_parameters()`` holds after a no-grad forward (an evaluation),
     training around evaluations (bit-identical to FSDP2), and an optimizer built after
@@ -301,7 +357,10 @@ def _forward_method_job() -> dict:
     register_fsdp_forward_method(model, "double")
     x = torch.randn(3, 8)
     y = model.double(x)
-    out = {"equal": torch.allclose(y, ref.double(x)), "resharded": isinstance(model.lin.weight, DTensor)}
+    out = {
+        "equal": torch.allclose(y, ref.double(x)),
+        "resharded": isinstance(model.lin.weight, DTensor),
+    }
     y.sum().backward()
     out["grad"] = isinstance(model.lin.weight.grad, DTensor)
     register_fsdp_forward_method(nn.Linear(2, 2), "forward")  # no-op on plain modules
@@ -340,7 +399,8 @@ def _group_job() -> dict:
         torch.distributed.all_reduce(t)
         diffs.append(abs(t.item() / world - ref_loss.item()))
     return {
-        "returned_list": isinstance(grouped, list) and all(isinstance(m, FSDPModule) for m in grouped),
+        "returned_list": isinstance(grouped, list)
+        and all(isinstance(m, FSDPModule) for m in grouped),
         "tied": model.lm_head.weight is model.tok_emb.weight,
         "diffs": diffs,
         "param_diff": max_param_diff(model, ref)[0],

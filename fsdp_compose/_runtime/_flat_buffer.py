@@ -9,8 +9,9 @@ refills it without bumping the version counter, so tensors autograd saved stay
 valid. ``set_keep_unsharded_storage(True)`` keeps the memory (fixed data pointers
 for CUDA graphs). The all-gather output is rank-major (``(W, S)``), so one
 ``split_with_sizes_copy`` moves each parameter's ``(W, slot_p)`` block into place;
-gradients go the other way with one ``chunk_cat``. With a shard world of one and
-no cast, the unsharded parameter aliases the local shard (no buffer, no copy).
+gradients go the other way with one ``chunk_cat``. With a shard world of one, no
+cast and plain (not tensor-subclass) shards, the unsharded parameter aliases the
+local shard (no buffer, no copy).
 
 [Note: in-place all-gather]
 With one parameter sharded on dim 0, the rank-major all-gather output is the
@@ -82,7 +83,12 @@ class FlatBuffer:
         self.slots = slots
         self.row = row
         no_cast = all(p.compute_dtype == p.orig_dtype for p in params)
-        self.alias = world == 1 and not offload and no_cast
+        # A tensor-subclass shard (a wrapper subclass such as TwoTensor, by its flatten
+        # protocol; one with FSDP2's all-gather extension has its own gather) is
+        # gathered into a plain tensor on one rank too, as FSDP2 does: aliasing it
+        # would make the forward compute with the subclass.
+        subclass = any(hasattr(p.local_shard, "__tensor_flatten__") for p in params)
+        self.alias = world == 1 and not offload and no_cast and not subclass
         self._fused_copy_out = all(p.shard_dim == 0 for p in params)
         # See [Note: in-place all-gather]; the version the unsharded storage had before.
         self._in_place = len(slots) == 1 and self._fused_copy_out
