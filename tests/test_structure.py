@@ -203,18 +203,24 @@ def _impls() -> list[tuple[str, object]]:
     return [("fsdp2", torch_fully_shard), ("fsdp_compose", fully_shard)]
 
 
+def _two_tensor_linear(device: str, requires_grad: bool = True) -> nn.Linear:
+    """``nn.Linear(8, 6)`` on ``device`` whose weight is a ``TwoTensor`` (a tensor
+    subclass without FSDP2's all-gather extension) of the weight and twice it."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    with torch.device(device):
+        model = nn.Linear(8, 6)
+        weight = model.weight.detach()
+        model.weight = nn.Parameter(TwoTensor(weight, 2 * weight), requires_grad=requires_grad)
+    return model
+
+
 def _meta_subclass_job() -> dict:
     """A tensor-subclass parameter made on the meta device: its local shard keeps the
     subclass through ``fully_shard``, ``to_empty`` and a load, as under FSDP2."""
-    from torch.testing._internal.two_tensor import TwoTensor
-
-    rank, world = rank_world()
     out: dict = {}
     for impl, shard in _impls():
-        with torch.device("meta"):
-            model = nn.Linear(8, 6)
-            weight = model.weight.detach()
-            model.weight = nn.Parameter(TwoTensor(weight, weight.clone()), requires_grad=False)
+        model = _two_tensor_linear("meta", requires_grad=False)
         shard(model)  # type: ignore[operator]
         seen = [type(model.weight.to_local()).__name__, model.weight.to_local().device.type]
         model.to_empty(device="cpu")
@@ -247,10 +253,7 @@ def _subclass_training_job() -> dict:
     for impl, shard in _impls():
         for meta in (False, True):
             torch.manual_seed(0)
-            with torch.device("meta" if meta else "cpu"):
-                model = nn.Linear(8, 6)
-                weight = model.weight.detach()
-                model.weight = nn.Parameter(TwoTensor(weight, 2 * weight))
+            model = _two_tensor_linear("meta" if meta else "cpu")
             shard(model)  # type: ignore[operator]
             if meta:
                 model.to_empty(device="cpu")
@@ -288,7 +291,7 @@ def _registered_after_eval_job() -> dict:
     """What ``named_parameters()`` holds after a no-grad forward (an evaluation),
     training around evaluations (bit-identical to FSDP2), and an optimizer built after
     one (which FSDP2 gives the root's unsharded parameters)."""
-    rank, world = rank_world()
+    rank = rank_world()[0]
     out: dict = {}
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     for impl, shard in _impls():
