@@ -340,6 +340,68 @@ def test_parameters_registered_after_a_no_grad_forward() -> None:
         assert "3.weight" not in fsdp2_late[3] and "0.weight" in fsdp2_late[3], fsdp2_late[3]
 
 
+def _state_dict_reshards_job() -> dict:
+    """``state_dict()`` between a forward and its backward, with every unit staying
+    gathered (``reshard_after_forward=False``): torch's state-dict save/load scenario."""
+    import threading
+
+    rank = rank_world()[0]
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    out: dict = {}
+    for impl, shard in _impls():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+        shard(model[0], reshard_after_forward=False)  # type: ignore[operator]
+        shard(model, reshard_after_forward=False)  # type: ignore[operator]
+        loss = model(x).square().mean()
+        gathered = sorted({type(p).__name__ for p in model.parameters()})
+        sd = model.state_dict()
+        shards = {
+            n: (type(p).__name__, p.to_local().detach().clone())
+            for n, p in model.named_parameters()
+        }
+        saved = {k: (type(v).__name__, v.to_local().detach().clone()) for k, v in sd.items()}
+        loss.backward()  # (the units gather again for backward)
+        grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+        out[impl] = (gathered, shards, saved, loss.item(), grads)
+        if impl == "fsdp_compose":  # from another thread, mid-step: the units stay as they are
+            model(x)
+            other: list = []
+
+            def save(into: list = other, module: nn.Module = model) -> None:
+                into.append(module.state_dict())
+
+            thread = threading.Thread(target=save)
+            thread.start()
+            thread.join()
+            registered = sorted({type(p).__name__ for p in model.parameters()})
+            values = {
+                k: (type(v).__name__, v.to_local().detach().clone()) for k, v in other[0].items()
+            }
+            out["other_thread"] = (registered, values)
+    return out
+
+
+def test_state_dict_reshards_as_under_fsdp2() -> None:
+    for r in run_distributed(_state_dict_reshards_job, 2):
+        (gathered, shards, saved, loss, grads), fsdp2 = r["fsdp_compose"], r["fsdp2"]
+        assert gathered == fsdp2[0] == ["Parameter"], (gathered, fsdp2[0])
+        # [Note: state_dict reshards]: afterwards model.parameters() shows the shards.
+        assert {t for t, _ in shards.values()} == {"DTensor"}, shards
+        for name, (kind, value) in shards.items():
+            assert kind == fsdp2[1][name][0] and torch.equal(value, fsdp2[1][name][1]), name
+            assert saved[name][0] == "DTensor" and torch.equal(saved[name][1], value), name
+        assert loss == fsdp2[3]
+        assert all(torch.equal(g, fsdp2[4][n]) for n, g in grads.items()), grads
+        # From another thread (torchft's recovery) the shards are saved, and the units
+        # of the step in progress keep their unsharded parameters registered.
+        registered, values = r["other_thread"]
+        assert registered == ["Parameter"], registered
+        assert values.keys() == saved.keys(), values
+        for key, (kind, value) in values.items():  # (no optimizer step: the same shards)
+            assert kind == "DTensor" and torch.equal(value, saved[key][1]), key
+
+
 class _WithMethod(nn.Module):
     def __init__(self) -> None:
         super().__init__()

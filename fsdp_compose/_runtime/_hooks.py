@@ -11,6 +11,7 @@ becomes the root: it names its tree's units, creates their one
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -167,6 +168,16 @@ class UnitState:
             self.scheduler.memory.reshard(unit)
         else:
             unit.reshard()
+
+    def reshard_if_between_steps(self, unit: Unit) -> None:
+        """Reshards ``unit`` as :meth:`reshard` if called on the thread that runs the
+        root's steps while none is in progress; elsewhere does nothing."""
+        scheduler = self.scheduler
+        if scheduler is None or (
+            scheduler.thread == threading.get_ident()
+            and scheduler.training_state is TrainingState.IDLE
+        ):
+            self.reshard(unit)
 
     # -- lazy init and root detection ------------------------------------
 

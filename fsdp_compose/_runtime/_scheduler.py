@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -155,6 +156,9 @@ class Scheduler:
         self.manual_finalization: bool | None = None
         self._awaiting_finalize: list[Unit] = []  # manual mode: post-backward deferred
         self.resets = 0  # reset() calls: a GradientReductionHandle from before is invalid
+        # The thread that runs the steps (the root's lazy init makes the scheduler on it):
+        # only there may state_dict() reshard ([Note: state_dict reshards] in _state_dict.py).
+        self.thread = threading.get_ident()
 
         self._prev_forward_order: list[Unit] = []
         self._forward_order: list[Unit] = []

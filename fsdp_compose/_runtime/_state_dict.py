@@ -1,8 +1,7 @@
 """State-dict hooks of a unit, and loading full (unsharded) state dicts.
 
 ``state_dict()`` and ``load_state_dict()`` see the sharded DTensor parameters, as in
-FSDP2; ``state_dict()`` reads them without resharding (safe from another thread while
-a forward runs). Beyond FSDP2, ``load_state_dict`` also takes a full plain tensor of a
+FSDP2 (see [Note: state_dict reshards]). Beyond FSDP2, ``load_state_dict`` also takes a full plain tensor of a
 parameter's global shape and, with tensor parallel, a DTensor laid out by TP alone (saved
 before ``fully_shard``): each rank cuts its own shard locally, without communication.
 """
@@ -25,6 +24,16 @@ if TYPE_CHECKING:
     from ._hooks import UnitState
 
 __all__ = ["register_state_dict_hooks", "sharded_from_state"]
+
+# [Note: state_dict reshards]
+# As in FSDP2, ``state_dict()`` and ``load_state_dict()`` first reshard a unit whose
+# parameters are gathered (``reshard_after_forward=False`` after a forward), so that
+# ``model.parameters()`` shows the shards afterwards (an optimizer built then holds
+# them) and the unsharded memory is freed. ``state_dict()`` does so only on the thread
+# that runs the root's steps, between steps: torchft's recovery serves a state dict
+# from another thread while a step runs there, and must not touch the units. Either
+# way the post-hook puts the shards in the state dict (the registered parameters may
+# be the unsharded ones on that other thread).
 
 _Named = list[tuple[str, ShardedParam]]  # a module's (attribute name, parameter) pairs
 
@@ -88,11 +97,15 @@ def register_state_dict_hooks(
                 if sharded is not None:
                     state_dict[prefix + name] = sharded
 
+    def save_pre_hook(*_: Any) -> None:
+        state.reshard_if_between_steps(unit)
+
     def load_post_hook(*_: Any) -> None:
         state.reshard(unit)  # parameters may have been re-assigned (assign=True)
         unit.invalidate()
 
     for module, params in owner_params.items():
+        module.register_state_dict_pre_hook(save_pre_hook)
         module.register_state_dict_post_hook(functools.partial(_save_shards, params))
         module.register_load_state_dict_pre_hook(functools.partial(load_pre_hook, params))
         module.register_load_state_dict_post_hook(load_post_hook)
@@ -102,7 +115,8 @@ def _save_shards(
     params: _Named, _module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any
 ) -> None:
     """Puts the shards in ``state_dict`` without touching the unit: another thread
-    (torchft's recovery) may ask while a step has the unsharded parameters registered."""
+    (torchft's recovery) may ask while a step has the unsharded parameters registered
+    ([Note: state_dict reshards])."""
     for name, p in params:
         saved, sharded = state_dict.get(prefix + name), p.sharded_param
         if not isinstance(saved, torch.Tensor) or (  # absent, or a shard (a new one: assign=True)
