@@ -240,3 +240,46 @@ def test_non_contiguous_parameter_refused_as_fsdp2() -> None:
         assert r["torch"][0] == r["ours"][0] == "NotImplementedError", r
         assert "'weight'" in r["ours"][1] and "contiguous()" in r["ours"][1], r
         assert r["unchanged"] and r["fixed"] == (2, 4), r
+
+
+def _divide_job() -> dict:
+    """float16 and float64 reductions (FSDP2 divides before and after the sum there),
+    with the default factor and a custom one under force-sum (which gloo runs: FSDP2's
+    custom-factor ``PREMUL_SUM`` is NCCL's only), against torch's FSDP2."""
+    rank = rank_world()[0]
+    out = {}
+    for name, dtype, factor in (
+        ("fp16", torch.float16, None),
+        ("fp16 /8", torch.float16, 8.0),
+        ("fp64", torch.float64, None),
+    ):
+        results = []
+        for fs in (torch_fsdp.fully_shard, fully_shard):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
+            model = model.to(torch.float64 if dtype == torch.float64 else torch.float32)
+            mp = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.float16)
+            kwargs = {"mp_policy": mp} if dtype == torch.float16 else {}
+            fs(model[0], **kwargs)
+            fs(model, **kwargs)
+            if factor is not None:
+                for module in (model, model[0]):
+                    module.set_gradient_divide_factor(factor)  # type: ignore[operator]
+                    module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+            x = torch.randn(4, 16, dtype=dtype, generator=torch.Generator().manual_seed(rank))
+            optim = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(2):
+                model(x).float().square().mean().backward()
+                optim.step()
+                optim.zero_grad()
+            results.append([p.full_tensor().detach() for p in model.parameters()])
+        out[name] = all(torch.equal(a, b) for a, b in zip(*results))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_low_precision_reduction_divides_as_fsdp2(world: int) -> None:
+    # FSDP2 divides float16 gradients by 2 before the sum on 2 ranks (by 2 then 1.5 on
+    # 3), where fsdp_compose divided after it: same losses, parameters 1 ulp apart.
+    for r in run_distributed(_divide_job, world):
+        assert r == {"fp16": True, "fp16 /8": True, "fp64": True}, r
