@@ -4,8 +4,9 @@
 torch's file builds its reference on CUDA, so its scenarios run here directly on 2
 gloo ranks, each with both libraries from the same seed: a forward output left out of
 the loss after a few steps (a unit whose output gets no gradient), a unit never
-called in forward, and activations passed between units inside a namedtuple or a
-dict (hooks must find the tensors inside containers). Per step the losses, the
+called in forward, and activations passed between units inside a namedtuple, a
+dict or a (nested) dataclass, also in bf16 (hooks and casts must find the tensors
+inside containers: the dataclass cases are from torch's mixed-precision file). Per step the losses, the
 sizes of the all-gathers and reduce-scatters in issue order (counted by replacing
 ``torch.distributed``'s functions, as torch's tests do) and, at the end, the
 parameters are bit-identical to FSDP2's.
@@ -16,6 +17,7 @@ scaled by a constant.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -24,12 +26,25 @@ import torch.distributed as dist
 import torch.nn as nn
 from dist_utils import run_distributed
 from helpers import against_fsdp2
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.testing._internal.common_fsdp import patch_all_gather, patch_reduce_scatter
 
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 DIM = 24
 Pair = collections.namedtuple("Pair", "x y")
+
+
+@dataclasses.dataclass
+class _Activation:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Nested:
+    inner: _Activation
+    z: torch.Tensor
 
 
 class _TwoLinears(nn.Module):
@@ -52,8 +67,12 @@ class _InContainer(nn.Module):
         self.lin1, self.lin2, self.kind = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), kind
 
     def forward(self, inp: Any) -> Any:
-        x = inp["x"] if self.kind == "dict" else inp.x
+        x = inp["x"] if self.kind == "dict" else inp.inner.x if self.kind == "nested" else inp.x
         x = torch.relu(self.lin2(torch.relu(self.lin1(x))))
+        if self.kind == "dataclass":
+            return _Activation(x, self.lin1(inp.y))  # both fields carry gradients
+        if self.kind == "nested":
+            return _Nested(_Activation(x, inp.inner.y), self.lin2(inp.z))
         return {"x": x} if self.kind == "dict" else Pair(x, inp.y)
 
 
@@ -72,13 +91,20 @@ def _unused_module(shard: Callable[..., Any], reshard: bool | int) -> Any:
     return model, lambda x, step: model(x).sum()
 
 
-def _containers(shard: Callable[..., Any], kind: str) -> Any:
+def _containers(shard: Callable[..., Any], kind: str, bf16: bool = False) -> Any:
     blocks = nn.Sequential(*[_InContainer(kind) for _ in range(3)])
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    options = {"mp_policy": policy} if bf16 else {}
     for block in blocks:
-        shard(block)
-    shard(blocks)
+        shard(block, **options)
+    shard(blocks, **options)
 
     def loss(x: torch.Tensor, step: int) -> torch.Tensor:
+        if kind in ("dataclass", "nested"):
+            inner = _Activation(x, torch.ones_like(x))
+            out = blocks(inner if kind == "dataclass" else _Nested(inner, x.flip(0)))
+            parts = (out.x, out.y) if kind == "dataclass" else (out.inner.x, out.z)
+            return sum(part.float().sum() for part in parts)  # type: ignore[return-value]
         out = blocks({"x": x} if kind == "dict" else Pair(x, torch.ones_like(x)))
         return (out["x"] if kind == "dict" else out.x).sum()
 
@@ -91,6 +117,8 @@ SCENARIOS: list[tuple[str, Callable[..., Any], dict[str, Any]]] = [
     ("unused forward module", _unused_module, {"reshard": True}),
     ("namedtuple activations", _containers, {"kind": "namedtuple"}),
     ("dict activations", _containers, {"kind": "dict"}),
+    ("dataclass activations", _containers, {"kind": "dataclass"}),
+    ("nested dataclass activations, bf16", _containers, {"kind": "nested", "bf16": True}),
 ]
 
 
@@ -127,3 +155,41 @@ def test_unusual_graphs_match_fsdp2() -> None:
         assert [r[0] for r in rank_results] == [s[0] for s in SCENARIOS]
         for name, losses, collectives, params in rank_results:
             assert losses and collectives and params, (name, losses, collectives, params)
+
+
+def _jvp_job() -> dict:
+    """torch.func.jvp through a unit whose first forward (lazy init, gathers) runs
+    inside the transform, as in torch's mixed-precision file: the unit's buffers
+    stay plain tensors."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_compose import fully_shard
+
+    out = {}
+    for name, shard in (("fsdp2", torch_fully_shard), ("fsdp_compose", fully_shard)):
+        torch.manual_seed(0)
+        encoder, decoder = nn.Linear(16, 32, bias=False), nn.Linear(32, 8, bias=False)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for module in (encoder, decoder):
+            shard(module, mp_policy=policy, reshard_after_forward=False)
+        x = torch.randn(16, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+        weight = decoder.weight.full_tensor().detach().to(torch.bfloat16)  # type: ignore[operator]
+        hidden = encoder(x)
+        primal, tangent = torch.ones(8, requires_grad=True), torch.ones(8)
+
+        def decode(_: torch.Tensor, module: nn.Module = decoder, h: torch.Tensor = hidden) -> Any:
+            return module(h)
+
+        output, tangent_out = torch.func.jvp(decode, (primal,), (tangent,))
+        expected = nn.functional.linear(hidden.detach(), weight)
+        out[name] = (
+            output.dtype,
+            torch.equal(output.detach(), expected),
+            torch.equal(tangent_out, torch.zeros_like(output)),
+        )
+    return out
+
+
+def test_jvp_through_a_unit_as_fsdp2() -> None:
+    for r in run_distributed(_jvp_job, 2):
+        assert r["fsdp_compose"] == r["fsdp2"] == (torch.bfloat16, True, True), r

@@ -5,9 +5,10 @@ or without a public equivalent). fsdp_compose declares ``torch>=2.11`` (exercise
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,10 @@ REDUCE_IN_PARAM_DTYPE = torch.__version__ >= "2.15"  # TorchVersion compares rel
 # them ([Note: pending gradients] in _reduce.py). A feature test: builds from torch's
 # main branch count.
 PENDING_GRADIENT_API = hasattr(_TorchFSDPModule, "get_pending_gradients")
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def make_dtensor_spec(
@@ -104,6 +109,22 @@ def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
 def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
     """Runs ``callback`` when the current ``backward()`` has run every node, before it returns."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def without_functorch(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``method``, run with torch.func's transforms (``jvp``, ``vmap``) turned off while
+    one is active, as FSDP2 runs its unit operations: a unit's buffers and unsharded
+    parameters are plain tensors, never a transform's wrappers (whose storage cannot
+    be freed or refilled)."""
+
+    @functools.wraps(method)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return run
 
 
 def inside_backward() -> bool:

@@ -11,13 +11,14 @@ becomes the root: it names its tree's units, creates their one
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
+from torch.distributed.utils import _apply_to_tensors
 
 from . import _compat, _shared
 from ._events import Events, UnitInfo
@@ -52,12 +53,55 @@ def invalidate_unsharded(module: nn.Module) -> None:
             unit.invalidate()
 
 
+# [Note: containers of inputs and outputs]
+# Casting inputs and outputs, and moving inputs to the accelerator, go through the
+# containers torch's _apply_to_tensors (FSDP2's own) rebuilds: dataclasses, dicts,
+# named tuples, lists, tuples, sets. The pre-backward hooks go on the outputs that
+# require grad inside tensors, named tuples, dataclasses, dicts, lists and tuples, as
+# FSDP2 finds them, and so do the post-backward markers on the inputs (rebuilt around
+# them). (A pytree traversal would miss dataclass activations: the next unit's
+# backward would then run without its parameters.)
 def _cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
     if dtype is None:
         return tree
-    return pytree.tree_map(
-        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
-    )
+    return _apply_to_tensors(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)
+
+
+def _grad_tensors(tree: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Appends to ``found`` the tensors in ``tree`` that require grad (see the note)."""
+    if isinstance(tree, torch.Tensor):
+        if tree.requires_grad:
+            found.append(tree)
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        for field in dataclasses.fields(tree):
+            _grad_tensors(getattr(tree, field.name), found)
+    elif isinstance(tree, (list, tuple, dict)):
+        for item in tree.values() if isinstance(tree, dict) else tree:
+            _grad_tensors(item, found)
+    return found
+
+
+def _replace_grad_tensors(tree: Any, new: Iterator[torch.Tensor]) -> Any:
+    """``tree`` with the tensors :func:`_grad_tensors` finds replaced, in its order, by
+    the next of ``new``; a container is rebuilt only where something in it changed."""
+    if isinstance(tree, torch.Tensor):
+        return next(new) if tree.requires_grad else tree
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        changed = {}
+        for field in dataclasses.fields(tree):
+            old = getattr(tree, field.name)
+            if (value := _replace_grad_tensors(old, new)) is not old:
+                changed[field.name] = value
+        return dataclasses.replace(tree, **changed) if changed else tree
+    if isinstance(tree, (list, tuple, dict)):
+        old_items = list(tree.values() if isinstance(tree, dict) else tree)
+        items = [_replace_grad_tensors(item, new) for item in old_items]
+        if all(a is b for a, b in zip(items, old_items)):
+            return tree
+        if isinstance(tree, dict):
+            return type(tree)(zip(tree.keys(), items))
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    return tree
 
 
 class _PostBackward(torch.autograd.Function):
@@ -279,7 +323,7 @@ class UnitState:
                 device = next((u.mesh_info.device for u in units), torch.device("cpu"))
                 if device.type != "cpu":
                     to_device = lambda x: x.to(device, non_blocking=True)  # noqa: E731
-                    args, kwargs = pytree.tree_map_only(torch.Tensor, to_device, (args, kwargs))
+                    args, kwargs = _apply_to_tensors(to_device, (args, kwargs))
             args, kwargs = self._cast_inputs(args, kwargs)
             if unit is None and not self.borrowed:
                 if self.forward_prefetch:
@@ -358,26 +402,16 @@ class UnitState:
     # -- backward --------------------------------------------------------
 
     def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        # Positional tensors only (common): skip the pytree round trip, this hook's main cost.
-        fast = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
-        leaves, spec = (list(args), None) if fast else pytree.tree_flatten((args, kwargs))
-        positions = [
-            i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
-        ]
-        if not positions:
+        inputs = _grad_tensors((args, kwargs), [])
+        if not inputs:
             return args, kwargs  # finalize_backward runs this unit's post-backward
-        outputs = _PostBackward.apply(self, *(leaves[i] for i in positions))
-        for i, out in zip(positions, outputs):
-            leaves[i] = out
-        return (tuple(leaves), kwargs) if spec is None else pytree.tree_unflatten(leaves, spec)
+        return _replace_grad_tensors((args, kwargs), iter(_PostBackward.apply(self, *inputs)))
 
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
             return output
-        # (a tensor, the common case: no pytree traversal)
-        for tensor in [output] if isinstance(output, torch.Tensor) else pytree.tree_leaves(output):
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(self._pre_backward)
+        for tensor in _grad_tensors(output, []):
+            tensor.register_hook(self._pre_backward)
         return output
 
     @torch._disable_dynamo

@@ -329,6 +329,7 @@ class Unit:
         for p in self.params:
             p.unsharded_param = None
 
+    @_compat.without_functorch
     def lazy_init(self) -> None:
         if self.buffer is not None or self.extension is not None:
             return
@@ -423,6 +424,7 @@ class Unit:
         """Whether unsharded memory is allocated or being gathered into."""
         return self.state is ShardState.UNSHARDED or self._pending_gather is not None
 
+    @_compat.without_functorch
     def unshard(self) -> None:
         """Issues the all-gather of the unit's parameters (asynchronously); a no-op
         if they are already unsharded or being gathered."""
@@ -464,6 +466,7 @@ class Unit:
             )
         )
 
+    @_compat.without_functorch
     def wait_unshard(self) -> None:
         """Waits for the pending all-gather and registers the unsharded parameters
         (with none pending, registers them again if the unit was parked)."""
@@ -510,6 +513,7 @@ class Unit:
                 unsharded.requires_grad_(requires_grad)
             p.register(unsharded)
 
+    @_compat.without_functorch
     def reshard(self, *, to_post_forward_group: bool = False) -> None:
         """Frees the unsharded parameters and registers the sharded ones; with
         ``to_post_forward_group`` (``reshard_after_forward=int``) keeps this rank's
