@@ -402,10 +402,15 @@ class UnitState:
     # -- backward --------------------------------------------------------
 
     def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        inputs = _grad_tensors((args, kwargs), [])
+        # Positional tensors only (common): no walk through containers, this hook's main cost.
+        fast = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+        inputs = [a for a in args if a.requires_grad] if fast else _grad_tensors((args, kwargs), [])
         if not inputs:
             return args, kwargs  # finalize_backward runs this unit's post-backward
-        return _replace_grad_tensors((args, kwargs), iter(_PostBackward.apply(self, *inputs)))
+        marked = iter(_PostBackward.apply(self, *inputs))
+        if fast:
+            return tuple(next(marked) if a.requires_grad else a for a in args), kwargs
+        return _replace_grad_tensors((args, kwargs), marked)
 
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
