@@ -193,3 +193,60 @@ def _jvp_job() -> dict:
 def test_jvp_through_a_unit_as_fsdp2() -> None:
     for r in run_distributed(_jvp_job, 2):
         assert r["fsdp_compose"] == r["fsdp2"] == (torch.bfloat16, True, True), r
+
+
+class _ChunkedHead(nn.Module):
+    """torch's chunked-loss model: the forward may skip the head (tied to the
+    embedding), which the loss then calls on each chunk of the hidden states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.body = nn.Embedding(128, 32), nn.Linear(32, 32, bias=False)
+        self.norm, self.head = nn.RMSNorm(32), nn.Linear(32, 128, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        hidden = self.norm(self.body(self.embed(tokens)))
+        return hidden if skip_head else self.head(hidden)
+
+
+def _chunked_head_job() -> dict:
+    """The forward skips the head of a grouped unit ([embed, norm, head]); the head
+    then runs alone on each chunk (forward and backward) before the hidden states'
+    backward. Between the two, the body unit is gathered again (an unused prefetch
+    gathers in place into storage autograd saved in the forward)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_compose import fully_shard
+
+    out = {}
+    for name, shard in (("fsdp2", torch_fully_shard), ("fsdp_compose", fully_shard)):
+        torch.manual_seed(42)
+        model = _ChunkedHead()
+        shard(model.body)
+        shard([model.embed, model.norm, model.head])
+        shard(model)
+        optim = torch.optim.SGD(model.parameters(), lr=1e-2)
+        tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+        values: list[Any] = []
+        for _ in range(2):
+            hidden = model(tokens, skip_head=True)
+            grads = []
+            for chunk in torch.chunk(hidden.detach(), 4, dim=1):
+                chunk = chunk.contiguous().requires_grad_(True)
+                loss = model.head(chunk).sum()
+                loss.backward()
+                grads.append(chunk.grad)
+                values.append(loss.item())
+            hidden.backward(torch.cat(grads, dim=1))
+            optim.step()
+            optim.zero_grad()
+        out[name] = (values, [p.full_tensor().detach() for p in model.parameters()])
+    return out
+
+
+def test_chunked_head_after_a_partial_group_forward_as_fsdp2() -> None:
+    for r in run_distributed(_chunked_head_job, 2):
+        (losses, params), (fsdp2_losses, fsdp2_params) = r["fsdp_compose"], r["fsdp2"]
+        assert losses == fsdp2_losses, (losses, fsdp2_losses)
+        assert all(torch.equal(a, b) for a, b in zip(params, fsdp2_params))

@@ -542,8 +542,13 @@ class Unit:
         self._transition(ShardState.PARTIALLY_SHARDED if keep_share else ShardState.SHARDED)
 
     def abandon_gather(self) -> None:
-        """Forgets a gather whose collective failed (its wait raised)."""
-        self._pending_gather = self._gather_output = None
+        """Forgets a gather never used, or whose collective failed (its wait raised).
+        One gathered in place keeps the unsharded storage's version counter, as a used
+        one does: autograd may have saved that storage in an earlier forward, and
+        checks its version when backward reads it."""
+        out, self._pending_gather, self._gather_output = self._gather_output, None, None
+        if self.buffer is not None and out is self.buffer.unsharded:
+            self.buffer.copy_out(out, self._gather_world)  # (in place: the version only)
 
     def _transition(self, to: ShardState) -> None:
         # As FSDP2, every change of where the data lives is one of these.
