@@ -122,6 +122,18 @@ SCENARIOS: list[tuple[str, Callable[..., Any], dict[str, Any]]] = [
 ]
 
 
+def _counted(
+    sizes: list[tuple[str, int]], kind: str, collective: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``collective``, appending ``(kind, output numel)`` to ``sizes`` at each call."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        sizes.append((kind, (args[0] if args else kwargs["output"]).numel()))
+        return collective(*args, **kwargs)
+
+    return call
+
+
 def _train(shard: Callable[..., Any], build: Callable[..., Any], options: dict[str, Any]) -> Any:
     torch.manual_seed(42)
     model, loss_of = build(shard, **options)
@@ -130,16 +142,9 @@ def _train(shard: Callable[..., Any], build: Callable[..., Any], options: dict[s
     losses: list[float] = []
     sizes: list[tuple[str, int]] = []
 
-    def counted(kind: str, collective: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            sizes.append((kind, (args[0] if args else kwargs["output"]).numel()))
-            return collective(*args, **kwargs)
-
-        return call
-
     with (
-        patch_reduce_scatter(counted("reduce_scatter", _REDUCE_SCATTER)),
-        patch_all_gather(counted("all_gather", _ALL_GATHER)),
+        patch_reduce_scatter(_counted(sizes, "reduce_scatter", _REDUCE_SCATTER)),
+        patch_all_gather(_counted(sizes, "all_gather", _ALL_GATHER)),
     ):
         for step in range(4):
             loss = loss_of(torch.rand(2, DIM, generator=inputs), step)
@@ -243,6 +248,58 @@ def _chunked_head_job() -> dict:
             optim.zero_grad()
         out[name] = (values, [p.full_tensor().detach() for p in model.parameters()])
     return out
+
+
+def _chunked_head_toggle_job() -> dict:
+    """torchtitan's ChunkedCELoss: the head's group keeps its parameters through the
+    chunk loop (resharding switched off, then ``reshard()`` after it). Collectives
+    counted by size, with torch's helpers, as the losses and parameters are."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_compose import fully_shard
+
+    out = {}
+    for name, shard in (("fsdp2", torch_fully_shard), ("fsdp_compose", fully_shard)):
+        torch.manual_seed(42)
+        model = _ChunkedHead()
+        shard(model.body)
+        shard([model.embed, model.norm, model.head], reshard_after_forward=False)
+        shard(model)
+        optim = torch.optim.SGD(model.parameters(), lr=1e-2)
+        tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+        sizes: list[tuple[str, int]] = []
+
+        with (
+            patch_reduce_scatter(_counted(sizes, "reduce_scatter", _REDUCE_SCATTER)),
+            patch_all_gather(_counted(sizes, "all_gather", _ALL_GATHER)),
+        ):
+            for _ in range(2):
+                hidden = model(tokens, skip_head=True)
+                model.head.set_reshard_after_forward(False)  # type: ignore[operator]
+                model.head.set_reshard_after_backward(False)  # type: ignore[operator]
+                grads = []
+                for chunk in torch.chunk(hidden.detach(), 4, dim=1):
+                    chunk = chunk.contiguous().requires_grad_(True)
+                    model.head(chunk).sum().backward()
+                    grads.append(chunk.grad)
+                model.head.set_reshard_after_forward(True)  # type: ignore[operator]
+                model.head.set_reshard_after_backward(True)  # type: ignore[operator]
+                model.head.reshard()  # type: ignore[operator]
+                hidden.backward(torch.cat(grads, dim=1))
+                optim.step()
+                optim.zero_grad()
+        params = [p.full_tensor().detach() for p in model.parameters()]
+        out[name] = (sorted(collections.Counter(sizes).items()), params)
+    return out
+
+
+def test_chunked_cross_entropy_toggle_as_fsdp2() -> None:
+    # A forward of a module inside the tree (the head alone) prefetches no other unit
+    # implicitly, as FSDP2 never does: the same collectives, counted by size.
+    for r in run_distributed(_chunked_head_toggle_job, 2):
+        (counts, params), (fsdp2_counts, fsdp2_params) = r["fsdp_compose"], r["fsdp2"]
+        assert counts == fsdp2_counts, (counts, fsdp2_counts)
+        assert all(torch.equal(a, b) for a, b in zip(params, fsdp2_params))
 
 
 def test_chunked_head_after_a_partial_group_forward_as_fsdp2() -> None:

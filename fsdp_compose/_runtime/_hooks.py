@@ -316,7 +316,7 @@ class UnitState:
                     "module after catching the exception."
                 )
             if scheduler.training_state is not TrainingState.FORWARD:
-                scheduler.begin_forward()  # (may refuse: then no forward began)
+                scheduler.begin_forward(self.is_root is not False)  # (may refuse: none began)
                 self._began_forward = True
                 # Inputs follow the parameters to their accelerator.
                 units = (s.unit for s in (self, *self.all_states) if s.unit is not None)

@@ -6,8 +6,10 @@ hooks report (``pre_forward`` ... ``finalize_backward``) into unit operations.
   all-gather stream) while unit k computes. Backward walks the last complete
   forward's post-forward order in reverse, from its end at every backward pass
   (pipeline microbatches, accumulation over graphs kept alive). A changed order
-  (conditional modules) costs an unused prefetch, freed at the end of forward.
-  Explicit lists (``set_modules_to_forward_prefetch``) replace the implicit choice.
+  (conditional modules) costs an unused prefetch, freed at the end of forward. A
+  forward that starts inside the tree (a module run alone, as a chunked loss runs
+  the head) prefetches nothing implicitly, as FSDP2 never does. Explicit lists
+  (``set_modules_to_forward_prefetch``) replace the implicit choice.
 * **Rate limiter.** ``max_unsharded_bytes`` bounds the unsharded parameter bytes
   allocated or in flight: a prefetch waits for a unit to free its parameters; a
   unit needed *now* is always gathered.
@@ -163,6 +165,7 @@ class Scheduler:
         self._prev_forward_order: list[Unit] = []
         self._forward_order: list[Unit] = []
         self._forward_cursor = 0
+        self._forward_from_root = True  # whether the current (or last) forward began at the root
         self._post_forward_order: list[Unit] = []
         self._backward_order: list[Unit] = []  # the last forward's post-forward order
         self._backward_cursor = 0
@@ -185,8 +188,9 @@ class Scheduler:
 
     # -- forward ---------------------------------------------------------
 
-    def begin_forward(self) -> None:
-        """Called once per iteration, by the first unit state to run forward."""
+    def begin_forward(self, from_root: bool = True) -> None:
+        """Called once per iteration, by the first unit state to run forward
+        (``from_root``: the root's, else a forward of a module inside the tree)."""
         state = self.training_state
         if state is TrainingState.REDUCTION_PENDING:
             raise RuntimeError("The previous gradient reduction must be waited on before forward")
@@ -199,8 +203,12 @@ class Scheduler:
         self._complete_reductions()
         self._enter(TrainingState.FORWARD)
         self.events.begin_step()
-        if self._forward_order:
+        # Only a forward through the root predicts the next one: a module inside the
+        # tree run alone (a chunked loss's head) prefetches no other unit implicitly,
+        # as FSDP2 never does, and leaves the prediction as it was.
+        if self._forward_order and self._forward_from_root:
             self._prev_forward_order = self._forward_order
+        self._forward_from_root = from_root
         self._forward_order = []
         self._forward_cursor = 0
         self._post_forward_order = []
@@ -332,7 +340,7 @@ class Scheduler:
         if explicit is not None:  # () included
             return explicit
         depth = self.settings.backward_depth if backward else self.settings.forward_depth
-        if depth <= 0:
+        if depth <= 0 or not (backward or self._forward_from_root):
             return []
         if not backward:
             order = self._prev_forward_order

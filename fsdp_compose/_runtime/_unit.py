@@ -547,7 +547,7 @@ class Unit:
         one does: autograd may have saved that storage in an earlier forward, and
         checks its version when backward reads it."""
         out, self._pending_gather, self._gather_output = self._gather_output, None, None
-        if self.buffer is not None and out is self.buffer.unsharded:
+        if self.buffer is not None and out is not None and out is self.buffer.unsharded:
             self.buffer.copy_out(out, self._gather_world)  # (in place: the version only)
 
     def _transition(self, to: ShardState) -> None:
