@@ -353,9 +353,11 @@ class UnitState:
         with _compat.profiler_label("post_forward", self.name):
             if _compat.inside_backward():
                 return self._cast_output(output)
-            if self.unit is not None or self.backward_prefetch or self.borrowed:
-                output = self._register_pre_backward(output)
             self._pending_modules.discard(module)
+            # (grouped units: the hook goes on the output of the group's last module)
+            hooked = self.unit is not None or self.backward_prefetch or self.borrowed
+            if hooked and not self._pending_modules:
+                output = self._register_pre_backward(output)
             if not self._pending_modules:  # (grouped units: every module of the group ran)
                 for own in self.own_units:
                     scheduler.post_forward(own)
@@ -363,14 +365,27 @@ class UnitState:
                     scheduler.return_forward(self.borrowed)
             if self._began_forward:
                 self._began_forward = False
-                # Grouped units whose modules did not all run in this forward: reshard.
-                for state in (self.root_state or self).all_states:
-                    if state._pending_modules and state.unit is not None:
-                        state._pending_modules.clear()
-                        for unit in state.own_units:
-                            scheduler.post_forward(unit)
+                output = self._complete_partial_groups(scheduler, output)
                 scheduler.end_forward()
             return self._cast_output(output)
+
+    def _complete_partial_groups(self, scheduler: Scheduler, output: Any) -> Any:
+        """Ends the forward of the grouped units whose modules did not all run in the
+        forward this state began, as FSDP2 does: each ends here (resharded as after a
+        forward), with its pre-backward hook on this forward's output; but a group
+        that began this forward itself (one of its modules run on its own, as a
+        chunked loss runs the head) stays gathered through its backward."""
+        for state in (self.root_state or self).all_states:
+            if state._pending_modules and state.unit is not None:
+                state._pending_modules.clear()
+                if state is self:
+                    for unit in state.own_units:
+                        scheduler.keep_gathered(unit)
+                    continue
+                output = state._register_pre_backward(output)
+                for unit in state.own_units:
+                    scheduler.post_forward(unit)
+        return output
 
     def run_registered_method(
         self,

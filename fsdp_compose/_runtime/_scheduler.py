@@ -243,6 +243,13 @@ class Scheduler:
         self._end_forward_use(unit)
         unit.enter(TrainingState.IDLE)
 
+    def keep_gathered(self, unit: Unit) -> None:
+        """Ends the forward of a grouped unit run on its own with only some of its
+        modules (FSDP2's partial path): it stays gathered, for its backward."""
+        if self.events.on_unit:
+            self.events.unit("forward_end", unit.info_at)
+        unit.enter(TrainingState.IDLE)
+
     def borrow_forward(self, units: list[Unit]) -> None:
         """A module sharing the parameters of (owner) ``units`` starts its forward."""
         assert self.shared is not None
