@@ -17,8 +17,9 @@ scaled by a constant.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -122,16 +123,23 @@ SCENARIOS: list[tuple[str, Callable[..., Any], dict[str, Any]]] = [
 ]
 
 
-def _counted(
-    sizes: list[tuple[str, int]], kind: str, collective: Callable[..., Any]
-) -> Callable[..., Any]:
-    """``collective``, appending ``(kind, output numel)`` to ``sizes`` at each call."""
+@contextlib.contextmanager
+def _counting(sizes: list[tuple[str, int]]) -> Iterator[None]:
+    """Appends ``(kind, output numel)`` to ``sizes`` for each all-gather and
+    reduce-scatter inside the block, through torch's own patching helpers."""
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        sizes.append((kind, (args[0] if args else kwargs["output"]).numel()))
-        return collective(*args, **kwargs)
+    def counted(kind: str, collective: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            sizes.append((kind, (args[0] if args else kwargs["output"]).numel()))
+            return collective(*args, **kwargs)
 
-    return call
+        return call
+
+    with (
+        patch_reduce_scatter(counted("reduce_scatter", _REDUCE_SCATTER)),
+        patch_all_gather(counted("all_gather", _ALL_GATHER)),
+    ):
+        yield
 
 
 def _train(shard: Callable[..., Any], build: Callable[..., Any], options: dict[str, Any]) -> Any:
@@ -142,10 +150,7 @@ def _train(shard: Callable[..., Any], build: Callable[..., Any], options: dict[s
     losses: list[float] = []
     sizes: list[tuple[str, int]] = []
 
-    with (
-        patch_reduce_scatter(_counted(sizes, "reduce_scatter", _REDUCE_SCATTER)),
-        patch_all_gather(_counted(sizes, "all_gather", _ALL_GATHER)),
-    ):
+    with _counting(sizes):
         for step in range(4):
             loss = loss_of(torch.rand(2, DIM, generator=inputs), step)
             loss.backward()
@@ -235,10 +240,7 @@ def _chunked_head_job() -> dict:
         tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
         values: list[Any] = []
         sizes: list[tuple[str, int]] = []
-        with (
-            patch_reduce_scatter(_counted(sizes, "reduce_scatter", _REDUCE_SCATTER)),
-            patch_all_gather(_counted(sizes, "all_gather", _ALL_GATHER)),
-        ):
+        with _counting(sizes):
             for _ in range(2):
                 hidden = model(tokens, skip_head=True)
                 grads = []
@@ -275,10 +277,7 @@ def _chunked_head_toggle_job() -> dict:
         tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
         sizes: list[tuple[str, int]] = []
 
-        with (
-            patch_reduce_scatter(_counted(sizes, "reduce_scatter", _REDUCE_SCATTER)),
-            patch_all_gather(_counted(sizes, "all_gather", _ALL_GATHER)),
-        ):
+        with _counting(sizes):
             for _ in range(2):
                 hidden = model(tokens, skip_head=True)
                 model.head.set_reshard_after_forward(False)  # type: ignore[operator]
