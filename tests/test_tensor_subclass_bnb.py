@@ -12,7 +12,7 @@ fsdp_compose carries it (see [Note: parameter-subclass attributes])."""
 
 from __future__ import annotations
 
-import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -156,11 +156,15 @@ def _param_dtype_job(which: str, storage: str, param_dtype: torch.dtype) -> dict
     """The base layers in their own units with ``param_dtype`` unlike their float
     ``quant_storage``: whether the gathered packed bytes stay the original's, and
     the forward's difference from one process (or the error it raises)."""
-    from fsdp_compose import MixedPrecisionPolicy
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    shard, policy = {"ours": (fully_shard, MixedPrecisionPolicy), "torch": (torch_fully_shard, TorchPolicy)}[which]
+    from fsdp_compose import MixedPrecisionPolicy
+
+    shard, policy = {
+        "ours": (fully_shard, MixedPrecisionPolicy),
+        "torch": (torch_fully_shard, TorchPolicy),
+    }[which]
     ref, model = _model(storage), _model(storage)
     for base in _bases(model):  # inputs not cast: the base computes as in one process
         shard(base, mp_policy=policy(param_dtype=param_dtype, cast_forward_inputs=False))
@@ -229,12 +233,12 @@ def _load_job(path: str, which: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("which", ["ours", "torch"])
-def test_qlora_dcp_save_at_2_load_at_3_keeps_quant_state(which: str) -> None:
+def test_qlora_dcp_save_at_2_load_at_3_keeps_quant_state(which: str, tmp_path: Path) -> None:
     """A DCP checkpoint saved at W=2 holds each base layer's quant state with
     fsdp_compose, and loading it at W=3 (uneven) restores model 0's forward
     exactly. FSDP2's checkpoint has no quant state: the loaded packed weights
     would be decoded with the loading model's own absmax (recorded)."""
-    path = tempfile.mkdtemp(prefix="fsdp_compose_bnb_dcp_")
+    path = str(tmp_path)
     run_distributed(_save_job, 2, path, which)
     results = run_distributed(_load_job, 3, path, which)
     for r in results:

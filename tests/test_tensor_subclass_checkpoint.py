@@ -5,7 +5,7 @@ written by either load into the other)."""
 
 from __future__ import annotations
 
-import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -67,10 +67,10 @@ def _int8_load_job(path: str, which: str) -> list[int]:
 
 
 @pytest.mark.parametrize("saver, loader", [("ours", "ours"), ("torch", "ours"), ("ours", "torch")])
-def test_int8_subclass_dcp_save_at_2_load_at_4(saver: str, loader: str) -> None:
+def test_int8_subclass_dcp_save_at_2_load_at_4(saver: str, loader: str, tmp_path: Path) -> None:
     """Saved at W=2 (uneven), loaded at W=4 (an empty shard): int8 rows and
     per-row scales land on the right ranks, as subclasses, with either runtime."""
-    path = tempfile.mkdtemp(prefix="fsdp_compose_subclass_dcp_")
+    path = str(tmp_path)
     run_distributed(_int8_save_job, 2, path, saver)
     rows = run_distributed(_int8_load_job, 4, path, loader)
     assert [r[0] for r in rows] == [2, 2, 2, 0]  # the 6-row weight's last shard is empty
@@ -147,11 +147,13 @@ def _nf4_checkpoint_job(path: str, saver: str, loader: str) -> None:
 
 
 @pytest.mark.parametrize("saver, loader", [("ours", "ours"), ("torch", "ours")])
-def test_torchao_nf4_dcp_round_trip_and_full_state_dict(saver: str, loader: str) -> None:
+def test_torchao_nf4_dcp_round_trip_and_full_state_dict(
+    saver: str, loader: str, tmp_path: Path
+) -> None:
     """NF4 (QLoRA) weights: DCP save and load at W=2, then a full-state-dict
     export that is an NF4Tensor equal to the original. (At another world size
     DCP's default planner fails with FSDP2 and fsdp_compose alike;
     ``subclass_checkpoint.NF4LoadPlanner`` loads it: test_nf4_checkpoint_reshard.py.)"""
     pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
-    path = tempfile.mkdtemp(prefix="fsdp_compose_nf4_dcp_")
+    path = str(tmp_path)
     run_distributed(_nf4_checkpoint_job, 2, path, saver, loader)
