@@ -23,8 +23,8 @@ Usage::
 Per-rank files can be combined into one timeline with one track group per rank
 with :func:`merge_chrome_traces`. Nothing is recorded, and nothing costs, for a
 model no timeline observes. torch's profiler sees the same units without this
-tool: every hook and collective carries a ``record_function`` label
-(``fsdp_compose::all_gather (layers.3)``).
+tool: every hook and collective carries a ``record_function`` label named as
+FSDP2's (``FSDP::all_gather (layers.3)``).
 """
 
 from __future__ import annotations

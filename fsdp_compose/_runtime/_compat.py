@@ -156,11 +156,15 @@ def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tenso
 
 
 _NO_LABEL = contextlib.nullcontext()
+# The root unit's name (observers, messages); its FQN, which FSDP2's spans show, is "".
+ROOT_NAME = "root"
 
 
 def profiler_label(what: str, unit: str = "") -> contextlib.AbstractContextManager[Any]:
-    """``record_function("fsdp_compose::{what} ({unit})")`` while torch's profiler runs;
-    otherwise nothing (a label costs a dispatcher call each, on every hook)."""
+    """``record_function("FSDP::{what} ({unit})")``, named as FSDP2 names its spans (the
+    root's without a unit: its FQN is empty), while torch's profiler runs; otherwise
+    nothing (a label costs a dispatcher call each, on every hook)."""
     if not torch._C._autograd._profiler_enabled():
         return _NO_LABEL
-    return record_function(f"fsdp_compose::{what} ({unit})" if unit else f"fsdp_compose::{what}")
+    root = not unit or unit == ROOT_NAME or unit.startswith(ROOT_NAME + " [")
+    return record_function(f"FSDP::{what}" if root else f"FSDP::{what} ({unit})")

@@ -248,12 +248,12 @@ class UnitState:
                     f"root) before its parent {type(root_module).__name__}. Run the first "
                     "forward through the outermost fully_shard module."
                 )
-            named[state] = name or "root"
+            named[state] = name or _compat.ROOT_NAME
             for i, unit in enumerate(state.own_units):
                 # A further mesh's unit is named after its mesh (the same on every rank).
                 dims = unit.mesh_info.mesh.mesh_dim_names
                 mesh = ",".join(dims) if dims else f"mesh of {unit.mesh_info.shard_size}"
-                unit.name = (name or "root") + (f" [{mesh}]" if i else "")
+                unit.name = (name or _compat.ROOT_NAME) + (f" [{mesh}]" if i else "")
         states = list(named)
         names = {id(p): name for name, p in root_module.named_parameters()}  # first name of each
         units = [unit for state in states for unit in state.own_units]
@@ -316,14 +316,15 @@ class UnitState:
                     "module after catching the exception."
                 )
             if scheduler.training_state is not TrainingState.FORWARD:
-                scheduler.begin_forward(self.is_root is not False)  # (may refuse: none began)
-                self._began_forward = True
-                # Inputs follow the parameters to their accelerator.
-                units = (s.unit for s in (self, *self.all_states) if s.unit is not None)
-                device = next((u.mesh_info.device for u in units), torch.device("cpu"))
-                if device.type != "cpu":
-                    to_device = lambda x: x.to(device, non_blocking=True)  # noqa: E731
-                    args, kwargs = _apply_to_tensors(to_device, (args, kwargs))
+                with _compat.profiler_label("root_pre_forward"):
+                    scheduler.begin_forward(self.is_root is not False)  # (may refuse)
+                    self._began_forward = True
+                    # Inputs follow the parameters to their accelerator.
+                    units = (s.unit for s in (self, *self.all_states) if s.unit is not None)
+                    device = next((u.mesh_info.device for u in units), torch.device("cpu"))
+                    if device.type != "cpu":
+                        to_device = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+                        args, kwargs = _apply_to_tensors(to_device, (args, kwargs))
             args, kwargs = self._cast_inputs(args, kwargs)
             if unit is None and not self.borrowed:
                 if self.forward_prefetch:
@@ -469,7 +470,7 @@ class UnitState:
     @torch._disable_dynamo
     def _finalize_backward(self) -> None:
         assert self.scheduler is not None
-        with _compat.profiler_label("finalize_backward"):
+        with _compat.profiler_label("root_post_backward_callback"):
             self.scheduler.finalize_backward()
 
     def units_in_subtree(self, recurse: bool) -> list[Unit]:

@@ -11,7 +11,7 @@ found from one of its parameters or modules in the runtime's own maps
 (:func:`events_for`; never from attributes on tensors). Each method makes the
 torch.distributed call the tool would make alone, with the same arguments, on the
 current stream (``CommDebugMode`` and the profiler see the same calls), inside a
-``record_function`` label (``fsdp_compose::all_to_all (muon.exchange)``), and
+``record_function`` label (``FSDP::all_to_all (muon.exchange)``), and
 reports ``issue``/``complete``/``wait_begin``/``wait_end`` to the root's
 observers. A tool working on no root's parameters reports to nobody. Where the
 sizes differ between ranks (an all-to-all's splits, sends to one rank), the tool
