@@ -345,3 +345,59 @@ def test_packed_all_gather_output_freed_before_rebuild() -> None:
     theirs = run_distributed(_rebuild_peak_job, 2, "torch")
     for mine, fsdp2 in zip(ours, theirs):
         assert mine <= fsdp2, (mine, fsdp2)
+
+
+def _patched_extension_job() -> dict:
+    """torch's monkey-patch scenario: FSDP2's all-gather hooks set on each weight's
+    local tensor after ``fully_shard`` (no subclass), gathering in bf16. FSDP2 looks for
+    the hooks at each all-gather, so they count; against FSDP2 in the same job."""
+    from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.testing._internal.common_fsdp import MLP
+
+    out = {}
+    for name, shard in (("fsdp2", torch_fully_shard), ("fsdp_compose", fully_shard)):
+        calls: list[int] = []
+
+        def pre(self: Any, mesh: Any, size: Any, stride: Any, module: Any, mp: Any) -> Any:
+            calls.append(1)  # noqa: B023 (run inside this iteration)
+            return (self.to(torch.bfloat16),), None
+
+        @torch.no_grad()
+        def post(self: Any, outputs: Any, metadata: Any, dtype: Any, *, out: Any = None) -> Any:
+            (gathered,) = outputs
+            if out is not None:
+                with _unsafe_preserve_version_counter(out):  # as torch's own test hooks
+                    out.copy_(gathered)
+                return None
+            upcast = gathered.to(dtype)
+            return upcast, (gathered, upcast)
+
+        torch.manual_seed(0)
+        model = nn.Sequential(*[MLP(8, bias=False) for _ in range(2)])
+        for mlp in model:
+            shard(mlp)
+        shard(model)
+        for param_name, param in model.named_parameters():
+            if "weight" in param_name:
+                local = param._local_tensor
+                local.fsdp_pre_all_gather = pre.__get__(local)
+                local.fsdp_post_all_gather = post.__get__(local)
+        optim = torch.optim.SGD(model.parameters(), lr=1e-2)
+        inp = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(2):
+            loss = model(inp).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        out[name] = (losses, len(calls), [p.full_tensor().detach() for p in model.parameters()])
+    return out
+
+
+def test_all_gather_hooks_set_after_fully_shard_as_fsdp2() -> None:
+    for r in run_distributed(_patched_extension_job, 2):
+        (losses, calls, params), fsdp2 = r["fsdp_compose"], r["fsdp2"]
+        assert losses == fsdp2[0] and calls == fsdp2[1] > 0, (losses, calls, fsdp2[:2])
+        assert all(torch.equal(a, b) for a, b in zip(params, fsdp2[2]))

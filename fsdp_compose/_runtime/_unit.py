@@ -23,7 +23,7 @@ from ._collectives import (
     ReduceScatter,
 )
 from ._events import Events, GatherInput, ParamInfo, UnitEvent, UnitInfo, UnitOptionsInfo
-from ._extensions import ExtensionGather
+from ._extensions import ExtensionGather, has_extension
 from ._flat_buffer import FlatBuffer
 from ._mesh import MeshInfo, post_forward_subgroup
 from ._policies import MixedPrecisionPolicy
@@ -339,6 +339,9 @@ class Unit:
         with torch.inference_mode(False):
             for p in self.params:
                 p.resync_sharded_param()
+                # As FSDP2, which looks at each all-gather: hooks set on a local shard
+                # after fully_shard (patched onto the tensor) make it an extension too.
+                p.extension = p.extension or (p.tp_spec is None and has_extension(p.local_shard))
                 p.pad_local_shard()
             self._check_placement()
             if self.events.on_unit:
