@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
@@ -158,13 +159,19 @@ def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tenso
 _NO_LABEL = contextlib.nullcontext()
 # The root unit's name (observers, messages); its FQN, which FSDP2's spans show, is "".
 ROOT_NAME = "root"
+# FSDP2's logger: ``TORCH_LOGS=fsdp`` shows its debug lines, and the same ones of ours.
+_FSDP_LOG = logging.getLogger("torch.distributed.fsdp.fully_shard")
 
 
 def profiler_label(what: str, unit: str = "") -> contextlib.AbstractContextManager[Any]:
     """``record_function("FSDP::{what} ({unit})")``, named as FSDP2 names its spans (the
-    root's without a unit: its FQN is empty), while torch's profiler runs; otherwise
-    nothing (a label costs a dispatcher call each, on every hook)."""
-    if not torch._C._autograd._profiler_enabled():
+    root's without a unit: its FQN is empty), while torch's profiler runs, and the same
+    name as a debug line of FSDP2's logger where that is on; otherwise nothing (a label
+    costs a dispatcher call each, on every hook)."""
+    profiling = torch._C._autograd._profiler_enabled()
+    if not profiling and not _FSDP_LOG.isEnabledFor(logging.DEBUG):
         return _NO_LABEL
     root = not unit or unit == ROOT_NAME or unit.startswith(ROOT_NAME + " [")
-    return record_function(f"FSDP::{what}" if root else f"FSDP::{what} ({unit})")
+    name = f"FSDP::{what}" if root else f"FSDP::{what} ({unit})"
+    _FSDP_LOG.debug("%s", name)
+    return record_function(name) if profiling else _NO_LABEL

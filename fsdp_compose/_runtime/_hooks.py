@@ -452,13 +452,12 @@ class UnitState:
     def post_backward(self) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
-        with _compat.profiler_label("post_backward", self.name):
-            # (usually after a pre-backward; else this is the first hook of the backward)
-            self._begin_backward()
-            if self.unit is not None:
-                scheduler.post_backward(*self.own_units)
-            if self.borrowed:
-                scheduler.return_backward(self.borrowed)
+        # (usually after a pre-backward; else this is the first hook of the backward)
+        self._begin_backward()
+        if self.unit is not None:
+            scheduler.post_backward(*self.own_units)  # (a span per unit: Scheduler)
+        if self.borrowed:
+            scheduler.return_backward(self.borrowed)
 
     def _begin_backward(self) -> None:
         # The first hook of a backward pass queues its end: every reduction completes

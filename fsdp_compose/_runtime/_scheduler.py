@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from . import _compat
 from ._events import Events
 from ._reduce import PendingReduction
 from ._sharded_param import ShardedParam
@@ -385,6 +386,12 @@ class Scheduler:
         # (a shared unit waits for the backward of its other uses: [Note: shared parameters])
 
     def _post_backward(self, unit: Unit, *, at_end: bool, drain: bool = True) -> None:
+        # FSDP2's span (and TORCH_LOGS=fsdp line) for each unit's post-backward, whether
+        # a hook or the end of backward runs it.
+        with _compat.profiler_label("post_backward", unit.name):
+            self._reduce_after_backward(unit, at_end=at_end, drain=drain)
+
+    def _reduce_after_backward(self, unit: Unit, *, at_end: bool, drain: bool) -> None:
         if unit.training_state is TrainingState.PRE_BACKWARD and self.events.on_unit:
             self.events.unit("backward_end", unit.info_at)
         unit.enter(TrainingState.POST_BACKWARD)
