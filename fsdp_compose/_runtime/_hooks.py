@@ -355,11 +355,10 @@ class UnitState:
             if _compat.inside_backward():
                 return self._cast_output(output)
             self._pending_modules.discard(module)
-            # (grouped units: the hook goes on the output of the group's last module)
-            hooked = self.unit is not None or self.backward_prefetch or self.borrowed
-            if hooked and not self._pending_modules:
-                output = self._register_pre_backward(output)
             if not self._pending_modules:  # (grouped units: every module of the group ran)
+                # (grouped units: the hook goes on the output of the group's last module)
+                if self.unit is not None or self.backward_prefetch or self.borrowed:
+                    output = self._register_pre_backward(output)
                 for own in self.own_units:
                     scheduler.post_forward(own)
                 if self.borrowed:

@@ -329,14 +329,14 @@ class Unit:
         for p in self.params:
             p.unsharded_param = None
 
-    @_compat.without_functorch
     def lazy_init(self) -> None:
         if self.buffer is not None or self.extension is not None:
-            return
+            return  # (every forward asks: nothing more on this path)
         # The buffers and views made here outlive this call: made inside
         # torch.inference_mode() (an evaluation first), they would be inference
-        # tensors, unusable for training ever after.
-        with torch.inference_mode(False):
+        # tensors, unusable for training ever after; made inside a torch.func
+        # transform, its wrappers (see _compat.without_functorch).
+        with torch.inference_mode(False), torch._C._DisableFuncTorch():
             for p in self.params:
                 p.resync_sharded_param()
                 # As FSDP2, which looks at each all-gather: hooks set on a local shard
