@@ -220,41 +220,62 @@ class _ChunkedHead(nn.Module):
         return hidden if skip_head else self.head(hidden)
 
 
-def _chunked_head_job() -> dict:
-    """The forward skips the head of a grouped unit ([embed, norm, head]); the head
-    then runs alone on each chunk (forward and backward) before the hidden states'
-    backward. Between the two, the body unit is gathered again (an unused prefetch
-    gathers in place into storage autograd saved in the forward)."""
+# (reshard_after_forward of the body, of the head's group; the head grouped with the
+# embedding and the norm, else the norm a unit of its own; micro-batches per step)
+_CHUNKED_VARIANTS = {
+    "head's group resharded": (True, True, True, 1),
+    "body kept gathered": (False, True, True, 1),
+    "accumulation over micro-batches": (True, True, True, 2),
+    "ungrouped norm, groups kept or partly resharded": (1, False, False, 2),
+}
+
+
+def _chunked_head_job(variants: list[str]) -> dict:
+    """The forward skips the head of a grouped unit ([embed, norm, head], or [embed,
+    head] with the norm a unit of its own); the head then runs alone on each chunk
+    (forward and backward) before the hidden states' backward. The body gathered
+    again between the two writes in place into storage autograd saved in the forward
+    (an unused prefetch); a chunk's backward reaches only the head's group, whose
+    post-backward alone runs (FSDP2's partial path registers no pre-backward hook)."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from fsdp_compose import fully_shard
 
-    out = {}
-    for name, shard in (("fsdp2", torch_fully_shard), ("fsdp_compose", fully_shard)):
-        torch.manual_seed(42)
-        model = _ChunkedHead()
-        shard(model.body)
-        shard([model.embed, model.norm, model.head])
-        shard(model)
-        optim = torch.optim.SGD(model.parameters(), lr=1e-2)
-        tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-        values: list[Any] = []
-        sizes: list[tuple[str, int]] = []
-        with _counting(sizes):
-            for _ in range(2):
-                hidden = model(tokens, skip_head=True)
-                grads = []
-                for chunk in torch.chunk(hidden.detach(), 4, dim=1):
-                    chunk = chunk.contiguous().requires_grad_(True)
-                    loss = model.head(chunk).sum()
-                    loss.backward()
-                    grads.append(chunk.grad)
-                    values.append(loss.item())
-                hidden.backward(torch.cat(grads, dim=1))
-                optim.step()
-                optim.zero_grad()
-        params = [p.full_tensor().detach() for p in model.parameters()]
-        out[name] = (values, sorted(collections.Counter(sizes).items()), params)
+    out: dict = {}
+    for variant in variants:
+        body_reshard, group_reshard, grouped, micro_batches = _CHUNKED_VARIANTS[variant]
+        for name, shard in (("fsdp2", torch_fully_shard), ("fsdp_compose", fully_shard)):
+            torch.manual_seed(42)
+            model = _ChunkedHead()
+            shard(model.body, reshard_after_forward=body_reshard)
+            if grouped:
+                shard([model.embed, model.norm, model.head], reshard_after_forward=group_reshard)
+            else:
+                shard(model.norm, reshard_after_forward=group_reshard)
+                shard([model.embed, model.head], reshard_after_forward=group_reshard)
+            shard(model)
+            optim = torch.optim.SGD(model.parameters(), lr=1e-2)
+            tokens = torch.Generator().manual_seed(0)
+            values: list[Any] = []
+            sizes: list[tuple[str, int]] = []  # collectives in issue order, passes marked
+            with _counting(sizes):
+                for _ in range(2):
+                    for micro_batch in range(micro_batches):
+                        model.set_requires_gradient_sync(micro_batch == micro_batches - 1)
+                        hidden = model(torch.randint(0, 128, (2, 16), generator=tokens), True)
+                        grads = []
+                        for chunk in torch.chunk(hidden.detach(), 4, dim=1):
+                            chunk = chunk.contiguous().requires_grad_(True)
+                            loss = model.head(chunk).sum()
+                            loss.backward()
+                            grads.append(chunk.grad)
+                            values.append(loss.item())
+                        sizes.append(("hidden states' backward", 0))
+                        hidden.backward(torch.cat(grads, dim=1))
+                    optim.step()
+                    optim.zero_grad()
+            params = [p.full_tensor().detach() for p in model.parameters()]
+            out[variant, name] = (values, sizes, params)
     return out
 
 
@@ -309,9 +330,13 @@ def test_chunked_cross_entropy_toggle_as_fsdp2() -> None:
 
 def test_chunked_head_after_a_partial_group_forward_as_fsdp2() -> None:
     # The head run alone takes FSDP2's partial path: its group stays gathered through
-    # the chunk's backward (one all-gather per chunk, as FSDP2's).
-    for r in run_distributed(_chunked_head_job, 2):
-        (losses, counts, params), fsdp2 = r["fsdp_compose"], r["fsdp2"]
-        assert losses == fsdp2[0], (losses, fsdp2[0])
-        assert counts == fsdp2[1], (counts, fsdp2[1])
-        assert all(torch.equal(a, b) for a, b in zip(params, fsdp2[2]))
+    # the chunk's backward (one all-gather per chunk, as FSDP2's), and that backward,
+    # reaching no pre-backward hook, leaves the other units as they are: the body kept
+    # gathered is not gathered again for the hidden states' backward, and gradients
+    # accumulated without sync wait for it. The same collectives in the same order.
+    for r in run_distributed(_chunked_head_job, 2, list(_CHUNKED_VARIANTS), timeout=180.0):
+        for variant in _CHUNKED_VARIANTS:
+            (losses, sizes, params), fsdp2 = r[variant, "fsdp_compose"], r[variant, "fsdp2"]
+            assert losses == fsdp2[0], (variant, losses, fsdp2[0])
+            assert sizes == fsdp2[1], (variant, sizes, fsdp2[1])
+            assert all(torch.equal(a, b) for a, b in zip(params, fsdp2[2])), variant

@@ -439,7 +439,7 @@ class UnitState:
         scheduler = self.scheduler
         assert scheduler is not None
         with _compat.profiler_label("pre_backward", self.name):
-            self._begin_backward()
+            self._begin_backward(pre_backward=True)
             if self.unit is not None:
                 scheduler.pre_backward(*self.own_units)
             elif self.backward_prefetch:
@@ -452,17 +452,18 @@ class UnitState:
         scheduler = self.scheduler
         assert scheduler is not None
         # (usually after a pre-backward; else this is the first hook of the backward)
-        self._begin_backward()
+        self._begin_backward(pre_backward=False)
         if self.unit is not None:
             scheduler.post_backward(*self.own_units)  # (a span per unit: Scheduler)
         if self.borrowed:
             scheduler.return_backward(self.borrowed)
 
-    def _begin_backward(self) -> None:
+    def _begin_backward(self, *, pre_backward: bool) -> None:
         # The first hook of a backward pass queues its end: every reduction completes
-        # before backward() returns, as in FSDP2.
+        # before backward() returns, as in FSDP2 ([Note: backward without a pre-backward
+        # hook] in _scheduler.py).
         assert self.scheduler is not None
-        if self.scheduler.begin_backward():
+        if self.scheduler.begin_backward(pre_backward=pre_backward):
             _compat.queue_end_of_backward_callback(self._finalize_backward)
 
     @torch._disable_dynamo

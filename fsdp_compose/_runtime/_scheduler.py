@@ -158,6 +158,9 @@ class Scheduler:
         # are accumulated, so the mode outlives each pass's states.
         self.manual_finalization: bool | None = None
         self._awaiting_finalize: list[Unit] = []  # manual mode: post-backward deferred
+        # Nor is this: whether a pre-backward hook ran in the backward pass in progress
+        # ([Note: backward without a pre-backward hook]).
+        self._pre_backward_ran = False
         self.resets = 0  # reset() calls: a GradientReductionHandle from before is invalid
         # The thread that runs the steps (the root's lazy init makes the scheduler on it):
         # only there may state_dict() reshard ([Note: state_dict reshards] in _state_dict.py).
@@ -332,9 +335,11 @@ class Scheduler:
         for unit in units:
             self.post_backward(unit)
 
-    def begin_backward(self) -> bool:
-        """Backward reached a unit of this root: returns whether this is the first
-        time in this backward pass (the caller then queues :meth:`finalize_backward`)."""
+    def begin_backward(self, *, pre_backward: bool) -> bool:
+        """Backward reached a unit of this root, in a pre-backward hook (else a
+        post-backward one): returns whether this is the first time in this backward
+        pass (the caller then queues :meth:`finalize_backward`)."""
+        self._pre_backward_ran |= pre_backward
         if self.training_state is TrainingState.PRE_BACKWARD:
             return False
         self._enter(TrainingState.PRE_BACKWARD)
@@ -425,8 +430,17 @@ class Scheduler:
         manual mode, what is left waits for :meth:`finalize_manually`)."""
         manual = bool(self.manual_finalization)
         self._enter(TrainingState.POST_BACKWARD)
+        # [Note: backward without a pre-backward hook]
+        # FSDP2 queues its end-of-backward callback from pre-backward hooks only. A
+        # backward that reached units through their post-backward alone (a grouped
+        # unit's module run on its own, as a chunked loss runs the head: FSDP2's partial
+        # path hooks no output) reduces those units and leaves the rest as they are:
+        # units kept gathered stay so, and gradients accumulated without sync stay
+        # unreduced, for the backward that follows. Here such a pass only hands its
+        # reductions over (FSDP2's are written to .grad as they complete).
+        pre_backward_ran, self._pre_backward_ran = self._pre_backward_ran, False
         try:
-            for unit in reversed(self.units):
+            for unit in reversed(self.units) if pre_backward_ran else ():
                 if (
                     unit.training_state is not TrainingState.POST_BACKWARD
                     and (
@@ -537,6 +551,7 @@ class Scheduler:
             )
         self.memory.deferred.clear()
         self.training_state = TrainingState.IDLE  # from any state: this is the recovery path
+        self._pre_backward_ran = False
         self._forward_order, self._post_forward_order = [], []
         self.manual_finalization, self._awaiting_finalize = None, []
         self.resets += 1
