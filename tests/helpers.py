@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -246,3 +246,29 @@ def against_fsdp2(scenarios: list[tuple[str, Any, dict[str, Any]]], train: Any) 
         )
         results.append((name, ours[0] == theirs[0], ours[1] == theirs[1], same_params))
     return results
+
+
+@contextlib.contextmanager
+def collectives_by_size(
+    sizes: list[tuple[Any, ...]], note: Callable[[], Any] | None = None
+) -> Iterator[None]:
+    """Appends ``(kind, output numel)`` to ``sizes`` for each all-gather and
+    reduce-scatter issued inside the block (``(kind, numel, note())`` with ``note``),
+    through torch's own patching helpers (as torch's tests count FSDP2's)."""
+    from torch.testing._internal.common_fsdp import patch_all_gather, patch_reduce_scatter
+
+    def counted(kind: str, collective: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            numel = (args[0] if args else kwargs["output"]).numel()
+            sizes.append((kind, numel) if note is None else (kind, numel, note()))
+            return collective(*args, **kwargs)
+
+        return call
+
+    reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    with (
+        patch_reduce_scatter(counted("reduce_scatter", reduce_scatter)),
+        patch_all_gather(counted("all_gather", all_gather)),
+    ):
+        yield

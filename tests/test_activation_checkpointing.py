@@ -250,3 +250,97 @@ def test_checkpoint_reduces_activation_memory() -> None:
         if none["peak_mib"] is not None:
             assert inside["peak_mib"] < 0.6 * none["peak_mib"], r
             assert around["peak_mib"] < 0.6 * none["peak_mib"], r
+
+
+# ---------------------------------------------------------------------------
+# reentrant checkpointing, against FSDP2
+# ---------------------------------------------------------------------------
+
+
+class _ReentrantNet(nn.Module):
+    """Blocks called as Hugging Face's ``gradient_checkpointing_enable()`` calls its
+    layers (``checkpoint(layer.__call__, ...)``), reentrant (``"reentrant"``) or not
+    (``"non_reentrant"``), or directly (``"none"``)."""
+
+    def __init__(self, mode: str, dim: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLP(dim) for _ in range(3))
+        self.head, self.mode = nn.Linear(dim, 4), mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.mode == "none":
+                x = x + block(x)
+            else:
+                x = x + checkpoint(block.__call__, x, use_reentrant=self.mode == "reentrant")
+        return self.head(x)
+
+
+def _reentrant_job(cases: list[tuple[str, bool, bool]]) -> dict:
+    """Per case (checkpointing, reshard_after_forward, whether the input requires
+    grad), fsdp_compose and FSDP2 train the same steps: losses, the all-gathers and
+    reduce-scatters in issue order (each reduce-scatter with the number of blocks then
+    holding unsharded parameters), and the final parameters."""
+    from helpers import collectives_by_size
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for case in cases:
+        mode, reshard, input_grad = case
+        for name, shard in (("fsdp2", torch_fully_shard), ("fsdp_compose", fully_shard)):
+            torch.manual_seed(0)
+            model = _ReentrantNet(mode)
+            for block in model.blocks:
+                shard(block, reshard_after_forward=reshard)
+            shard(model)
+            optim = torch.optim.SGD(model.parameters(), lr=0.1)
+            inputs = torch.Generator().manual_seed(torch.distributed.get_rank())
+            losses, sizes = [], []
+
+            def gathered_blocks(blocks: nn.ModuleList = model.blocks) -> int:
+                return sum(not isinstance(b.fc.weight, DTensor) for b in blocks)
+
+            with collectives_by_size(sizes, gathered_blocks):
+                for step in range(2):
+                    x = torch.randn(4, 16, generator=inputs).requires_grad_(input_grad)
+                    loss = model(x).sum()
+                    sizes.append(("backward", step))
+                    loss.backward()
+                    optim.step()
+                    optim.zero_grad()
+                    losses.append(loss.item())
+            params = [p.full_tensor().detach() for p in model.parameters()]
+            # (an all-gather's count depends on when a prefetch is issued, not a result)
+            sizes = [s if s[0] == "reduce_scatter" else s[:2] for s in sizes]
+            out[case, name] = (losses, sizes, params)
+    return out
+
+
+_REENTRANT_CASES = [
+    ("reentrant", True, True),
+    ("reentrant", False, True),
+    ("reentrant", True, False),
+    ("non_reentrant", True, True),
+    ("none", True, False),
+]
+
+
+def test_reentrant_checkpointing_as_fsdp2() -> None:
+    # Reentrant checkpointing runs each block's first forward without grad (nothing
+    # hooked) and recomputes it inside backward, with its own backward inside the
+    # checkpoint's: there the block must reduce and reshard, as under FSDP2, not at
+    # the end of backward with every block still gathered. The same collectives in
+    # the same order (finalization's too: FSDP2's pre-order) and at most one block
+    # gathered at each reduce-scatter when resharding after forward.
+    from dist_utils import run_distributed
+
+    for r in run_distributed(_reentrant_job, 2, _REENTRANT_CASES, timeout=180.0):
+        for case in _REENTRANT_CASES:
+            (losses, sizes, params), fsdp2 = r[case, "fsdp_compose"], r[case, "fsdp2"]
+            assert losses == fsdp2[0], (case, losses, fsdp2[0])
+            assert sizes == fsdp2[1], (case, sizes, fsdp2[1])
+            assert all(torch.equal(a, b) for a, b in zip(params, fsdp2[2])), case
+            if case[1]:
+                scattered = [s[2] for s in sizes if s[0] == "reduce_scatter"]
+                assert max(scattered) <= 1, (case, sizes)

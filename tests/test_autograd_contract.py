@@ -4,9 +4,11 @@
 torch's file builds its reference on CUDA, so its scenarios run here directly on 2
 gloo ranks, each with both libraries from the same seed: a forward output left out of
 the loss after a few steps (a unit whose output gets no gradient), a unit never
-called in forward, and activations passed between units inside a namedtuple, a
-dict or a (nested) dataclass, also in bf16 (hooks and casts must find the tensors
-inside containers: the dataclass cases are from torch's mixed-precision file). Per step the losses, the
+called in forward, a unit whose output is detached (its backward never runs, its
+prefetch goes unused) and whose weight changes outside the optimizer between steps,
+and activations passed between units inside a namedtuple, a dict or a (nested)
+dataclass, also in bf16 (hooks and casts must find the tensors inside containers:
+the dataclass cases are from torch's mixed-precision file). Per step the losses, the
 sizes of the all-gathers and reduce-scatters in issue order (counted by replacing
 ``torch.distributed``'s functions, as torch's tests do) and, at the end, the
 parameters are bit-identical to FSDP2's.
@@ -17,21 +19,17 @@ scaled by a constant.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from dist_utils import run_distributed
-from helpers import against_fsdp2
+from helpers import against_fsdp2, collectives_by_size
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.testing._internal.common_fsdp import patch_all_gather, patch_reduce_scatter
 
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 DIM = 24
 Pair = collections.namedtuple("Pair", "x y")
 
@@ -92,6 +90,33 @@ def _unused_module(shard: Callable[..., Any], reshard: bool | int) -> Any:
     return model, lambda x, step: model(x).sum()
 
 
+class _DetachedThird(nn.Module):
+    """Three blocks and a head; the third block's output is detached, so its backward
+    never runs (the root's backward prefetches it all the same)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(3))
+        self.head = nn.Linear(DIM, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[1](self.blocks[0](x))
+        return self.head(x + self.blocks[2](x).detach())
+
+
+def _detached_updated(shard: Callable[..., Any]) -> Any:
+    model = _DetachedThird()
+    for module in (*model.blocks, model):
+        shard(module)
+
+    def loss(x: torch.Tensor, step: int) -> torch.Tensor:
+        with torch.no_grad():  # changed outside the optimizer (an EMA, a load)
+            model.blocks[2].weight.mul_(0.5)  # type: ignore[operator]
+        return model(x).sum()
+
+    return model, loss
+
+
 def _containers(shard: Callable[..., Any], kind: str, bf16: bool = False) -> Any:
     blocks = nn.Sequential(*[_InContainer(kind) for _ in range(3)])
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -116,30 +141,14 @@ SCENARIOS: list[tuple[str, Callable[..., Any], dict[str, Any]]] = [
     ("unused forward output", _unused_output, {"reshard": 2}),
     ("unused forward output, kept", _unused_output, {"reshard": False}),
     ("unused forward module", _unused_module, {"reshard": True}),
+    # The prefetch of the detached block is dropped at the end of backward, as by FSDP2:
+    # the next forward gathers the parameters as they are then.
+    ("detached output, updated between steps", _detached_updated, {}),
     ("namedtuple activations", _containers, {"kind": "namedtuple"}),
     ("dict activations", _containers, {"kind": "dict"}),
     ("dataclass activations", _containers, {"kind": "dataclass"}),
     ("nested dataclass activations, bf16", _containers, {"kind": "nested", "bf16": True}),
 ]
-
-
-@contextlib.contextmanager
-def _counting(sizes: list[tuple[str, int]]) -> Iterator[None]:
-    """Appends ``(kind, output numel)`` to ``sizes`` for each all-gather and
-    reduce-scatter inside the block, through torch's own patching helpers."""
-
-    def counted(kind: str, collective: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            sizes.append((kind, (args[0] if args else kwargs["output"]).numel()))
-            return collective(*args, **kwargs)
-
-        return call
-
-    with (
-        patch_reduce_scatter(counted("reduce_scatter", _REDUCE_SCATTER)),
-        patch_all_gather(counted("all_gather", _ALL_GATHER)),
-    ):
-        yield
 
 
 def _train(shard: Callable[..., Any], build: Callable[..., Any], options: dict[str, Any]) -> Any:
@@ -150,7 +159,7 @@ def _train(shard: Callable[..., Any], build: Callable[..., Any], options: dict[s
     losses: list[float] = []
     sizes: list[tuple[str, int]] = []
 
-    with _counting(sizes):
+    with collectives_by_size(sizes):
         for step in range(4):
             loss = loss_of(torch.rand(2, DIM, generator=inputs), step)
             loss.backward()
@@ -258,7 +267,7 @@ def _chunked_head_job(variants: list[str]) -> dict:
             tokens = torch.Generator().manual_seed(0)
             values: list[Any] = []
             sizes: list[tuple[str, int]] = []  # collectives in issue order, passes marked
-            with _counting(sizes):
+            with collectives_by_size(sizes):
                 for _ in range(2):
                     for micro_batch in range(micro_batches):
                         model.set_requires_gradient_sync(micro_batch == micro_batches - 1)
@@ -298,7 +307,7 @@ def _chunked_head_toggle_job() -> dict:
         tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
         sizes: list[tuple[str, int]] = []
 
-        with _counting(sizes):
+        with collectives_by_size(sizes):
             for _ in range(2):
                 hidden = model(tokens, skip_head=True)
                 model.head.set_reshard_after_forward(False)  # type: ignore[operator]

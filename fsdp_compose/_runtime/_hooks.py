@@ -308,7 +308,19 @@ class UnitState:
                 # parameters must be present, but this is not a new forward pass.
                 for used in [*self.own_units, *self.borrowed]:
                     scheduler.memory.require(used)
-                return self._cast_inputs(args, kwargs)
+                args, kwargs = self._cast_inputs(args, kwargs)
+                # A unit recomputed before its own backward began, as by reentrant
+                # checkpointing (whose first forward ran without grad, hooking nothing),
+                # is hooked as in a forward, as by FSDP2: its backward inside the
+                # checkpoint's then reduces and reshards it there, not at the end of
+                # backward. (It stays gathered from the recomputation to that backward.)
+                # One whose pre-backward already ran (a non-reentrant checkpoint) is not.
+                unit = self.unit
+                if unit is None or unit.training_state is not TrainingState.IDLE or self.borrowed:
+                    return args, kwargs
+                for own in self.own_units:
+                    own.enter(TrainingState.FORWARD)
+                return self._register_post_backward(args, kwargs)
             if self._began_forward:
                 raise RuntimeError(
                     f"fsdp_compose: the previous forward of {type(module).__name__} did not "
@@ -353,6 +365,10 @@ class UnitState:
         assert scheduler is not None
         with _compat.profiler_label("post_forward", self.name):
             if _compat.inside_backward():
+                if self.unit is not None and self.unit.training_state is TrainingState.FORWARD:
+                    for own in self.own_units:  # (recomputed before its backward: hooked)
+                        own.enter(TrainingState.IDLE)
+                    output = self._register_pre_backward(output)
                 return self._cast_output(output)
             self._pending_modules.discard(module)
             if not self._pending_modules:  # (grouped units: every module of the group ran)

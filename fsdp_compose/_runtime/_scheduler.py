@@ -146,6 +146,11 @@ class Scheduler:
         shared: SharedUses | None = None,
     ) -> None:
         self.units = units
+        # The order in which finalization completes units whose backward hooks did not
+        # (their inputs did not require grad): FSDP2's, the tree's pre-order, one call's
+        # units (one per mesh) last mesh first.
+        by_call = itertools.groupby(units, key=lambda unit: unit.modules)
+        self._finalize_order = [unit for _, call in by_call for unit in reversed(list(call))]
         self.settings = settings if settings is not None else ScheduleSettings()
         self.events = self.settings.events  # shared with its units
         strays = [unit.name for unit in units if unit.events is not self.events]
@@ -440,7 +445,7 @@ class Scheduler:
         # reductions over (FSDP2's are written to .grad as they complete).
         pre_backward_ran, self._pre_backward_ran = self._pre_backward_ran, False
         try:
-            for unit in reversed(self.units) if pre_backward_ran else ():
+            for unit in self._finalize_order if pre_backward_ran else ():
                 if (
                     unit.training_state is not TrainingState.POST_BACKWARD
                     and (
@@ -459,6 +464,12 @@ class Scheduler:
                             self._awaiting_finalize.append(unit)
                     else:
                         self.post_backward(unit, at_end=True)
+            for unit in self.units if pre_backward_ran and self.settings.is_last_backward else ():
+                if unit.gather_in_flight:
+                    # A backward prefetch whose unit's backward never ran: as FSDP2 does,
+                    # dropped; kept, the next forward would use it, gathered before the
+                    # optimizer step changed the parameters.
+                    self.memory.reshard(unit)
             if self.settings.is_last_backward and not manual:
                 self._complete_reductions()
                 self.manual_finalization = None
