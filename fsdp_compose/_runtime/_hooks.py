@@ -309,14 +309,19 @@ class UnitState:
                 for used in [*self.own_units, *self.borrowed]:
                     scheduler.memory.require(used)
                 args, kwargs = self._cast_inputs(args, kwargs)
-                # A unit recomputed before its own backward began, as by reentrant
-                # checkpointing (whose first forward ran without grad, hooking nothing),
-                # is hooked as in a forward, as by FSDP2: its backward inside the
-                # checkpoint's then reduces and reshards it there, not at the end of
-                # backward. (It stays gathered from the recomputation to that backward.)
-                # One whose pre-backward already ran (a non-reentrant checkpoint) is not.
+                # A unit recomputed where no pre-backward of it precedes, as by reentrant
+                # checkpointing (whose first forward ran without grad, hooking nothing;
+                # for a grouped unit, again for each module), is hooked as in a forward,
+                # as by FSDP2: its backward inside the checkpoint's then reduces and
+                # reshards it there, not at the end of backward. (It stays gathered from
+                # the recomputation to that backward.) A unit whose pre-backward has run
+                # (a non-reentrant checkpoint recomputes after it) is not.
                 unit = self.unit
-                if unit is None or unit.training_state is not TrainingState.IDLE or self.borrowed:
+                if (
+                    unit is None
+                    or self.borrowed
+                    or unit.training_state is TrainingState.PRE_BACKWARD
+                ):
                     return args, kwargs
                 for own in self.own_units:
                     own.enter(TrainingState.FORWARD)
@@ -372,9 +377,10 @@ class UnitState:
                 return self._cast_output(output)
             self._pending_modules.discard(module)
             if not self._pending_modules:  # (grouped units: every module of the group ran)
-                # (grouped units: the hook goes on the output of the group's last module)
-                if self.unit is not None or self.backward_prefetch or self.borrowed:
-                    output = self._register_pre_backward(output)
+                # (grouped units: the hook goes on the output of the group's last module;
+                # as in FSDP2, a state without parameters hooks its output too: a root's
+                # hook queues the end of backward on the outermost backward)
+                output = self._register_pre_backward(output)
                 for own in self.own_units:
                     scheduler.post_forward(own)
                 if self.borrowed:

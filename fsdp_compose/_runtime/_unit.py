@@ -101,11 +101,13 @@ class TrainingState(Enum):
 # runtime does not expect is reported at once, naming the unit (or root) and both
 # states, instead of surfacing later as a hang or a lost gradient. A unit may run
 # backward more than once per step (a module called twice in forward: PRE_BACKWARD
-# again after POST_BACKWARD), and finalization reaches units whose backward never
-# ran (IDLE -> POST_BACKWARD), or none (IDLE -> IDLE). The root's step adds manual
-# finalization: backward ends in AWAITING_FINALIZE (and forward passes that accumulate
-# more gradients return to it) while ``FSDPModule.finalize_backward`` has not run, and
-# an asynchronous finalize stays REDUCTION_PENDING until its handle is waited on.
+# again after POST_BACKWARD; a grouped unit's modules recomputed one by one inside
+# backward by reentrant checkpointing: FORWARD after POST_BACKWARD), and finalization
+# reaches units whose backward never ran (IDLE -> POST_BACKWARD), or none (IDLE ->
+# IDLE). The root's step adds manual finalization: backward ends in AWAITING_FINALIZE
+# (and forward passes that accumulate more gradients return to it) while
+# ``FSDPModule.finalize_backward`` has not run, and an asynchronous finalize stays
+# REDUCTION_PENDING until its handle is waited on.
 # ``Scheduler.reset`` (``reset_iter_state``) returns every state to IDLE from anywhere.
 _S = TrainingState
 # From each state, the states a unit may go to next; then those of the root's step.
@@ -113,7 +115,7 @@ UNIT_STEPS = {
     _S.IDLE: (_S.IDLE, _S.FORWARD, _S.PRE_BACKWARD, _S.POST_BACKWARD),
     _S.FORWARD: (_S.IDLE,),
     _S.PRE_BACKWARD: (_S.POST_BACKWARD, _S.IDLE),
-    _S.POST_BACKWARD: (_S.PRE_BACKWARD, _S.POST_BACKWARD, _S.IDLE),
+    _S.POST_BACKWARD: (_S.PRE_BACKWARD, _S.POST_BACKWARD, _S.IDLE, _S.FORWARD),
 }
 ROOT_STEPS = {
     _S.IDLE: (_S.IDLE, _S.FORWARD, _S.PRE_BACKWARD, _S.REDUCTION_PENDING),
