@@ -6,6 +6,7 @@ gloo ranks, each with both libraries from the same seed: a forward output left o
 the loss after a few steps (a unit whose output gets no gradient), a unit never
 called in forward, a unit whose output is detached (its backward never runs, its
 prefetch goes unused) and whose weight changes outside the optimizer between steps,
+two backward passes through one forward's graph (or ``torch.autograd.grad`` first),
 and activations passed between units inside a namedtuple, a dict or a (nested)
 dataclass, also in bf16 (hooks and casts must find the tensors inside containers:
 the dataclass cases are from torch's mixed-precision file). Per step the losses, the
@@ -117,6 +118,43 @@ def _detached_updated(shard: Callable[..., Any]) -> Any:
     return model, loss
 
 
+class _WithAuxiliary(nn.Module):
+    """Three blocks and a head, returning the output and the first block's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(DIM, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        first = x = self.blocks[0](x)
+        for block in self.blocks[1:]:
+            x = block(x)
+        return self.head(x), first
+
+
+def _several_backwards(shard: Callable[..., Any], first: str) -> Any:
+    """Each step runs a first backward through part (or all) of the forward's graph,
+    kept alive, before the step's loss is returned for the second."""
+    model = _WithAuxiliary()
+    for module in (*model.blocks, model):
+        shard(module)
+
+    def loss(x: torch.Tensor, step: int) -> torch.Tensor:
+        if first == "input gradient":
+            x = x.requires_grad_(True)
+        out, early = model(x)
+        main, auxiliary = out.sum(), early.pow(2).mean()
+        if first == "input gradient":
+            torch.autograd.grad(main, x, retain_graph=True)
+            return main
+        before, after = (main, auxiliary) if first == "main" else (auxiliary, main)
+        before.backward(retain_graph=True)
+        return after
+
+    return model, loss
+
+
 def _containers(shard: Callable[..., Any], kind: str, bf16: bool = False) -> Any:
     blocks = nn.Sequential(*[_InContainer(kind) for _ in range(3)])
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -144,6 +182,14 @@ SCENARIOS: list[tuple[str, Callable[..., Any], dict[str, Any]]] = [
     # The prefetch of the detached block is dropped at the end of backward, as by FSDP2:
     # the next forward gathers the parameters as they are then.
     ("detached output, updated between steps", _detached_updated, {}),
+    # A backward after the last one ended (retain_graph) prefetches nothing, as FSDP2's.
+    ("main loss's backward, then an auxiliary one's", _several_backwards, {"first": "main"}),
+    ("auxiliary loss's backward, then the main", _several_backwards, {"first": "auxiliary"}),
+    (
+        "torch.autograd.grad to the input, then backward",
+        _several_backwards,
+        {"first": "input gradient"},
+    ),
     ("namedtuple activations", _containers, {"kind": "namedtuple"}),
     ("dict activations", _containers, {"kind": "dict"}),
     ("dataclass activations", _containers, {"kind": "dataclass"}),

@@ -5,7 +5,10 @@ hooks report (``pre_forward`` ... ``finalize_backward``) into unit operations.
   units of the previous forward's order, so that they run (on gloo's threads, or an
   all-gather stream) while unit k computes. Backward walks the last complete
   forward's post-forward order in reverse, from its end at every backward pass
-  (pipeline microbatches, accumulation over graphs kept alive). A changed order
+  until the backwards of the forwards recorded so far have ended as last ones
+  (``set_is_last_backward(False)`` for pipeline microbatches); as in FSDP2, a
+  backward through the same graph after that (``retain_graph``) prefetches nothing
+  ([Note: backward prefetch]). A changed order
   (conditional modules) costs an unused prefetch, freed at the end of forward. A
   forward that starts inside the tree (a module run alone, as a chunked loss runs
   the head) prefetches nothing implicitly, as FSDP2 never does. Explicit lists
@@ -178,6 +181,10 @@ class Scheduler:
         self._post_forward_order: list[Unit] = []
         self._backward_order: list[Unit] = []  # the last forward's post-forward order
         self._backward_cursor = 0
+        # Forward passes (with grad) recorded since the backward order was last cleared:
+        # the order serves as many backward passes that end as a last one, then is
+        # cleared, as FSDP2 clears its post-forward order ([Note: backward prefetch]).
+        self._forwards_to_walk = 0
         self._reductions: list[PendingReduction] = []  # not yet handed to .grad
         self._scattering: list[PendingReduction] = []  # reduce-scatter not yet waited
         self.memory = RateLimiter(units, self.settings)  # every later shard-state change
@@ -295,6 +302,7 @@ class Scheduler:
                 self._reshard_after_forward(unit)  # shared units held for a later use
         if self._post_forward_order and not no_backward:
             self._backward_order = self._post_forward_order
+            self._forwards_to_walk += 1
         ran = set(self._forward_order)
         for unit in self.units:
             if unit.gather_in_flight and unit not in ran:
@@ -464,12 +472,24 @@ class Scheduler:
                             self._awaiting_finalize.append(unit)
                     else:
                         self.post_backward(unit, at_end=True)
-            for unit in self.units if pre_backward_ran and self.settings.is_last_backward else ():
-                if unit.gather_in_flight:
-                    # A backward prefetch whose unit's backward never ran: as FSDP2 does,
-                    # dropped; kept, the next forward would use it, gathered before the
-                    # optimizer step changed the parameters.
-                    self.memory.reshard(unit)
+            if pre_backward_ran and self.settings.is_last_backward:
+                # [Note: backward prefetch]
+                # FSDP2 clears its post-forward order when a last backward ends, so that
+                # a later backward through the same forward's graph (retain_graph: an
+                # auxiliary loss backpropagated after the main one, autograd.grad first)
+                # prefetches nothing, where a prefetch could be one no backward uses.
+                # Beyond FSDP2, the order is kept while forwards recorded before this
+                # backward still have theirs to run (several forwards, then their
+                # backwards: each such backward prefetches, where FSDP2's last does not).
+                self._forwards_to_walk -= 1
+                if self._forwards_to_walk <= 0:
+                    self._backward_order, self._forwards_to_walk = [], 0
+                for unit in self.units:
+                    if unit.gather_in_flight:
+                        # A backward prefetch whose unit's backward never ran: as FSDP2
+                        # does, dropped; kept, the next forward would use it, gathered
+                        # before the optimizer step changed the parameters.
+                        self.memory.reshard(unit)
             if self.settings.is_last_backward and not manual:
                 self._complete_reductions()
                 self.manual_finalization = None
@@ -564,5 +584,6 @@ class Scheduler:
         self.training_state = TrainingState.IDLE  # from any state: this is the recovery path
         self._pre_backward_ran = False
         self._forward_order, self._post_forward_order = [], []
+        self._backward_order, self._forwards_to_walk = [], 0
         self.manual_finalization, self._awaiting_finalize = None, []
         self.resets += 1
