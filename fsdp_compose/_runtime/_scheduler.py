@@ -472,7 +472,7 @@ class Scheduler:
                             self._awaiting_finalize.append(unit)
                     else:
                         self.post_backward(unit, at_end=True)
-            if pre_backward_ran and self.settings.is_last_backward:
+            if pre_backward_ran:
                 # [Note: backward prefetch]
                 # FSDP2 clears its post-forward order when a last backward ends, so that
                 # a later backward through the same forward's graph (retain_graph: an
@@ -480,10 +480,12 @@ class Scheduler:
                 # prefetches nothing, where a prefetch could be one no backward uses.
                 # Beyond FSDP2, the order is kept while forwards recorded before this
                 # backward still have theirs to run (several forwards, then their
-                # backwards: each such backward prefetches, where FSDP2's last does not).
-                self._forwards_to_walk -= 1
-                if self._forwards_to_walk <= 0:
-                    self._backward_order, self._forwards_to_walk = [], 0
+                # backwards: each such backward prefetches, where FSDP2's last does not;
+                # pipeline microbatches, not last but the last, count down to it).
+                self._forwards_to_walk = max(self._forwards_to_walk - 1, 0)
+            if pre_backward_ran and self.settings.is_last_backward:
+                if not self._forwards_to_walk:
+                    self._backward_order = []
                 for unit in self.units:
                     if unit.gather_in_flight:
                         # A backward prefetch whose unit's backward never ran: as FSDP2
