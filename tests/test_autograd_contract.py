@@ -6,10 +6,11 @@ gloo ranks, each with both libraries from the same seed: a forward output left o
 the loss after a few steps (a unit whose output gets no gradient), a unit never
 called in forward, a unit whose output is detached (its backward never runs, its
 prefetch goes unused) and whose weight changes outside the optimizer between steps,
-two backward passes through one forward's graph (or ``torch.autograd.grad`` first),
-and activations passed between units inside a namedtuple, a dict or a (nested)
-dataclass, also in bf16 (hooks and casts must find the tensors inside containers:
-the dataclass cases are from torch's mixed-precision file). Per step the losses, the
+two backward passes through one forward's graph (or ``torch.autograd.grad`` first;
+or a third after two microbatches' backwards), and activations passed between units
+inside a namedtuple, a dict or a (nested) dataclass, also in bf16 (hooks and casts
+must find the tensors inside containers: the dataclass cases are from torch's
+mixed-precision file). Per step the losses, the
 sizes of the all-gathers and reduce-scatters in issue order (counted by replacing
 ``torch.distributed``'s functions, as torch's tests do) and, at the end, the
 parameters are bit-identical to FSDP2's.
@@ -145,6 +146,13 @@ def _several_backwards(shard: Callable[..., Any], first: str) -> Any:
             x = x.requires_grad_(True)
         out, early = model(x)
         main, auxiliary = out.sum(), early.pow(2).mean()
+        if first == "microbatches":  # two forwards, then their backwards, the last last
+            later = model(x.flip(0))[0].sum()
+            model.set_is_last_backward(False)  # type: ignore[operator]
+            main.backward()
+            model.set_is_last_backward(True)  # type: ignore[operator]
+            later.backward(retain_graph=True)
+            return later  # a third backward, through the last forward's graph
         if first == "input gradient":
             torch.autograd.grad(main, x, retain_graph=True)
             return main
@@ -189,6 +197,11 @@ SCENARIOS: list[tuple[str, Callable[..., Any], dict[str, Any]]] = [
         "torch.autograd.grad to the input, then backward",
         _several_backwards,
         {"first": "input gradient"},
+    ),
+    (
+        "two microbatches, then a backward after the last",
+        _several_backwards,
+        {"first": "microbatches"},
     ),
     ("namedtuple activations", _containers, {"kind": "namedtuple"}),
     ("dict activations", _containers, {"kind": "dict"}),
