@@ -8,11 +8,11 @@ hooks report (``pre_forward`` ... ``finalize_backward``) into unit operations.
   until the backwards of the forwards recorded so far have ended as last ones
   (``set_is_last_backward(False)`` for pipeline microbatches); as in FSDP2, a
   backward through the same graph after that (``retain_graph``) prefetches nothing
-  ([Note: backward prefetch]). A changed order
-  (conditional modules) costs an unused prefetch, freed at the end of forward. A
-  forward that starts inside the tree (a module run alone, as a chunked loss runs
-  the head) prefetches nothing implicitly, as FSDP2 never does. Explicit lists
-  (``set_modules_to_forward_prefetch``) replace the implicit choice.
+  ([Note: backward prefetch]). A changed order (conditional modules) costs an unused
+  prefetch, freed at the end of forward. A forward that starts inside the tree (a
+  module run alone, as a chunked loss runs the head) prefetches nothing implicitly,
+  as FSDP2 never does. Explicit lists (``set_modules_to_forward_prefetch``) replace
+  the implicit choice.
 * **Rate limiter.** ``max_unsharded_bytes`` bounds the unsharded parameter bytes
   allocated or in flight: a prefetch waits for a unit to free its parameters; a
   unit needed *now* is always gathered.
@@ -483,15 +483,15 @@ class Scheduler:
                 # backwards: each such backward prefetches, where FSDP2's last does not;
                 # pipeline microbatches, not last but the last, count down to it).
                 self._forwards_to_walk = max(self._forwards_to_walk - 1, 0)
-            if pre_backward_ran and self.settings.is_last_backward:
-                if not self._forwards_to_walk:
-                    self._backward_order = []
-                for unit in self.units:
-                    if unit.gather_in_flight:
-                        # A backward prefetch whose unit's backward never ran: as FSDP2
-                        # does, dropped; kept, the next forward would use it, gathered
-                        # before the optimizer step changed the parameters.
-                        self.memory.reshard(unit)
+                if self.settings.is_last_backward:
+                    if not self._forwards_to_walk:
+                        self._backward_order = []
+                    for unit in self.units:
+                        if unit.gather_in_flight:
+                            # A backward prefetch whose unit's backward never ran: as
+                            # FSDP2 does, dropped; kept, the next forward would use it,
+                            # gathered before the optimizer step changed the parameters.
+                            self.memory.reshard(unit)
             if self.settings.is_last_backward and not manual:
                 self._complete_reductions()
                 self.manual_finalization = None
