@@ -13,6 +13,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem, _get_registry
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DeviceMesh, DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -126,6 +127,25 @@ def without_functorch(method: Callable[_P, _R]) -> Callable[_P, _R]:
         return method(*args, **kwargs)
 
     return run
+
+
+# [Note: torch's composable-API registry]
+# torch's composable APIs (FSDP2's fully_shard, replicate, checkpoint) record
+# themselves by name in a registry on each module they are applied to, and each reads
+# the others' entries: replicate leaves the parameters of modules marked
+# "fully_shard" to it (and refuses such a module), and FSDP2's fully_shard does not
+# enter a subtree marked "replicate". fsdp_compose's fully_shard reads and writes the
+# registry as FSDP2's does, so that the two compose as with FSDP2.
+
+
+def replicated_by_torch(module: torch.nn.Module) -> bool:
+    """Whether torch's composable ``replicate`` manages ``module`` (its subtree)."""
+    return "replicate" in (_get_registry(module) or ())
+
+
+def register_fully_shard(module: torch.nn.Module) -> None:
+    """Marks ``module`` as managed by ``fully_shard`` in torch's registry."""
+    module.__dict__.setdefault(REGISTRY_KEY, {}).setdefault("fully_shard", RegistryItem())
 
 
 def inside_backward() -> bool:

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, Shard
 
-from . import _ownership, _shared
+from . import _compat, _ownership, _shared
 from ._errors import FSDPValueError
 from ._events import Annotation, Events, Observer
 from ._fsdp_module import FSDPModule, fsdp_class_of
@@ -206,6 +206,7 @@ def fully_shard(
     replaced = [(p, sp, unit_of[id(sp)]) for p, sp in zip(owners, sharded)]
     _shared.install(state, replaced, borrowed)
     for m in modules:
+        _compat.register_fully_shard(m)
         m.__class__ = fsdp_class_of(type(m))
     return module
 
@@ -353,6 +354,8 @@ def _managed_modules(modules: tuple[nn.Module, ...]) -> list[nn.Module]:
     managed: dict[nn.Module, None] = {}  # in pre-order
 
     def visit(m: nn.Module) -> None:
+        if _compat.replicated_by_torch(m):  # as FSDP2 ([Note: torch's composable-API registry])
+            return
         managed[m] = None
         for child in m.children():
             if child not in managed and state_of(child) is None:
