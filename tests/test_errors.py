@@ -4,6 +4,7 @@ the type torch's FSDP2 raises for the same input."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -242,7 +243,35 @@ def _spmd_refusal_cases() -> dict:
         "spmd_reshard_int": lambda fs: fs(
             spmd_linear(), mesh=mesh, dp_mesh_dims=dims, reshard_after_forward=2
         ),
+        "spmd_other_mesh": lambda fs: fs(
+            spmd_linear(),
+            mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "cp")),
+            dp_mesh_dims=dims,
+        ),
+        "spmd_sharded_on_dp": lambda fs: fs(
+            _distributed(nn.Linear(4, 4), mesh, [Shard(0), Replicate()]),
+            mesh=mesh,
+            dp_mesh_dims=dims,
+        ),
     }
+
+
+def _distributed(m: nn.Module, mesh: Any, placements: list) -> nn.Module:
+    from torch.distributed.tensor import distribute_tensor
+
+    for name, p in list(m.named_parameters()):
+        setattr(m, name, nn.Parameter(distribute_tensor(p.detach(), mesh, placements)))
+    return m
+
+
+# What torch's test_fully_shard_dtensor.py looks for in FSDP2's message (assertRaisesRegex).
+_FSDP2_MESSAGES = {
+    "spmd_plain_param": "must be DTensors",
+    "spmd_unknown_dim": "not found in mesh.mesh_dim_names",
+    "spmd_reshard_int": "reshard_after_forward as int",
+    "spmd_other_mesh": "same mesh",
+    "spmd_sharded_on_dp": "Expected Replicate",
+}
 
 
 def _non_contiguous() -> nn.Linear:
@@ -277,6 +306,9 @@ def _exception_types_job() -> dict:
             type(ours).__name__ if ours is not None else None,
             theirs is not None and isinstance(ours, type(theirs)),
         )
+        if name in _FSDP2_MESSAGES:
+            found = [re.search(_FSDP2_MESSAGES[name], str(e)) is not None for e in caught]
+            out[name] += (found == [True, True], str(ours))
     return out
 
 
@@ -284,7 +316,9 @@ def test_refusals_raise_fsdp2_exception_types() -> None:
     # Each refusal is made by torch's FSDP2 and by fsdp_compose on the same input:
     # fsdp_compose's exception must be an instance of FSDP2's type.
     for r in run_distributed(_exception_types_job, 2):
-        for name, (theirs, ours, ok) in r.items():
+        for name, (theirs, ours, ok, *message) in r.items():
+            if message:  # torch's tests match FSDP2's message: fsdp_compose's matches too
+                assert message[0], f"{name}: {_FSDP2_MESSAGES[name]!r} not in {message[1]!r}"
             if (name, theirs, ours) == ("not_a_shard", "AttributeError", "ValueError"):
                 # torch 2.11's FSDP2 fails reading Replicate().dim; 2.13+ raise ValueError
                 assert not TORCH_HAS_PLACEMENT_RESULT

@@ -16,7 +16,7 @@ from helpers import fake_process_group
 from torch.distributed import fsdp as torch_fsdp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp._fully_shard import _fsdp_common
-from torch.distributed.tensor import Replicate, distribute_tensor
+from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
 
 from fsdp_compose import DataParallelMeshDims, fully_shard
 
@@ -51,6 +51,20 @@ def test_dp_mesh_shared_by_units_and_released_with_the_model() -> None:
         gc.collect()
         assert dp_mesh() is None, "the mesh cache keeps a dropped model's mesh alive"
         assert len(_compat._spmd_meshes) == 0
+
+
+def test_a_second_model_on_an_equal_mesh() -> None:
+    # torch's DTensor may hand the second model's parameters the first, equal mesh
+    # object (its spec caches): FSDP2 2.13, which compares mesh objects, refuses the
+    # second fully_shard; fsdp_compose compares meshes by value and accepts it.
+    dims = DataParallelMeshDims(shard="dp")
+    with fake_process_group(4, 1):
+        for _ in range(2):
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+            distribute_module(model, mesh)
+            fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+            assert all(p.device_mesh == mesh for p in model.parameters())
 
 
 def _max_diff(model: nn.Module, ref: nn.Module, *, grads: bool = False) -> float:

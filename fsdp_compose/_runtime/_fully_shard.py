@@ -158,8 +158,8 @@ def fully_shard(
         mesh_info = resolve_spmd_mesh_info(mesh, dp_mesh_dims)
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
             raise NotImplementedError(
-                "reshard_after_forward as an int is not supported with dp_mesh_dims (as in "
-                "FSDP2); pass True or False"
+                "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims), "
+                "as in FSDP2; pass True or False"
             )
     reshard = validate_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
 

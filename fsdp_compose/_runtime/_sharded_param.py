@@ -446,17 +446,20 @@ def _tp_spec(param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_info
             f"{mesh_info.mesh.device_type!r}: use one device type for both."
         )
     if spmd is not None:
+        # (FSDP2 compares the objects; but torch's DTensor may give a parameter an equal
+        # mesh object made earlier, from its caches, so that a second model in a process
+        # is refused: equal meshes are accepted)
         if mesh != spmd.mesh:
             raise ValueError(
-                f"parameter {name} is a DTensor on mesh {mesh}, but with dp_mesh_dims it "
-                f"must be on the mesh passed to fully_shard ({spmd.mesh})"
+                f"Expected param's DTensor mesh to be the same mesh passed to fully_shard, but "
+                f"{name} is on {mesh}, not {spmd.mesh}: distribute it on the mesh passed"
             )
         dim_names = mesh.mesh_dim_names or ()
         for i in spmd.dp_dims:
             if not isinstance(param.placements[i], Replicate):
                 raise ValueError(
-                    f"parameter {name}: expected Replicate() on data-parallel mesh dim "
-                    f"{dim_names[i]!r} (index {i}) but got {param.placements[i]}"
+                    f"Expected Replicate() on data-parallel mesh dim {dim_names[i]!r} (index "
+                    f"{i}) for parameter {name} but got {param.placements[i]}"
                 )
         model_dims = [i for i in range(mesh.ndim) if i not in spmd.dp_dims]
     for i in model_dims:
