@@ -2,13 +2,17 @@
 ``fully_shard`` imported from fsdp_compose and torch left unpatched: accelerate
 (``Accelerator.prepare``'s ``isinstance(model, FSDPModule)`` check,
 ``clip_grad_norm_``, ``get_state_dict``, ``save_state``/``load_state`` through
-``save_fsdp_model``/``load_fsdp_model``) and transformers (``save_pretrained`` of a
-full state dict gathered by ``get_model_state_dict``, then ``from_pretrained``).
+``save_fsdp_model``/``load_fsdp_model``), transformers (``save_pretrained`` of a
+full state dict gathered by ``get_model_state_dict``, then ``from_pretrained``) and
+Lightning Fabric's ``ModelParallelStrategy`` (a ``parallelize_fn`` that calls
+``fully_shard`` on the strategy's data-parallel mesh, meta-device init,
+``no_backward_sync``, ``clip_gradients``, DCP ``save``/``load``): the same losses,
+norms and parameters as with torch's ``fully_shard``, to the bit.
 
 accelerate selects FSDP only on accelerators (``MULTI_GPU`` and the like); on CPU
 gloo the job sets its state's ``distributed_type`` to ``FSDP`` with an FSDP2
 plugin, which is what ``Accelerator(fsdp_plugin=...)`` does on a GPU machine.
-Skipped when accelerate or transformers is not installed."""
+Each is skipped when its library is not installed."""
 
 from __future__ import annotations
 
@@ -164,3 +168,93 @@ def test_transformers_save_pretrained_of_sharded_model() -> None:
         for r in run_distributed(_transformers_job, WORLD, save_dir):
             assert r["ours"] == r["torch"] == 0.0, r
             assert r["ours_keys"] and r["torch_keys"], r
+
+
+class _FabricNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _fabric_run(shard, ckpt: str) -> dict:  # type: ignore[no-untyped-def]
+    """Lightning Fabric's FSDP2 path: three steps of two micro-batches (the first
+    without gradient sync), clipping, a DCP checkpoint, a fresh model loading it."""
+    import lightning as L
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    rank, world = rank_world()
+
+    def parallelize(model: nn.Module, mesh) -> nn.Module:  # type: ignore[no-untyped-def]
+        for layer in model.layers:
+            shard(layer, mesh=mesh["data_parallel"])
+        return shard(model, mesh=mesh["data_parallel"])
+
+    strategy = ModelParallelStrategy(parallelize, data_parallel_size=world, tensor_parallel_size=1)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()  # (the ranks are already running: the environment says so)
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True):  # on meta, materialized by fabric.setup
+        model = fabric.setup(_FabricNet())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    inputs = torch.Generator().manual_seed(rank)
+    out: dict = {"losses": []}
+    for _ in range(3):
+        for micro in range(2):
+            with fabric.no_backward_sync(model, enabled=micro == 0):
+                loss = model(torch.randn(4, 8, generator=inputs)).pow(2).mean()
+                fabric.backward(loss)
+            out["losses"].append(loss.item())
+        out["norm"] = fabric.clip_gradients(model, optimizer, max_norm=0.5).item()
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.save(ckpt, {"model": model, "optimizer": optimizer, "step": 3})
+    out["params"] = [full(p).tolist() for p in model.parameters()]
+    with fabric.init_module(empty_init=True):
+        restored = fabric.setup(_FabricNet())
+    restored_optimizer = fabric.setup_optimizers(torch.optim.AdamW(restored.parameters(), lr=1e-2))
+    state = {"model": restored, "optimizer": restored_optimizer, "step": 0}
+    fabric.load(ckpt, state)
+    out["restored"] = [full(p).tolist() for p in restored.parameters()] == out["params"]
+    out["step"] = state["step"]
+    loss = restored(torch.randn(4, 8, generator=inputs)).pow(2).mean()
+    fabric.backward(loss)
+    restored_optimizer.step()
+    out["after_load"] = [loss.item(), *(full(p).tolist() for p in restored.parameters())]
+    return out
+
+
+def _fabric_job(ckpt_dir: str) -> dict:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    rank, world = rank_world()
+    launch = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+    launch.update(LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
+    launch.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # (the group exists already)
+    saved = {k: os.environ.get(k) for k in launch}
+    os.environ.update(launch)  # as torchrun sets it: Fabric takes the ranks as launched
+    try:
+        return {
+            name: _fabric_run(shard, os.path.join(ckpt_dir, name))
+            for name, shard in (("ours", fully_shard), ("torch", torch_fully_shard))
+        }
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_lightning_fabric_model_parallel_strategy() -> None:
+    pytest.importorskip("lightning")
+    with tempfile.TemporaryDirectory() as ckpt_dir:
+        for r in run_distributed(_fabric_job, WORLD, ckpt_dir, timeout=240):
+            ours, theirs = r["ours"], r["torch"]
+            assert ours == theirs, (ours["losses"], theirs["losses"])
+            assert ours["restored"] and ours["step"] == 3, ours
