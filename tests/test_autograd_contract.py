@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from dist_utils import run_distributed
-from helpers import against_fsdp2, collectives_by_size
+from helpers import against_fsdp2, collectives_by_size, fake_process_group
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 DIM = 24
@@ -408,3 +408,37 @@ def test_chunked_head_after_a_partial_group_forward_as_fsdp2() -> None:
             assert losses == fsdp2[0], (variant, losses, fsdp2[0])
             assert sizes == fsdp2[1], (variant, sizes, fsdp2[1])
             assert all(torch.equal(a, b) for a, b in zip(params, fsdp2[2])), variant
+
+
+class _ReturnsView(nn.Module):
+    def __init__(self, view: bool) -> None:
+        super().__init__()
+        self.lin, self.view = nn.Linear(4, 4), view
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        return out.view(-1) if self.view else out
+
+
+def test_a_unit_returning_a_view_warns_as_fsdp2() -> None:
+    """FSDP2 warns when a unit's output is a view (an in-place op on it would drop the
+    pre-backward hook); fsdp_compose warns for the same outputs, and only for them."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_compose import fully_shard
+
+    with fake_process_group(2, 0):
+        for view in (True, False):
+            seen = []
+            for shard in (torch_fully_shard, fully_shard):
+                model = _ReturnsView(view)
+                shard(model)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+                seen.append([str(w.message) for w in caught if "returned a view" in str(w.message)])
+            assert [len(s) for s in seen] == ([1, 1] if view else [0, 0]), seen
+            if view:
+                assert "_ReturnsView" in seen[1][0] and "clone()" in seen[1][0], seen

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -453,6 +454,15 @@ class UnitState:
         if not torch.is_grad_enabled():
             return output
         for tensor in _grad_tensors(output, []):
+            if tensor._base is not None:  # as FSDP2 warns
+                names = ", ".join(type(m).__name__ for m in self.modules)
+                warnings.warn(
+                    f"fully_shard module ({names}) returned a view tensor: an in-place op on "
+                    "it (x += y) drops its pre-backward hook (backward may fail or give wrong "
+                    "gradients); use out-of-place ops (out = out + y) or .clone() it first.",
+                    UserWarning,
+                    stacklevel=2,
+                )
             tensor.register_hook(self._pre_backward)
         return output
 
