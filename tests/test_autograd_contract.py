@@ -273,6 +273,35 @@ def test_jvp_through_a_unit_as_fsdp2() -> None:
         assert r["fsdp_compose"] == r["fsdp2"] == (torch.bfloat16, True, True), r
 
 
+def _jvp_backward_job() -> dict:
+    """Backward through the outputs of torch.func.jvp over units that reshard after
+    forward: inside the transform the outputs say they need no gradient, yet the
+    autograd outside runs through them, so their backward must gather the units again
+    (FSDP2 marks such outputs for its pre-backward)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_compose import fully_shard
+
+    out = {}
+    for name, shard in (("fsdp2", torch_fully_shard), ("fsdp_compose", fully_shard)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+        shard(model[0])
+        shard(model[2])
+        shard(model)
+        x, tangent = torch.randn(2, 8, requires_grad=True), torch.randn(2, 8)
+        for _ in range(2):
+            output, tangent_out = torch.func.jvp(model, (x,), (tangent,))
+            (output.sum() + tangent_out.sum()).backward()
+        out[name] = [p.grad.full_tensor() for p in model.parameters()] + [x.grad]
+    return out
+
+
+def test_backward_through_jvp_outputs_as_fsdp2() -> None:
+    for r in run_distributed(_jvp_backward_job, 2):
+        assert all(torch.equal(a, b) for a, b in zip(r["fsdp_compose"], r["fsdp2"])), r
+
+
 class _ChunkedHead(nn.Module):
     """torch's chunked-loss model: the forward may skip the head (tied to the
     embedding), which the loss then calls on each chunk of the hidden states."""

@@ -120,6 +120,33 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+class _PreBackward(torch.autograd.Function):
+    """Identity on an output that, inside a torch.func transform, says it needs no
+    gradient though the autograd outside the transform runs through it (the primal
+    output of ``jvp``): its backward runs the state's pre-backward, as FSDP2's
+    ``RegisterPreBackwardFunction`` does, so the units are gathered again."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(state: UnitState, output: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return output
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.state = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+        ctx.state._pre_backward(grad)
+        return None, grad
+
+    @staticmethod
+    def jvp(ctx: Any, _: Any, tangent: torch.Tensor | None) -> Any:  # type: ignore[override]
+        # (the tangent keeps the mark, so that its backward gathers the units too)
+        return None if tangent is None else _PreBackward.apply(ctx.state, tangent)
+
+
 class UnitState:
     """Runtime state of one fully_shard call on ``modules``: its ``units`` (one per
     data-parallel mesh, none if it manages no parameters), ``mp_policy`` (casts), and
@@ -464,7 +491,13 @@ class UnitState:
                     stacklevel=2,
                 )
             tensor.register_hook(self._pre_backward)
+        if torch._C._are_functorch_transforms_active():  # see _PreBackward
+            return _apply_to_tensors(self._mark_for_pre_backward, output)
         return output
+
+    def _mark_for_pre_backward(self, t: torch.Tensor) -> torch.Tensor:
+        unmarked = not t.requires_grad and (t.is_floating_point() or t.is_complex())
+        return _PreBackward.apply(self, t) if unmarked else t
 
     @torch._disable_dynamo
     def _pre_backward(self, grad: torch.Tensor) -> None:
