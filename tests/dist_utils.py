@@ -7,6 +7,8 @@ module-level function ``fn(*args)`` on every rank (inside an initialised gloo
 process group) and returns the per-rank results. Every job has a deadline: a job
 that hangs or a rank that dies fails the test with each rank's traceback, and the
 pool is torn down and rebuilt for the next test (its process group may be broken).
+``run_distributed`` runs a job whose rank process died once more, on a fresh pool
+([Note: a rank that dies]).
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ class JobFailed(AssertionError):
     """A distributed job raised on some rank (message holds every rank's error)."""
 
 
+class RankDied(JobFailed):
+    """A rank's process ended without reporting: a crash, not an exception."""
+
+
 class DistPool:
     """``world_size`` spawned ranks sharing a gloo process group."""
 
@@ -140,7 +146,8 @@ class DistPool:
         if errors:
             self.close()
             detail = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
-            raise JobFailed(f"{what} failed on ranks {sorted(errors)}:\n{detail}")
+            died = any(e.startswith(("rank process exited", "rank process died")) for e in errors.values())
+            raise (RankDied if died else JobFailed)(f"{what} failed on ranks {sorted(errors)}:\n{detail}")
         return results
 
     def run(
@@ -187,11 +194,32 @@ def get_pool(world_size: int, pg_timeout: float = _PG_TIMEOUT_S) -> DistPool:
     return pool
 
 
+# [Note: a rank that dies]
+# About one full-suite run in six on a 2-core machine, a rank process dies inside a
+# gloo collective (in torch's DTensor.full_tensor each time seen; dmesg showed a
+# segfault in gloo's pt_gloo_runloop thread, in glibc's malloc: heap corruption), in a
+# different test each time, each of which passed when run again. The cause is not
+# found; an instrumented run of the suite found no fsdp_compose storage freed while a
+# collective could still touch it. run_distributed runs such a job once more on a
+# fresh pool, with a warning: a crash that happens twice fails the test, and any
+# exception on a rank fails it at once. Tests that kill a rank on purpose call
+# DistPool.run, which never retries.
+
+
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any
 ) -> list[Any]:
-    """Runs ``fn`` on ``world_size`` gloo ranks (see :class:`DistPool`)."""
-    return get_pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
+    """Runs ``fn`` on ``world_size`` gloo ranks (see :class:`DistPool`), once more on a
+    fresh pool if a rank's process dies ([Note: a rank that dies])."""
+    pool = get_pool(world_size)
+    try:
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
+    except RankDied as exc:
+        import warnings
+
+        first_line = str(exc).splitlines()[0]
+        warnings.warn(f"{first_line} (a rank process died); ran it once more", RuntimeWarning)
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
 
 
 def _run_script(path: str, argv: list[str], env: dict[str, str], log: str) -> None:

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from dist_utils import JobFailed, get_pool, run_distributed
+from dist_utils import JobFailed, RankDied, get_pool, run_distributed
 from gpt import GPT, GPTConfig, loss_fn, make_batch
 from helpers import local_slice, rank_world, tensor_diff
 from models import TINY_GPT
@@ -378,3 +378,26 @@ def test_bit_identical_repeat_runs() -> None:
         assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"])), [
             tensor_diff(p, q) for p, q in zip(a["params"], b["params"]) if not torch.equal(p, q)
         ]
+
+
+def _dies(mark: str, times: int) -> int:
+    """Rank 0's process dies the first ``times`` runs (counted in the file ``mark``)."""
+    import torch.distributed as dist
+
+    runs = len(open(mark).read()) if os.path.exists(mark) else 0
+    if dist.get_rank() == 0 and runs < times:
+        with open(mark, "a") as f:
+            f.write("x")
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    return dist.get_rank()
+
+
+def test_a_job_whose_rank_dies_runs_once_more_and_twice_fails(tmp_path) -> None:
+    """The test harness's answer to a crashed rank ([Note: a rank that dies] in
+    tests/dist_utils.py): one more run on a fresh pool, with a warning; a second
+    crash fails the test."""
+    with pytest.warns(RuntimeWarning, match="ran it once more"):
+        assert run_distributed(_dies, 2, str(tmp_path / "once"), 1, timeout=60) == [0, 1]
+    with pytest.raises(RankDied), pytest.warns(RuntimeWarning):
+        run_distributed(_dies, 2, str(tmp_path / "twice"), 2, timeout=60)
