@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -119,6 +120,7 @@ class DistPool:
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
         errors: dict[int, str] = {}
+        died = False  # a rank's process ended without reporting
         while pending:
             for rank in sorted(pending):
                 conn = self._conns[rank]
@@ -126,7 +128,7 @@ class DistPool:
                     try:
                         status, value = conn.recv()
                     except EOFError:
-                        status, value = "error", "rank process exited unexpectedly"
+                        status, value, died = "error", "rank process exited unexpectedly", True
                     pending.discard(rank)
                     if status == "error":
                         errors[rank] = value
@@ -135,6 +137,7 @@ class DistPool:
                 elif not self._procs[rank].is_alive():
                     pending.discard(rank)
                     errors[rank] = f"rank process died (exit code {self._procs[rank].exitcode})"
+                    died = True
             if errors and pending:
                 # Other ranks may be stuck in a collective with the failed one; give
                 # them a moment to fail on their own, then stop waiting.
@@ -146,7 +149,6 @@ class DistPool:
         if errors:
             self.close()
             detail = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
-            died = any(e.startswith(("rank process exited", "rank process died")) for e in errors.values())
             raise (RankDied if died else JobFailed)(f"{what} failed on ranks {sorted(errors)}:\n{detail}")
         return results
 
@@ -215,8 +217,6 @@ def run_distributed(
     try:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
     except RankDied as exc:
-        import warnings
-
         first_line = str(exc).splitlines()[0]
         warnings.warn(f"{first_line} (a rank process died); ran it once more", RuntimeWarning)
         return pool.run(fn, *args, timeout=timeout, **kwargs)

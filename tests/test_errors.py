@@ -218,22 +218,15 @@ def _refusal_cases(shard) -> dict:
 def _spmd_refusal_cases() -> dict:
     """Refusals of ``dp_mesh_dims`` (a full (dp, tp) mesh of 2 x 1 ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Replicate
 
     from fsdp_compose import DataParallelMeshDims
 
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
     dims = DataParallelMeshDims(shard="dp")
 
-    def spmd_linear() -> nn.Linear:
-        m = nn.Linear(4, 4)
-        for name, p in list(m.named_parameters()):
-            setattr(
-                m,
-                name,
-                nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate(), Replicate()])),
-            )
-        return m
+    def spmd_linear() -> nn.Module:
+        return _distributed(nn.Linear(4, 4), mesh, [Replicate(), Replicate()])
 
     return {
         "spmd_plain_param": lambda fs: fs(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=dims),
@@ -257,6 +250,7 @@ def _spmd_refusal_cases() -> dict:
 
 
 def _distributed(m: nn.Module, mesh: Any, placements: list) -> nn.Module:
+    """``m`` with each parameter a DTensor on ``mesh`` with ``placements``."""
     from torch.distributed.tensor import distribute_tensor
 
     for name, p in list(m.named_parameters()):

@@ -16,9 +16,11 @@ Each is skipped when its library is not installed."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -39,12 +41,24 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-def _accelerate_env(rank: int, world: int) -> dict[str, str | None]:
+@contextlib.contextmanager
+def _launch_env(**extra: str) -> Iterator[None]:
+    """This rank's launch as torchrun describes it in the environment, where the
+    clients read it (the process group exists already: the port is never used);
+    the environment is restored afterwards."""
+    rank, world = rank_world()
     values = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
-    values.update(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    values.update(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1", **extra)
     saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)  # accelerate reads the launch from the environment
-    return saved
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _accelerate_job(ckpt_dir: str) -> dict:
@@ -52,9 +66,8 @@ def _accelerate_job(ckpt_dir: str) -> dict:
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
-    rank, world = rank_world()
-    saved = _accelerate_env(rank, world)
-    try:
+    with _launch_env(), contextlib.ExitStack() as cleanup:
+        cleanup.callback(AcceleratorState._reset_state, reset_partial_state=True)
         accelerator = Accelerator(cpu=True)
         # What Accelerator(fsdp_plugin=...) sets on a GPU machine (see the module doc).
         PartialState().distributed_type = DistributedType.FSDP
@@ -63,13 +76,6 @@ def _accelerate_job(ckpt_dir: str) -> dict:
             fsdp_version=2, state_dict_type="SHARDED_STATE_DICT"
         )
         return _accelerate_steps(accelerator, ckpt_dir)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _accelerate_steps(accelerator, ckpt_dir: str) -> dict:  # type: ignore[no-untyped-def]
@@ -232,23 +238,11 @@ def _fabric_run(shard, ckpt: str) -> dict:  # type: ignore[no-untyped-def]
 def _fabric_job(ckpt_dir: str) -> dict:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    rank, world = rank_world()
-    launch = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
-    launch.update(LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
-    launch.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # (the group exists already)
-    saved = {k: os.environ.get(k) for k in launch}
-    os.environ.update(launch)  # as torchrun sets it: Fabric takes the ranks as launched
-    try:
+    with _launch_env(NODE_RANK="0"):  # Fabric then takes the ranks as launched
         return {
             name: _fabric_run(shard, os.path.join(ckpt_dir, name))
             for name, shard in (("ours", fully_shard), ("torch", torch_fully_shard))
         }
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_lightning_fabric_model_parallel_strategy() -> None:
